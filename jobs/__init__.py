@@ -1,0 +1,1 @@
+"""Job specs, models, data and the training runner."""

@@ -1,0 +1,1 @@
+"""The training service: REST API, durable queue, workers, dashboard."""
