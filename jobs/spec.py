@@ -7,7 +7,6 @@ span sections are the ``_check_*`` methods of ``JobSpec`` and are all reported t
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,11 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from jobs.paths import confine
+from offload import parse_bytes
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class Section(BaseModel):
@@ -183,16 +180,6 @@ class TrainingSpec(Section):
         return self
 
 
-def parse_bytes(value: int | str) -> int:
-    """``8GiB`` / ``512MB`` / ``1000`` to a number of bytes."""
-    if isinstance(value, int):
-        return value
-    match = _BYTES.match(value)
-    if not match:
-        raise ValueError(f"'{value}' is not a size; write bytes or e.g. '8GiB', '512MB'")
-    return int(float(match[1]) * _UNITS[(match[2] or "B").lower()])
-
-
 class OffloadSpec(Section):
     """The seed's three flags plus the engine's options (see offload.OffloadOptions)."""
 
@@ -206,8 +193,8 @@ class OffloadSpec(Section):
     @field_validator("gpu_memory_budget")
     @classmethod
     def _check_budget(cls, value: int | str | None) -> int | str | None:
-        if value is not None and parse_bytes(value) <= 0:
-            raise ValueError("must be a positive size")
+        if value is not None and not parse_bytes(value, name="offload.gpu_memory_budget"):
+            raise ValueError("must be a positive size, e.g. '8GiB'")
         return value
 
     @model_validator(mode="after")
