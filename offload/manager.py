@@ -71,9 +71,11 @@ class OffloadTrainingManager:
         self.arena = self._make_arena(plans)
         self._offloaders: dict[int, TensorOffloader] = {}
         self.units = [self._make_unit(plan) for plan in plans]
+        self._mark_statistics_buffers(model)
         self._router = SavedTensorRouter(self._offloaders)
         self._handles: list[RemovableHandle] = []
         self._attach(plans)
+        self._stats.start_step()
         log.info("offloading %s", self)
 
     # ----------------------------------------------------------------- setup
@@ -112,6 +114,14 @@ class OffloadTrainingManager:
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.arena.allocate(tensor.shape, tensor.dtype)
+
+    def _mark_statistics_buffers(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._NormBase):
+                for buffer in module.buffers(recurse=False):
+                    offloader = self._offloaders.get(id(buffer))
+                    if isinstance(offloader, BufferOffloader):
+                        offloader.updated_by = module
 
     def _attach(self, plans: list[UnitPlan]) -> None:
         for plan, unit in zip(plans, self.units):

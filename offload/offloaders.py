@@ -110,6 +110,12 @@ class BufferOffloader(StaticParamOffloader):
 
     kind = "buffer"
 
+    def __init__(self, name: str, tensor: torch.Tensor, copies: CopyEngine, host: torch.Tensor) -> None:
+        super().__init__(name, tensor, copies, host)
+        # Normalization kernels update running statistics without bumping the version counter; for those
+        # buffers the owner's training flag says whether a forward may have changed them.
+        self.updated_by: torch.nn.Module | None = None
+
     def onload(self) -> None:
         super().onload()
         self._version_at_onload = self.tensor._version
@@ -117,7 +123,8 @@ class BufferOffloader(StaticParamOffloader):
     def offload(self) -> None:
         if self.device_copy is None:
             return
-        if self.tensor._version != self._version_at_onload:
+        changed = self.tensor._version != self._version_at_onload
+        if changed or (self.updated_by is not None and self.updated_by.training):
             self.copies.to_host(self.device_copy, self.host)
         super().offload()
 

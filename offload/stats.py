@@ -71,6 +71,10 @@ class StatsCounter:
     def drop(self, nbytes: int) -> None:
         self.device_bytes -= nbytes
 
+    def start_step(self) -> None:
+        """Count from here (e.g. after setup moved trainable weights once)."""
+        self._step_start = (self.h2d_bytes, self.d2h_bytes)
+
     def end_step(self, h2d_seconds: float = 0.0, d2h_seconds: float = 0.0) -> None:
         """Close a step: remember what it moved and how fast (seconds of copy time measured by the caller)."""
         h2d = self.h2d_bytes - self._step_start[0]
