@@ -14,7 +14,6 @@ from torch import nn
 
 from jobs.checkpoint import CheckpointInfo, latest_valid_checkpoint
 from jobs.data import BatchSource, build_data
-from jobs.lora import apply_lora
 from jobs.models import LossFn, build_model, enable_gradient_checkpointing
 from jobs.optim import build_optimizer, build_scheduler
 from jobs.spec import JobSpec
@@ -75,6 +74,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     if training.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if spec.lora is not None:
+        from jobs.lora import apply_lora  # peft is slow to import; only LoRA jobs need it
+
         model = apply_lora(model, spec.lora, causal_lm=spec.model.kind == "hf_causal_lm")
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
