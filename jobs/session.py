@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from dataclasses import dataclass
@@ -126,12 +127,11 @@ def close_session(session: TrainingSession | None) -> None:
     """Detach the engine and free device memory, so the next job in this process starts clean."""
     if session is not None and session.manager is not None:
         session.manager.remove()
-    if session is not None:
-        session.accelerator.free_memory()
     from accelerate.state import AcceleratorState, GradientState
 
     # Accelerate keeps process-wide state; a later job may ask for a different mixed precision.
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     if torch.cuda.is_available():
+        gc.collect()  # hooks and closures form reference cycles that can hold device tensors
         torch.cuda.empty_cache()

@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from jobs import PathRoots
 from tests.jobs.helpers import write_corpus
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_cpu_thread() -> None:
+    """Tiny models run faster on one thread, and the suite shares a small CPU with other work."""
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -108,7 +108,8 @@ def test_resume_after_sigkill(tmp_path: Path) -> None:
     data = merged(TOY, checkpoint={"every_steps": 5})
     run(data, tmp_path / "straight")
     script = f"""
-import os, signal, yaml
+import os, signal, torch
+torch.set_num_threads(1)
 from jobs import load_job_spec, run_job
 def report(event):
     if event["type"] == "checkpoint" and event["step"] == 5:
