@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import jobs.runner
-from jobs.data import build_data
 from jobs import JobOutcome, OutOfMemoryHint, PathRoots, list_checkpoints, run_job
+from jobs.data import build_data
 from tests.jobs.helpers import TINY_LM, TOY, assert_same_weights, final_weights, merged, spec_from
 
 STEP_KEYS = {"type", "step", "total_steps", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "eta_s",
