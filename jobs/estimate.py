@@ -145,7 +145,9 @@ def _activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     e = 2 if half else 4
     if spec.model.kind == "toy_mlp":
         n, h, layers = training.batch_size, spec.model.hidden_size, spec.model.num_layers
-        return n * h * (e * (3 * layers + 2) + 4 * 3)  # per layer: norm in/out, residual; loss in float32
+        # Saved per layer: the norm's input and output (the Linear's input); the residual sum is the next
+        # layer's input. Then the prediction, target and difference of the float32 loss.
+        return n * h * (e * (2 * layers + 1) + 4 * 3)
     h, i, layers, vocab, per_layer = _lm_dims(spec, model)
     n = training.batch_size * spec.data.seq_len
     layer = n * (per_layer[0] * h + per_layer[1] * i) * e
