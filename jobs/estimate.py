@@ -106,7 +106,8 @@ def _lora_bytes(model: nn.Module, spec: JobSpec) -> int:
     total = 0
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if weight is not None and weight.dim() == 2 and any(lora_target_matches(name, t) for t in spec.lora.target_modules):
+        targeted = any(lora_target_matches(name, target) for target in spec.lora.target_modules)
+        if targeted and weight is not None and weight.dim() == 2:
             total += spec.lora.rank * sum(weight.shape) * _LORA_BYTES
     return total
 
@@ -178,7 +179,7 @@ def _pinned_bytes(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
         flat = getattr(plan, "flat", False) and len(new) > 1
         if flat:
             sizes.append(sum(_align(n) for n in nbytes))
-        for tensor, n in zip(new, nbytes):
+        for tensor, n in zip(new, nbytes, strict=True):
             trainable = isinstance(tensor, nn.Parameter) and grads_on_host
             sizes += ([] if flat else [n]) + ([n] if trainable else [])
     if spec.lora is not None and spec.offload.enable_optimizer_cpu_offload:

@@ -80,8 +80,9 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
         elif error["type"] == "union_tag_invalid":
             expected = [t.strip(" '") for t in error["ctx"]["expected_tags"].split(",")]
             tag = str(error["ctx"]["tag"])
-            problems.append(SpecProblem(".".join((*path, "kind")), f"unknown kind '{tag}' (one of: {', '.join(expected)})",
-                                        _line((*path, "kind"), lines), _closest(tag, expected)))
+            message = f"unknown kind '{tag}' (one of: {', '.join(expected)})"
+            problems.append(SpecProblem(".".join((*path, "kind")), message, _line((*path, "kind"), lines),
+                                        _closest(tag, expected)))
         else:
             message = error["msg"].removeprefix("Value error, ")
             problems.append(SpecProblem(".".join(path), message, _line(path, lines)))

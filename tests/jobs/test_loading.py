@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from jobs import JobSpecError, PathRoots, load_job_spec
 from jobs.loading import job_spec_schema
@@ -119,7 +120,8 @@ def test_paths_escaping_roots_are_refused(roots: PathRoots, tmp_path) -> None:
     outside.mkdir()
     (roots.data_roots[0] / "link").symlink_to(outside)
     for path in ("../outside", str(outside), "link", "missing"):
-        text = f"name: t\nmodel: {{kind: transformer_lm}}\ndata: {{kind: text, path: '{path}'}}\ntraining: {{steps: 1}}\n"
+        text = (f"name: t\nmodel: {{kind: transformer_lm}}\ndata: {{kind: text, path: '{path}'}}\n"
+                "training: {steps: 1}\n")
         problems = problems_of(text, roots)
         assert "data.path" in problems, path
     spec = load_job_spec(text.replace("missing", "corpus"), roots=roots)
@@ -128,7 +130,7 @@ def test_paths_escaping_roots_are_refused(roots: PathRoots, tmp_path) -> None:
 
 def test_spec_is_frozen() -> None:
     spec = spec_from(TOY)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         spec.training.steps = 5  # type: ignore[misc]
 
 
