@@ -107,6 +107,12 @@ def test_unknown_top_level_key_and_bad_yaml() -> None:
     assert "a job spec is a YAML mapping" in problems_of("- 1\n")[""][2]
 
 
+def test_duplicate_keys_are_refused() -> None:
+    text = "name: t\nmodel: {kind: toy_mlp}\ndata: {kind: synthetic_regression}\ntraining:\n  steps: 1\n  steps: 2\n"
+    assert problems_of(text)["training.steps"][:1] == (6,)
+    assert "duplicate key (first on line 5)" in problems_of(text)["training.steps"][2]
+
+
 def test_gpu_memory_budget_sizes() -> None:
     data = {**TOY, "offload": {"enable_model_cpu_offload": True, "gpu_memory_budget": "8GiB"}}
     assert spec_from(data).offload.gpu_memory_budget == "8GiB"
