@@ -33,7 +33,7 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
     Example:
         >>> spec = load_job_spec(open("configs/cpu_smoke.yaml").read())
         >>> spec.training.steps
-        20
+        30
     """
     try:
         data = yaml.safe_load(text)
