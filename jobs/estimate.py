@@ -130,14 +130,18 @@ def _plans(model: nn.Module, spec: JobSpec) -> list:
 
 
 def _streaming_window(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
-    """Device bytes of the units in flight: the one computing, ``prefetch`` ahead, one being released."""
+    """Device bytes of the units in flight, following the engine's schedule over its units in forward order:
+    the unit computing plus ``prefetch`` units ahead (the largest such run), plus the last unit of forward,
+    which the engine keeps for the start of backward."""
     units = [sum(t.numel() * t.element_size() for _, t in plan.tensors if id(t) in streamed)
              for plan in _plans(model, spec)]
-    largest = max(units, default=0)
-    in_flight = 2 + spec.offload.prefetch
+    units = [u for u in units if u] or [0]
+    run = spec.offload.prefetch + 1
+    window = max(sum(units[i:i + run]) for i in range(len(units)))
+    kept = units[-1] if spec.offload.prefetch > 0 else 0
     # Under full fine-tuning with optimizer offload a unit's gradients sit on the device until copied out.
-    grads = largest if spec.lora is None and spec.offload.enable_optimizer_cpu_offload else 0
-    return in_flight * largest + grads
+    grads = max(units) if spec.lora is None and spec.offload.enable_optimizer_cpu_offload else 0
+    return window + kept + grads
 
 
 def _activation_bytes(spec: JobSpec, model: nn.Module) -> int:
@@ -153,7 +157,9 @@ def _activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     n = training.batch_size * spec.data.seq_len
     layer = n * (per_layer[0] * h + per_layer[1] * i) * e
     kept = layers * n * h * e + layer if training.gradient_checkpointing else layers * layer
-    logits = n * vocab * (e + 12)  # logits, their float32 copy, log-softmax, and its gradient
+    # logits, their float32 copy and log-softmax at the loss; in backward the float32 copy is gone before
+    # the log-softmax gradient is made
+    logits = n * vocab * (e + 8)
     return kept + layer + logits + 4 * n * h * e  # + one layer of backward temporaries, embeddings, final norm
 
 

@@ -234,7 +234,9 @@ def test_offload_on_cuda_matches_plain_training(tmp_path: Path, offload: dict) -
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
     steps = [e for e in offloaded if e["type"] == "step"]
     assert steps[-1]["offload"]["h2d_bytes"] > 0 and steps[-1]["device_peak_bytes"] > 0
-    assert steps[-1]["pinned_bytes"] > 0
+    # Host copies exist only for what streams: with every toy weight trainable and the optimizer on the
+    # device, model offload alone keeps the weights on the device and pins nothing.
+    assert (steps[-1]["pinned_bytes"] > 0) == offload.get("enable_optimizer_cpu_offload", False)
 
 
 @pytest.mark.gpu
