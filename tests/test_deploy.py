@@ -1,0 +1,59 @@
+"""The Dockerfile and docker-compose.yml stay consistent with the project (no Docker engine runs in CI)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+README = (ROOT / "README.md").read_text()
+
+
+def service() -> dict:
+    return COMPOSE["services"]["ferry"]
+
+
+def test_compose_parses_and_asks_for_all_gpus_a_volume_and_a_restart_policy() -> None:
+    devices = service()["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert "ferry-data:/data" in service()["volumes"] and "ferry-data" in COMPOSE["volumes"]
+    assert service()["restart"] == "unless-stopped"
+    assert service()["build"] == "."
+
+
+def test_compose_requires_the_api_token() -> None:
+    token = service()["environment"]["FERRY_API_TOKEN"]
+    assert re.fullmatch(r"\$\{FERRY_API_TOKEN:\?.+\}", token), token
+
+
+def test_dockerfile_installs_as_the_readme_does() -> None:
+    installs = re.findall(r"pip install (-e \S+)", DOCKERFILE)
+    assert installs == ["-e ."]
+    assert "pip install -e ." in README
+
+
+def test_dockerfile_runs_the_service_as_a_non_root_user_with_a_data_volume() -> None:
+    assert 'ENTRYPOINT ["python", "-m", "service"]' in DOCKERFILE
+    assert re.search(r"^USER ferry$", DOCKERFILE, flags=re.M)
+    assert 'VOLUME ["/data"]' in DOCKERFILE and "FERRY_DATA_DIR=/data" in DOCKERFILE
+    # Dependencies are installed before the sources are copied, so code changes reuse that layer.
+    assert DOCKERFILE.index("pip install -e .") < DOCKERFILE.index("COPY service/")
+
+
+def test_port_and_health_path_exist_in_the_app(tmp_path: Path) -> None:
+    from service.app import create_app
+    from service.settings import Settings
+
+    exposed = re.search(r"^EXPOSE (\d+)$", DOCKERFILE, flags=re.M).group(1)
+    assert f"FERRY_PORT={exposed}" in DOCKERFILE
+    assert service()["ports"] == [f"${{FERRY_PORT:-8000}}:{exposed}"]
+    assert Settings().port == int(exposed)
+    health = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", DOCKERFILE)
+    assert health.group(1) == exposed
+    assert health.group(2) in service()["healthcheck"]["test"][-1]
+    paths = {getattr(route, "path", None) for route in create_app(Settings(data_dir=tmp_path)).routes}
+    assert health.group(2) in paths
