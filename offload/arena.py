@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 ALIGNMENT = 64
 MIN_CHUNK_BYTES = 1 << 16
-MAX_CHUNK_BYTES = 1 << 30
+MAX_CHUNK_BYTES = 1 << 31
 
 
 def _align(nbytes: int) -> int:
@@ -31,12 +31,17 @@ def _prev_pow2(n: int) -> int:
 
 
 def plan_chunk_size(needed: int, remaining: int) -> int:
-    """Size of the next chunk: the largest power of two the remaining bytes fill, never below ``needed``."""
+    """Size of the next chunk: a power of two no larger than the remaining bytes fill (never below
+    ``needed``), chosen so that allocations of ``needed`` bytes leave the least of it unused. Small tensors
+    fill any chunk, so they get the largest; a 400 MB block span gets a 2 GiB chunk (5 spans, 2% unused)
+    rather than a 512 MB one (22% unused)."""
+    smallest = _next_pow2(needed)
     if remaining >= MIN_CHUNK_BYTES:
-        size = min(_prev_pow2(remaining), MAX_CHUNK_BYTES)
+        largest = max(smallest, min(_prev_pow2(remaining), MAX_CHUNK_BYTES))
     else:
-        size = _next_pow2(max(remaining, ALIGNMENT))
-    return max(size, _next_pow2(needed))
+        largest = max(smallest, _next_pow2(max(remaining, ALIGNMENT)))
+    candidates = [smallest << k for k in range((largest // smallest).bit_length())]
+    return min(candidates, key=lambda size: ((size % needed) / size, -size))
 
 
 class _Chunk:
