@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -33,7 +34,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     data_dir: Path = Path("ferry-data")
-    api_token: str | None = None
+    api_token: SecretStr | None = None  # kept out of reprs and logs
 
     # "auto": one worker per visible GPU, or `cpu_workers` CPU workers when there is none.
     # "cpu": CPU workers only. "0,1": exactly those GPU indices.
@@ -71,6 +72,13 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        if not re.fullmatch(r"\s*(auto|cpu|\d+(\s*,\s*\d+)*)\s*", value, flags=re.IGNORECASE):
+            raise ValueError(f"FERRY_DEVICES={value!r} is not understood; use 'auto', 'cpu' or GPU indices like '0,1'")
+        return value
+
     @model_validator(mode="after")
     def _check_executor(self) -> "Settings":
         if self.executor != "local":
@@ -87,3 +95,13 @@ class Settings(BaseSettings):
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
+
+    @property
+    def effective_model_roots(self) -> list[Path]:
+        """The configured model roots, or ``<data_dir>/models`` when none is."""
+        return self.model_roots or [self.data_dir / "models"]
+
+    @property
+    def effective_data_roots(self) -> list[Path]:
+        """The configured data roots, or ``<data_dir>/datasets`` when none is."""
+        return self.data_roots or [self.data_dir / "datasets"]

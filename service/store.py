@@ -147,10 +147,15 @@ class JobStore:
         """Queue a paused, interrupted or failed job again; it continues from its last checkpoint."""
         return self.transition(job_id, JobStatus.QUEUED, reason="resumed by user")
 
-    def requeue_interrupted(self, job_id: str, *, max_retries: int) -> JobRecord:
-        """An interrupted job goes back to the queue while retries remain, else it fails."""
+    def requeue_interrupted(self, job_id: str, *, max_retries: int, count_retry: bool = True) -> JobRecord:
+        """An interrupted job goes back to the queue while retries remain, else it fails.
+
+        ``count_retry=False`` for an orderly server shutdown, which is no fault of the job's.
+        """
         with self.db.transaction() as conn:
             job = self._get(conn, job_id)
+            if not count_retry:
+                return self._transition(conn, job_id, JobStatus.QUEUED, reason="requeued after a server shutdown")
             if job.retries >= max_retries:
                 return self._transition(
                     conn, job_id, JobStatus.FAILED, reason="interrupted too often",
@@ -210,7 +215,8 @@ class JobStore:
             event_id = self._insert_event(conn, job_id, attempt, event)
             kind = event.get("type")
             if kind == "step":
-                conn.execute("UPDATE jobs SET progress_json = ? WHERE id = ?", (json.dumps(event), job_id))
+                latest = json.dumps({**event, "reported_at": time.time()})  # for the estimated finish time
+                conn.execute("UPDATE jobs SET progress_json = ? WHERE id = ?", (latest, job_id))
             elif kind == "checkpoint":
                 conn.execute("UPDATE jobs SET checkpoint_json = ? WHERE id = ?", (json.dumps(event), job_id))
             elif kind == "started" and event.get("total_steps") is not None:
