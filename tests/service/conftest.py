@@ -32,6 +32,7 @@ class Server:
         self.data_dir, self.port = data_dir, free_port()
         self.env = {**os.environ, "FERRY_HOST": "127.0.0.1", "FERRY_PORT": str(self.port),
                     "FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu", "FERRY_POLL_INTERVAL_S": "0.05",
+                    "FERRY_SHUTDOWN_GRACE_S": "5",
                     "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
                     **env}
         self.process: subprocess.Popen | None = None
@@ -96,7 +97,8 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server shared by the tests that do not need their own (starting one imports torch: seconds)."""
     root = tmp_path_factory.mktemp("ferry")
-    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_DATA_ROOTS": str(root / "datasets")})
+    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_DATA_ROOTS": str(root / "datasets"),
+                                    "FERRY_MAX_BODY_BYTES": "65536"})
     (root / "datasets").mkdir()
     server.start()
     yield server
