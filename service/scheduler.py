@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -48,6 +49,9 @@ class Scheduler:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ferry-scheduler", daemon=True)
         self.ready = threading.Event()  # set once recovery is done
+        # CPU jobs share the cores and leave one to the server, which must keep answering while they train.
+        cpu_slots = sum(slot.device is None for slot in slots) or 1
+        self._cpu_threads = max(1, ((os.cpu_count() or 2) - 1) // cpu_slots)
 
     def start(self) -> None:
         self._thread.start()
@@ -117,6 +121,7 @@ class Scheduler:
         return LaunchRequest(
             job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=job_dir / "output",
             device=slot.device, db_path=self.settings.db_path, log_path=job_dir / "job.log",
+            cpu_threads=self._cpu_threads if slot.device is None else None,
             model_roots=self.settings.effective_model_roots, data_roots=self.settings.effective_data_roots,
         )
 

@@ -20,6 +20,7 @@ class LaunchRequest:
     device: str | None  # GPU index to expose as CUDA_VISIBLE_DEVICES; None = CPU only
     db_path: Path  # where the process writes its events
     log_path: Path
+    cpu_threads: int | None = None  # torch threads for a CPU job; None = torch's default
     model_roots: list[Path] = field(default_factory=list)
     data_roots: list[Path] = field(default_factory=list)
 

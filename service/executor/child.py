@@ -22,6 +22,8 @@ def run_child(request: LaunchRequest, stop_flag: Any) -> None:
     """Run one attempt of a job; exit code 0 when it ended by itself (succeeded, paused, cancelled)."""
     # Pin the process to its GPU before anything can initialise CUDA; "" hides every GPU from a CPU job.
     os.environ["CUDA_VISIBLE_DEVICES"] = request.device if request.device is not None else ""
+    if request.cpu_threads is not None:  # read by torch when it starts its thread pools
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(request.cpu_threads)
     # Ctrl-C in the server's terminal reaches the whole process group; the server decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _log_to_file(request)
