@@ -30,6 +30,8 @@ def run_child(request: LaunchRequest, stop_flag: Any) -> None:
 
     from ..store import JobStore  # after the environment is set
 
+    log.info("job %s attempt %d starting in pid %d with CUDA_VISIBLE_DEVICES=%r", request.job_id,
+             request.attempt, os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
     store = JobStore(request.db_path)
     reporter = _Reporter(store, request)
     parent = os.getppid()
