@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .settings import Settings
@@ -61,9 +62,10 @@ def plan_slots(settings: Settings, gpus: list[GpuInfo]) -> list[Slot]:
 class GpuMonitor:
     """``query_gpus`` cached for a couple of seconds: /v1/workers and /metrics may be polled hard."""
 
-    def __init__(self, probe=query_gpus, ttl_s: float = 2.0) -> None:  # noqa: ANN001 - a callable
+    def __init__(self, probe: Callable[[], list[GpuInfo]] = query_gpus, ttl_s: float = 2.0) -> None:
         self._probe, self._ttl = probe, ttl_s
-        self._at, self._cached = 0.0, []  # type: float, list[GpuInfo]
+        self._at = 0.0
+        self._cached: list[GpuInfo] = []
 
     def gpus(self) -> list[GpuInfo]:
         if time.monotonic() - self._at > self._ttl:

@@ -21,6 +21,8 @@ log = logging.getLogger("ferry.job")
 def run_child(request: LaunchRequest, stop_flag: Any) -> None:
     """Run one attempt of a job; exit code 0 when it ended by itself (succeeded, paused, cancelled)."""
     # Pin the process to its GPU before anything can initialise CUDA; "" hides every GPU from a CPU job.
+    # PCI order makes the index mean the same GPU as in nvidia-smi, where the slots came from.
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = request.device if request.device is not None else ""
     if request.cpu_threads is not None:  # read by torch when it starts its thread pools
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(request.cpu_threads)
