@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 
@@ -30,7 +30,7 @@ class Running:
     handle: RunHandle
     stop_sent: str | None = None
     kill_at: float | None = None  # monotonic deadline after a cancel
-    shutting_down: bool = field(default=False)
+    shutting_down: bool = False
 
 
 class Scheduler:
@@ -78,12 +78,12 @@ class Scheduler:
             log.exception("recovery failed")
         self.ready.set()
         while not self._stopping.is_set():
+            self._wake.clear()  # before the tick, so a wake() during it is not lost
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - keep the queue running; the error is logged
                 log.exception("scheduler tick failed")
             self._wake.wait(self.settings.poll_interval_s)
-            self._wake.clear()
         self._shutdown_running()
 
     def tick(self) -> None:
