@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import platform
 import socket
@@ -116,8 +117,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def write_row(row: str) -> None:
-    header = ("| date (UTC) | machine | clients | seconds | requests | req/s | p50 ms | p99 ms | errors | "
-              "POST→first step s | job steps during load |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    header = ("| date (UTC) | machine | server HTTP stack | clients | seconds | requests | req/s | p50 ms | p99 ms | "
+              "errors | POST→first step s | job steps during load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     if START in text and END in text:
         before, rest = text.split(START, 1)
@@ -157,9 +158,12 @@ def main() -> None:
             process.wait(timeout=60)
         tmp.cleanup()
 
-    machine = f"{platform.machine()} {os.cpu_count()} CPUs"
+    machine = f"{platform.machine()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    # uvicorn takes httptools and uvloop when installed (pyproject lists them), else h11 and asyncio.
+    fast = all(importlib.util.find_spec(m) for m in ("httptools", "uvloop"))
+    stack = "httptools+uvloop" if fast else "h11+asyncio"
     p50, p99 = percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3
-    row = (f"| {datetime.now(timezone.utc):%Y-%m-%d %H:%M} | {machine} | {args.clients} | {args.seconds:g} | "
+    row = (f"| {datetime.now(timezone.utc):%Y-%m-%d %H:%M} | {machine} | {stack} | {args.clients} | {args.seconds:g} | "
            f"{len(latencies)} | {len(latencies) / args.seconds:.0f} | {p50:.1f} | {p99:.1f} | {errors} | "
            f"{to_first_step:.1f} | {step_after - step_before} |")
     print(row)

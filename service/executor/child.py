@@ -24,8 +24,9 @@ def run_child(request: LaunchRequest, stop_flag: Any) -> None:
     # PCI order makes the index mean the same GPU as in nvidia-smi, where the slots came from.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["CUDA_VISIBLE_DEVICES"] = request.device if request.device is not None else ""
-    if request.cpu_threads is not None:  # read by torch when it starts its thread pools
+    if request.cpu_threads is not None:  # a CPU job: read by torch when it starts its thread pools
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(request.cpu_threads)
+        os.nice(5)  # when cores are short, the API answering beats a CPU job's next step
     # Ctrl-C in the server's terminal reaches the whole process group; the server decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _log_to_file(request)
