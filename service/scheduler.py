@@ -9,8 +9,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import psutil
-
 from .devices import Slot
 from .executor import Executor, LaunchRequest, RunHandle
 from .records import JobRecord
@@ -180,10 +178,8 @@ class Scheduler:
     def recover(self) -> None:
         """Jobs marked running by an earlier server are interrupted and requeued (bounded retries)."""
         for job in self.store.jobs_with_status(JobStatus.RUNNING):
-            if _still_running(job):
-                # An orphan of the dead server pauses itself (it watches its parent); give it time to
-                # write its checkpoint, then make sure it is gone before anyone else writes that output.
-                _wait_then_kill(job.pid, self.settings.shutdown_grace_s)  # type: ignore[arg-type]
+            # Its process may outlive the dead server; it must be gone before anyone else writes that output.
+            self.executor.stop_orphan(job.pid, job.pid_started_at, grace_s=self.settings.shutdown_grace_s)
             self.store.transition(job.id, JobStatus.INTERRUPTED,
                                   reason=f"the server restarted and the job's process (pid {job.pid}) was gone")
         for job in self.store.jobs_with_status(JobStatus.INTERRUPTED):
@@ -213,24 +209,3 @@ class Scheduler:
             if code is not None:
                 del self.running[slot_id]
                 self._settle(run, code)
-
-
-def _still_running(job: JobRecord) -> bool:
-    if job.pid is None:
-        return False
-    try:
-        process = psutil.Process(job.pid)
-        # A pid is reused by the OS; the start time tells our process from a stranger.
-        return job.pid_started_at is not None and abs(process.create_time() - job.pid_started_at) < 1.0
-    except psutil.Error:
-        return False
-
-
-def _wait_then_kill(pid: int, grace_s: float) -> None:
-    try:
-        process = psutil.Process(pid)
-        process.wait(timeout=grace_s)
-    except psutil.TimeoutExpired:
-        process.kill()
-    except psutil.Error:
-        pass

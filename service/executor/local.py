@@ -63,3 +63,26 @@ class LocalProcessExecutor:
         )
         process.start()
         return LocalProcessHandle(process, stop_flag)
+
+    def stop_orphan(self, pid: int | None, started_at: float | None, *, grace_s: float) -> None:
+        # An orphan pauses itself when its parent dies (it watches getppid), so it usually leaves on its own.
+        process = _same_process(pid, started_at)
+        if process is None:
+            return
+        try:
+            process.wait(timeout=grace_s)
+        except psutil.TimeoutExpired:
+            process.kill()
+        except psutil.Error:
+            pass
+
+
+def _same_process(pid: int | None, started_at: float | None) -> psutil.Process | None:
+    """The process ``pid`` if it is the one that started at ``started_at``: the OS reuses pids."""
+    if pid is None or started_at is None:
+        return None
+    try:
+        process = psutil.Process(pid)
+        return process if abs(process.create_time() - started_at) < 1.0 else None
+    except psutil.Error:
+        return None
