@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import psutil
-
 import pytest
 
 from service.devices import Slot
