@@ -69,12 +69,20 @@ def first_step_seconds(client: httpx.Client, job_id: str, posted_at: float) -> f
         events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
         steps = [e for e in events if e["type"] == "step"]
         if steps:
-            return datetime.fromisoformat(steps[0]["created_at"]).timestamp() - posted_at
+            at = {e["type"] if e["type"] != "status" else e["data"]["status"]: _time(e) for e in reversed(events)}
+            print(f"POST→running {at['running'] - posted_at:.2f} s, running→started (process start, imports, "
+                  f"model setup) {at['started'] - at['running']:.2f} s, started→first step "
+                  f"{at['step'] - at['started']:.2f} s")
+            return _time(steps[0]) - posted_at
         failed = [e for e in events if e["type"] == "failed"]
         if failed:
             raise SystemExit(f"the bench job failed: {failed[0]['data']}")
         time.sleep(0.05)
     raise SystemExit("the bench job never stepped")
+
+
+def _time(event: dict) -> float:
+    return datetime.fromisoformat(event["created_at"]).timestamp()
 
 
 async def poll(url: str, path: str, clients: int, seconds: float, headers: dict) -> tuple[list[float], int]:
