@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from .body_limit import BodyLimitMiddleware
 from .deps import require_token
-from .devices import GpuMonitor, plan_slots, query_gpus
+from .devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
 from .errors import install_error_handlers
 from .executor import Executor, LocalProcessExecutor
 from .routes import checkpoints, events, health, jobs, workers
@@ -36,7 +37,8 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = JobStore(settings.db_path)  # creates the data dir and schema on a fresh start
         slots = plan_slots(settings, gpu_monitor.gpus())
-        scheduler = Scheduler(store, executor or LocalProcessExecutor(), slots, settings)
+        runner = executor or _local_executor(settings, slots)
+        scheduler = Scheduler(store, runner, slots, settings)
         app.state.settings, app.state.store, app.state.scheduler = settings, store, scheduler
         app.state.gpu_monitor = gpu_monitor
         scheduler.start()
@@ -45,6 +47,7 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
             yield
         finally:
             scheduler.stop()  # running jobs checkpoint and go back to the queue
+            runner.close()
             store.close()
 
     app = FastAPI(title="Ferry", version="0.1.0", lifespan=lifespan,
@@ -61,6 +64,11 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
     app.add_api_route("/metrics", health.metrics, methods=["GET"], tags=["health"],
                       dependencies=[Depends(require_token)], response_class=health.PlainTextResponse)
     return app
+
+
+def _local_executor(settings: Settings, slots: list[Slot]) -> LocalProcessExecutor:
+    warm = [(slot.device, threads_for(slot, slots, os.cpu_count())) for slot in slots] if settings.warm_start else []
+    return LocalProcessExecutor(warm=warm)
 
 
 app = create_app()  # `uvicorn service.app:app`; settings from FERRY_* variables

@@ -71,3 +71,14 @@ class GpuMonitor:
         if time.monotonic() - self._at > self._ttl:
             self._cached, self._at = self._probe(), time.monotonic()
         return self._cached
+
+
+def cpu_threads_per_job(slots: list[Slot], cpu_count: int | None) -> int:
+    """Torch threads for each CPU job: the cores shared by the CPU slots, less one left to the server."""
+    cpu_slots = sum(slot.device is None for slot in slots) or 1
+    return max(1, ((cpu_count or 2) - 1) // cpu_slots)
+
+
+def threads_for(slot: Slot, slots: list[Slot], cpu_count: int | None) -> int | None:
+    """None for a GPU slot (torch's default), else `cpu_threads_per_job`."""
+    return None if slot.device is not None else cpu_threads_per_job(slots, cpu_count)

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .devices import Slot
+from .devices import Slot, threads_for
 from .executor import Executor, LaunchRequest, RunHandle
 from .records import JobRecord
 from .settings import Settings
@@ -47,9 +47,6 @@ class Scheduler:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ferry-scheduler", daemon=True)
         self.ready = threading.Event()  # set once recovery is done
-        # CPU jobs share the cores and leave one to the server, which must keep answering while they train.
-        cpu_slots = sum(slot.device is None for slot in slots) or 1
-        self._cpu_threads = max(1, ((os.cpu_count() or 2) - 1) // cpu_slots)
 
     def start(self) -> None:
         self._thread.start()
@@ -119,7 +116,8 @@ class Scheduler:
         return LaunchRequest(
             job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=job_dir / "output",
             device=slot.device, db_path=self.settings.db_path, log_path=job_dir / "job.log",
-            cpu_threads=self._cpu_threads if slot.device is None else None,
+            # CPU jobs share the cores and leave one to the server, which must keep answering.
+            cpu_threads=threads_for(slot, self.slots, os.cpu_count()),
             model_roots=self.settings.effective_model_roots, data_roots=self.settings.effective_data_roots,
         )
 

@@ -47,6 +47,9 @@ class Executor(Protocol):
     def launch(self, request: LaunchRequest) -> RunHandle:
         """Start the job and return at once."""
 
+    def close(self) -> None:
+        """Release what the executor holds between jobs (spare processes, connections)."""
+
     def stop_orphan(self, pid: int | None, started_at: float | None, *, grace_s: float) -> None:
         """At start-up: end a job's process left running by a previous server (``pid``/``started_at`` as
         its handle reported them), giving it ``grace_s`` to finish the checkpoint it is writing."""

@@ -43,6 +43,9 @@ class FakeExecutor:
         self.launched.append(FakeHandle(request))
         return self.launched[-1]
 
+    def close(self) -> None:
+        pass
+
     def stop_orphan(self, pid: int | None, started_at: float | None, *, grace_s: float) -> None:
         self.orphans_stopped.append(pid)
 
