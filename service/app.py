@@ -36,8 +36,11 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = JobStore(settings.db_path)  # creates the data dir and schema on a fresh start
-        slots = plan_slots(settings, gpu_monitor.gpus())
-        runner = executor or _local_executor(settings, slots)
+        if executor is None and settings.executor == "ray":
+            runner, slots = _ray_executor(settings)
+        else:
+            slots = plan_slots(settings, gpu_monitor.gpus())
+            runner = executor or _local_executor(settings, slots)
         scheduler = Scheduler(store, runner, slots, settings)
         app.state.settings, app.state.store, app.state.scheduler = settings, store, scheduler
         app.state.gpu_monitor = gpu_monitor
@@ -67,6 +70,23 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
 def _local_executor(settings: Settings, slots: list[Slot]) -> LocalProcessExecutor:
     warm = [(slot.device, threads_for(slot, slots, os.cpu_count())) for slot in slots] if settings.warm_start else []
     return LocalProcessExecutor(warm=warm)
+
+
+def _ray_executor(settings: Settings) -> tuple[Executor, list[Slot]]:
+    """Join the Ray cluster; one slot per job Ferry hands to it at once (its GPUs, unless told otherwise)."""
+    try:
+        from .executor.ray_executor import RayExecutor  # Ray is an optional extra, imported only when chosen
+    except ImportError as error:
+        raise RuntimeError(f"FERRY_EXECUTOR=ray needs Ray on this machine and every node: "
+                           f"pip install -e '.[ray]' ({error})") from error
+
+    runner = RayExecutor(address=settings.ray_address, db_path=settings.db_path,
+                         cpus_per_job=settings.ray_cpus_per_job)
+    count = settings.ray_max_jobs or runner.gpu_count() or settings.cpu_workers
+    if settings.shared_dir is None:
+        log.warning("FERRY_EXECUTOR=ray without FERRY_SHARED_DIR: job outputs go to %s, which only works when "
+                    "every Ray node sees that path", settings.data_dir.resolve())
+    return runner, [Slot(id=f"ray{n}", device=None) for n in range(count)]
 
 
 app = create_app()  # `uvicorn service.app:app`; settings from FERRY_* variables

@@ -168,6 +168,8 @@ class Scheduler:
             return JobStatus.PAUSED, "checkpointed and paused", {}
         if job.stop_request == "cancel" or run.stop_sent == "cancel":
             return JobStatus.CANCELLED, "cancelled by user", {}
+        if reason := run.handle.exit_reason():  # e.g. its Ray node was lost
+            return JobStatus.INTERRUPTED, f"the job ended without finishing: {reason}", {}
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return JobStatus.INTERRUPTED, f"the job's process {how} without finishing", {}
 

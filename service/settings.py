@@ -6,7 +6,7 @@ import ipaddress
 import re
 from pathlib import Path
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -40,7 +40,19 @@ class Settings(BaseSettings):
     # "cpu": CPU workers only. "0,1": exactly those GPU indices.
     devices: str = "auto"
     cpu_workers: int = Field(1, ge=1, le=64)
-    executor: str = "local"
+    # "local": spawned processes on this machine. "ray": Ray tasks on a cluster (`pip install -e '.[ray]'`).
+    executor: Literal["local", "ray"] = "local"
+    # Where the Ray cluster is: "auto" joins the one `ray start` runs on this machine; "10.0.0.1:6379" a remote
+    # head. None starts a private single-machine Ray instance (a trial without `ray start`).
+    ray_address: str | None = None
+    # How many jobs Ferry hands to Ray at once; None = the cluster's GPU count at start-up, or `cpu_workers`
+    # on a cluster without GPUs. A job beyond the free GPUs waits in Ray's queue, shown as running.
+    ray_max_jobs: int | None = Field(None, ge=1, le=1024)
+    ray_cpus_per_job: int = Field(1, ge=1, le=256)  # CPUs a CPU job asks Ray for (its torch threads)
+    # Job outputs (checkpoints, logs) and the default model/data roots. With the Ray executor this must be
+    # storage every node mounts at the same path (NFS, a cluster filesystem); None = data_dir. The SQLite
+    # queue stays in data_dir, on the service's own disk: events reach it through Ray, never over NFS.
+    shared_dir: Path | None = None
     # Keep one spawned process per worker with torch and `jobs` already imported, so a job starts in about
     # a second instead of the import time; costs one idle process's host memory per worker (no GPU memory).
     warm_start: bool = True
@@ -82,29 +94,28 @@ class Settings(BaseSettings):
             raise ValueError(f"FERRY_DEVICES={value!r} is not understood; use 'auto', 'cpu' or GPU indices like '0,1'")
         return value
 
-    @model_validator(mode="after")
-    def _check_executor(self) -> "Settings":
-        if self.executor != "local":
-            raise ValueError(f"FERRY_EXECUTOR={self.executor!r} is not known; use 'local'")
-        return self
-
     @property
     def db_path(self) -> Path:
         return self.data_dir / "ferry.sqlite3"
 
     @property
+    def storage_dir(self) -> Path:
+        """Where job outputs and the default roots live: ``shared_dir``, or ``data_dir`` when none is set."""
+        return self.shared_dir or self.data_dir
+
+    @property
     def jobs_dir(self) -> Path:
-        return self.data_dir / "jobs"
+        return self.storage_dir / "jobs"
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
 
     @property
     def effective_model_roots(self) -> list[Path]:
-        """The configured model roots, or ``<data_dir>/models`` when none is."""
-        return self.model_roots or [self.data_dir / "models"]
+        """The configured model roots, or ``<storage_dir>/models`` when none is."""
+        return self.model_roots or [self.storage_dir / "models"]
 
     @property
     def effective_data_roots(self) -> list[Path]:
-        """The configured data roots, or ``<data_dir>/datasets`` when none is."""
-        return self.data_roots or [self.data_dir / "datasets"]
+        """The configured data roots, or ``<storage_dir>/datasets`` when none is."""
+        return self.data_roots or [self.storage_dir / "datasets"]

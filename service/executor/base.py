@@ -34,6 +34,9 @@ class RunHandle(Protocol):
     def exit_code(self) -> int | None:
         """None while running; the exit code once it ended (negative: killed by that signal)."""
 
+    def exit_reason(self) -> str | None:
+        """Why it ended, when the exit code alone would mislead (a lost Ray node); None otherwise."""
+
     def request_stop(self, kind: StopKind) -> None:
         """Ask the job to stop at its next step: ``pause`` checkpoints first, ``cancel`` does not."""
 

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from multiprocessing.connection import Connection
+from collections.abc import Callable
 from typing import Any
 
 from .base import LaunchRequest
@@ -62,7 +63,6 @@ def _run_prepared(request: LaunchRequest, stop_flag: Any) -> None:
     log.info("job %s attempt %d starting in pid %d with CUDA_VISIBLE_DEVICES=%r", request.job_id,
              request.attempt, os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
     store = JobStore(request.db_path)
-    reporter = _Reporter(store, request)
     parent = os.getppid()
 
     def should_stop() -> str | None:
@@ -70,20 +70,31 @@ def _run_prepared(request: LaunchRequest, stop_flag: Any) -> None:
             return "pause"
         return {STOP_PAUSE: "pause", STOP_CANCEL: "cancel"}.get(stop_flag.value)
 
-    code = 0
-    try:
-        outcome = _run(request, reporter, should_stop)
-        reporter.finished(outcome.status, outcome.step)
-    except BaseException as error:  # noqa: BLE001 - every failure must reach the store before we die
-        log.exception("job %s failed", request.job_id)
-        reporter.failed(error)
-        code = 1
+    code = run_attempt(request, store, should_stop)
     store.close()
     logging.shutdown()
     sys.stdout.flush()
     # Everything is in the store and the log. Skip interpreter teardown, which can take seconds after
     # torch and friends; the slot is free as soon as this process is gone.
     os._exit(code)
+
+
+def run_attempt(request: LaunchRequest, sink: Any, should_stop: Callable[[], str | None]) -> int:
+    """Run one attempt, giving every event to ``sink.append_event(job_id, attempt, event)``.
+
+    Returns 0 when the job ended by itself (succeeded, paused, cancelled) and 1 when it raised; either way
+    its last event (``finished`` or ``failed``) has been given to ``sink``. The local child passes the
+    store; a Ray task passes a buffer the service drains.
+    """
+    reporter = _Reporter(sink, request)
+    try:
+        outcome = _run(request, reporter, should_stop)
+        reporter.finished(outcome.status, outcome.step)
+        return 0
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the store before we die
+        log.exception("job %s failed", request.job_id)
+        reporter.failed(error)
+        return 1
 
 
 def _run(request: LaunchRequest, reporter: "_Reporter", should_stop: Any) -> Any:
@@ -128,11 +139,13 @@ def _error_code(error: BaseException) -> str:
     return type(error).__name__
 
 
-def _log_to_file(request: LaunchRequest) -> None:
+def _log_to_file(request: LaunchRequest, *, capture_stdio: bool = True) -> None:
     request.log_path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(request.log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    if not capture_stdio:  # a Ray worker: its stdout already goes to Ray's own logs
+        return
     # Stray prints and tracebacks from libraries end up in the same file.
     stream = open(request.log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the process
     sys.stdout = sys.stderr = stream

@@ -32,6 +32,9 @@ class LocalProcessHandle:
     def exit_code(self) -> int | None:
         return self._process.exitcode
 
+    def exit_reason(self) -> str | None:
+        return None  # the exit code says it all
+
     def request_stop(self, kind: StopKind) -> None:
         self._stop_flag.value = STOP_CANCEL if kind == "cancel" else STOP_PAUSE
 

@@ -25,6 +25,9 @@ class FakeHandle:
     def exit_code(self) -> int | None:
         return self.code
 
+    def exit_reason(self) -> str | None:
+        return None
+
     def request_stop(self, kind: str) -> None:
         self.stops.append(kind)
 
