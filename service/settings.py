@@ -87,6 +87,13 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("executor", mode="before")
+    @classmethod
+    def _check_executor(cls, value: Any) -> Any:
+        if value not in ("local", "ray"):
+            raise ValueError(f"FERRY_EXECUTOR={value!r} is not known; use 'local' or 'ray'")
+        return value
+
     @field_validator("devices")
     @classmethod
     def _check_devices(cls, value: str) -> str:

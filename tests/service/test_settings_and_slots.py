@@ -1,9 +1,10 @@
-"""Settings, the refusal to serve a public address without a token, and worker slots per GPU."""
+"""Settings, the refusal to serve a public address without a token, worker slots per GPU, the executor."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -55,3 +56,26 @@ def test_one_slot_per_gpu_or_a_cpu_slot(devices: str, gpus: list[GpuInfo], expec
 def test_unknown_devices_setting_is_refused() -> None:
     with pytest.raises(ValidationError, match="FERRY_DEVICES='gpu' is not understood"):
         Settings(devices="gpu", _env_file=None)
+
+
+def test_executor_is_local_unless_ray_is_chosen() -> None:
+    assert Settings(_env_file=None).executor == "local"
+    assert Settings(executor="ray", ray_address="10.0.0.1:6379", _env_file=None).executor == "ray"
+    with pytest.raises(ValidationError, match="FERRY_EXECUTOR='k8s' is not known; use 'local' or 'ray'"):
+        Settings(executor="k8s", _env_file=None)
+
+
+def test_shared_dir_holds_job_outputs_and_default_roots_while_the_queue_stays_local() -> None:
+    settings = Settings(data_dir=Path("/var/ferry"), shared_dir=Path("/mnt/shared/ferry"), _env_file=None)
+    assert settings.db_path == Path("/var/ferry/ferry.sqlite3")
+    assert settings.job_dir("job-1") == Path("/mnt/shared/ferry/jobs/job-1")
+    assert settings.effective_data_roots == [Path("/mnt/shared/ferry/datasets")]
+    assert settings.effective_model_roots == [Path("/mnt/shared/ferry/models")]
+    assert Settings(data_dir=Path("/var/ferry"), _env_file=None).job_dir("job-1") == Path("/var/ferry/jobs/job-1")
+
+
+def test_the_service_imports_ray_only_when_the_ray_executor_is_chosen() -> None:
+    code = "import sys, service.app; assert 'ray' not in sys.modules, 'ray imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "FERRY_EXECUTOR": "local"})
+    assert result.returncode == 0, result.stderr[-2000:]
