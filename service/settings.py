@@ -48,7 +48,9 @@ class Settings(BaseSettings):
     # How many jobs Ferry hands to Ray at once; None = the cluster's GPU count at start-up, or `cpu_workers`
     # on a cluster without GPUs. A job beyond the free GPUs waits in Ray's queue, shown as running.
     ray_max_jobs: int | None = Field(None, ge=1, le=1024)
-    ray_cpus_per_job: int = Field(1, ge=1, le=256)  # CPUs a CPU job asks Ray for (its torch threads)
+    # CPUs every job asks Ray for; Ray sets OMP_NUM_THREADS to it, so they are the job's torch threads (a
+    # CPU-offloaded optimizer step runs on them). Each node needs at least this many CPUs.
+    ray_cpus_per_job: int = Field(4, ge=1, le=256)
     # Job outputs (checkpoints, logs) and the default model/data roots. With the Ray executor this must be
     # storage every node mounts at the same path (NFS, a cluster filesystem); None = data_dir. The SQLite
     # queue stays in data_dir, on the service's own disk: events reach it through Ray, never over NFS.

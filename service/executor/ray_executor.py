@@ -111,7 +111,7 @@ class RayRunHandle:
 
 
 class RayExecutor:
-    """Jobs as Ray actors: ``num_gpus=1`` for a CUDA job, ``cpus_per_job`` CPUs for a CPU job.
+    """Jobs as Ray actors: ``num_gpus=1`` for a CUDA job, and ``cpus_per_job`` CPUs for every job.
 
     The service is a Ray driver. Each attempt is a fresh actor (a fresh process, as CUDA wants) running
     the same ``jobs`` entry point as a local child; its outputs go to the job's directory, which must be on
@@ -124,7 +124,7 @@ class RayExecutor:
         handle.request_stop("pause")
     """
 
-    def __init__(self, *, address: str | None, db_path: Path, cpus_per_job: int = 1) -> None:
+    def __init__(self, *, address: str | None, db_path: Path, cpus_per_job: int = 4) -> None:
         if not ray.is_initialized():
             # No log_to_driver: each job writes its own log file; the service log stays the service's.
             ray.init(address=address, log_to_driver=False, include_dashboard=False if address is None else None,
@@ -139,7 +139,9 @@ class RayExecutor:
 
     def launch(self, request: LaunchRequest) -> RayRunHandle:
         wants_gpu = self._wants_gpu(request.spec_text)
-        resources = {"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_gpus": 0, "num_cpus": self._cpus_per_job}
+        # Ray sets OMP_NUM_THREADS to num_cpus, so a GPU job asks for CPUs too: a CPU-offloaded optimizer
+        # step runs on them.
+        resources = {"num_gpus": 1 if wants_gpu else 0, "num_cpus": self._cpus_per_job}
         actor = self._remote_job.options(
             **resources, max_concurrency=4, max_restarts=0, max_task_retries=0,
             name=f"ferry-{request.job_id}-{request.attempt}",

@@ -45,7 +45,8 @@ def ray_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
     root = tmp_path_factory.mktemp("ferry-ray")
     server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_EXECUTOR": "ray",
                                     "FERRY_RAY_ADDRESS": ray_address, "FERRY_SHARED_DIR": str(root / "shared"),
-                                    "FERRY_RAY_MAX_JOBS": "1", "FERRY_CANCEL_GRACE_S": "30"})
+                                    "FERRY_RAY_MAX_JOBS": "1", "FERRY_RAY_CPUS_PER_JOB": "1",
+                                    "FERRY_CANCEL_GRACE_S": "30"})
     server.start(timeout=90)
     yield server
     server.stop()
@@ -108,6 +109,23 @@ def test_cancel_reaches_the_ray_job(client: httpx.Client) -> None:
     # The job stopped itself between steps (the grace before a kill is 30 s): the request reached it.
     assert [e["data"] for e in events if e["type"] == "finished"][0]["status"] == "cancelled"
     assert events[-1]["data"]["reason"] == "the job cancelled"
+
+
+def test_pause_reaches_the_ray_job_which_resumes_from_its_checkpoint(client: httpx.Client) -> None:
+    job = submit(client, spec_yaml("ray-pause", steps=100_000, every=1000))
+    wait_for(client, job["id"], lambda j: j["progress"] is not None and j["progress"]["step"] >= 3, timeout=60)
+    assert client.post(f"/v1/jobs/{job['id']}/pause").status_code == 200
+    paused = wait_status(client, job["id"], "paused", "failed", timeout=30)
+    assert paused["status"] == "paused"
+    saved = paused["last_checkpoint"]["step"]
+    assert saved >= 3  # pause checkpoints at the step it stopped on, off the every_steps schedule
+
+    assert client.post(f"/v1/jobs/{job['id']}/resume").status_code == 200
+    wait_for(client, job["id"], lambda j: j["attempt"] == 2 and j["progress"]["step"] > saved, timeout=60)
+    client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert wait_status(client, job["id"], "cancelled", "failed", timeout=30)["status"] == "cancelled"
+    started = [e["data"]["resumed_from_step"] for e in all_events(client, job["id"]) if e["type"] == "started"]
+    assert started == [None, saved]
 
 
 def test_killed_ray_worker_interrupts_the_job_which_resumes_from_its_checkpoint(client: httpx.Client) -> None:
