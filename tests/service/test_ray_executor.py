@@ -148,3 +148,33 @@ def test_killed_ray_worker_interrupts_the_job_which_resumes_from_its_checkpoint(
     assert resumed_from[0] is None and resumed_from[1] >= max(saved_before_kill) >= 10
     steps_after = [e["data"]["step"] for e in events if e["type"] == "step" and e["attempt"] == 2]
     assert steps_after == list(range(resumed_from[1] + 1, 301))  # no step redone from 0
+
+
+def test_a_killed_server_takes_its_ray_jobs_down_and_the_next_server_resumes_them(
+    ray_server: Server, tmp_path: Path
+) -> None:
+    env = {key: ray_server.env[key] for key in ("FERRY_API_TOKEN", "FERRY_EXECUTOR", "FERRY_RAY_ADDRESS",
+                                                "FERRY_RAY_MAX_JOBS", "FERRY_RAY_CPUS_PER_JOB")}
+    env["FERRY_SHARED_DIR"] = str(tmp_path / "shared")
+    first = Server(tmp_path / "data", env)
+    first.start(timeout=90)
+    try:
+        with first.client() as client:
+            job_id = submit(client, spec_yaml("ray-crash", steps=300, every=10))["id"]
+            pid = ray_worker_pid(client, job_id)
+            wait_for(client, job_id, lambda j: j["last_checkpoint"] is not None, timeout=60)
+        first.kill()  # no shutdown code runs; Ray sees the job's owner gone and ends its actor
+        psutil.Process(pid).wait(timeout=30)
+    finally:
+        first.stop()
+
+    second = Server(tmp_path / "data", env)
+    second.start(timeout=90)
+    try:
+        with second.client() as client:
+            job = wait_status(client, job_id, "succeeded", "failed", timeout=150)
+            assert job["status"] == "succeeded", job["error"]
+            statuses = [e["data"]["status"] for e in all_events(client, job_id) if e["type"] == "status"]
+            assert statuses == ["queued", "running", "interrupted", "queued", "running", "succeeded"]
+    finally:
+        second.stop()
