@@ -5,8 +5,10 @@ Imported only when ``FERRY_EXECUTOR=ray``: Ray is an optional extra (``pip insta
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import ray
 import yaml
 from ray.exceptions import GetTimeoutError, RayError
 
+from ..store import JobStore
 from .base import LaunchRequest, StopKind
 from .remote_job import RemoteJob
 
@@ -33,7 +36,7 @@ class RayRunHandle:
     attempt on its complete record, as for a local process.
     """
 
-    def __init__(self, actor: Any, request: LaunchRequest, store_factory: Any) -> None:
+    def __init__(self, actor: Any, request: LaunchRequest, store_factory: Callable[[], JobStore]) -> None:
         self._actor, self._request = actor, request
         self.pid: int | None = None  # the remote worker's pid, known once Ray has placed the actor
         self.started_at: float | None = None  # no local process to tell apart after a restart
@@ -65,7 +68,7 @@ class RayRunHandle:
 
     # -- the event pump (its own thread) -----------------------------------------------------------------
 
-    def _pump(self, store_factory: Any) -> None:
+    def _pump(self, store_factory: Callable[[], JobStore]) -> None:
         store = store_factory()
         try:
             self._place(store)
@@ -86,10 +89,11 @@ class RayRunHandle:
             self._code = 1
         finally:
             store.close()
-            if self._code is not None:
-                ray.kill(self._actor, no_restart=True)  # its process may linger idle after run() returned
+            if self._code is not None:  # its process may linger idle after run() returned
+                with contextlib.suppress(RayError):
+                    ray.kill(self._actor, no_restart=True)
 
-    def _place(self, store: Any) -> None:
+    def _place(self, store: JobStore) -> None:
         where = self._get(self._actor.where.remote())  # waits while Ray looks for a free GPU
         self.pid, self.host = where["pid"], where["host"]
         message = (f"attempt {self._request.attempt} runs on Ray node {where['host']} in pid {where['pid']} "
@@ -105,7 +109,7 @@ class RayRunHandle:
                 if self._closing.is_set():
                     raise _Closing from None
 
-    def _store_events(self, store: Any, events: list[dict[str, Any]]) -> None:
+    def _store_events(self, store: JobStore, events: list[dict[str, Any]]) -> None:
         for event in events:
             store.append_event(self._request.job_id, self._request.attempt, event)
 
@@ -167,9 +171,7 @@ class RayExecutor:
         device = (yaml.safe_load(spec_text) or {}).get("device", "auto")
         return device == "cuda" or (device == "auto" and self.gpu_count() > 0)
 
-    def _open_store(self) -> Any:
-        from ..store import JobStore
-
+    def _open_store(self) -> JobStore:
         return JobStore(self._db_path)
 
 
