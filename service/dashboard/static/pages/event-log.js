@@ -1,0 +1,63 @@
+// The live event log. Events arrive from the stream (replayed from the start on page load, then
+// live), so a reload shows the whole history again and continues from there.
+
+import { bytes, h, num } from "../format.js";
+
+const MAX_ROWS = 400;
+
+export function eventLog() {
+  const list = h("ol", { class: "events", id: "event-log" });
+  const state = h("span", { class: "stream-state muted small", "data-state": "connecting" }, "connecting…");
+  const showSteps = h("input", { type: "checkbox", checked: true, id: "show-steps" });
+  const count = h("span", { class: "muted small" });
+  const element = h("section", { class: "card log-card" },
+    h("div", { class: "card-head" },
+      h("h3", { class: "card-title" }, "Events ", count),
+      h("label", { class: "small muted toggle" }, showSteps, " steps"), state),
+    list, h("p", { class: "empty small", id: "events-empty" }, "No events yet."));
+  const seen = new Set();
+  let total = 0;
+  showSteps.addEventListener("change", () => element.classList.toggle("hide-steps", !showSteps.checked));
+
+  return {
+    element,
+    add(id, type, event) {
+      if (id !== null && seen.has(id)) return;
+      if (id !== null) seen.add(id);
+      total += 1;
+      count.textContent = `(${total})`;
+      element.querySelector("#events-empty")?.remove();
+      const stick = list.scrollHeight - list.scrollTop - list.clientHeight < 24;
+      list.append(h("li", { class: `event event-${type}`, "data-event-id": id ?? "", "data-type": type },
+        h("span", { class: "event-type" }, type), h("span", { class: "event-text" }, describe(type, event))));
+      while (list.children.length > MAX_ROWS) list.firstElementChild.remove();
+      if (stick) list.scrollTop = list.scrollHeight;
+    },
+    setState(value) {
+      state.dataset.state = value;
+      state.textContent = { live: "● live", ended: "stream ended", reconnecting: "reconnecting…" }[value] || value;
+    },
+  };
+}
+
+function describe(type, e) {
+  switch (type) {
+    case "step":
+      return `step ${e.step}${e.total_steps ? `/${e.total_steps}` : ""} · loss ${num(e.loss)} · lr ${num(e.lr, 3)}` +
+        (e.device_peak_bytes != null ? ` · peak ${bytes(e.device_peak_bytes)}` : "");
+    case "started":
+      return e.resumed_from_step ? `resumed from step ${e.resumed_from_step} of ${e.total_steps}` : `started, ${e.total_steps ?? "?"} steps`;
+    case "checkpoint":
+      return `checkpoint ${e.name || ""} at step ${e.step}`;
+    case "finished":
+      return `finished: ${e.status} at step ${e.step}`;
+    case "failed":
+      return `${e.error ? `${e.error}: ` : ""}${e.message || ""}`;
+    case "log":
+      return `${e.level ? `[${e.level}] ` : ""}${e.message}`;
+    case "status":
+      return `${e.from ? `${e.from} → ` : ""}${e.status || e.to || ""}${e.reason ? ` (${e.reason})` : ""}`;
+    default:
+      return e.message || JSON.stringify(e);
+  }
+}

@@ -1,0 +1,196 @@
+// Job: status and error first, then progress, live charts, the event log, checkpoints and the spec.
+
+import { AuthError, ApiError, api, download, streamEvents } from "../api.js";
+import { lineChart } from "../charts.js";
+import { DASH, bytes, dateTime, duration, h, isNum, num, percent, rate, secondsSince } from "../format.js";
+import { describeError, poll } from "../live.js";
+import { ACTIONS, TERMINAL, flattenStep, metricRows, normalizeJob } from "../model.js";
+import { errorState, progressBar, stat, statusBadge } from "../widgets.js";
+import { eventLog } from "./event-log.js";
+import { checkpointsCard } from "./checkpoints.js";
+import { specCard } from "./spec.js";
+
+export async function render(root, { params: [jobId], ctx }) {
+  const path = `/v1/jobs/${encodeURIComponent(jobId)}`;
+  let job;
+  try {
+    job = normalizeJob(await api(path));
+  } catch (err) {
+    if (err instanceof AuthError) throw err;
+    root.append(h("p", {}, h("a", { href: "#/jobs", class: "back" }, "← Jobs")),
+      err instanceof ApiError && err.status === 404
+        ? h("div", { class: "empty" }, h("p", { class: "empty-title" }, "No such job."), h("p", { class: "muted mono" }, jobId))
+        : errorState(describeError(err), { title: "Could not load this job." }));
+    return () => {};
+  }
+
+  const header = h("div", { class: "job-head" });
+  const errorSlot = h("div", { class: "error-slot" });
+  const banner = h("div", { class: "banner-slot" });
+  const stats = h("div", { class: "stats" });
+  const series = seriesStore();
+  const charts = makeCharts();
+  const log = eventLog();
+  const checkpoints = checkpointsCard(jobId, ctx);
+  const chartGrid = h("div", { class: "chart-grid" }, charts.all.map((c) => c.element));
+  root.append(
+    h("p", {}, h("a", { href: "#/jobs", class: "back" }, "← Jobs")),
+    header, errorSlot, banner, stats,
+    h("h2", { class: "section-title" }, "Training"), chartGrid,
+    h("div", { class: "two-col" }, log.element, h("div", { class: "stack" }, checkpoints.element, specCard(job))));
+
+  function draw() {
+    drawHeader(header, job, act);
+    drawError(errorSlot, job);
+    drawStats(stats, job, series.last());
+  }
+
+  async function act(action) {
+    try {
+      job = normalizeJob(await api(`${path}/${action}`, { method: "POST" }));
+      ctx.toast(`${action === "cancel" ? "Cancel" : action === "pause" ? "Pause" : "Resume"} requested.`, "info");
+      draw();
+    } catch (err) {
+      if (err instanceof AuthError) return ctx.needToken(err.message);
+      ctx.toast(err.message, "error");
+    }
+  }
+
+  draw();
+  // Load the stored series first, then let the stream add steps as they come (same step = same point).
+  try {
+    series.addRows(metricRows(await api(`${path}/metrics`)));
+  } catch (err) {
+    if (err instanceof AuthError) throw err;
+    banner.replaceChildren(errorState(describeError(err), { title: "Metrics unavailable." }));
+  }
+  charts.update(series);
+  draw();
+  checkpoints.refresh();
+
+  const stopStream = streamEvents(jobId, {
+    onEvent: ({ id, type, data }) => {
+      const event = typeof data === "object" && data ? data : { type, message: String(data) };
+      const kind = event.type || type;
+      log.add(id, kind, event);
+      if (kind === "step") { series.addRows([event]); charts.schedule(series); drawStats(stats, job, series.last()); }
+      if (kind === "checkpoint") checkpoints.refresh();
+    },
+    onState: (state) => log.setState(state),
+    onAuthError: () => ctx.needToken(),
+    // A finished job's stream ends for good; a live one is picked up again where it stopped.
+    shouldReconnect: () => !TERMINAL.has(job.status),
+  });
+  const stopPoll = poll(async () => {
+    const before = job.status;
+    job = normalizeJob(await api(path));
+    banner.replaceChildren();
+    draw();
+    if (before !== job.status) checkpoints.refresh();
+  }, { ctx, intervalMs: 2000, onError: (err) => banner.replaceChildren(errorState(describeError(err))) });
+
+  return () => { stopStream(); stopPoll(); };
+}
+
+function drawHeader(header, job, act) {
+  const button = (action, label, cls) => h("button", {
+    class: `btn ${cls}`, type: "button", "data-action": action, disabled: !ACTIONS[action].has(job.status),
+    title: ACTIONS[action].has(job.status) ? null : `Not possible while ${job.status}`,
+    onclick: (e) => { e.currentTarget.disabled = true; act(action); },
+  }, label);
+  header.replaceChildren(
+    h("div", { class: "job-title" },
+      h("div", { class: "row" }, h("h1", {}, job.name || "Job"), statusBadge(job.status)),
+      h("div", { class: "muted small job-meta" },
+        h("span", { class: "mono", id: "job-id" }, job.id),
+        job.gpu || job.worker ? h("span", {}, `on ${[job.gpu, job.worker && String(job.worker) !== job.gpu ? `worker ${job.worker}` : null].filter(Boolean).join(" · ")}`) : null,
+        job.createdAt ? h("span", {}, `submitted ${dateTime(job.createdAt)}`) : null,
+        isNum(job.attempts) && job.attempts > 1 ? h("span", {}, `attempt ${job.attempts}`) : null)),
+    h("div", { class: "actions" }, button("pause", "Pause", ""), button("resume", "Resume", ""), button("cancel", "Cancel", "danger")));
+}
+
+function drawError(slot, job) {
+  if (!job.error || !["failed", "interrupted", "cancelled"].includes(job.status)) { slot.replaceChildren(); return; }
+  slot.replaceChildren(h("section", { class: "card failure", id: "job-error", role: "alert" },
+    h("h2", {}, job.status === "failed" ? "This job failed" : `This job is ${job.status}`),
+    job.error.code ? h("div", { class: "mono small muted" }, job.error.code) : null,
+    h("pre", { class: "error-message" }, job.error.message),
+    job.error.hint ? h("p", {}, job.error.hint) : null));
+}
+
+function drawStats(root, job, last) {
+  const from = (key) => (isNum(last?.[key]) ? last[key] : job[key]);
+  const elapsed = isNum(last?.elapsed) ? last.elapsed : job.startedAt ? secondsSince(job.startedAt) : null;
+  const pct = isNum(job.percent) ? job.percent : job.status === "succeeded" ? 100 : null;
+  root.replaceChildren(
+    h("div", { class: "stat stat-wide", "data-stat": "progress" },
+      h("div", { class: "stat-label" }, "Progress"),
+      h("div", { class: "stat-value" }, percent(pct),
+        h("span", { class: "muted small" }, isNum(job.step) && isNum(job.total) ? ` step ${job.step} of ${job.total}` : "")),
+      progressBar(pct, job.status),
+      h("div", { class: "stat-sub muted small" },
+        job.status === "running" && isNum(job.eta) ? `ETA ${duration(job.eta)} · ` : "", `elapsed ${duration(elapsed)}`)),
+    stat("Loss", num(from("loss")), { id: "loss" }),
+    stat("Learning rate", num(from("lr"), 3), { id: "lr" }),
+    stat("Throughput", rate(from("samplesPerS"), "samples/s"), { id: "throughput",
+      sub: isNum(from("tokensPerS")) ? rate(from("tokensPerS"), "tokens/s") : null }),
+    stat("GPU memory", bytes(from("allocated")), { id: "gpu-mem",
+      sub: `reserved ${bytes(from("reserved"))} · peak ${bytes(from("peak"))}` }),
+    stat("Pinned host", bytes(from("pinned")), { id: "pinned", sub: isNum(from("hostRss")) ? `RSS ${bytes(from("hostRss"))}` : null }),
+    stat("Offload", isNum(last?.h2d) ? `${num(last.h2d, 3)} GB/s` : DASH, { id: "offload",
+      sub: isNum(last?.h2d) ? `to GPU · ${num(last.d2h, 3)} GB/s back · waits ${num(last.copyWait, 3)} s` : "no offload figures" }),
+  );
+}
+
+/** Step rows keyed by step: a step seen again (resumed from a checkpoint) replaces the old point. */
+function seriesStore() {
+  const byStep = new Map();
+  return {
+    addRows(rows) {
+      for (const row of rows) {
+        const step = flattenStep(row);
+        if (!isNum(step.step)) continue;
+        // A run resumed from a checkpoint repeats the steps after it; the newer figures win.
+        byStep.set(step.step, step);
+      }
+    },
+    rows() { return [...byStep.values()].sort((a, b) => a.step - b.step); },
+    last() { const rows = this.rows(); return rows[rows.length - 1] || null; },
+  };
+}
+
+function makeCharts() {
+  const loss = lineChart({ title: "Loss", xLabel: "step", yLabel: "loss", series: [{ label: "loss" }], testId: "loss" });
+  const lr = lineChart({ title: "Learning rate", xLabel: "step", yLabel: "learning rate", series: [{ label: "lr", color: "#7048e8" }], testId: "lr" });
+  const memory = lineChart({ title: "Memory over time", xLabel: "elapsed (s)", yLabel: "memory", unit: "bytes", testId: "memory",
+    series: [{ label: "GPU allocated" }, { label: "GPU reserved", color: "#0c8599" }, { label: "GPU peak", color: "#c2255c" },
+      { label: "pinned host", color: "#d9480f" }] });
+  const throughput = lineChart({ title: "Throughput", xLabel: "step", yLabel: "samples", unit: "samples/s", testId: "throughput",
+    series: [{ label: "samples/s", color: "#2b8a3e" }] });
+  const transfer = lineChart({ title: "Offload transfers", xLabel: "step", yLabel: "rate", unit: "GB/s", testId: "transfer",
+    series: [{ label: "host → GPU" }, { label: "GPU → host", color: "#d9480f" }] });
+  const wait = lineChart({ title: "Time waiting on copies", xLabel: "step", yLabel: "copy wait", unit: "s", testId: "copy-wait",
+    series: [{ label: "copy wait", color: "#c2255c" }] });
+  const all = [loss, lr, memory, throughput, transfer, wait];
+  let pending = false;
+  function update(store) {
+    const rows = store.rows();
+    const col = (key) => rows.map((r) => (isNum(r[key]) ? r[key] : null));
+    const steps = col("step");
+    loss.setData(steps, col("loss"));
+    lr.setData(steps, col("lr"));
+    const timed = rows.filter((r) => isNum(r.elapsed));
+    memory.setData(timed.map((r) => r.elapsed), ...["allocated", "reserved", "peak", "pinned"].map(
+      (k) => timed.map((r) => (isNum(r[k]) ? r[k] : null))));
+    throughput.setData(steps, col("samplesPerS"));
+    transfer.setData(steps, col("h2d"), col("d2h"));
+    wait.setData(steps, col("copyWait"));
+  }
+  // Many step events can arrive at once on replay: redraw at most once a frame.
+  function schedule(store) {
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => { pending = false; update(store); });
+  }
+  return { all, update, schedule };
+}

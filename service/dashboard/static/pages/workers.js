@@ -1,0 +1,44 @@
+// Workers: each GPU (or the CPU worker), its memory, and the job it runs.
+
+import { api } from "../api.js";
+import { DASH, bytes, h, isNum, shortId } from "../format.js";
+import { describeError, poll } from "../live.js";
+import { listOf, pick } from "../model.js";
+import { errorState, progressBar } from "../widgets.js";
+
+export async function render(root, { ctx }) {
+  const banner = h("div", { class: "banner-slot" });
+  const grid = h("div", { class: "worker-grid", id: "workers" }, h("div", { class: "skeleton" }, "Loading workers…"));
+  root.append(h("div", { class: "page-head" }, h("h1", {}, "Workers")), banner, grid);
+
+  return poll(async () => {
+    const workers = listOf(await api("/v1/workers"), "workers");
+    banner.replaceChildren();
+    grid.replaceChildren(...(workers.length ? workers.map(workerCard)
+      : [h("div", { class: "empty" }, h("p", { class: "empty-title" }, "No workers."), h("p", { class: "muted" }, "The service started none; check its settings."))]));
+  }, { ctx, intervalMs: 3000, onError: (err) => banner.replaceChildren(errorState(describeError(err))) });
+}
+
+function workerCard(w) {
+  const gpu = pick(w, "gpu") || {};
+  const name = pick(w, "gpu.name", "gpu_name", "device_name") || (pick(w, "device") === "cpu" ? "CPU" : null);
+  const device = pick(w, "device", "gpu.device");
+  const index = pick(w, "gpu.index", "gpu_index", "index");
+  const total = pick(w, "gpu.total_bytes", "gpu.memory_total_bytes", "memory_total_bytes", "total_bytes");
+  const used = pick(w, "gpu.used_bytes", "gpu.memory_used_bytes", "memory_used_bytes", "used_bytes", "gpu.allocated_bytes");
+  const jobId = pick(w, "job_id", "job.id", "current_job_id", "running_job_id");
+  const jobName = pick(w, "job.name", "job_name");
+  const state = pick(w, "status", "state") || (jobId ? "busy" : "idle");
+  const pct = isNum(used) && isNum(total) && total > 0 ? (100 * used) / total : null;
+  return h("section", { class: "card worker", "data-worker": pick(w, "id", "name") ?? "" },
+    h("div", { class: "card-head" },
+      h("h3", { class: "card-title" }, String(pick(w, "name", "id") ?? "worker")),
+      h("span", { class: `badge worker-${state}` }, state)),
+    h("div", { class: "worker-gpu" }, [name, device && device !== name ? device : null, isNum(index) ? `#${index}` : null]
+      .filter(Boolean).join(" · ") || (typeof gpu === "string" ? gpu : DASH)),
+    isNum(total) ? h("div", { class: "worker-mem" }, progressBar(pct, "running"),
+      h("div", { class: "small muted" }, `${bytes(used)} used of ${bytes(total)}`)) : h("div", { class: "small muted" }, "No GPU memory figures (CPU worker)."),
+    h("div", { class: "worker-job" }, jobId
+      ? ["Running ", h("a", { href: `#/jobs/${encodeURIComponent(jobId)}` }, jobName || shortId(jobId))]
+      : h("span", { class: "muted" }, "Idle")));
+}
