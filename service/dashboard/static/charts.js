@@ -23,6 +23,9 @@ export const PALETTE = ["#2456d6", "#d9480f", "#2b8a3e", "#7048e8", "#c2255c", "
 const AXIS = { stroke: "#5c6370", grid: { stroke: "#eceef2", width: 1 }, ticks: { stroke: "#d5d8de", width: 1 },
   font: "11px system-ui, sans-serif", labelFont: "600 11px system-ui, sans-serif" };
 
+// Steps are whole numbers: never put a tick at step 2.5.
+const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1e3, 2e3, 2.5e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
+
 const UNIT_FORMAT = {
   bytes: (v) => bytes(v),
   "GB/s": (v) => `${num(v, 3)}`,
@@ -58,7 +61,7 @@ export function lineChart({ title, xLabel, yLabel, unit = "", series, testId, lo
       cursor: { drag: { x: true, y: false } },
       scales: { x: { time: false }, y: logY ? { distr: 3 } : {} },
       axes: [
-        { ...AXIS, label: xLabel, size: 42 },
+        { ...AXIS, label: xLabel, size: 42, ...(xLabel === "step" ? { incrs: STEP_INCRS } : {}) },
         { ...AXIS, label: unit && unit !== "bytes" ? `${yLabel} (${unit})` : yLabel, size: unit === "bytes" ? 72 : 60,
           values: (u, splits) => splits.map(fmt) },
       ],

@@ -10,7 +10,7 @@ export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 // What each button may do from each status; the service has the last word (409 with a reason).
 export const ACTIONS = {
   pause: new Set(["running", "queued"]),
-  resume: new Set(["paused", "interrupted"]),
+  resume: new Set(["paused", "interrupted", "failed"]),  // a failed job resumes from its last checkpoint
   cancel: new Set(["queued", "running", "paused", "interrupted"]),
 };
 
@@ -37,7 +37,7 @@ export function normalizeJob(raw) {
     const t = toMillis(finish);
     if (t !== null) eta = Math.max(0, (t - Date.now()) / 1000);
   }
-  const m = (...names) => pick(raw, ...names.flatMap((n) => [`metrics.${n}`, `latest_metrics.${n}`, `memory.${n}`, n]));
+  const m = (...names) => pick(raw, ...names.flatMap((n) => [`metrics.${n}`, `memory.${n}`, `progress.${n}`, n]));
   const error = normalizeError(pick(raw, "error"));
   return {
     raw,
@@ -52,17 +52,20 @@ export function normalizeJob(raw) {
     samplesPerS: m("samples_per_s"),
     tokensPerS: m("tokens_per_s"),
     elapsed: m("elapsed_s"),
+    offload: pick(raw, "offload", "metrics.offload"),
     allocated: m("device_allocated_bytes"),
     reserved: m("device_reserved_bytes"),
     peak: m("device_peak_bytes", "peak_device_bytes"),
     pinned: m("pinned_bytes", "pinned_host_bytes"),
     hostRss: m("host_rss_bytes"),
     gpu: formatGpu(pick(raw, "gpu", "device", "worker.gpu")),
-    worker: pick(raw, "worker_id", "worker.id", "worker.name", "worker"),
+    worker: pick(raw, "worker", "worker_id", "worker.id", "worker.name"),
     createdAt: pick(raw, "created_at", "created", "submitted_at"),
     startedAt: pick(raw, "started_at"),
     finishedAt: pick(raw, "finished_at", "ended_at"),
-    attempts: pick(raw, "attempts", "retries"),
+    attempt: pick(raw, "attempt"),
+    retries: pick(raw, "retries"),
+    stopRequested: pick(raw, "stop_requested"),
     error,
   };
 }
@@ -104,6 +107,15 @@ export function metricRows(body) {
   return [];
 }
 
+/** A stream or events-list item is `{id, type, attempt, data: {...the job's event}}`: the event, flat. */
+export function unwrapEvent(item, fallbackType) {
+  if (item && typeof item === "object" && item.data && typeof item.data === "object" && "job_id" in item) {
+    return { ...item.data, type: item.type || item.data.type, attempt: item.attempt, created_at: item.created_at };
+  }
+  if (item && typeof item === "object") return { type: fallbackType, ...item };
+  return { type: fallbackType, message: String(item ?? "") };
+}
+
 /** Flatten one step row: offload figures may sit under `offload`. */
 export function flattenStep(row) {
   const off = row.offload || {};
@@ -129,7 +141,8 @@ export function flattenStep(row) {
 /** The problems of a failed validation, from either a 200 validate body or a 422 error body. */
 export function problemsOf(body) {
   if (!body || typeof body !== "object") return [];
-  const detail = body.detail ?? body;
+  // The service answers `{error: {code, message, problems}}`; FastAPI's default is `{detail: [...]}`.
+  const detail = body.error ?? body.detail ?? body;
   const list = Array.isArray(detail) ? detail : (detail.problems || detail.errors || body.problems || []);
   return list.map((p) => ({
     path: p.path || (Array.isArray(p.loc) ? p.loc.filter((x) => x !== "body").join(".") : "") || "",
@@ -143,12 +156,15 @@ export function problemsOf(body) {
 export function estimateOf(body) {
   const e = pick(body, "estimate", "fit", "memory_estimate") || {};
   const fits = pick(e, "fits", "fit") ?? pick(body, "fits");
+  const devices = (pick(e, "devices", "gpus") || []).filter((d) => d && typeof d === "object");
+  const sizes = devices.map((d) => pick(d, "memory_total_bytes", "total_bytes")).filter(isNum);
   return {
     fits: typeof fits === "boolean" ? fits : null,
     peak: pick(e, "peak_device_bytes", "peak_gpu_bytes"),
     pinned: pick(e, "pinned_host_bytes", "pinned_bytes"),
-    gpuBytes: pick(e, "gpu_memory_bytes", "available_device_bytes", "device_total_bytes", "largest_gpu_bytes"),
-    gpus: pick(e, "gpus", "devices"),
+    gpuBytes: sizes.length ? Math.max(...sizes) : pick(e, "gpu_memory_bytes", "largest_gpu_bytes"),
+    hostAvailable: pick(e, "host_available_bytes"),
+    devices,
     notes: pick(e, "notes") || [],
     reason: pick(e, "reason", "message"),
     present: Object.keys(e).length > 0,

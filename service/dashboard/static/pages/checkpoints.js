@@ -33,7 +33,7 @@ export function checkpointsCard(jobId, ctx) {
         h("td", { colspan: "3" }, h("strong", {}, name), h("span", { class: "muted small" },
           ` step ${ckpt.step ?? "?"}${ckpt.created || ckpt.created_at ? ` · ${dateTime(ckpt.created || ckpt.created_at)}` : ""}`))));
       for (const file of files) {
-        const url = `${base}/${encodeURIComponent(name)}/files/${encodeURIComponent(file.name)}`;
+        const url = file.url || `${base}/${encodeURIComponent(name)}/files/${encodeURIComponent(file.name)}`;
         rows.push(h("tr", { class: "ckpt-file" },
           h("td", {}, h("button", { class: "link-button download", type: "button", "data-file": file.name, title: `Download ${file.name}`,
             onclick: () => download(url, file.name).catch((err) => ctx.toast(err.message, "error")) }, `⤓ ${file.name}`)),

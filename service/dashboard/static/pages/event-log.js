@@ -56,7 +56,10 @@ function describe(type, e) {
     case "log":
       return `${e.level ? `[${e.level}] ` : ""}${e.message}`;
     case "status":
-      return `${e.from ? `${e.from} → ` : ""}${e.status || e.to || ""}${e.reason ? ` (${e.reason})` : ""}`;
+      return `${e.previous ? `${e.previous} → ` : ""}${e.status || ""}${e.reason ? ` · ${e.reason}` : ""}` +
+        (e.error?.message ? ` · ${e.error.message}` : "");
+    case "stop_requested":
+      return `${e.kind || "stop"} requested`;
     default:
       return e.message || JSON.stringify(e);
   }

@@ -4,7 +4,7 @@ import { AuthError, ApiError, api, download, streamEvents } from "../api.js";
 import { lineChart } from "../charts.js";
 import { DASH, bytes, dateTime, duration, h, isNum, num, percent, rate, secondsSince } from "../format.js";
 import { describeError, poll } from "../live.js";
-import { ACTIONS, TERMINAL, flattenStep, metricRows, normalizeJob } from "../model.js";
+import { ACTIONS, TERMINAL, flattenStep, metricRows, normalizeJob, unwrapEvent } from "../model.js";
 import { errorState, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
 import { checkpointsCard } from "./checkpoints.js";
@@ -59,7 +59,7 @@ export async function render(root, { params: [jobId], ctx }) {
   draw();
   // Load the stored series first, then let the stream add steps as they come (same step = same point).
   try {
-    series.addRows(metricRows(await api(`${path}/metrics`)));
+    await loadMetrics(path, series);
   } catch (err) {
     if (err instanceof AuthError) throw err;
     banner.replaceChildren(errorState(describeError(err), { title: "Metrics unavailable." }));
@@ -68,28 +68,43 @@ export async function render(root, { params: [jobId], ctx }) {
   draw();
   checkpoints.refresh();
 
+  let streamEnded = false;
   const stopStream = streamEvents(jobId, {
     onEvent: ({ id, type, data }) => {
-      const event = typeof data === "object" && data ? data : { type, message: String(data) };
+      if (type === "end") { streamEnded = true; return; }  // the job finished and every event is out
+      const event = unwrapEvent(data, type);
       const kind = event.type || type;
       log.add(id, kind, event);
       if (kind === "step") { series.addRows([event]); charts.schedule(series); drawStats(stats, job, series.last()); }
       if (kind === "checkpoint") checkpoints.refresh();
+      if (kind === "status" || kind === "finished" || kind === "failed") refreshJob().catch(() => {});
     },
     onState: (state) => log.setState(state),
     onAuthError: () => ctx.needToken(),
     // A finished job's stream ends for good; a live one is picked up again where it stopped.
-    shouldReconnect: () => !TERMINAL.has(job.status),
+    shouldReconnect: () => !streamEnded && !TERMINAL.has(job.status),
   });
-  const stopPoll = poll(async () => {
+  async function refreshJob() {
     const before = job.status;
     job = normalizeJob(await api(path));
     banner.replaceChildren();
     draw();
     if (before !== job.status) checkpoints.refresh();
-  }, { ctx, intervalMs: 2000, onError: (err) => banner.replaceChildren(errorState(describeError(err))) });
+  }
+  const stopPoll = poll(refreshJob, { ctx, intervalMs: 2000, onError: (err) => banner.replaceChildren(errorState(describeError(err))) });
 
   return () => { stopStream(); stopPoll(); };
+}
+
+/** The stored series, page by page (`?after=` cursor) until the service says there is no more. */
+async function loadMetrics(path, series) {
+  let after = 0;
+  for (let page = 0; page < 100; page += 1) {
+    const body = await api(`${path}/metrics?after=${after}&limit=10000`);
+    series.addRows(metricRows(body));
+    if (!body?.has_more || body.next_cursor === undefined || body.next_cursor === after) return;
+    after = body.next_cursor;
+  }
 }
 
 function drawHeader(header, job, act) {
@@ -105,7 +120,8 @@ function drawHeader(header, job, act) {
         h("span", { class: "mono", id: "job-id" }, job.id),
         job.gpu || job.worker ? h("span", {}, `on ${[job.gpu, job.worker && String(job.worker) !== job.gpu ? `worker ${job.worker}` : null].filter(Boolean).join(" · ")}`) : null,
         job.createdAt ? h("span", {}, `submitted ${dateTime(job.createdAt)}`) : null,
-        isNum(job.attempts) && job.attempts > 1 ? h("span", {}, `attempt ${job.attempts}`) : null)),
+        isNum(job.attempt) && job.attempt > 1 ? h("span", {}, `attempt ${job.attempt}`) : null,
+        job.stopRequested ? h("span", { class: "stopping" }, `${job.stopRequested} requested…`) : null)),
     h("div", { class: "actions" }, button("pause", "Pause", ""), button("resume", "Resume", ""), button("cancel", "Cancel", "danger")));
 }
 
@@ -137,9 +153,15 @@ function drawStats(root, job, last) {
     stat("GPU memory", bytes(from("allocated")), { id: "gpu-mem",
       sub: `reserved ${bytes(from("reserved"))} · peak ${bytes(from("peak"))}` }),
     stat("Pinned host", bytes(from("pinned")), { id: "pinned", sub: isNum(from("hostRss")) ? `RSS ${bytes(from("hostRss"))}` : null }),
-    stat("Offload", isNum(last?.h2d) ? `${num(last.h2d, 3)} GB/s` : DASH, { id: "offload",
-      sub: isNum(last?.h2d) ? `to GPU · ${num(last.d2h, 3)} GB/s back · waits ${num(last.copyWait, 3)} s` : "no offload figures" }),
+    offloadStat(last, job),
   );
+}
+
+function offloadStat(last, job) {
+  const o = isNum(last?.h2d) ? last : flattenStep({ offload: job.offload || {} });
+  if (!isNum(o.h2d)) return stat("Offload", DASH, { id: "offload", sub: "no offload figures (offload off or not started)" });
+  return stat("Offload H→D", `${num(o.h2d, 3)} GB/s`, { id: "offload",
+    sub: `D→H ${num(o.d2h, 3)} GB/s · copy wait ${num(o.copyWait, 3)} s` });
 }
 
 /** Step rows keyed by step: a step seen again (resumed from a checkpoint) replaces the old point. */
