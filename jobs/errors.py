@@ -1,0 +1,40 @@
+"""Errors that `jobs` raises for a user to read: a refused spec and an out-of-memory hint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One problem in a job spec.
+
+    Attributes:
+        path: Dotted path of the offending field, e.g. ``training.learning_rate`` ("" for the whole file).
+        message: What is wrong and how to fix it.
+        line: 1-based line in the YAML text, when known.
+        suggestion: The closest valid key or value for a typo, when there is one.
+    """
+
+    path: str
+    message: str
+    line: int | None = None
+    suggestion: str | None = None
+
+    def __str__(self) -> str:
+        where = f" (line {self.line})" if self.line is not None else ""
+        hint = f"; did you mean '{self.suggestion}'?" if self.suggestion else ""
+        return f"{self.path or '<spec>'}{where}: {self.message}{hint}"
+
+
+class JobSpecError(ValueError):
+    """A job spec was refused. ``problems`` lists every problem found, not just the first."""
+
+    def __init__(self, problems: list[SpecProblem]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid job spec ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class OutOfMemoryHint(RuntimeError):
+    """The device ran out of memory; the message names the offload setting that would help."""

@@ -1,0 +1,144 @@
+"""The one place YAML becomes a `JobSpec`, with every problem located (path, line) and typos suggested."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from jobs.errors import JobSpecError, SpecProblem
+from jobs.paths import PathRoots
+from jobs.spec import JobSpec
+
+Loc = tuple[str | int, ...]
+
+
+def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
+    """Parse and validate a YAML job spec.
+
+    Args:
+        text: The YAML document.
+        roots: Directories model and data paths must stay inside; default: the current directory.
+
+    Returns:
+        The validated, immutable spec (paths resolved to absolute ones).
+
+    Raises:
+        JobSpecError: With every problem found: its dotted path, YAML line and, for typos, the closest key.
+
+    Example:
+        >>> spec = load_job_spec(open("configs/cpu_smoke.yaml").read())
+        >>> spec.training.steps
+        20
+    """
+    try:
+        data = yaml.safe_load(text)
+        lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise JobSpecError([SpecProblem("", f"not valid YAML: {exc}", mark.line + 1 if mark else None)]) from exc
+    if not isinstance(data, dict):
+        raise JobSpecError([SpecProblem("", f"a job spec is a YAML mapping; got {type(data).__name__}", 1)])
+    try:
+        return JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
+    except ValidationError as exc:
+        raise JobSpecError(_problems(exc, data, lines)) from None
+
+
+def _key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """Map each key path in the YAML document to the 1-based line of its key."""
+    lines: dict[tuple[str, ...], int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = (*prefix, str(key_node.value))
+            lines[path] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines[(*prefix, str(index))] = item.start_mark.line + 1
+            lines.update(_key_lines(item, (*prefix, str(index))))
+    return lines
+
+
+def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int]) -> list[SpecProblem]:
+    problems: list[SpecProblem] = []
+    for error in exc.errors():
+        path = _data_path(error["loc"], data)
+        if error["type"] == "spec_rules":
+            for relative, message in error["ctx"]["problems"]:
+                rule_path = [*path, *relative.split(".")]
+                problems.append(SpecProblem(".".join(rule_path), message, _line(rule_path, lines)))
+        elif error["type"] == "extra_forbidden":
+            valid = _valid_keys(error["loc"][:-1])
+            suggestion = _closest(str(path[-1]), valid)
+            problems.append(SpecProblem(".".join(path), f"unknown key (valid keys: {', '.join(valid)})",
+                                        _line(path, lines), suggestion))
+        elif error["type"] == "union_tag_invalid":
+            expected = [t.strip(" '") for t in error["ctx"]["expected_tags"].split(",")]
+            tag = str(error["ctx"]["tag"])
+            problems.append(SpecProblem(".".join((*path, "kind")), f"unknown kind '{tag}' (one of: {', '.join(expected)})",
+                                        _line((*path, "kind"), lines), _closest(tag, expected)))
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(SpecProblem(".".join(path), message, _line(path, lines)))
+    return sorted(problems, key=lambda p: (p.line or 0, p.path))
+
+
+def _data_path(loc: Loc, data: Any) -> list[str]:
+    """Pydantic's error location minus the union tags it inserts (``model.toy_mlp.x`` → ``model.x``)."""
+    path, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and node.get("kind") == part:
+            continue  # a discriminated-union tag, not a key
+        path.append(str(part))
+        node = node.get(part) if isinstance(node, dict) else (
+            node[part] if isinstance(node, list) and isinstance(part, int) and part < len(node) else None)
+    return path
+
+
+def _line(path: list[str] | tuple[str, ...], lines: dict[tuple[str, ...], int]) -> int | None:
+    """Line of the deepest key of ``path`` present in the YAML (a missing key points at its parent)."""
+    for end in range(len(path), 0, -1):
+        if tuple(path[:end]) in lines:
+            return lines[tuple(path[:end])]
+    return None
+
+
+def _valid_keys(loc: Loc) -> list[str]:
+    """Field names of the spec section at ``loc`` (pydantic location, union tags included)."""
+    model: type[BaseModel] = JobSpec
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
+        if field is None:
+            return []
+        candidates = [t for t in _flatten(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        if len(candidates) > 1 and parts:  # discriminated union: the next location part is the tag
+            tag = parts.pop(0)
+            candidates = [c for c in candidates if c.model_fields["kind"].annotation.__args__[0] == tag]
+        if not candidates:
+            return []
+        model = candidates[0]
+    return list(model.model_fields)
+
+
+def _flatten(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _flatten(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _flatten(arg)]
+    return [annotation]
+
+
+def _closest(word: str, candidates: list[str]) -> str | None:
+    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def job_spec_schema() -> dict[str, Any]:
+    """The JSON Schema of a job spec (``python -m jobs schema``)."""
+    return JobSpec.model_json_schema()

@@ -1,0 +1,42 @@
+"""LoRA through peft, saved the way peft and transformers load it (adapter_model.safetensors + config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from jobs.spec import LoraSpec
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, *, causal_lm: bool) -> PeftModel:
+    """Freeze ``model`` and wrap it with LoRA adapters on ``spec.target_modules``.
+
+    Args:
+        model: The CPU base model.
+        spec: The lora section.
+        causal_lm: A Hugging Face causal LM (records ``task_type`` so AutoPeftModelForCausalLM loads it).
+    """
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha or spec.rank, lora_dropout=spec.dropout,
+                        target_modules=list(spec.target_modules), task_type="CAUSAL_LM" if causal_lm else None)
+    return get_peft_model(model, config)
+
+
+def save_adapter(model: PeftModel, directory: Path) -> None:
+    """Write the adapter weights and config into ``directory`` (CPU copies; the model may be offloaded)."""
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in get_peft_model_state_dict(model).items()}
+    save_file(state, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(str(directory))
+
+
+def load_adapter(model: PeftModel, directory: Path) -> None:
+    """Load adapter weights saved by `save_adapter` into ``model`` (before the offload engine attaches)."""
+    result = set_peft_model_state_dict(model, load_file(str(directory / ADAPTER_WEIGHTS)))
+    if result.unexpected_keys:
+        raise ValueError(f"checkpoint {directory} has adapter weights this model lacks: {result.unexpected_keys[:5]}")

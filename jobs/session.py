@@ -1,0 +1,136 @@
+"""Setting up a training run: model, adapters, placement (offloaded or not), data, optimizer, resume."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from jobs.checkpoint import CheckpointInfo, latest_valid_checkpoint
+from jobs.data import BatchSource, build_data
+from jobs.lora import apply_lora
+from jobs.models import LossFn, build_model, enable_gradient_checkpointing
+from jobs.optim import build_optimizer, build_scheduler
+from jobs.spec import JobSpec
+from jobs.training_state import load_training_state, restore_rng
+from jobs.weights import load_trainable
+from offload import OffloadOptions, OffloadTrainingManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingSession:
+    """Everything a training loop needs, built by `open_session` and torn down by `close_session`."""
+
+    accelerator: Accelerator
+    device: torch.device
+    model: nn.Module  # the model as built (CPU-resident when offloaded); what checkpoints save
+    forward_model: nn.Module  # what the step calls: ``model``, or accelerate's prepared version of it
+    loss_fn: LossFn
+    data: BatchSource
+    optimizer: Any  # accelerate's AcceleratedOptimizer
+    scheduler: Any  # accelerate's AcceleratedScheduler
+    manager: OffloadTrainingManager | None
+    total_steps: int
+    start_step: int
+    resumed_from: CheckpointInfo | None
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without a GPU is an error naming the fix."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda, but no CUDA device is available here; use device: auto or cpu")
+    return torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def total_steps(spec: JobSpec, data: BatchSource) -> int:
+    """Optimizer steps for the job: ``training.steps``, or the epochs' worth of micro-batches."""
+    if spec.training.steps is not None:
+        return spec.training.steps
+    return max(1, spec.training.epochs * data.batches_per_epoch // spec.training.gradient_accumulation_steps)
+
+
+def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSession:
+    """Build the run, following the seed's integration.
+
+    With model offload the model stays on the CPU: it is never ``.to(device)``-ed nor passed to
+    ``accelerator.prepare``; the engine attaches to it instead. Accelerate handles the rest (device,
+    mixed precision, loss scaling, optimizer and scheduler wrapping).
+    """
+    training = spec.training
+    device = resolve_device(spec.device)
+    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=training.mixed_precision)
+    device = accelerator.device
+    torch.manual_seed(training.seed)
+    random.seed(training.seed)
+
+    model, loss_fn = build_model(spec.model, training.seed)
+    if training.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if spec.lora is not None:
+        model = apply_lora(model, spec.lora, causal_lm=spec.model.kind == "hf_causal_lm")
+    checkpoint = latest_valid_checkpoint(output_dir) if resume else None
+    if checkpoint is not None:
+        load_trainable(model, Path(checkpoint.path))  # before the engine takes the weights over
+    data, vocab = build_data(spec.data, batch_size=training.batch_size, seed=training.seed,
+                             width=getattr(spec.model, "hidden_size", None))
+    _check_vocab_fits(model, vocab)
+    model.train()
+
+    manager, forward_model = None, model
+    if spec.offload.enable_model_cpu_offload:
+        manager = OffloadTrainingManager(
+            model, device, enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
+            cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
+            options=OffloadOptions(prefetch=spec.offload.prefetch, granularity=spec.offload.granularity,
+                                   gpu_memory_budget=spec.offload.gpu_memory_budget))
+    else:
+        forward_model = accelerator.prepare(model)  # moves it to the device and applies mixed precision to its forward
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    steps = total_steps(spec, data)
+    raw_optimizer = build_optimizer(trainable, training)
+    optimizer, scheduler = accelerator.prepare(raw_optimizer, build_scheduler(raw_optimizer, training, steps))
+
+    start_step = 0
+    if checkpoint is not None:
+        state = load_training_state(Path(checkpoint.path))
+        # Into the raw optimizer: torch puts each state tensor on its parameter's device (the CPU under
+        # optimizer offload), where accelerate's wrapper would first move everything to the accelerator.
+        raw_optimizer.load_state_dict(state["optimizer"])
+        scheduler.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
+        start_step = state["step"]
+        log.info("resuming from %s at step %d", checkpoint.path, start_step)
+    return TrainingSession(accelerator, device, model, forward_model, loss_fn, data, optimizer, scheduler, manager, steps,
+                           start_step, checkpoint)
+
+
+def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is None:
+        embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if vocab is not None and embeddings is not None and vocab > embeddings.num_embeddings:
+        raise ValueError(f"the tokenizer has {vocab} tokens but the model's embedding has "
+                         f"{embeddings.num_embeddings}; use a matching data.tokenizer or model")
+
+
+def close_session(session: TrainingSession | None) -> None:
+    """Detach the engine and free device memory, so the next job in this process starts clean."""
+    if session is not None and session.manager is not None:
+        session.manager.remove()
+    if session is not None:
+        session.accelerator.free_memory()
+    from accelerate.state import AcceleratorState, GradientState
+
+    # Accelerate keeps process-wide state; a later job may ask for a different mixed precision.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

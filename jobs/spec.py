@@ -1,0 +1,237 @@
+"""The job spec: pydantic models that mirror the YAML sections. `load_job_spec` (loading.py) builds them.
+
+Components are picked by ``kind`` from a closed set (discriminated unions), never by an import path:
+specs arrive over HTTP and must not name code to run. Field-level rules live on the sections; rules that
+span sections are the ``_check_*`` methods of ``JobSpec`` and are all reported together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from jobs.paths import confine
+from offload import parse_bytes
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown keys are refused and specs are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def broken_rules(problems: list[tuple[str, str]]) -> PydanticCustomError:
+    """One validation error carrying several (relative path, message) problems; loading.py expands it.
+
+    Pydantic stops at the first error an after-validator raises, so rules that want every violation
+    reported collect them and raise this once.
+    """
+    return PydanticCustomError("spec_rules", "{count} rule(s) broken", {"count": len(problems), "problems": problems})
+
+
+def _confined(value: Any, info: ValidationInfo, kind: str) -> Any:
+    """Resolve a path against the roots passed as validation context (see `load_job_spec`)."""
+    roots = (info.context or {}).get("roots")
+    if value is None or roots is None:
+        return value
+    return confine(value, roots.model_roots if kind == "model" else roots.data_roots, kind)
+
+
+# ---- model -------------------------------------------------------------------------------------------
+class ToyMLPSpec(Section):
+    """The seed's toy model: ``num_layers`` residual blocks of LayerNorm + Linear(hidden, hidden)."""
+
+    kind: Literal["toy_mlp"]
+    hidden_size: int = Field(4096, gt=0)
+    num_layers: int = Field(10, gt=0)
+    dtype: Dtype = "float32"
+
+
+class TransformerLMSpec(Section):
+    """A GPT-style decoder built in; from a few thousand to several billion parameters."""
+
+    kind: Literal["transformer_lm"]
+    vocab_size: int = Field(32000, gt=0)
+    hidden_size: int = Field(768, gt=0)
+    num_layers: int = Field(12, gt=0)
+    num_heads: int = Field(12, gt=0)
+    intermediate_size: int | None = Field(None, gt=0, description="default: 4 * hidden_size")
+    max_seq_len: int = Field(1024, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    weights: Path | None = Field(None, description="safetensors file under a model root; random init if null")
+    dtype: Dtype = "float32"
+
+    @field_validator("weights")
+    @classmethod
+    def _confine_weights(cls, value: Any, info: ValidationInfo) -> Any:
+        return _confined(value, info, "model")
+
+    @model_validator(mode="after")
+    def _check_heads_divide_hidden(self) -> TransformerLMSpec:
+        if self.hidden_size % self.num_heads:
+            raise broken_rules([("num_heads", f"must divide hidden_size ({self.hidden_size}); got {self.num_heads}")])
+        return self
+
+
+class HFCausalLMSpec(Section):
+    """A Hugging Face causal LM from a local directory (``config.json`` + safetensors); no remote code."""
+
+    kind: Literal["hf_causal_lm"]
+    path: Path
+    dtype: Dtype = "bfloat16"
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return _confined(value, info, "model")
+
+
+ModelSpec = Annotated[ToyMLPSpec | TransformerLMSpec | HFCausalLMSpec, Field(discriminator="kind")]
+
+
+# ---- data --------------------------------------------------------------------------------------------
+class SyntheticRegressionSpec(Section):
+    """The seed's data: x ~ N(0, 1) of the model's width, target y = x + offset; one fresh batch per step."""
+
+    kind: Literal["synthetic_regression"]
+    offset: float = 1.0
+
+
+class ByteTokenizerSpec(Section):
+    """Built-in byte-level tokenizer: UTF-8 bytes are ids 0-255, 256 ends a document (vocabulary 257)."""
+
+    kind: Literal["byte"]
+
+
+class HFTokenizerSpec(Section):
+    """A Hugging Face tokenizer from a local directory."""
+
+    kind: Literal["hf"]
+    path: Path
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return _confined(value, info, "model")
+
+
+class TextDataSpec(Section):
+    """JSONL or plain-text files, tokenized and packed into fixed-length sequences."""
+
+    kind: Literal["text"]
+    path: Path = Field(description="a file or a directory of *.jsonl / *.txt files under a data root")
+    format: Literal["auto", "jsonl", "text"] = "auto"
+    text_field: str = "text"
+    seq_len: int = Field(512, gt=1)
+    tokenizer: Annotated[ByteTokenizerSpec | HFTokenizerSpec, Field(discriminator="kind")] = ByteTokenizerSpec(
+        kind="byte")
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return _confined(value, info, "data")
+
+
+DataSpec = Annotated[SyntheticRegressionSpec | TextDataSpec, Field(discriminator="kind")]
+
+
+# ---- lora, training, offload, checkpoint -------------------------------------------------------------
+class LoraSpec(Section):
+    """LoRA adapters through peft, as in the seed's example (``--lora_target_modules``, ``--lora_rank``)."""
+
+    target_modules: list[str] = Field(min_length=1)
+    rank: int = Field(32, gt=0)
+    alpha: float | None = Field(None, gt=0, description="default: equal to rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
+class SchedulerSpec(Section):
+    """Learning-rate schedule after a linear warmup from 0."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class TrainingSpec(Section):
+    """How long and how to optimize. Give exactly one of ``steps`` and ``epochs``."""
+
+    steps: int | None = Field(None, gt=0, description="optimizer steps")
+    epochs: int | None = Field(None, gt=0, description="passes over a finite dataset")
+    batch_size: int = Field(1, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    scheduler: SchedulerSpec = SchedulerSpec()
+    max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm; null = no clipping")
+    seed: int = 0
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _check_steps_or_epochs(self) -> TrainingSpec:
+        if (self.steps is None) == (self.epochs is None):
+            raise broken_rules([("steps", "give exactly one of training.steps and training.epochs")])
+        return self
+
+
+class OffloadSpec(Section):
+    """The seed's three flags plus the engine's options (see offload.OffloadOptions)."""
+
+    enable_model_cpu_offload: bool = False
+    enable_optimizer_cpu_offload: bool = False
+    cpu_offload_split_threshold: float | None = Field(None, gt=0, description="MB; split modules above this")
+    prefetch: int = Field(1, ge=0, description="units copied ahead; 0 = the seed's serialized behaviour")
+    granularity: Literal["leaf", "block"] = "leaf"
+    gpu_memory_budget: int | str | None = Field(None, description="bytes or e.g. '8GiB'; null = stream all")
+
+    @field_validator("gpu_memory_budget")
+    @classmethod
+    def _check_budget(cls, value: int | str | None) -> int | str | None:
+        if value is not None and not parse_bytes(value, name="offload.gpu_memory_budget"):
+            raise ValueError("must be a positive size, e.g. '8GiB'")
+        return value
+
+    @model_validator(mode="after")
+    def _check_optimizer_offload_needs_model_offload(self) -> OffloadSpec:
+        if self.enable_optimizer_cpu_offload and not self.enable_model_cpu_offload:
+            raise broken_rules([("enable_optimizer_cpu_offload", "needs offload.enable_model_cpu_offload: true "
+                                                                 "(the seed's flags combine that way)")])
+        return self
+
+
+class CheckpointSpec(Section):
+    """When to save and how many to keep."""
+
+    every_steps: int | None = Field(None, gt=0, description="save every N optimizer steps; null = only at the end")
+    keep_last: int = Field(3, gt=0, description="delete older checkpoints beyond this many")
+    save_final: bool = True
+
+
+# ---- the job -----------------------------------------------------------------------------------------
+class JobSpec(Section):
+    """A whole training job. Build it with `jobs.load_job_spec`, which reports every problem at once."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: ModelSpec
+    data: DataSpec
+    lora: LoraSpec | None = None
+    training: TrainingSpec
+    offload: OffloadSpec = OffloadSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_all_rules(self) -> JobSpec:
+        """Run every cross-section rule and report all violations in one error (expanded by loading.py)."""
+        from jobs.rules import cross_section_problems  # rules.py reads JobSpec; import here avoids a cycle
+
+        problems = cross_section_problems(self)
+        if problems:
+            raise broken_rules(problems)
+        return self

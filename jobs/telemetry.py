@@ -1,0 +1,48 @@
+"""Per-step measurements for progress reports: throughput, time, device and host memory."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psutil
+import torch
+
+
+class StepClock:
+    """Elapsed time and an ETA from the average step time of this run."""
+
+    def __init__(self, start_step: int, total_steps: int) -> None:
+        self.start_step, self.total_steps = start_step, total_steps
+        self.started = self.last = time.perf_counter()
+
+    def tick(self, step: int) -> dict[str, float]:
+        """Call after step ``step`` has finished (after its loss was read, i.e. after a device sync)."""
+        now = time.perf_counter()
+        step_seconds, self.last = now - self.last, now
+        elapsed = now - self.started
+        per_step = elapsed / max(1, step - self.start_step)
+        return {"step_s": step_seconds, "elapsed_s": elapsed, "eta_s": per_step * (self.total_steps - step)}
+
+
+def memory_snapshot(device: torch.device) -> dict[str, int]:
+    """Device memory as PyTorch's allocator sees it (0 on the CPU) and this process's resident set size."""
+    on_cuda = device.type == "cuda"
+    return {
+        "device_allocated_bytes": torch.cuda.memory_allocated(device) if on_cuda else 0,
+        "device_reserved_bytes": torch.cuda.memory_reserved(device) if on_cuda else 0,
+        "device_peak_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else 0,
+        "host_rss_bytes": psutil.Process().memory_info().rss,
+    }
+
+
+def step_event(*, step: int, total_steps: int, loss: float, lr: float, samples: int, tokens: int | None,
+               timing: dict[str, float], device: torch.device, offload: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``step`` event of docs/interfaces.md."""
+    seconds = max(timing["step_s"], 1e-9)
+    return {
+        "type": "step", "step": step, "total_steps": total_steps, "loss": loss, "lr": lr,
+        "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds if tokens is not None else None,
+        "elapsed_s": timing["elapsed_s"], "eta_s": timing["eta_s"], **memory_snapshot(device),
+        "pinned_bytes": int(offload["pinned_reserved_bytes"]) if offload else 0, "offload": offload,
+    }

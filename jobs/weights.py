@@ -1,0 +1,40 @@
+"""Trainable weights in a checkpoint: LoRA adapters via peft, or every trainable tensor as safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from jobs.lora import load_adapter, save_adapter
+
+MODEL_WEIGHTS = "model.safetensors"
+
+
+def save_trainable(model: nn.Module, directory: Path) -> None:
+    """Write the trainable weights of ``model`` into ``directory``.
+
+    Only trainable tensors are saved: frozen weights come from the model source (a seed or files) and a
+    multi-billion-parameter base model would otherwise be copied into every checkpoint.
+    """
+    if isinstance(model, PeftModel):
+        save_adapter(model, directory)
+        return
+    # .to("cpu") is a device-to-host copy (a sync point) for weights the engine keeps on the device.
+    state = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    save_file(state, str(directory / MODEL_WEIGHTS), metadata={"format": "pt"})
+
+
+def load_trainable(model: nn.Module, directory: Path) -> None:
+    """Load weights written by `save_trainable` into a freshly built CPU model."""
+    if isinstance(model, PeftModel):
+        load_adapter(model, directory)
+        return
+    state = load_file(str(directory / MODEL_WEIGHTS))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(state) != trainable:
+        raise ValueError(f"checkpoint {directory} does not match the model: missing "
+                         f"{sorted(trainable - set(state))[:5]}, unexpected {sorted(set(state) - trainable)[:5]}")
+    model.load_state_dict(state, strict=False)

@@ -1,0 +1,208 @@
+"""OffloadTrainingManager: attach offloading to a CPU-resident model and train it on a device."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from offload.arena import PinnedArenaPool
+from offload.devices import can_pin_memory, resolve_target_device, synchronize
+from offload.offloaders import (
+    AlwaysOnGPUParamOffloader,
+    BufferOffloader,
+    StaticParamOffloader,
+    TensorOffloader,
+    TrainableParamOffloader,
+)
+from offload.options import OffloadOptions
+from offload.saved_tensors import SavedTensorRouter
+from offload.stats import OffloadStats, StatsCounter
+from offload.transfers import CopyEngine
+from offload.units import OffloadUnit, UnitPlan, discover_units
+
+log = logging.getLogger(__name__)
+
+
+class OffloadTrainingManager:
+    """Train ``model`` on ``target_device`` while its weights live in (pinned) CPU memory.
+
+    Before a unit's forward its weights are copied to the device and dropped after it; the backward pass
+    copies them again when it needs them. Frozen weights and buffers are copied from a pinned arena; trainable
+    weights either move to the device once (``enable_optimizer_cpu_offload=False``, e.g. LoRA adapters) or
+    stay on the CPU with their optimizer, their gradients copied to the CPU as backward produces them.
+
+    Args:
+        model: a module whose parameters and buffers are all on the CPU.
+        target_device: where compute runs: ``"cuda"``, ``"cuda:1"``, ``"cpu"`` (for tests), a ``torch.device``.
+        enable_optimizer_cpu_offload: keep trainable weights, gradients and optimizer state on the CPU.
+        cpu_offload_split_threshold: in MB; modules at or under it are one unit, larger ones are split.
+        options: engine tuning (:class:`OffloadOptions`).
+
+    Example:
+        >>> model = ToyModel()                                  # stays on the CPU
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        >>> manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True)
+        >>> loss = F.mse_loss(model(x), y); loss.backward()
+        >>> manager.after_backward(); optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target_device: str | torch.device | int,
+        enable_optimizer_cpu_offload: bool = False,
+        cpu_offload_split_threshold: float | None = None,
+        options: OffloadOptions | None = None,
+    ) -> None:
+        self.device = resolve_target_device(target_device)
+        self.options = options if options is not None else OffloadOptions()
+        self.enable_optimizer_cpu_offload = enable_optimizer_cpu_offload
+        _check_model(model)
+        threshold = _threshold_bytes(cpu_offload_split_threshold)
+        self.model = model
+        self._stats = StatsCounter()
+        self._copies = CopyEngine(self.device, self._stats)
+        plans = discover_units(model, threshold)
+        self.arena = self._make_arena(plans)
+        self._offloaders: dict[int, TensorOffloader] = {}
+        self.units = [self._make_unit(plan) for plan in plans]
+        self._mark_statistics_buffers(model)
+        self._router = SavedTensorRouter(self._offloaders)
+        self._handles: list[RemovableHandle] = []
+        self._attach(plans)
+        self._stats.start_step()
+        log.info("offloading %s", self)
+
+    # ----------------------------------------------------------------- setup
+    def _wants_host_copy(self, tensor: torch.Tensor) -> bool:
+        trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
+        return not trainable or self.enable_optimizer_cpu_offload
+
+    def _make_arena(self, plans: list[UnitPlan]) -> PinnedArenaPool:
+        unique = {id(t): t for plan in plans for _, t in plan.tensors if self._wants_host_copy(t)}
+        tensors = list(unique.values())
+        # Trainable tensors kept on the host also need a host gradient buffer of the same size.
+        tensors += [t for t in tensors if isinstance(t, nn.Parameter) and t.requires_grad]
+        pin = self.options.pin_memory and can_pin_memory()
+        return PinnedArenaPool.for_tensors(tensors, pin=pin)
+
+    def _make_unit(self, plan: UnitPlan) -> OffloadUnit:
+        # Largest first: the arena packs tightly when big tensors are placed before small ones.
+        ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
+        return OffloadUnit(plan.name, [self._offloader_for(name, tensor) for name, tensor in ordered])
+
+    def _offloader_for(self, name: str, tensor: torch.Tensor) -> TensorOffloader:
+        existing = self._offloaders.get(id(tensor))
+        if existing is not None:  # shared (tied) tensor: one offloader, one host copy
+            return existing
+        if not isinstance(tensor, nn.Parameter):
+            offloader = BufferOffloader(name, tensor, self._copies, self._host_like(tensor))
+        elif not tensor.requires_grad:
+            offloader = StaticParamOffloader(name, tensor, self._copies, self._host_like(tensor))
+        elif self.enable_optimizer_cpu_offload:
+            offloader = TrainableParamOffloader(name, tensor, self._copies, self._host_like(tensor),
+                                                self._host_like(tensor))
+        else:
+            offloader = AlwaysOnGPUParamOffloader(name, tensor, self._copies)
+        self._offloaders[id(tensor)] = offloader
+        return offloader
+
+    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.arena.allocate(tensor.shape, tensor.dtype)
+
+    def _mark_statistics_buffers(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._NormBase):
+                for buffer in module.buffers(recurse=False):
+                    offloader = self._offloaders.get(id(buffer))
+                    if isinstance(offloader, BufferOffloader):
+                        offloader.updated_by = module
+
+    def _attach(self, plans: list[UnitPlan]) -> None:
+        for plan, unit in zip(plans, self.units):
+            for module in plan.hook_modules:
+                self._handles.append(module.register_forward_pre_hook(
+                    functools.partial(self._onload_before_forward, unit)))
+                self._handles.append(module.register_forward_hook(
+                    functools.partial(self._offload_after_forward, unit), always_call=True))
+        for offloader in self._offloaders.values():
+            if isinstance(offloader, TrainableParamOffloader):
+                hook = functools.partial(_offload_grad_after_backward, offloader)
+                self._handles.append(offloader.tensor.register_post_accumulate_grad_hook(hook))
+
+    # ----------------------------------------------------------------- hooks
+    def _onload_before_forward(self, unit: OffloadUnit, module: nn.Module, args: Any) -> None:
+        self._router.enter()
+        unit.onload()
+
+    def _offload_after_forward(self, unit: OffloadUnit, module: nn.Module, args: Any, output: Any) -> None:
+        unit.offload()
+        self._router.exit()
+
+    # ----------------------------------------------------------------- public API
+    def after_backward(self) -> None:
+        """Call between ``backward()`` and ``optimizer.step()``: waits for gradient copies, makes sure no
+        weight stays on the device, and hands host gradients to ``param.grad`` (optimizer offload)."""
+        synchronize(self.device)  # sync point: host gradient copies must land before the CPU optimizer reads
+        for offloader in self._offloaders.values():
+            if offloader.holds == 0:
+                offloader.offload()
+        for offloader in self._offloaders.values():
+            if isinstance(offloader, TrainableParamOffloader):
+                offloader.hand_over_grad()
+        self._stats.end_step()
+
+    def stats(self) -> OffloadStats:
+        """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""
+        return self._stats.snapshot(self.arena.reserved_bytes, self.arena.requested_bytes)
+
+    def remove(self) -> nn.Module:
+        """Detach every hook and leave ``model`` an ordinary CPU model holding the trained values."""
+        synchronize(self.device)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for offloader in self._offloaders.values():
+            offloader.detach()
+        self._offloaders.clear()
+        self.units = []
+        return self.model
+
+    def __repr__(self) -> str:
+        kinds: dict[str, int] = {}
+        for offloader in self._offloaders.values():
+            kinds[offloader.kind] = kinds.get(offloader.kind, 0) + offloader.nbytes
+        return (f"OffloadTrainingManager(device={self.device}, units={len(self.units)}, bytes_by_kind={kinds}, "
+                f"pinned_reserved={self.arena.reserved_bytes})")
+
+
+def _offload_grad_after_backward(offloader: TrainableParamOffloader, param: torch.Tensor) -> None:
+    offloader.offload_grad()
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise ValueError("model has no parameters; there is nothing to offload or train")
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"model tensor {name!r} is on {tensor.device}; the manager expects the model on the CPU "
+                "(call model.to('cpu') before creating OffloadTrainingManager)"
+            )
+
+
+def _threshold_bytes(threshold_mb: float | None) -> int | None:
+    if threshold_mb is None:
+        return None
+    if isinstance(threshold_mb, bool) or not isinstance(threshold_mb, (int, float)) or threshold_mb <= 0:
+        raise ValueError(
+            f"cpu_offload_split_threshold must be a positive number of MB (or None); got {threshold_mb!r}"
+        )
+    return int(threshold_mb * 2**20)

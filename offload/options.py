@@ -1,0 +1,57 @@
+"""Engine options: a plain dataclass, so `offload/` needs nothing beyond torch."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str | None, *, name: str = "gpu_memory_budget") -> int | None:
+    """Turn ``8GiB``, ``"512 MB"`` or ``1073741824`` into a byte count; ``None`` stays ``None``.
+
+    Raises:
+        ValueError: naming ``name`` when the value is negative or not a size.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a byte count or a size like '8GiB'; got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes; got {value}")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name} must be a byte count or a size like '8GiB' or '512MB'; got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(kw_only=True)
+class OffloadOptions:
+    """How the engine streams weights. The defaults suit most models; see docs for tuning.
+
+    Attributes:
+        prefetch: how many units ahead to copy while the current one computes. ``0`` copies each unit
+            on demand on the compute stream (the seed's serialized behaviour).
+        granularity: ``"leaf"`` makes every leaf module with weights a unit (the seed's default);
+            ``"block"`` groups each repeated block (e.g. a transformer layer) into one unit and one copy.
+        gpu_memory_budget: device bytes the engine may keep resident (``int`` or ``"8GiB"``). Units that
+            fit stay on the device and are never copied again; ``None`` streams everything.
+        pin_memory: keep host copies in page-locked memory (fast, asynchronous copies). Falls back to
+            ordinary memory when no accelerator exists.
+    """
+
+    prefetch: int = 1
+    granularity: str = "leaf"
+    gpu_memory_budget: int | str | None = None
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0 (0 = no prefetch); got {self.prefetch!r}")
+        if self.granularity not in ("leaf", "block"):
+            raise ValueError(f"granularity must be 'leaf' or 'block'; got {self.granularity!r}")
+        self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)

@@ -1,0 +1,96 @@
+"""What the engine did: bytes moved each way, copies made, memory held. Users tune from these."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """A snapshot of the engine's counters (totals since the manager was created unless noted).
+
+    Attributes:
+        h2d_bytes: bytes copied host -> device.
+        d2h_bytes: bytes copied device -> host (gradients, mutated buffers).
+        onloads: tensor copies made to the device.
+        pinned_reserved_bytes: host bytes the arena holds.
+        pinned_requested_bytes: host bytes the tensors in it need.
+        device_bytes: device bytes the engine holds right now (resident weights, buffers).
+        peak_device_bytes: the most device bytes the engine held at once.
+        steps: completed ``after_backward`` calls.
+        last_step_h2d_bytes / last_step_d2h_bytes: bytes moved during the last step.
+        last_step_h2d_gbps / last_step_d2h_gbps: achieved copy bandwidth in the last step (GB/s of copy time).
+        copy_wait_seconds: total time the compute stream waited for copies.
+    """
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    onloads: int = 0
+    pinned_reserved_bytes: int = 0
+    pinned_requested_bytes: int = 0
+    device_bytes: int = 0
+    peak_device_bytes: int = 0
+    steps: int = 0
+    last_step_h2d_bytes: int = 0
+    last_step_d2h_bytes: int = 0
+    last_step_h2d_gbps: float = 0.0
+    last_step_d2h_gbps: float = 0.0
+    copy_wait_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """JSON-able numbers, for progress reports."""
+        return asdict(self)
+
+
+class StatsCounter:
+    """Mutable counters the offloaders update; ``snapshot`` freezes them into an ``OffloadStats``."""
+
+    def __init__(self) -> None:
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.onloads = 0
+        self.device_bytes = 0
+        self.peak_device_bytes = 0
+        self.steps = 0
+        self.copy_wait_seconds = 0.0
+        self._step_start = (0, 0)
+        self.last_step = (0, 0)
+        self.last_step_gbps = (0.0, 0.0)
+
+    def record_h2d(self, nbytes: int) -> None:
+        self.h2d_bytes += nbytes
+        self.onloads += 1
+
+    def record_d2h(self, nbytes: int) -> None:
+        self.d2h_bytes += nbytes
+
+    def hold(self, nbytes: int) -> None:
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def drop(self, nbytes: int) -> None:
+        self.device_bytes -= nbytes
+
+    def start_step(self) -> None:
+        """Count from here (e.g. after setup moved trainable weights once)."""
+        self._step_start = (self.h2d_bytes, self.d2h_bytes)
+
+    def end_step(self, h2d_seconds: float = 0.0, d2h_seconds: float = 0.0) -> None:
+        """Close a step: remember what it moved and how fast (seconds of copy time measured by the caller)."""
+        h2d = self.h2d_bytes - self._step_start[0]
+        d2h = self.d2h_bytes - self._step_start[1]
+        self.last_step = (h2d, d2h)
+        self.last_step_gbps = (h2d / h2d_seconds / 1e9 if h2d_seconds > 0 else 0.0,
+                               d2h / d2h_seconds / 1e9 if d2h_seconds > 0 else 0.0)
+        self._step_start = (self.h2d_bytes, self.d2h_bytes)
+        self.steps += 1
+
+    def snapshot(self, pinned_reserved: int, pinned_requested: int) -> OffloadStats:
+        return OffloadStats(
+            h2d_bytes=self.h2d_bytes, d2h_bytes=self.d2h_bytes, onloads=self.onloads,
+            pinned_reserved_bytes=pinned_reserved, pinned_requested_bytes=pinned_requested,
+            device_bytes=self.device_bytes, peak_device_bytes=self.peak_device_bytes, steps=self.steps,
+            last_step_h2d_bytes=self.last_step[0], last_step_d2h_bytes=self.last_step[1],
+            last_step_h2d_gbps=self.last_step_gbps[0], last_step_d2h_gbps=self.last_step_gbps[1],
+            copy_wait_seconds=self.copy_wait_seconds,
+        )

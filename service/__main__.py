@@ -1,0 +1,35 @@
+"""``python -m service``: serve Ferry with settings from FERRY_* variables (and ``.env``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+from pydantic import ValidationError
+
+from .app import create_app
+from .settings import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    parser.add_argument("--host", help="bind address (FERRY_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (FERRY_PORT, default 8000)")
+    parser.add_argument("--data-dir", help="where the database, checkpoints and logs live (FERRY_DATA_DIR)")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port, "data_dir": args.data_dir}.items() if v}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as error:
+        for problem in error.errors():
+            print(f"ferry: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The FastAPI application: ``create_app(settings)`` for tests and embedding, ``app`` for uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI
+
+from .body_limit import BodyLimitMiddleware
+from .deps import require_token
+from .devices import GpuMonitor, plan_slots, query_gpus
+from .errors import install_error_handlers
+from .executor import Executor, LocalProcessExecutor
+from .routes import checkpoints, events, health, jobs, workers
+from .scheduler import Scheduler
+from .settings import Settings
+from .store import JobStore
+
+log = logging.getLogger("ferry")
+
+
+def create_app(settings: Settings | None = None, *, executor: Executor | None = None,
+               gpu_monitor: GpuMonitor | None = None) -> FastAPI:
+    """Build the service. The store opens and the workers start in the lifespan, not at import.
+
+    Example:
+        app = create_app(Settings(data_dir=tmp_path))
+        uvicorn.run(app, host="127.0.0.1", port=8000)
+    """
+    settings = settings or Settings()
+    gpu_monitor = gpu_monitor or GpuMonitor(query_gpus)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = JobStore(settings.db_path)  # creates the data dir and schema on a fresh start
+        slots = plan_slots(settings, gpu_monitor.gpus())
+        scheduler = Scheduler(store, executor or LocalProcessExecutor(), slots, settings)
+        app.state.settings, app.state.store, app.state.scheduler = settings, store, scheduler
+        app.state.gpu_monitor = gpu_monitor
+        scheduler.start()
+        log.info("Ferry ready: data in %s, workers %s", settings.data_dir.resolve(), [s.id for s in slots])
+        try:
+            yield
+        finally:
+            scheduler.stop()  # running jobs checkpoint and go back to the queue
+            store.close()
+
+    app = FastAPI(title="Ferry", version="0.1.0", lifespan=lifespan,
+                  description="Submit YAML training jobs; follow their progress; download checkpoints.")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+    for module in (jobs, events, checkpoints, workers):
+        v1.include_router(module.router)
+    app.include_router(v1)
+    app.include_router(health.router)
+    # /metrics carries job ids and figures, so it takes the token too when one is set.
+    app.add_api_route("/metrics", health.metrics, methods=["GET"], tags=["health"],
+                      dependencies=[Depends(require_token)], response_class=health.PlainTextResponse)
+    return app
+
+
+app = create_app()  # `uvicorn service.app:app`; settings from FERRY_* variables

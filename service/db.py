@@ -1,0 +1,116 @@
+"""SQLite connections and the schema, created on every start so a fresh data dir just works."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,  -- list order and cursor
+    id              TEXT NOT NULL UNIQUE,
+    name            TEXT,
+    status          TEXT NOT NULL,
+    spec_text       TEXT NOT NULL,                      -- as submitted
+    spec_json       TEXT NOT NULL,                      -- as resolved by jobs.load_job_spec
+    idempotency_key TEXT UNIQUE,
+    request_sha256  TEXT,
+    total_steps     INTEGER,
+    created_at      REAL NOT NULL,
+    updated_at      REAL NOT NULL,
+    started_at      REAL,
+    finished_at     REAL,
+    attempt         INTEGER NOT NULL DEFAULT 0,         -- times it has been launched
+    retries         INTEGER NOT NULL DEFAULT 0,         -- automatic requeues after an interruption
+    worker          TEXT,
+    device          TEXT,
+    pid             INTEGER,
+    pid_started_at  REAL,                               -- with pid, tells a live process from a reused pid
+    stop_request    TEXT,                               -- 'pause' | 'cancel' while the process winds down
+    error_code      TEXT,
+    error_message   TEXT,
+    progress_json   TEXT,                               -- the latest `step` event
+    checkpoint_json TEXT                                -- the latest `checkpoint` event
+);
+CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, seq);
+CREATE TABLE IF NOT EXISTS events (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,       -- the cursor and the SSE id
+    job_id     TEXT NOT NULL,
+    attempt    INTEGER NOT NULL,
+    type       TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    data       TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
+CREATE INDEX IF NOT EXISTS events_by_job_type ON events (job_id, type, id);
+"""
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Open ``path`` in WAL mode with autocommit; callers open transactions explicitly."""
+    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    conn.row_factory = sqlite3.Row
+    # WAL lets the API read while a worker writes events. synchronous=NORMAL in WAL mode never corrupts the
+    # file; a power loss can drop only the last few commits, which a resume from checkpoint covers.
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+def create_schema(path: Path) -> None:
+    """Create the data dir, the file and every table if missing; idempotent."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = connect(path)
+    try:
+        conn.executescript(SCHEMA)
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+        )
+    finally:
+        conn.close()
+
+
+class Database:
+    """One connection per thread on one file, plus a ``transaction()`` that takes the write lock up front."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = connect(self.path)
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT: read-check-write with no other writer in between."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+        self._local = threading.local()

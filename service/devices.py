@@ -1,0 +1,71 @@
+"""Worker slots (one per GPU, or CPU slots when there is none) and what the GPUs hold right now."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+from .settings import Settings
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A place one job runs at a time: a GPU index, or the CPU (``device`` None)."""
+
+    id: str
+    device: str | None
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: str
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: int
+
+
+def query_gpus() -> list[GpuInfo]:
+    """Ask ``nvidia-smi``, which never initialises CUDA in this process; [] on a machine without it."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        index, name, total, used = (part.strip() for part in line.split(","))
+        gpus.append(GpuInfo(index, name, int(float(total)) << 20, int(float(used)) << 20))
+    return gpus
+
+
+def plan_slots(settings: Settings, gpus: list[GpuInfo]) -> list[Slot]:
+    """One slot per GPU named in ``settings.devices`` (or every GPU for "auto"); CPU slots when none."""
+    spec = settings.devices.strip().lower()
+    if spec == "auto":
+        indices = [gpu.index for gpu in gpus]
+    elif spec == "cpu":
+        indices = []
+    else:
+        indices = [part.strip() for part in spec.split(",") if part.strip()]
+    if indices:
+        return [Slot(id=f"gpu{index}", device=index) for index in indices]
+    return [Slot(id=f"cpu{n}", device=None) for n in range(settings.cpu_workers)]
+
+
+class GpuMonitor:
+    """``query_gpus`` cached for a couple of seconds: /v1/workers and /metrics may be polled hard."""
+
+    def __init__(self, probe=query_gpus, ttl_s: float = 2.0) -> None:  # noqa: ANN001 - a callable
+        self._probe, self._ttl = probe, ttl_s
+        self._at, self._cached = 0.0, []  # type: float, list[GpuInfo]
+
+    def gpus(self) -> list[GpuInfo]:
+        if time.monotonic() - self._at > self._ttl:
+            self._cached, self._at = self._probe(), time.monotonic()
+        return self._cached

@@ -1,0 +1,47 @@
+"""The launch interface the scheduler codes against; a Ray executor implements the same two protocols."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+StopKind = Literal["pause", "cancel"]
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Everything a job's process needs; plain data so it pickles into a spawned process or a Ray task."""
+
+    job_id: str
+    attempt: int
+    spec_text: str
+    output_dir: Path
+    device: str | None  # GPU index to expose as CUDA_VISIBLE_DEVICES; None = CPU only
+    db_path: Path  # where the process writes its events
+    log_path: Path
+    model_roots: list[Path] = field(default_factory=list)
+    data_roots: list[Path] = field(default_factory=list)
+
+
+class RunHandle(Protocol):
+    """A launched job. The scheduler polls it; it never blocks."""
+
+    pid: int | None
+    started_at: float | None  # the process's start time, to tell it from a reused pid after a restart
+
+    def exit_code(self) -> int | None:
+        """None while running; the exit code once it ended (negative: killed by that signal)."""
+
+    def request_stop(self, kind: StopKind) -> None:
+        """Ask the job to stop at its next step: ``pause`` checkpoints first, ``cancel`` does not."""
+
+    def kill(self) -> None:
+        """Stop it now (SIGKILL for a local process)."""
+
+
+class Executor(Protocol):
+    """Starts jobs somewhere. Events come back through the store, whatever the executor."""
+
+    def launch(self, request: LaunchRequest) -> RunHandle:
+        """Start the job and return at once."""

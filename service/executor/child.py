@@ -1,0 +1,100 @@
+"""The entry point of a job's spawned process: run ``jobs.run_job`` and write its events to the store.
+
+Nothing heavy is imported at module level: ``CUDA_VISIBLE_DEVICES`` must be set before torch starts CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from .base import LaunchRequest
+
+STOP_NONE, STOP_PAUSE, STOP_CANCEL = 0, 1, 2
+
+log = logging.getLogger("ferry.job")
+
+
+def run_child(request: LaunchRequest, stop_flag: Any) -> None:
+    """Run one attempt of a job; exit code 0 when it ended by itself (succeeded, paused, cancelled)."""
+    # Pin the process to its GPU before anything can initialise CUDA; "" hides every GPU from a CPU job.
+    os.environ["CUDA_VISIBLE_DEVICES"] = request.device if request.device is not None else ""
+    # Ctrl-C in the server's terminal reaches the whole process group; the server decides how we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _log_to_file(request)
+
+    from ..store import JobStore  # after the environment is set
+
+    store = JobStore(request.db_path)
+    reporter = _Reporter(store, request)
+    parent = os.getppid()
+
+    def should_stop() -> str | None:
+        if os.getppid() != parent:  # the server died: checkpoint and leave; the next server resumes us
+            return "pause"
+        return {STOP_PAUSE: "pause", STOP_CANCEL: "cancel"}.get(stop_flag.value)
+
+    try:
+        outcome = _run(request, reporter, should_stop)
+    except BaseException as error:  # noqa: BLE001 - every failure must reach the store before we die
+        log.exception("job %s failed", request.job_id)
+        reporter.failed(error)
+        store.close()
+        sys.exit(1)
+    reporter.finished(outcome.status, outcome.step)
+    store.close()
+
+
+def _run(request: LaunchRequest, reporter: "_Reporter", should_stop: Any) -> Any:
+    from jobs import PathRoots, load_job_spec, run_job
+
+    roots = PathRoots(model_roots=request.model_roots, data_roots=request.data_roots)
+    spec = load_job_spec(request.spec_text, roots=roots)
+    request.output_dir.mkdir(parents=True, exist_ok=True)
+    return run_job(spec, output_dir=request.output_dir, report=reporter, resume=True, should_stop=should_stop)
+
+
+class _Reporter:
+    """The ``report`` callback: every event goes straight into the store, so a crash loses nothing sent."""
+
+    def __init__(self, store: Any, request: LaunchRequest) -> None:
+        self._store, self._request = store, request
+        self._ended = False
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event.get("type") in ("finished", "failed"):
+            self._ended = True
+        self._store.append_event(self._request.job_id, self._request.attempt, event)
+
+    def finished(self, status: str, step: int) -> None:
+        if not self._ended:
+            self({"type": "finished", "status": status, "step": step})
+
+    def failed(self, error: BaseException) -> None:
+        if not self._ended:
+            self({"type": "failed", "error": _error_code(error), "message": str(error) or type(error).__name__})
+
+
+def _error_code(error: BaseException) -> str:
+    try:
+        from jobs import JobSpecError, OutOfMemoryHint
+    except ImportError:
+        return type(error).__name__
+    if isinstance(error, OutOfMemoryHint):
+        return "out_of_memory"
+    if isinstance(error, JobSpecError):
+        return "invalid_spec"
+    return type(error).__name__
+
+
+def _log_to_file(request: LaunchRequest) -> None:
+    request.log_path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(request.log_path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    # Stray prints and tracebacks from libraries end up in the same file.
+    stream = open(request.log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+    sys.stdout = sys.stderr = stream

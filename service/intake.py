@@ -1,0 +1,71 @@
+"""From a request body to a checked ``JobSpec``: content type, shape limits, then ``jobs.load_job_spec``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
+
+from .errors import ApiError
+from .settings import Settings
+from .yaml_guard import YamlShapeError, check_yaml_shape
+
+YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain"})
+JSON_TYPES = frozenset({"application/json"})
+
+
+def spec_text_from_body(body: bytes, content_type: str | None) -> str:
+    """The spec as text; JSON is accepted as is because JSON is YAML."""
+    media_type = (content_type or "application/yaml").split(";")[0].strip().lower()
+    if media_type not in YAML_TYPES | JSON_TYPES:
+        raise ApiError(415, "unsupported_media_type",
+                       f"Content-Type {media_type!r} is not accepted; send the spec as application/yaml "
+                       "(or text/yaml) or as application/json.")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(400, "invalid_encoding", f"The body is not UTF-8 (byte {error.start}); save the spec "
+                       "as UTF-8.") from None
+    if not text.strip():
+        raise _spec_error([{"path": "", "message": "the body is empty; send a job spec", "line": None,
+                            "suggestion": None}])
+    if media_type in JSON_TYPES:
+        _check_json(text)
+    return text
+
+
+def load_checked_spec(text: str, settings: Settings) -> JobSpec:
+    """Check the text's shape before anything expands it, then let ``jobs`` check every field."""
+    try:
+        check_yaml_shape(text, max_depth=settings.max_yaml_depth, max_nodes=settings.max_yaml_nodes)
+    except YamlShapeError as error:
+        raise _spec_error([{"path": "", "message": error.message, "line": error.line, "suggestion": None}]) from None
+    roots = PathRoots(model_roots=settings.effective_model_roots, data_roots=settings.effective_data_roots)
+    try:
+        return load_job_spec(text, roots=roots)
+    except JobSpecError as error:
+        raise _spec_error([asdict(p) for p in error.problems]) from None
+
+
+def _check_json(text: str) -> None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _spec_error([{"path": "", "message": f"the body is not valid JSON: {error.msg} at line "
+                            f"{error.lineno}, column {error.colno}", "line": error.lineno, "suggestion": None}]) from None
+
+
+def _spec_error(problems: list[dict[str, Any]]) -> ApiError:
+    listed = "; ".join(_describe(p) for p in problems)
+    noun = "problem" if len(problems) == 1 else "problems"
+    return ApiError(422, "invalid_spec", f"The job spec has {len(problems)} {noun}: {listed}", problems=problems)
+
+
+def _describe(problem: dict[str, Any]) -> str:
+    where = problem["path"] or "spec"
+    if problem.get("line") is not None:
+        where += f" (line {problem['line']})"
+    hint = f"; did you mean '{problem['suggestion']}'?" if problem.get("suggestion") else ""
+    return f"{where}: {problem['message']}{hint}"

@@ -1,0 +1,103 @@
+"""/v1/jobs/{id}/events, its live stream, the per-step metrics series and the job's log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..deps import SettingsDep, StoreDep
+from ..schemas import EventPublic, EventsPublic, MetricsPublic
+from ..store import JobStore
+
+router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
+
+HEARTBEAT_S = 15.0
+POLL_S = 0.25
+
+
+@router.get("/events")
+def list_events(
+    job_id: str, store: StoreDep,
+    after: Annotated[int, Query(ge=0, description="the last event id you have")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EventsPublic:
+    """Stored events, oldest first, from after the cursor."""
+    store.get_job(job_id)  # 404 for an unknown id
+    events = store.list_events(job_id, after=after, limit=limit + 1)
+    page = events[:limit]
+    return EventsPublic(data=[EventPublic.from_record(e) for e in page],
+                        next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
+
+
+@router.get("/events/stream", response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}}}})
+async def stream_events(
+    job_id: str, request: Request, store: StoreDep,
+    after: Annotated[int, Query(ge=0)] = 0,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
+    """Server-sent events; a reconnecting client sends ``Last-Event-ID`` and misses nothing."""
+    await run_in_threadpool(store.get_job, job_id)
+    start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+    return StreamingResponse(_sse(store, job_id, start, request), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> AsyncIterator[str]:
+    yield "retry: 2000\n\n"
+    last_sent = time.monotonic()
+    while not await request.is_disconnected():
+        events = await run_in_threadpool(store.list_events, job_id, after=after, limit=500)
+        for event in events:
+            payload = EventPublic.from_record(event).model_dump_json()
+            yield f"id: {event.id}\nevent: {event.type}\ndata: {payload}\n\n"
+            after = event.id
+        if events:
+            last_sent = time.monotonic()
+            continue
+        job = await run_in_threadpool(store.get_job, job_id)
+        if job.status.is_finished:  # everything is out; the client may close
+            yield f"event: end\ndata: {json.dumps({'status': job.status.value})}\n\n"
+            return
+        if time.monotonic() - last_sent > HEARTBEAT_S:
+            yield ": keep-alive\n\n"
+            last_sent = time.monotonic()
+        await asyncio.sleep(POLL_S)
+
+
+@router.get("/metrics")
+def read_metrics(
+    job_id: str, store: StoreDep,
+    after: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 2_000,
+) -> MetricsPublic:
+    """One point per step: loss, learning rate, throughput, GPU/host/pinned memory, offload figures."""
+    store.get_job(job_id)
+    events = store.list_events(job_id, after=after, limit=limit + 1, types=["step"])
+    page = events[:limit]
+    points = [{**e.data, "event_id": e.id, "time": e.created_at} for e in page]
+    for point in points:
+        point.pop("type", None)
+    return MetricsPublic(data=points, next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
+
+
+@router.get("/logs", response_class=PlainTextResponse)
+def read_logs(
+    job_id: str, store: StoreDep, settings: SettingsDep,
+    tail_bytes: Annotated[int, Query(ge=1, le=16 << 20)] = 256 << 10,
+) -> PlainTextResponse:
+    """The end of the job's log file (all attempts), as plain text."""
+    store.get_job(job_id)
+    path = settings.job_dir(job_id) / "job.log"
+    if not path.exists():
+        return PlainTextResponse("")
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - tail_bytes))
+        return PlainTextResponse(f.read().decode("utf-8", errors="replace"))

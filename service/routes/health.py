@@ -1,0 +1,36 @@
+"""/health (the process answers), /ready (store and queue work) and /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from ..deps import SchedulerDep, StoreDep
+from ..prometheus import render_metrics
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+def health() -> dict[str, str]:
+    """Liveness: the server answers."""
+    return {"status": "ok"}
+
+
+@router.get("/ready", responses={503: {"description": "recovering, or the store or queue is down"}})
+def ready(store: StoreDep, scheduler: SchedulerDep) -> JSONResponse:
+    """Readiness: the store answers, start-up recovery is done and the queue thread runs."""
+    try:
+        store.count_by_status()
+    except Exception as error:  # noqa: BLE001 - any store failure means not ready
+        return JSONResponse({"status": "unavailable", "reason": f"store: {error}"}, status_code=503)
+    if not scheduler.ready.is_set():
+        return JSONResponse({"status": "starting", "reason": "recovering interrupted jobs"}, status_code=503)
+    if not scheduler.is_alive():
+        return JSONResponse({"status": "unavailable", "reason": "the scheduler thread stopped"}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+def metrics(store: StoreDep, scheduler: SchedulerDep) -> PlainTextResponse:
+    """Prometheus text format: jobs by status, busy workers, and the latest figures of running jobs."""
+    return PlainTextResponse(render_metrics(store, scheduler), media_type="text/plain; version=0.0.4")

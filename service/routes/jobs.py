@@ -1,0 +1,121 @@
+"""/v1/jobs: submit, validate, list, read, cancel, pause, resume, delete."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import shutil
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response, status
+
+from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, StoreDep
+from ..errors import ApiError
+from ..fit import estimate_fit
+from ..intake import load_checked_spec, spec_text_from_body
+from ..schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
+from ..status import JobStatus
+from ..store import IdempotencyConflict, QueueFull
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+_SPEC_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/yaml": {"schema": {"type": "string"}}, "application/json": {"schema": {"type": "object"}}},
+    }
+}
+_ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody}}
+
+
+@router.post("", status_code=201, openapi_extra=_SPEC_BODY,
+             responses={200: {"model": JobPublic, "description": "a repeated Idempotency-Key"},
+                        413: {"model": ErrorBody}, 422: {"model": ErrorBody}, 429: {"model": ErrorBody}})
+def create_job(
+    body: SpecBody, request: Request, response: Response,
+    store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> JobPublic:
+    """Queue a job from a YAML (or JSON) spec. Every problem in the spec is reported at once."""
+    text = spec_text_from_body(body, request.headers.get("content-type"))
+    spec = load_checked_spec(text, settings)
+    try:
+        job, created = store.create_job(
+            job_id=f"job-{secrets.token_hex(6)}", name=spec.name, spec_text=text, spec=spec.model_dump(mode="json"),
+            idempotency_key=idempotency_key, request_sha256=hashlib.sha256(body).hexdigest(),
+            max_queued=settings.max_queued_jobs,
+        )
+    except QueueFull:
+        raise ApiError(429, "queue_full", f"The queue already holds {settings.max_queued_jobs} jobs "
+                       "(FERRY_MAX_QUEUED_JOBS); wait for some to start or cancel queued ones.") from None
+    except IdempotencyConflict:
+        raise ApiError(422, "idempotency_key_reused", f"Idempotency-Key {idempotency_key!r} was already used "
+                       "with a different spec; send a new key for a new job.") from None
+    if created:
+        scheduler.wake()
+        response.headers["Location"] = f"/v1/jobs/{job.id}"
+    else:
+        response.status_code = status.HTTP_200_OK
+    return JobPublic.from_record(job)
+
+
+@router.post("/validate", openapi_extra=_SPEC_BODY, responses={422: {"model": ErrorBody}})
+def validate_job(
+    body: SpecBody, request: Request, settings: SettingsDep,
+    scheduler: SchedulerDep, gpus: GpuMonitorDep,
+) -> ValidationPublic:
+    """The same checks as submitting, plus whether the job fits this service's GPUs; queues nothing."""
+    spec = load_checked_spec(spec_text_from_body(body, request.headers.get("content-type")), settings)
+    return ValidationPublic(valid=True, name=spec.name, spec=spec.model_dump(mode="json"),
+                            estimate=estimate_fit(spec, scheduler.slots, gpus.gpus()))
+
+
+@router.get("")
+def list_jobs(
+    store: StoreDep,
+    status: Annotated[list[JobStatus] | None, Query(description="repeat to match several")] = None,
+    cursor: Annotated[str | None, Query(pattern=r"^\d+$")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> JobsPublic:
+    """Jobs, newest first, one page at a time."""
+    jobs, next_cursor = store.list_jobs(statuses=status, before=int(cursor) if cursor else None, limit=limit)
+    return JobsPublic(data=[JobPublic.from_record(j) for j in jobs],
+                      next_cursor=None if next_cursor is None else str(next_cursor))
+
+
+@router.get("/{job_id}", responses=_ERRORS)
+def read_job(job_id: str, store: StoreDep) -> JobPublic:
+    """One job: status, progress, latest metrics and memory, error, worker and GPU, spec."""
+    return JobPublic.from_record(store.get_job(job_id))
+
+
+@router.post("/{job_id}/cancel", responses=_ERRORS)
+def cancel_job(job_id: str, store: StoreDep, scheduler: SchedulerDep) -> JobPublic:
+    """Cancel now; a running job is stopped within FERRY_CANCEL_GRACE_S (``stop_requested: cancel``)."""
+    job = store.cancel(job_id)
+    scheduler.wake()
+    return JobPublic.from_record(job)
+
+
+@router.post("/{job_id}/pause", responses=_ERRORS)
+def pause_job(job_id: str, store: StoreDep, scheduler: SchedulerDep) -> JobPublic:
+    """Pause: a running job checkpoints at its next step and frees its slot."""
+    job = store.pause(job_id)
+    scheduler.wake()
+    return JobPublic.from_record(job)
+
+
+@router.post("/{job_id}/resume", responses=_ERRORS)
+def resume_job(job_id: str, store: StoreDep, scheduler: SchedulerDep) -> JobPublic:
+    """Queue a paused, interrupted or failed job again; it continues from its last checkpoint."""
+    job = store.resume(job_id)
+    scheduler.wake()
+    return JobPublic.from_record(job)
+
+
+@router.delete("/{job_id}", status_code=204, responses=_ERRORS)
+def delete_job(job_id: str, store: StoreDep, settings: SettingsDep) -> Response:
+    """Delete a finished job with its events, checkpoints and logs."""
+    store.delete_job(job_id)
+    shutil.rmtree(settings.job_dir(job_id), ignore_errors=True)
+    return Response(status_code=204)

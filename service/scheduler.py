@@ -1,0 +1,228 @@
+"""The queue's engine: feeds free slots, watches running jobs, and recovers after a crash."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from .devices import Slot
+from .executor import Executor, LaunchRequest, RunHandle
+from .records import JobRecord
+from .settings import Settings
+from .status import IllegalTransition, JobStatus
+from .store import JobNotFound, JobStore
+
+log = logging.getLogger("ferry.scheduler")
+
+
+@dataclass
+class Running:
+    """A job occupying a slot."""
+
+    job_id: str
+    attempt: int
+    handle: RunHandle
+    stop_sent: str | None = None
+    kill_at: float | None = None  # monotonic deadline after a cancel
+    shutting_down: bool = field(default=False)
+
+
+class Scheduler:
+    """A background thread that runs the queue: one job per slot, oldest queued job first.
+
+    Example:
+        scheduler = Scheduler(store, LocalProcessExecutor(), slots, settings)
+        scheduler.start()   # recovers jobs left running by a dead server, then runs the queue
+        scheduler.stop()    # running jobs checkpoint and go back to the queue
+    """
+
+    def __init__(self, store: JobStore, executor: Executor, slots: list[Slot], settings: Settings) -> None:
+        self.store, self.executor, self.slots, self.settings = store, executor, slots, settings
+        self.running: dict[str, Running] = {}  # by slot id
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ferry-scheduler", daemon=True)
+        self.ready = threading.Event()  # set once recovery is done
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Tick now rather than at the next poll (a job was queued or a stop requested)."""
+        self._wake.set()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop feeding slots; running jobs checkpoint (up to the shutdown grace) and are requeued."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join()
+
+    # -- the loop ----------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            self.recover()
+        except Exception:  # noqa: BLE001 - a broken recovery must not stop the queue
+            log.exception("recovery failed")
+        self.ready.set()
+        while not self._stopping.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - keep the queue running; the error is logged
+                log.exception("scheduler tick failed")
+            self._wake.wait(self.settings.poll_interval_s)
+            self._wake.clear()
+        self._shutdown_running()
+
+    def tick(self) -> None:
+        """One pass: collect ended jobs, pass on stop requests, start queued jobs on free slots."""
+        for slot_id, run in list(self.running.items()):
+            code = run.handle.exit_code()
+            if code is not None:
+                del self.running[slot_id]
+                self._settle(run, code)
+            else:
+                self._forward_stop(run)
+        for slot in self.slots:
+            if slot.id not in self.running and not self._stopping.is_set():
+                if not self._start_next(slot):
+                    break
+
+    def _start_next(self, slot: Slot) -> bool:
+        job = self.store.claim_next(worker=slot.id, device=slot.device)
+        if job is None:
+            return False
+        try:
+            handle = self.executor.launch(self._launch_request(job, slot))
+        except Exception as error:  # noqa: BLE001 - a launch failure fails this job, not the queue
+            log.exception("could not launch %s", job.id)
+            self.store.transition(job.id, JobStatus.FAILED, reason="launch failed",
+                                  error_code="launch_failed", error_message=f"Could not start the job: {error}")
+            return True
+        self.store.set_process(job.id, pid=handle.pid, started_at=handle.started_at)
+        self.running[slot.id] = Running(job.id, job.attempt, handle)
+        log.info("started %s attempt %d on %s (pid %s)", job.id, job.attempt, slot.id, handle.pid)
+        return True
+
+    def _launch_request(self, job: JobRecord, slot: Slot) -> LaunchRequest:
+        job_dir = self.settings.job_dir(job.id)
+        return LaunchRequest(
+            job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=job_dir / "output",
+            device=slot.device, db_path=self.settings.db_path, log_path=job_dir / "job.log",
+            model_roots=self.settings.effective_model_roots, data_roots=self.settings.effective_data_roots,
+        )
+
+    def _forward_stop(self, run: Running) -> None:
+        try:
+            wanted = self.store.get_job(run.job_id).stop_request
+        except JobNotFound:
+            wanted = "cancel"
+        if wanted and wanted != run.stop_sent and run.stop_sent != "cancel":
+            run.handle.request_stop(wanted)  # type: ignore[arg-type]
+            run.stop_sent = wanted
+            if wanted == "cancel":
+                run.kill_at = time.monotonic() + self.settings.cancel_grace_s
+        if run.kill_at is not None and time.monotonic() >= run.kill_at:
+            run.handle.kill()  # cancel must be prompt even in the middle of a long step
+
+    # -- deciding what an ended process means ----------------------------------------------------------
+
+    def _settle(self, run: Running, code: int) -> None:
+        try:
+            job = self.store.get_job(run.job_id)
+        except JobNotFound:
+            return
+        if job.status is not JobStatus.RUNNING or job.attempt != run.attempt:
+            return
+        outcome = self.store.last_outcome(job.id, run.attempt)
+        target, reason, error = self._judge(job, run, code, outcome.data if outcome else None)
+        try:
+            self.store.transition(job.id, target, reason=reason, **error)
+        except IllegalTransition:
+            log.exception("could not settle %s", job.id)
+            return
+        if target is JobStatus.INTERRUPTED:
+            self.store.requeue_interrupted(job.id, max_retries=self.settings.max_retries,
+                                           count_retry=not run.shutting_down)
+        log.info("%s attempt %d ended: %s (%s)", job.id, run.attempt, target.value, reason)
+
+    @staticmethod
+    def _judge(job: JobRecord, run: Running, code: int, outcome: dict | None) -> tuple[JobStatus, str, dict]:
+        if outcome and outcome.get("type") == "failed":
+            return JobStatus.FAILED, "the job raised an error", {
+                "error_code": str(outcome.get("error") or "error"), "error_message": str(outcome.get("message"))}
+        if outcome and outcome.get("status") in ("succeeded", "cancelled"):
+            return JobStatus(outcome["status"]), f"the job {outcome['status']}", {}
+        if outcome and outcome.get("status") == "paused":
+            if run.shutting_down:
+                return JobStatus.INTERRUPTED, "paused for a server shutdown", {}
+            return JobStatus.PAUSED, "checkpointed and paused", {}
+        if job.stop_request == "cancel" or run.stop_sent == "cancel":
+            return JobStatus.CANCELLED, "cancelled by user", {}
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return JobStatus.INTERRUPTED, f"the job's process {how} without finishing", {}
+
+    # -- start-up and shutdown ---------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Jobs marked running by an earlier server are interrupted and requeued (bounded retries)."""
+        for job in self.store.jobs_with_status(JobStatus.RUNNING):
+            if _still_running(job):
+                # An orphan of the dead server pauses itself (it watches its parent); give it time to
+                # write its checkpoint, then make sure it is gone before anyone else writes that output.
+                _wait_then_kill(job.pid, self.settings.shutdown_grace_s)  # type: ignore[arg-type]
+            self.store.transition(job.id, JobStatus.INTERRUPTED,
+                                  reason=f"the server restarted and the job's process (pid {job.pid}) was gone")
+        for job in self.store.jobs_with_status(JobStatus.INTERRUPTED):
+            self.store.requeue_interrupted(job.id, max_retries=self.settings.max_retries, count_retry=True)
+
+    def _shutdown_running(self) -> None:
+        deadline = time.monotonic() + self.settings.shutdown_grace_s
+        for run in self.running.values():
+            run.shutting_down = True
+            if run.stop_sent != "cancel":
+                run.handle.request_stop("pause")
+        while self.running and time.monotonic() < deadline:
+            self._collect_ended()
+            time.sleep(0.05)
+        for run in self.running.values():
+            run.handle.kill()
+        while self.running:
+            self._collect_ended()
+            time.sleep(0.01)
+
+    def _collect_ended(self) -> None:
+        for slot_id, run in list(self.running.items()):
+            code = run.handle.exit_code()
+            if code is not None:
+                del self.running[slot_id]
+                self._settle(run, code)
+
+
+def _still_running(job: JobRecord) -> bool:
+    if job.pid is None:
+        return False
+    try:
+        process = psutil.Process(job.pid)
+        # A pid is reused by the OS; the start time tells our process from a stranger.
+        return job.pid_started_at is not None and abs(process.create_time() - job.pid_started_at) < 1.0
+    except psutil.Error:
+        return False
+
+
+def _wait_then_kill(pid: int, grace_s: float) -> None:
+    try:
+        process = psutil.Process(pid)
+        process.wait(timeout=grace_s)
+    except psutil.TimeoutExpired:
+        process.kill()
+    except psutil.Error:
+        pass
