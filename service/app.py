@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI
 
 from .body_limit import BodyLimitMiddleware
+from .dashboard import mount_dashboard
 from .deps import require_token
 from .devices import GpuMonitor, plan_slots, query_gpus
 from .errors import install_error_handlers
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
     # /metrics carries job ids and figures, so it takes the token too when one is set.
     app.add_api_route("/metrics", health.metrics, methods=["GET"], tags=["health"],
                       dependencies=[Depends(require_token)], response_class=health.PlainTextResponse)
+    mount_dashboard(app)  # the browser pages at /ui/; they read /v1 with the user's token
     return app
 
 
