@@ -1,13 +1,183 @@
-"""Placeholder; replaced below."""
+"""A fit check before queueing: peak device memory and pinned host memory, without loading any weight.
+
+The model is built on the meta device (shapes only) and the offload engine's own unit discovery cuts it
+into units, so the streaming window is the engine's, not a guess. Activations follow per-layer formulas
+for the built-in models (and Llama-style blocks for Hugging Face models). The device number is what
+``torch.cuda.max_memory_allocated`` should report; the CUDA context (~0.5 GiB) and allocator slack come on
+top of it in ``nvidia-smi``.
+"""
+
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from jobs.models.names import lora_target_matches, meta_model
+from jobs.spec import JobSpec
+from offload import discover_units, parse_bytes
+from offload.arena import _align, plan_chunk_size
+
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+_LORA_BYTES = 4  # peft keeps adapters in float32 even on a bf16 base model (autocast_adapter_dtype)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Estimated memory for a job.
+
+    Attributes:
+        peak_device_bytes: Peak bytes allocated by PyTorch on the device.
+        pinned_host_bytes: Page-locked host bytes the offload engine reserves (0 without model offload).
+        notes: How the numbers were reached, largest contributions first.
+    """
+
     peak_device_bytes: int
     pinned_host_bytes: int
     notes: list[str] = field(default_factory=list)
 
 
-def estimate_memory(spec):
-    raise NotImplementedError
+def estimate_memory(spec: JobSpec) -> MemoryEstimate:
+    """Estimate peak device bytes and pinned host bytes for ``spec`` (no weights are read or allocated).
+
+    Example:
+        >>> estimate = estimate_memory(load_job_spec(Path("configs/cpu_smoke.yaml").read_text()))
+        >>> estimate.peak_device_bytes > 0
+        True
+    """
+    model = _shapes_only_model(spec)
+    total = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
+    lora = _lora_bytes(model, spec)
+    trainable = lora if spec.lora is not None else total
+    offload = spec.offload
+    optimizer_state = _OPTIMIZER_STATES[spec.training.optimizer] * trainable
+    # torch's foreach Adam(W) step allocates one temporary the size of the trainable weights.
+    step_temp = trainable if spec.training.optimizer != "sgd" else 0
+    activations = _activation_bytes(spec, model)
+    notes = [f"weights {_gib(total)}, trainable {_gib(trainable)}, activations {_gib(activations)}"]
+
+    if not offload.enable_model_cpu_offload:
+        resident = total + lora + trainable + optimizer_state  # weights (+ adapters), gradients, state
+        notes.append("no offload: weights, gradients and optimizer state all on the device")
+        pinned = 0
+    else:
+        streamed = _streamed(model, spec)
+        window = _streaming_window(model, spec, streamed)
+        budget = min(parse_bytes(offload.gpu_memory_budget) or 0, total)
+        if offload.enable_optimizer_cpu_offload:
+            resident, step_temp = window + budget, 0
+            notes.append(f"model + optimizer offload: streaming window {_gib(window)} (units in flight, with "
+                         "their gradients); trainable weights and optimizer state on the host")
+        else:
+            resident = window + budget + 2 * trainable + optimizer_state  # weights, gradients, state
+            notes.append(f"model offload: streaming window {_gib(window)}; trainable weights, gradients and "
+                         "optimizer state on the device")
+        if budget:
+            notes.append(f"gpu_memory_budget keeps up to {_gib(budget)} resident")
+        pinned = _pinned_bytes(model, spec, streamed)
+    peak = resident + max(activations, step_temp)
+    notes.append(f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
+                 f"temporaries {_gib(step_temp)}); excludes the CUDA context")
+    return MemoryEstimate(int(peak), int(pinned), notes)
+
+
+def _shapes_only_model(spec: JobSpec) -> nn.Module:
+    dtype = getattr(torch, spec.model.dtype)
+    if spec.model.kind != "hf_causal_lm":
+        return meta_model(spec.model).to(dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(spec.model.path), local_files_only=True, trust_remote_code=False)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def _tensor_bytes(tensors: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _lora_bytes(model: nn.Module, spec: JobSpec) -> int:
+    if spec.lora is None:
+        return 0
+    total = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.dim() == 2 and any(lora_target_matches(name, t) for t in spec.lora.target_modules):
+            total += spec.lora.rank * sum(weight.shape) * _LORA_BYTES
+    return total
+
+
+def _streamed(model: nn.Module, spec: JobSpec) -> set[int]:
+    """ids of the tensors the engine streams: frozen weights and buffers, and trainable weights too under
+    optimizer offload (with full fine-tuning and no optimizer offload every weight stays on the device)."""
+    full_training = spec.lora is None
+    streams_trainable = spec.offload.enable_optimizer_cpu_offload
+    return {id(b) for b in model.buffers()} | {
+        id(p) for p in model.parameters() if not full_training or streams_trainable}
+
+
+def _streaming_window(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
+    """Device bytes of the units in flight: the one computing, ``prefetch`` ahead, one being released."""
+    threshold = spec.offload.cpu_offload_split_threshold
+    plans = discover_units(model, int(threshold * 2**20) if threshold else None)
+    units = [sum(t.numel() * t.element_size() for _, t in plan.tensors if id(t) in streamed) for plan in plans]
+    largest = max(units, default=0)
+    if spec.offload.granularity == "block":
+        blocks = [sum(t.numel() * t.element_size() for t in child.parameters() if id(t) in streamed)
+                  for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+        largest = max([largest, *blocks])
+    in_flight = 2 + spec.offload.prefetch
+    # Under full fine-tuning with optimizer offload a unit's gradients sit on the device until copied out.
+    grads = largest if spec.lora is None and spec.offload.enable_optimizer_cpu_offload else 0
+    return in_flight * largest + grads
+
+
+def _activation_bytes(spec: JobSpec, model: nn.Module) -> int:
+    training = spec.training
+    half = training.mixed_precision != "no" or spec.model.dtype != "float32"
+    e = 2 if half else 4
+    if spec.model.kind == "toy_mlp":
+        n, h, layers = training.batch_size, spec.model.hidden_size, spec.model.num_layers
+        return n * h * (e * (3 * layers + 2) + 4 * 3)  # per layer: norm in/out, residual; loss in float32
+    h, i, layers, vocab, per_layer = _lm_dims(spec, model)
+    n = training.batch_size * spec.data.seq_len
+    layer = n * (per_layer[0] * h + per_layer[1] * i) * e
+    kept = layers * n * h * e + layer if training.gradient_checkpointing else layers * layer
+    logits = n * vocab * (e + 12)  # logits, their float32 copy, log-softmax, and its gradient
+    return kept + layer + logits + 4 * n * h * e  # + one layer of backward temporaries, embeddings, final norm
+
+
+def _lm_dims(spec: JobSpec, model: nn.Module) -> tuple[int, int, int, int, tuple[int, int]]:
+    if spec.model.kind == "transformer_lm":
+        m = spec.model
+        return m.hidden_size, m.intermediate_size or 4 * m.hidden_size, m.num_layers, m.vocab_size, (9, 2)
+    config = model.config
+    h = config.hidden_size
+    return h, getattr(config, "intermediate_size", 4 * h), config.num_hidden_layers, config.vocab_size, (10, 4)
+
+
+def _pinned_bytes(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
+    """Replay the engine's arena planning over its host copies (streamed tensors, host gradient buffers)."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if id(t) in streamed]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    if spec.offload.enable_optimizer_cpu_offload:
+        if spec.lora is None:
+            sizes += [t.numel() * t.element_size() for t in model.parameters()]  # host gradient buffers
+        else:
+            sizes += [_lora_bytes(model, spec)] * 2  # adapters and their gradients (summed: they are tiny)
+    remaining, free, reserved = sum(_align(s) for s in sizes), [], 0
+    for size in sorted(sizes, reverse=True):
+        slot = next((k for k, room in enumerate(free) if room >= size), None)
+        if slot is None:
+            chunk = plan_chunk_size(_align(size), max(remaining, 0))
+            free.append(chunk)
+            reserved += chunk
+            slot = len(free) - 1
+        free[slot] -= _align(size)
+        remaining -= _align(size)
+    return reserved
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
