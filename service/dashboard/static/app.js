@@ -34,24 +34,34 @@ const ctx = {
   navigate(hash) { location.hash = hash; },
 };
 
+let routeSeq = 0;
+
 async function route() {
   cleanup();
   cleanup = () => {};
+  // Each visit renders into its own container: a page still loading when the user moves on writes
+  // into a detached element, and its streams and timers stop as soon as its render returns.
+  const seq = ++routeSeq;
   const { page, nav, params, query } = parseHash();
   document.querySelectorAll("[data-nav]").forEach((a) => a.classList.toggle("active", a.dataset.nav === nav));
-  view.replaceChildren();
+  const container = h("div", { class: `page page-${nav}` });
+  view.replaceChildren(container);
   window.scrollTo(0, 0);
   try {
-    cleanup = (await page.render(view, { params, query, ctx })) || (() => {});
+    const stop = (await page.render(container, { params, query, ctx })) || (() => {});
+    if (seq === routeSeq) cleanup = stop;
+    else stop();
   } catch (err) {
+    if (seq !== routeSeq) return;
     if (err instanceof AuthError) showTokenGate(err.message);
-    else throw err;
+    else view.replaceChildren(h("div", { class: "banner error", role: "alert" }, h("strong", {}, "This page failed to load. "), String(err?.message || err)));
   }
 }
 
 function showTokenGate(message) {
   cleanup();
   cleanup = () => {};
+  routeSeq += 1;  // whatever page was loading is superseded by the gate
   const hadToken = Boolean(getToken());
   forgetToken();
   updateTokenButton();

@@ -150,11 +150,17 @@ function drawStats(root, job, last) {
     stat("Learning rate", num(from("lr"), 3), { id: "lr" }),
     stat("Throughput", rate(from("samplesPerS"), "samples/s"), { id: "throughput",
       sub: isNum(from("tokensPerS")) ? rate(from("tokensPerS"), "tokens/s") : null }),
-    stat("GPU memory", bytes(from("allocated")), { id: "gpu-mem",
-      sub: `reserved ${bytes(from("reserved"))} · peak ${bytes(from("peak"))}` }),
+    onCpu(job) && !from("peak")
+      ? stat("GPU memory", "CPU job", { id: "gpu-mem", sub: "runs on the CPU: no GPU memory used" })
+      : stat("GPU memory", bytes(from("allocated")), { id: "gpu-mem",
+        sub: `reserved ${bytes(from("reserved"))} · peak ${bytes(from("peak"))}` }),
     stat("Pinned host", bytes(from("pinned")), { id: "pinned", sub: isNum(from("hostRss")) ? `RSS ${bytes(from("hostRss"))}` : null }),
     offloadStat(last, job),
   );
+}
+
+function onCpu(job) {
+  return job.spec?.device === "cpu" || (!job.gpu && String(job.worker || "").startsWith("cpu"));
 }
 
 function offloadStat(last, job) {
@@ -186,7 +192,7 @@ function makeCharts() {
   const lr = lineChart({ title: "Learning rate", xLabel: "step", yLabel: "learning rate", series: [{ label: "lr", color: "#7048e8" }], testId: "lr" });
   const memory = lineChart({ title: "Memory over time", xLabel: "elapsed (s)", yLabel: "memory", unit: "bytes", testId: "memory",
     series: [{ label: "GPU allocated" }, { label: "GPU reserved", color: "#0c8599" }, { label: "GPU peak", color: "#c2255c" },
-      { label: "pinned host", color: "#d9480f" }] });
+      { label: "pinned host", color: "#d9480f" }, { label: "host RSS", color: "#868e96" }] });
   const throughput = lineChart({ title: "Throughput", xLabel: "step", yLabel: "samples", unit: "samples/s", testId: "throughput",
     series: [{ label: "samples/s", color: "#2b8a3e" }] });
   const transfer = lineChart({ title: "Offload transfers", xLabel: "step", yLabel: "rate", unit: "GB/s", testId: "transfer",
@@ -202,7 +208,7 @@ function makeCharts() {
     loss.setData(steps, col("loss"));
     lr.setData(steps, col("lr"));
     const timed = rows.filter((r) => isNum(r.elapsed));
-    memory.setData(timed.map((r) => r.elapsed), ...["allocated", "reserved", "peak", "pinned"].map(
+    memory.setData(timed.map((r) => r.elapsed), ...["allocated", "reserved", "peak", "pinned", "hostRss"].map(
       (k) => timed.map((r) => (isNum(r[k]) ? r[k] : null))));
     throughput.setData(steps, col("samplesPerS"));
     transfer.setData(steps, col("h2d"), col("d2h"));

@@ -69,7 +69,7 @@ function jobsTable() {
       const next = new Map();
       for (const job of jobs) {
         const key = JSON.stringify([job.name, job.status, job.step, job.total, job.percent, job.eta && Math.round(job.eta),
-          job.loss, job.peak, job.gpu, job.error?.message]);
+          job.loss, job.peak, job.gpu, job.worker, job.error?.message]);
         const old = rows.get(job.id);
         const tr = old && old.key === key ? old.tr : jobRow(job);
         tr.querySelector("[data-col=age]").textContent = age(job.createdAt);
@@ -95,8 +95,9 @@ function jobRow(job) {
     h("td", { "data-label": "Status" }, statusBadge(job.status)),
     h("td", { class: "cell-progress", "data-label": "Progress" }, progressCell(job)),
     h("td", { class: "num", "data-label": "Loss", "data-col": "loss" }, num(job.loss)),
-    h("td", { class: "num", "data-label": "Peak GPU mem", "data-col": "peak" }, bytes(job.peak)),
-    h("td", { "data-label": "GPU", "data-col": "gpu" }, job.gpu || DASH),
+    h("td", { class: "num", "data-label": "Peak GPU mem", "data-col": "peak" },
+      !job.gpu && !job.peak && String(job.worker || "").startsWith("cpu") ? h("span", { class: "muted" }, "CPU") : bytes(job.peak)),
+    h("td", { "data-label": "GPU", "data-col": "gpu" }, job.gpu || (job.worker ? h("span", { class: "muted" }, job.worker) : DASH)),
     h("td", { class: "muted", "data-label": "Age", "data-col": "age", title: job.createdAt || "" }, age(job.createdAt)));
 }
 

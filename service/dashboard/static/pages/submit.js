@@ -143,7 +143,7 @@ function problemsCard(problems, textarea, heading) {
   const message = (p) => h("div", { class: "problem", "data-line": p.line ?? "", "data-path": p.path },
     h("span", { class: "problem-where" }, p.line ? `line ${p.line}` : "spec", p.path ? ` · ${p.path}` : ""),
     h("span", { class: "problem-text" }, p.message),
-    p.suggestion ? h("span", { class: "problem-hint" }, ` Did you mean `, h("code", {}, p.suggestion), "?") : null);
+    p.suggestion ? h("span", { class: "problem-hint" }, "Did you mean ", h("code", {}, p.suggestion), "?") : null);
   const listing = [];
   lines.forEach((text, i) => {
     const lineNo = i + 1;
@@ -180,7 +180,13 @@ function estimateCard(e) {
     h("dl", { class: "kv" },
       h("dt", {}, "Peak GPU memory"), h("dd", {}, bytes(e.peak)),
       h("dt", {}, "Pinned host memory"), h("dd", {}, bytes(e.pinned)),
-      e.gpuBytes ? [h("dt", {}, "Largest GPU"), h("dd", {}, bytes(e.gpuBytes))] : null),
+      e.hostAvailable ? [h("dt", {}, "Host memory available"), h("dd", {}, bytes(e.hostAvailable))] : null),
+    e.devices?.length ? h("table", { class: "table compact devices" },
+      h("thead", {}, h("tr", {}, h("th", {}, "Worker"), h("th", {}, "Device"), h("th", { class: "num" }, "Memory"), h("th", {}, "Fits"))),
+      h("tbody", {}, e.devices.map((d) => h("tr", {},
+        h("td", {}, d.worker ?? "—"), h("td", {}, d.device ?? "cpu"),
+        h("td", { class: "num" }, bytes(d.memory_total_bytes)),
+        h("td", { class: d.fits === false ? "form-error" : "" }, d.fits === true ? "yes" : d.fits === false ? "no" : "—"))))) : null,
     e.reason ? h("p", { class: "small" }, e.reason) : null,
     e.notes?.length ? h("ul", { class: "notes small muted" }, e.notes.map((n) => h("li", {}, n))) : null);
 }

@@ -21,8 +21,9 @@ export async function render(root, { ctx }) {
 
 function workerCard(w) {
   const gpu = pick(w, "gpu") || {};
-  const name = pick(w, "gpu.name", "gpu_name", "device_name") || (pick(w, "device") === "cpu" ? "CPU" : null);
   const device = pick(w, "device", "gpu.device");
+  const isCpu = !device || device === "cpu";
+  const name = pick(w, "gpu.name", "gpu_name", "device_name") || (isCpu ? "CPU worker" : null);
   const index = pick(w, "gpu.index", "gpu_index", "index");
   const total = pick(w, "gpu.total_bytes", "gpu.memory_total_bytes", "memory_total_bytes", "total_bytes");
   const used = pick(w, "gpu.used_bytes", "gpu.memory_used_bytes", "memory_used_bytes", "used_bytes", "gpu.allocated_bytes");
@@ -37,8 +38,9 @@ function workerCard(w) {
     h("div", { class: "worker-gpu" }, [name, device && device !== name ? device : null, isNum(index) ? `#${index}` : null]
       .filter(Boolean).join(" · ") || (typeof gpu === "string" ? gpu : DASH)),
     isNum(total) ? h("div", { class: "worker-mem" }, progressBar(pct, "running"),
-      h("div", { class: "small muted" }, `${bytes(used)} used of ${bytes(total)}`)) : h("div", { class: "small muted" }, "No GPU memory figures (CPU worker)."),
+      h("div", { class: "small muted" }, `${bytes(used)} used of ${bytes(total)}`)) : h("div", { class: "small muted" }, isCpu ? "Runs jobs on the CPU; no GPU memory to show." : "No memory figures from this GPU."),
     h("div", { class: "worker-job" }, jobId
-      ? ["Running ", h("a", { href: `#/jobs/${encodeURIComponent(jobId)}` }, jobName || shortId(jobId))]
+      ? ["Running ", h("a", { href: `#/jobs/${encodeURIComponent(jobId)}` }, jobName || jobId),
+        pick(w, "pid") ? h("span", { class: "muted small" }, ` · pid ${pick(w, "pid")}`) : null]
       : h("span", { class: "muted" }, "Idle")));
 }
