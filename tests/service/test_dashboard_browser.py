@@ -48,11 +48,26 @@ pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # Two CPU workers: the job that fails (below) runs beside the smoke job instead of ahead of it.
     root = tmp_path_factory.mktemp("ferry-ui")
-    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN})
+    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_CPU_WORKERS": "2"})
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def failing_job(server: Server) -> str:
+    """A job that fails at run time on a machine without CUDA; submitted early so it is done when needed."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("device: cuda does not fail on a machine with CUDA")
+    spec = re.sub(r"(?m)^device: .*$", "device: cuda", smoke_spec()).replace("name: cpu-smoke", "name: needs-a-gpu")
+    with server.client() as api:
+        response = api.post("/v1/jobs", content=spec, headers={"Content-Type": "application/yaml"})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +104,7 @@ def shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
     page.screenshot(path=str(DOCS / f"dashboard-{name}.png"), full_page=True)
 
 
-def test_with_a_token_set_nothing_loads_until_it_is_given(browser, server: Server) -> None:  # type: ignore[no-untyped-def]
+def test_with_a_token_set_nothing_loads_until_it_is_given(browser, server: Server, failing_job: str) -> None:  # type: ignore[no-untyped-def]
     context = browser.new_context(viewport=LAPTOP, base_url=server.url)
     page = context.new_page()
     answers: list[tuple[str, int]] = []
@@ -192,6 +207,26 @@ def test_smoke_job_from_submit_to_checkpoint_download(page, server: Server, tmp_
     saved = tmp_path / last["name"]
     download_info.value.save_as(saved)
     assert hashlib.sha256(saved.read_bytes()).hexdigest() == last["sha256"]
+
+
+def test_a_failed_job_shows_its_error_first(page, failing_job: str) -> None:  # type: ignore[no-untyped-def]
+    page.goto("/ui/#/jobs?status=failed")
+    row = page.locator(f'tr[data-job-id="{failing_job}"]')
+    row.wait_for(timeout=120_000)
+    assert "no CUDA device" in row.locator(".row-error").inner_text()
+
+    row.locator("a.job-link").click()
+    error = page.locator("#job-error")
+    error.wait_for()
+    assert "no CUDA device" in error.inner_text()
+    # First thing under the title: before the progress figures and the charts.
+    assert page.evaluate("""() => {
+        const error = document.querySelector('#job-error'), stats = document.querySelector('.stats');
+        return Boolean(error.compareDocumentPosition(stats) & Node.DOCUMENT_POSITION_FOLLOWING);
+    }""")
+    assert page.locator("[data-action=resume]").is_enabled()
+    assert page.locator("[data-action=pause]").is_disabled()
+    shot(page, "job-failed")
 
 
 def test_phone_layout(page) -> None:  # type: ignore[no-untyped-def]

@@ -33,13 +33,19 @@ export async function render(root, { params: [jobId], ctx }) {
   const log = eventLog();
   const checkpoints = checkpointsCard(jobId, ctx);
   const chartGrid = h("div", { class: "chart-grid" }, charts.all.map((c) => c.element));
+  const noSteps = h("div", { class: "empty", id: "no-steps", hidden: true },
+    h("p", { class: "empty-title" }, "No training steps were recorded."),
+    h("p", { class: "muted" }, "The job ended before its first step; its events below say why."));
   root.append(
     h("p", {}, h("a", { href: "#/jobs", class: "back" }, "← Jobs")),
     header, errorSlot, banner, stats,
-    h("h2", { class: "section-title" }, "Training"), chartGrid,
+    h("h2", { class: "section-title" }, "Training"), chartGrid, noSteps,
     h("div", { class: "two-col" }, log.element, h("div", { class: "stack" }, checkpoints.element, specCard(job))));
 
   function draw() {
+    const nothing = TERMINAL.has(job.status) && !series.last();
+    chartGrid.hidden = nothing;
+    noSteps.hidden = !nothing;
     drawHeader(header, job, act);
     drawError(errorSlot, job);
     drawStats(stats, job, series.last());
@@ -136,7 +142,9 @@ function drawError(slot, job) {
 
 function drawStats(root, job, last) {
   const from = (key) => (isNum(last?.[key]) ? last[key] : job[key]);
-  const elapsed = isNum(last?.elapsed) ? last.elapsed : job.startedAt ? secondsSince(job.startedAt) : null;
+  const ran = job.startedAt && job.finishedAt ? secondsSince(job.startedAt) - secondsSince(job.finishedAt)
+    : job.startedAt ? secondsSince(job.startedAt) : null;
+  const elapsed = isNum(last?.elapsed) ? last.elapsed : isNum(job.elapsed) ? job.elapsed : ran;
   const pct = isNum(job.percent) ? job.percent : job.status === "succeeded" ? 100 : null;
   root.replaceChildren(
     h("div", { class: "stat stat-wide", "data-stat": "progress" },
@@ -150,7 +158,7 @@ function drawStats(root, job, last) {
     stat("Learning rate", num(from("lr"), 3), { id: "lr" }),
     stat("Throughput", rate(from("samplesPerS"), "samples/s"), { id: "throughput",
       sub: isNum(from("tokensPerS")) ? rate(from("tokensPerS"), "tokens/s") : null }),
-    onCpu(job) && !from("peak")
+    onCpu(job) && last && !from("peak")
       ? stat("GPU memory", "CPU job", { id: "gpu-mem", sub: "runs on the CPU: no GPU memory used" })
       : stat("GPU memory", bytes(from("allocated")), { id: "gpu-mem",
         sub: `reserved ${bytes(from("reserved"))} · peak ${bytes(from("peak"))}` }),
