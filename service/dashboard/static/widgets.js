@@ -1,5 +1,6 @@
 // Small pieces several pages share.
 
+import { UnreachableError } from "./api.js";
 import { h, isNum } from "./format.js";
 
 export function statusBadge(status) {
@@ -22,4 +23,12 @@ export function stat(label, value, { id, sub } = {}) {
     h("div", { class: "stat-label" }, label),
     h("div", { class: "stat-value" }, value),
     sub ? h("div", { class: "stat-sub muted small" }, sub) : null);
+}
+
+/** The banner for a failed poll: the server down reads differently from an error it answered. */
+export function failureBanner(err) {
+  if (err instanceof UnreachableError) {
+    return errorState("Showing the last figures received; retrying on its own.", { title: "The Ferry service cannot be reached." });
+  }
+  return errorState(err?.message || String(err), { title: "The service answered with an error:" });
 }

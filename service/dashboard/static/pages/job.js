@@ -1,11 +1,11 @@
 // Job: status and error first, then progress, live charts, the event log, checkpoints and the spec.
 
-import { AuthError, ApiError, api, download, streamEvents } from "../api.js";
+import { AuthError, ApiError, api, streamEvents } from "../api.js";
 import { lineChart } from "../charts.js";
 import { DASH, bytes, dateTime, duration, h, isNum, num, percent, rate, secondsSince } from "../format.js";
 import { describeError, poll } from "../live.js";
 import { ACTIONS, TERMINAL, flattenStep, metricRows, normalizeJob, unwrapEvent } from "../model.js";
-import { errorState, progressBar, stat, statusBadge } from "../widgets.js";
+import { errorState, failureBanner, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
 import { checkpointsCard } from "./checkpoints.js";
 import { specCard } from "./spec.js";
@@ -20,7 +20,8 @@ export async function render(root, { params: [jobId], ctx }) {
     root.append(h("p", {}, h("a", { href: "#/jobs", class: "back" }, "← Jobs")),
       err instanceof ApiError && err.status === 404
         ? h("div", { class: "empty" }, h("p", { class: "empty-title" }, "No such job."), h("p", { class: "muted mono" }, jobId))
-        : errorState(describeError(err), { title: "Could not load this job." }));
+        : h("div", {}, errorState(describeError(err), { title: "Could not load this job." }),
+          h("button", { class: "btn", type: "button", onclick: () => window.dispatchEvent(new HashChangeEvent("hashchange")) }, "Try again")));
     return () => {};
   }
 
@@ -97,7 +98,7 @@ export async function render(root, { params: [jobId], ctx }) {
     draw();
     if (before !== job.status) checkpoints.refresh();
   }
-  const stopPoll = poll(refreshJob, { ctx, intervalMs: 2000, onError: (err) => banner.replaceChildren(errorState(describeError(err))) });
+  const stopPoll = poll(refreshJob, { ctx, intervalMs: 2000, onError: (err) => banner.replaceChildren(failureBanner(err)) });
 
   return () => { stopStream(); stopPoll(); };
 }

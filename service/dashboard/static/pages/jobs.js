@@ -2,9 +2,9 @@
 
 import { api } from "../api.js";
 import { DASH, age, bytes, duration, h, isNum, num, percent, shortId } from "../format.js";
-import { describeError, poll } from "../live.js";
+import { poll } from "../live.js";
 import { STATUSES, listOf, normalizeJob } from "../model.js";
-import { statusBadge, progressBar, errorState } from "../widgets.js";
+import { failureBanner, progressBar, statusBadge } from "../widgets.js";
 
 const PAGE_SIZE = 100;
 
@@ -40,7 +40,7 @@ export async function render(root, { query, ctx }) {
   return poll(load, {
     ctx,
     onError: (err) => {
-      banner.replaceChildren(errorState(describeError(err)));
+      banner.replaceChildren(failureBanner(err));
       if (list.querySelector(".skeleton")) list.replaceChildren();
     },
   });

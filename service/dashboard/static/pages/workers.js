@@ -1,10 +1,10 @@
 // Workers: each GPU (or the CPU worker), its memory, and the job it runs.
 
 import { api } from "../api.js";
-import { DASH, bytes, h, isNum, shortId } from "../format.js";
-import { describeError, poll } from "../live.js";
+import { DASH, bytes, h, isNum } from "../format.js";
+import { poll } from "../live.js";
 import { listOf, pick } from "../model.js";
-import { errorState, progressBar } from "../widgets.js";
+import { failureBanner, progressBar } from "../widgets.js";
 
 export async function render(root, { ctx }) {
   const banner = h("div", { class: "banner-slot" });
@@ -16,7 +16,7 @@ export async function render(root, { ctx }) {
     banner.replaceChildren();
     grid.replaceChildren(...(workers.length ? workers.map(workerCard)
       : [h("div", { class: "empty" }, h("p", { class: "empty-title" }, "No workers."), h("p", { class: "muted" }, "The service started none; check its settings."))]));
-  }, { ctx, intervalMs: 3000, onError: (err) => banner.replaceChildren(errorState(describeError(err))) });
+  }, { ctx, intervalMs: 3000, onError: (err) => banner.replaceChildren(failureBanner(err)) });
 }
 
 function workerCard(w) {
