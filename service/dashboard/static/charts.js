@@ -1,7 +1,7 @@
 // Line charts on uPlot, which `npm ci --prefix service/dashboard` installs and the service serves
 // from node_modules. Without it the page still works: each chart says how to install it.
 
-import { h, bytes, num } from "./format.js";
+import { bytes, duration, h, num } from "./format.js";
 
 const INSTALL_HINT = "npm ci --prefix service/dashboard";
 let uPlotPromise = null;
@@ -26,6 +26,14 @@ const AXIS = { stroke: "#5c6370", grid: { stroke: "#eceef2", width: 1 }, ticks: 
 // Steps are whole numbers: never put a tick at step 2.5.
 const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1e3, 2e3, 2.5e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
 
+// Byte axes tick at round binary sizes (256 MiB, 1 GiB), not at 381 MiB.
+const BYTE_INCRS = [0, 1, 2, 3, 4].flatMap((k) => [1, 2, 4, 8, 16, 32, 64, 128, 256, 512].map((m) => m * 1024 ** k));
+
+/** A time-axis tick: "0.5s", "42s", then "3m 20s", "1h 05m". */
+function clockTick(seconds) {
+  return Math.abs(seconds) < 60 ? `${num(seconds, 3)}s` : duration(seconds);
+}
+
 const UNIT_FORMAT = {
   bytes: (v) => bytes(v),
   "GB/s": (v) => `${num(v, 3)}`,
@@ -37,7 +45,7 @@ const UNIT_FORMAT = {
  * A chart card: `title`, x axis `xLabel`, y axis `yLabel` in `unit`, one line per entry of `series`
  * ({label, color}). Returns {element, setData(xs, ...ys), points()}.
  */
-export function lineChart({ title, xLabel, yLabel, unit = "", series, testId, logY = false }) {
+export function lineChart({ title, xLabel, xUnit = "", yLabel, unit = "", series, testId, logY = false }) {
   const body = h("div", { class: "chart-body" });
   const element = h("section", { class: "card chart", "data-chart": testId, "data-points": "0" },
     h("h3", { class: "card-title" }, title), body);
@@ -61,12 +69,13 @@ export function lineChart({ title, xLabel, yLabel, unit = "", series, testId, lo
       cursor: { drag: { x: true, y: false } },
       scales: { x: { time: false }, y: logY ? { distr: 3 } : {} },
       axes: [
-        { ...AXIS, label: xLabel, size: 42, ...(xLabel === "step" ? { incrs: STEP_INCRS } : {}) },
+        { ...AXIS, label: xLabel, size: 42, ...(xLabel === "step" ? { incrs: STEP_INCRS } : {}),
+          ...(xUnit === "duration" ? { values: (u, splits) => splits.map(clockTick) } : {}) },
         { ...AXIS, label: unit && unit !== "bytes" ? `${yLabel} (${unit})` : yLabel, size: unit === "bytes" ? 72 : 60,
-          values: (u, splits) => splits.map(fmt) },
+          values: (u, splits) => splits.map(fmt), ...(unit === "bytes" ? { incrs: BYTE_INCRS } : {}) },
       ],
       series: [
-        { label: xLabel, value: (u, v) => (v == null ? "—" : num(v, 5)) },
+        { label: xLabel, value: (u, v) => (v == null ? "—" : xUnit === "duration" ? clockTick(v) : num(v, 5)) },
         ...series.map((s, i) => ({
           label: s.label, stroke: s.color || PALETTE[i % PALETTE.length], width: 1.75,
           points: { size: 4 }, spanGaps: true,

@@ -126,6 +126,8 @@ export function flattenStep(row) {
     samplesPerS: pick(row, "samples_per_s"),
     tokensPerS: pick(row, "tokens_per_s"),
     elapsed: pick(row, "elapsed_s"),
+    // Wall-clock seconds: `time` on /metrics points, `created_at` on streamed events.
+    time: isNum(row.time) ? row.time : toMillis(row.created_at) !== null ? toMillis(row.created_at) / 1000 : null,
     allocated: pick(row, "device_allocated_bytes"),
     reserved: pick(row, "device_reserved_bytes"),
     peak: pick(row, "device_peak_bytes"),

@@ -115,9 +115,12 @@ async function loadMetrics(path, series) {
 }
 
 function drawHeader(header, job, act) {
+  // While a running job winds down after a pause or cancel, only a cancel may still override a pause.
+  const allowed = (action) => ACTIONS[action].has(job.status) &&
+    !(job.stopRequested && (action !== "cancel" || job.stopRequested === "cancel"));
   const button = (action, label, cls) => h("button", {
-    class: `btn ${cls}`, type: "button", "data-action": action, disabled: !ACTIONS[action].has(job.status),
-    title: ACTIONS[action].has(job.status) ? null : `Not possible while ${job.status}`,
+    class: `btn ${cls}`, type: "button", "data-action": action, disabled: !allowed(action),
+    title: allowed(action) ? null : job.stopRequested ? `${job.stopRequested} already requested` : `Not possible while ${job.status}`,
     onclick: (e) => { e.currentTarget.disabled = true; act(action); },
   }, label);
   header.replaceChildren(
@@ -199,7 +202,7 @@ function seriesStore() {
 function makeCharts() {
   const loss = lineChart({ title: "Loss", xLabel: "step", yLabel: "loss", series: [{ label: "loss" }], testId: "loss" });
   const lr = lineChart({ title: "Learning rate", xLabel: "step", yLabel: "learning rate", series: [{ label: "lr", color: "#7048e8" }], testId: "lr" });
-  const memory = lineChart({ title: "Memory over time", xLabel: "elapsed (s)", yLabel: "memory", unit: "bytes", testId: "memory",
+  const memory = lineChart({ title: "Memory over time", xLabel: "time since the first step", xUnit: "duration", yLabel: "memory", unit: "bytes", testId: "memory",
     series: [{ label: "GPU allocated" }, { label: "GPU reserved", color: "#0c8599" }, { label: "GPU peak", color: "#c2255c" },
       { label: "pinned host", color: "#d9480f" }, { label: "host RSS", color: "#868e96" }] });
   const throughput = lineChart({ title: "Throughput", xLabel: "step", yLabel: "samples", unit: "samples/s", testId: "throughput",
@@ -216,8 +219,12 @@ function makeCharts() {
     const steps = col("step");
     loss.setData(steps, col("loss"));
     lr.setData(steps, col("lr"));
-    const timed = rows.filter((r) => isNum(r.elapsed));
-    memory.setData(timed.map((r) => r.elapsed), ...["allocated", "reserved", "peak", "pinned", "hostRss"].map(
+    // Over wall-clock time since the first step, so a resumed run continues to the right instead of
+    // starting again at zero (its elapsed_s restarts with each attempt).
+    const clock = rows.every((r) => isNum(r.time)) ? "time" : "elapsed";
+    const timed = rows.filter((r) => isNum(r[clock]));
+    const t0 = timed.length ? Math.min(...timed.map((r) => r[clock])) : 0;
+    memory.setData(timed.map((r) => r[clock] - t0), ...["allocated", "reserved", "peak", "pinned", "hostRss"].map(
       (k) => timed.map((r) => (isNum(r[k]) ? r[k] : null))));
     throughput.setData(steps, col("samplesPerS"));
     transfer.setData(steps, col("h2d"), col("d2h"));
