@@ -9,7 +9,6 @@ import sys
 import uvicorn
 from pydantic import ValidationError
 
-from .app import create_app
 from .settings import Settings
 
 
@@ -26,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in error.errors():
             print(f"ferry: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
+    from .app import create_app  # after the settings check: a refused start should be instant
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
     return 0

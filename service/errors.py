@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,6 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .status import IllegalTransition
 from .store import JobNotFound
+
+log = logging.getLogger("ferry.api")
 
 
 class ApiError(Exception):
@@ -56,6 +59,12 @@ def install_error_handlers(app: FastAPI) -> None:
         ]
         summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems)
         return error_response(422, "invalid_request", f"The request is invalid: {summary}.", problems)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=error)
+        return error_response(500, "internal_error", "The server failed to handle the request; its log has "
+                              f"the details ({type(error).__name__}).")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:

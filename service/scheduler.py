@@ -191,6 +191,9 @@ class Scheduler:
             if run.stop_sent != "cancel":
                 run.handle.request_stop("pause")
         while self.running and time.monotonic() < deadline:
+            for run in self.running.values():
+                if run.kill_at is not None and time.monotonic() >= run.kill_at:
+                    run.handle.kill()  # a cancel stays prompt during shutdown too
             self._collect_ended()
             time.sleep(0.05)
         for run in self.running.values():

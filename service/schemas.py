@@ -188,6 +188,7 @@ class ValidationPublic(BaseModel):
     name: str | None
     spec: dict[str, Any]
     estimate: FitEstimate | None
+    estimate_error: str | None = None  # why there is no estimate
 
 
 class WorkerPublic(BaseModel):

@@ -37,15 +37,20 @@ def run_child(request: LaunchRequest, stop_flag: Any) -> None:
             return "pause"
         return {STOP_PAUSE: "pause", STOP_CANCEL: "cancel"}.get(stop_flag.value)
 
+    code = 0
     try:
         outcome = _run(request, reporter, should_stop)
+        reporter.finished(outcome.status, outcome.step)
     except BaseException as error:  # noqa: BLE001 - every failure must reach the store before we die
         log.exception("job %s failed", request.job_id)
         reporter.failed(error)
-        store.close()
-        sys.exit(1)
-    reporter.finished(outcome.status, outcome.step)
+        code = 1
     store.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    # Everything is in the store and the log. Skip interpreter teardown, which can take seconds after
+    # torch and friends; the slot is free as soon as this process is gone.
+    os._exit(code)
 
 
 def _run(request: LaunchRequest, reporter: "_Reporter", should_stop: Any) -> Any:

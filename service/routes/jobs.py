@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import shutil
 from typing import Annotated
@@ -17,6 +18,7 @@ from ..schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
 from ..status import JobStatus
 from ..store import IdempotencyConflict, QueueFull
 
+log = logging.getLogger("ferry.api")
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 _SPEC_BODY = {
@@ -66,8 +68,13 @@ def validate_job(
 ) -> ValidationPublic:
     """The same checks as submitting, plus whether the job fits this service's GPUs; queues nothing."""
     spec = load_checked_spec(spec_text_from_body(body, request.headers.get("content-type")), settings)
-    return ValidationPublic(valid=True, name=spec.name, spec=spec.model_dump(mode="json"),
-                            estimate=estimate_fit(spec, scheduler.slots, gpus.gpus()))
+    try:
+        estimate, problem = estimate_fit(spec, scheduler.slots, gpus.gpus()), None
+    except Exception as error:  # noqa: BLE001 - a spec that loads is valid even if the estimate fails
+        log.exception("memory estimate failed")
+        estimate, problem = None, f"the memory estimate failed: {type(error).__name__}: {error}"
+    return ValidationPublic(valid=True, name=spec.name, spec=spec.model_dump(mode="json"), estimate=estimate,
+                            estimate_error=problem)
 
 
 @router.get("")

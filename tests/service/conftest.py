@@ -32,6 +32,7 @@ class Server:
         self.data_dir, self.port = data_dir, free_port()
         self.env = {**os.environ, "FERRY_HOST": "127.0.0.1", "FERRY_PORT": str(self.port),
                     "FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu", "FERRY_POLL_INTERVAL_S": "0.05",
+                    "FERRY_SHUTDOWN_GRACE_S": "5",
                     "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
                     **env}
         self.process: subprocess.Popen | None = None
@@ -92,11 +93,12 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One server shared by a module's tests that do not need their own."""
+    """One server shared by the tests that do not need their own (starting one imports torch: seconds)."""
     root = tmp_path_factory.mktemp("ferry")
-    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_DATA_ROOTS": str(root / "datasets")})
+    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_DATA_ROOTS": str(root / "datasets"),
+                                    "FERRY_MAX_BODY_BYTES": "65536"})
     (root / "datasets").mkdir()
     server.start()
     yield server
@@ -124,3 +126,21 @@ def wait_for(client: httpx.Client, job_id: str, predicate: Callable[[dict[str, A
 
 def wait_status(client: httpx.Client, job_id: str, *statuses: str, timeout: float = 90.0) -> dict[str, Any]:
     return wait_for(client, job_id, lambda job: job["status"] in statuses, timeout)
+
+
+def spec_yaml(name: str = "smoke", steps: int = 40, every: int = 10) -> str:
+    """A CPU job of a few seconds: a two-layer toy MLP on synthetic data, checkpointed every ``every`` steps."""
+    return (
+        f"name: {name}\n"
+        "model: {kind: toy_mlp, hidden_size: 64, num_layers: 2}\n"
+        "data: {kind: synthetic_regression}\n"
+        f"training: {{steps: {steps}, batch_size: 8, optimizer: sgd, learning_rate: 0.01}}\n"
+        f"checkpoint: {{every_steps: {every}, keep_last: 100}}\n"
+        "device: cpu\n"
+    )
+
+
+def submit(client: httpx.Client, text: str, **headers: str) -> dict[str, Any]:
+    response = client.post("/v1/jobs", content=text, headers={"Content-Type": "application/yaml", **headers})
+    assert response.status_code == 201, response.text
+    return response.json()

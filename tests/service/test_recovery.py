@@ -1,0 +1,52 @@
+"""Crash consistency: a server and its job killed mid-run; the next server resumes the job from its checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import httpx
+
+from .conftest import Server, spec_yaml, submit, wait_for, wait_status
+from .test_api_jobs import all_events
+
+
+def weights(client: httpx.Client, job_id: str) -> dict[str, str]:
+    """SHA-256 of each weights file in the job's final checkpoint."""
+    final = client.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"][-1]
+    return {f["name"]: f["sha256"] for f in final["files"] if f["name"].endswith(".safetensors")}
+
+
+def test_sigkilled_job_resumes_after_restart_and_ends_with_the_same_weights(
+    make_server: Callable[..., Server],
+) -> None:
+    spec = spec_yaml("recover", steps=60, every=10)
+    first = make_server()
+    with first.client() as client:
+        victim = submit(client, spec)["id"]
+        wait_for(client, victim, lambda j: j["progress"] is not None and j["progress"]["step"] >= 15)
+        pid = client.get("/v1/workers").json()["data"][0]["pid"]
+    first.kill()  # a crash or power loss: no shutdown code runs
+    os.kill(pid, signal.SIGKILL)
+
+    second = make_server(data_dir=first.data_dir, FERRY_CPU_WORKERS="2")
+    with second.client() as client:
+        reference = submit(client, spec)["id"]  # the same job, never interrupted
+        for job_id in (victim, reference):
+            job = wait_status(client, job_id, "succeeded", "failed", timeout=180)
+            assert job["status"] == "succeeded", job["error"]
+
+        events = all_events(client, victim)
+        assert [e["data"]["status"] for e in events if e["type"] == "status"] == [
+            "queued", "running", "interrupted", "queued", "running", "succeeded"]
+        interrupted = next(e for e in events if e["data"].get("status") == "interrupted")
+        assert interrupted["data"]["reason"] == f"the server restarted and the job's process (pid {pid}) was gone"
+        resumed_from = [e["data"]["resumed_from_step"] for e in events if e["type"] == "started"]
+        saved_before_kill = [e["data"]["step"] for e in events if e["type"] == "checkpoint" and e["attempt"] == 1]
+        assert resumed_from[0] is None and resumed_from[1] >= max(saved_before_kill) >= 10
+        steps_after = [e["data"]["step"] for e in events if e["type"] == "step" and e["attempt"] == 2]
+        assert steps_after == list(range(resumed_from[1] + 1, 61))  # no step redone from 0
+
+        assert client.get(f"/v1/jobs/{victim}").json()["retries"] == 1
+        assert weights(client, victim) == weights(client, reference) != {}
