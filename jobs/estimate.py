@@ -158,25 +158,35 @@ def _lm_dims(spec: JobSpec, model: nn.Module) -> tuple[int, int, int, int, tuple
 
 
 def _pinned_bytes(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
-    """Replay the engine's arena planning over its host copies (streamed tensors, host gradient buffers)."""
-    tensors = [t for t in [*model.parameters(), *model.buffers()] if id(t) in streamed]
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    if spec.offload.enable_optimizer_cpu_offload:
-        if spec.lora is None:
-            sizes += [t.numel() * t.element_size() for t in model.parameters()]  # host gradient buffers
-        else:
-            sizes += [_lora_bytes(model, spec)] * 2  # adapters and their gradients (summed: they are tiny)
-    remaining, free, reserved = sum(_align(s) for s in sizes), [], 0
-    for size in sorted(sizes, reverse=True):
-        slot = next((k for k, room in enumerate(free) if room >= size), None)
-        if slot is None:
-            chunk = plan_chunk_size(_align(size), max(remaining, 0))
-            free.append(chunk)
-            reserved += chunk
-            slot = len(free) - 1
-        free[slot] -= _align(size)
+    """Replay the engine's arena over its host copies, in the engine's order: unit by unit, largest tensor
+    first, a trainable tensor's host gradient buffer right after it (optimizer offload)."""
+    threshold = spec.offload.cpu_offload_split_threshold
+    plans = discover_units(model, int(threshold * 2**20) if threshold else None)
+    sizes, seen = [], set()
+    for plan in plans:
+        for _, tensor in sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size()):
+            if id(tensor) in seen or id(tensor) not in streamed:
+                continue
+            seen.add(id(tensor))
+            nbytes = max(1, tensor.numel()) * tensor.element_size()
+            trainable = isinstance(tensor, nn.Parameter) and spec.lora is None
+            sizes += [nbytes, nbytes] if trainable and spec.offload.enable_optimizer_cpu_offload else [nbytes]
+    if spec.lora is not None and spec.offload.enable_optimizer_cpu_offload:
+        sizes += [_lora_bytes(model, spec)] * 2  # adapters and their gradients (summed: they are tiny)
+    return _arena_reserved(sizes)
+
+
+def _arena_reserved(sizes: list[int]) -> int:
+    """Bytes PinnedArenaPool reserves for allocations of ``sizes`` in this order (offload/arena.py)."""
+    remaining, chunks = sum(_align(size) for size in sizes), []  # chunks: [capacity, used]
+    for size in sizes:
+        chunk = next((c for c in chunks if c[0] - c[1] >= size), None)
+        if chunk is None:
+            chunk = [plan_chunk_size(_align(size), max(remaining, 0)), 0]
+            chunks.append(chunk)
+        chunk[1] += _align(size)
         remaining -= _align(size)
-    return reserved
+    return sum(capacity for capacity, _ in chunks)
 
 
 def _gib(n: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from dataclasses import dataclass
@@ -14,7 +15,6 @@ from torch import nn
 
 from jobs.checkpoint import CheckpointInfo, latest_valid_checkpoint
 from jobs.data import BatchSource, build_data
-from jobs.lora import apply_lora
 from jobs.models import LossFn, build_model, enable_gradient_checkpointing
 from jobs.optim import build_optimizer, build_scheduler
 from jobs.spec import JobSpec
@@ -75,6 +75,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     if training.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if spec.lora is not None:
+        from jobs.lora import apply_lora  # peft is slow to import; only LoRA jobs need it
+
         model = apply_lora(model, spec.lora, causal_lm=spec.model.kind == "hf_causal_lm")
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
@@ -125,12 +127,11 @@ def close_session(session: TrainingSession | None) -> None:
     """Detach the engine and free device memory, so the next job in this process starts clean."""
     if session is not None and session.manager is not None:
         session.manager.remove()
-    if session is not None:
-        session.accelerator.free_memory()
     from accelerate.state import AcceleratorState, GradientState
 
     # Accelerate keeps process-wide state; a later job may ask for a different mixed precision.
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     if torch.cuda.is_available():
+        gc.collect()  # hooks and closures form reference cycles that can hold device tensors
         torch.cuda.empty_cache()

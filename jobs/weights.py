@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from jobs.lora import load_adapter, save_adapter
-
 MODEL_WEIGHTS = "model.safetensors"
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A peft-wrapped model (checked without importing peft)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def save_trainable(model: nn.Module, directory: Path) -> None:
@@ -19,7 +21,9 @@ def save_trainable(model: nn.Module, directory: Path) -> None:
     Only trainable tensors are saved: frozen weights come from the model source (a seed or files) and a
     multi-billion-parameter base model would otherwise be copied into every checkpoint.
     """
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
+        from jobs.lora import save_adapter  # peft is slow to import; only LoRA jobs need it
+
         save_adapter(model, directory)
         return
     # .to("cpu") is a device-to-host copy (a sync point) for weights the engine keeps on the device.
@@ -29,7 +33,9 @@ def save_trainable(model: nn.Module, directory: Path) -> None:
 
 def load_trainable(model: nn.Module, directory: Path) -> None:
     """Load weights written by `save_trainable` into a freshly built CPU model."""
-    if isinstance(model, PeftModel):
+    if is_peft_model(model):
+        from jobs.lora import load_adapter
+
         load_adapter(model, directory)
         return
     state = load_file(str(directory / MODEL_WEIGHTS))

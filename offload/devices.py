@@ -46,6 +46,6 @@ def can_pin_memory() -> bool:
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a CPU-GPU sync point). A no-op on the CPU."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.synchronize(device)
     elif device.type != "cpu":
         getattr(torch, device.type).synchronize()

@@ -12,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.arena import PinnedArenaPool
 from offload.devices import can_pin_memory, resolve_target_device, synchronize
+from offload.flat import FlatGroup
 from offload.offloaders import (
     AlwaysOnGPUParamOffloader,
     BufferOffloader,
@@ -22,7 +23,7 @@ from offload.offloaders import (
 from offload.options import OffloadOptions
 from offload.saved_tensors import SavedTensorRouter
 from offload.stats import OffloadStats, StatsCounter
-from offload.transfers import CopyEngine
+from offload.transfers import CopyEngine, in_backward
 from offload.units import OffloadUnit, UnitPlan, discover_units
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ class OffloadTrainingManager:
         threshold = _threshold_bytes(cpu_offload_split_threshold)
         self.model = model
         self._stats = StatsCounter()
-        self._copies = CopyEngine(self.device, self._stats)
-        plans = discover_units(model, threshold)
+        self._copies = CopyEngine(self.device, self._stats, side_streams=self.options.prefetch > 0)
+        plans = discover_units(model, threshold, self.options.granularity if threshold is None else "leaf")
         self.arena = self._make_arena(plans)
         self._offloaders: dict[int, TensorOffloader] = {}
         self.units = [self._make_unit(plan) for plan in plans]
@@ -75,6 +76,10 @@ class OffloadTrainingManager:
         self._router = SavedTensorRouter(self._offloaders)
         self._handles: list[RemovableHandle] = []
         self._attach(plans)
+        # The forward order is recorded during the first step; prefetching and the budget follow it after.
+        self._order: list[OffloadUnit] = []
+        self._recording = True
+        self._unit_of: dict[int, OffloadUnit] = {}
         self._stats.start_step()
         log.info("offloading %s", self)
 
@@ -94,26 +99,34 @@ class OffloadTrainingManager:
     def _make_unit(self, plan: UnitPlan) -> OffloadUnit:
         # Largest first: the arena packs tightly when big tensors are placed before small ones.
         ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
-        return OffloadUnit(plan.name, [self._offloader_for(name, tensor) for name, tensor in ordered])
+        new = [t for _, t in ordered if id(t) not in self._offloaders and self._wants_host_copy(t)]
+        group = FlatGroup(new, self.arena, self._copies) if plan.flat and len(new) > 1 else None
+        hosts = {id(t): group.host_view(i, t) for i, t in enumerate(new)} if group else {}
+        offloaders = [self._offloader_for(name, tensor, hosts.get(id(tensor))) for name, tensor in ordered]
+        if group is not None:
+            for offloader in offloaders:
+                if id(offloader.tensor) in hosts:
+                    group.add(offloader)
+        return OffloadUnit(plan.name, offloaders)
 
-    def _offloader_for(self, name: str, tensor: torch.Tensor) -> TensorOffloader:
+    def _offloader_for(self, name: str, tensor: torch.Tensor, host: torch.Tensor | None) -> TensorOffloader:
         existing = self._offloaders.get(id(tensor))
         if existing is not None:  # shared (tied) tensor: one offloader, one host copy
             return existing
+        if host is None and self._wants_host_copy(tensor):
+            host = self.arena.allocate(tensor.shape, tensor.dtype)
         if not isinstance(tensor, nn.Parameter):
-            offloader = BufferOffloader(name, tensor, self._copies, self._host_like(tensor))
+            offloader = BufferOffloader(name, tensor, self._copies, host)
         elif not tensor.requires_grad:
-            offloader = StaticParamOffloader(name, tensor, self._copies, self._host_like(tensor))
+            offloader = StaticParamOffloader(name, tensor, self._copies, host)
         elif self.enable_optimizer_cpu_offload:
-            offloader = TrainableParamOffloader(name, tensor, self._copies, self._host_like(tensor),
-                                                self._host_like(tensor))
+            offloader = TrainableParamOffloader(name, tensor, self._copies, host,
+                                                self.arena.allocate(tensor.shape, tensor.dtype))
         else:
             offloader = AlwaysOnGPUParamOffloader(name, tensor, self._copies)
+        offloader.on_backward_use = self._prefetch_for_backward
         self._offloaders[id(tensor)] = offloader
         return offloader
-
-    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.arena.allocate(tensor.shape, tensor.dtype)
 
     def _mark_statistics_buffers(self, model: nn.Module) -> None:
         for module in model.modules():
@@ -138,24 +151,82 @@ class OffloadTrainingManager:
     # ----------------------------------------------------------------- hooks
     def _onload_before_forward(self, unit: OffloadUnit, module: nn.Module, args: Any) -> None:
         self._router.enter()
+        backward = in_backward()
+        if self._recording and not backward and unit.index is None:
+            unit.index = len(self._order)
+            self._order.append(unit)
         unit.onload()
+        if not self._recording:
+            if backward:  # a checkpoint recompute: the backward walks the order in reverse
+                self._prefetch_around(unit, -1, for_backward=True)
+            else:
+                self._prefetch_around(unit, +1, for_backward=False)
 
     def _offload_after_forward(self, unit: OffloadUnit, module: nn.Module, args: Any, output: Any) -> None:
         unit.offload()
         self._router.exit()
 
+    # ----------------------------------------------------------------- scheduling
+    def _prefetch_around(self, unit: OffloadUnit, direction: int, for_backward: bool) -> None:
+        """Start the copies of the next ``prefetch`` units that move bytes, in the given direction."""
+        if unit.index is None or self.options.prefetch == 0:
+            return
+        ahead, index = 0, unit.index + direction
+        while ahead < self.options.prefetch and 0 <= index < len(self._order):
+            candidate = self._order[index]
+            if candidate.streamed_bytes:
+                candidate.prefetch(for_backward=for_backward)
+                ahead += 1
+            index += direction
+
+    def _prefetch_for_backward(self, offloader: TensorOffloader) -> None:
+        """A backward node unpacked ``offloader``'s weight: prefetch the units the backward reaches next."""
+        unit = self._unit_of.get(id(offloader))
+        if unit is not None:
+            self._prefetch_around(unit, -1, for_backward=True)
+
+    def _finish_recording(self) -> None:
+        """After the first step: fix the order, mark the last unit, and keep what the budget allows."""
+        self._recording = False
+        for unit in self._order:
+            for offloader in unit.offloaders:
+                self._unit_of.setdefault(id(offloader), unit)
+        if self._order and self.options.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
+            self._order[-1].keep_for_backward = True
+        budget = self.options.gpu_memory_budget
+        if budget:
+            self._keep_resident_within(budget)
+
+    def _keep_resident_within(self, budget: int) -> None:
+        """Hold units on the device for good, from the end of forward (the start of backward) backwards,
+        while their frozen tensors fit the budget. Trainable host masters still stream (the CPU optimizer
+        changes them every step)."""
+        used = 0
+        for unit in reversed(self._order):
+            frozen = [o for o in unit.offloaders if o.kind in ("static", "buffer") and o.holds == 0]
+            size = sum(o.nbytes for o in frozen)
+            if used + size > budget:
+                break
+            for offloader in frozen:
+                offloader.acquire()
+            used += size
+        log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device", budget, used)
+
     # ----------------------------------------------------------------- public API
     def after_backward(self) -> None:
         """Call between ``backward()`` and ``optimizer.step()``: waits for gradient copies, makes sure no
         weight stays on the device, and hands host gradients to ``param.grad`` (optimizer offload)."""
-        synchronize(self.device)  # sync point: host gradient copies must land before the CPU optimizer reads
+        # The step's one CPU-GPU sync point: gradient copies must land before the CPU optimizer reads them.
+        synchronize(self.device)
         for offloader in self._offloaders.values():
             if offloader.holds == 0:
                 offloader.offload()
         for offloader in self._offloaders.values():
             if isinstance(offloader, TrainableParamOffloader):
                 offloader.hand_over_grad()
-        self._stats.end_step()
+        self._copies.end_step()
+        if self._recording:
+            self._finish_recording()
 
     def stats(self) -> OffloadStats:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""

@@ -3,16 +3,23 @@
 Every offloader keeps the tensor object itself stable (optimizers and autograd hold references to it) and
 swaps its ``.data`` between a host copy and a device copy. Residency is reference-counted:
 
-* ``holds``: forwards currently running that use the tensor (a unit's forward, or a module called twice).
+* ``holds``: forwards currently running that use the tensor (a unit's forward, a module called twice,
+  or a permanent hold when a memory budget keeps it resident).
 * ``live_tokens``: autograd saved-tensor references (see ``saved_tensors.py``) not yet released; while the
   backward pass still needs the weight these keep an onloaded copy resident.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
-from offload.transfers import CopyEngine, in_backward
+from offload.transfers import CopyEngine, PendingCopy, in_backward
+
+if TYPE_CHECKING:
+    from offload.flat import FlatGroup
 
 
 class TensorOffloader:
@@ -27,23 +34,29 @@ class TensorOffloader:
         self.nbytes = tensor.numel() * tensor.element_size()
         self.holds = 0
         self.live_tokens = 0
-        self.device_copy: torch.Tensor | None = None
+        self.pending: PendingCopy | None = None
+        self.group: FlatGroup | None = None
+        self.on_backward_use: Callable[[TensorOffloader], None] | None = None
 
     @property
     def resident(self) -> bool:
-        return self.device_copy is not None
+        return self.pending is not None
+
+    @property
+    def device_copy(self) -> torch.Tensor | None:
+        return self.pending.tensor if self.pending is not None else None
 
     def acquire(self) -> None:
-        """A forward that uses the tensor starts: make it resident."""
+        """A forward that uses the tensor starts: make it resident and ready on the compute stream."""
         self.holds += 1
-        if self.device_copy is None:
-            self.onload()
+        self.ensure_resident()
 
-    def release(self) -> None:
-        """A forward that used the tensor ended. During backward (a recompute under gradient checkpointing)
-        the weight stays while saved references still need it, so it is not copied a third time."""
+    def release(self, keep_if_saved: bool = False) -> None:
+        """A forward that used the tensor ended. The weight stays while saved references still need it when
+        the backward is running (a checkpoint recompute) or about to run (``keep_if_saved``: the last unit of
+        forward is the first of backward), so it is not copied again."""
         self.holds -= 1
-        if self.holds == 0 and not (in_backward() and self.live_tokens > 0):
+        if self.holds == 0 and not ((keep_if_saved or in_backward()) and self.live_tokens > 0):
             self.offload()
 
     def token_packed(self) -> None:
@@ -55,12 +68,17 @@ class TensorOffloader:
             self.offload()
 
     def ensure_resident(self) -> torch.Tensor:
-        """The device copy, onloading it first if needed (the backward pass asks through this)."""
-        if self.device_copy is None:
+        """The device copy, onloading it first if needed, with the current stream waiting for it."""
+        if self.pending is None:
             self.onload()
-        return self.device_copy
+        return self.copies.wait(self.pending)
 
-    def onload(self) -> None:
+    def prefetch(self) -> None:
+        """Start the copy on the copy stream now; whoever uses it later waits on its event."""
+        if self.pending is None:
+            self.onload(prefetch=True)
+
+    def onload(self, prefetch: bool = False) -> None:
         raise NotImplementedError
 
     def offload(self) -> None:
@@ -87,16 +105,24 @@ class StaticParamOffloader(TensorOffloader):
         self.host = host
         tensor.data = host
 
-    def onload(self) -> None:
-        self.device_copy = self.copies.to_device(self.host)
-        self.tensor.data = self.device_copy
+    def onload(self, prefetch: bool = False) -> None:
+        if self.group is not None:
+            self.group.onload(self, prefetch)  # one copy for the whole block; it calls attach()
+        else:
+            self.attach(self.copies.to_device(self.host, prefetch=prefetch))
+
+    def attach(self, pending: PendingCopy) -> None:
+        """Point the tensor at a device copy (possibly still in flight)."""
+        self.pending = pending
+        self.tensor.data = pending.tensor
+        self.copies.stats.hold(self.nbytes)
 
     def offload(self) -> None:
-        if self.device_copy is None:
+        if self.pending is None:
             return
         self.tensor.data = self.host
-        self.copies.release_device(self.device_copy)
-        self.device_copy = None
+        self.pending = None
+        self.copies.stats.drop(self.nbytes)
 
     def detach(self) -> None:
         self.offload()
@@ -105,8 +131,8 @@ class StaticParamOffloader(TensorOffloader):
 
 class BufferOffloader(StaticParamOffloader):
     """A module buffer (BatchNorm running statistics). Like a frozen weight, but a forward may update it in
-    place on the device; the version counter tells us, and then the new value is copied back to the host
-    copy before the device copy is dropped (the reference rebinds to the stale host copy and loses it)."""
+    place on the device; then the new value is copied back to the host copy before the device copy is
+    dropped (the reference rebinds to the stale host copy and loses it)."""
 
     kind = "buffer"
 
@@ -116,24 +142,24 @@ class BufferOffloader(StaticParamOffloader):
         # buffers the owner's training flag says whether a forward may have changed them.
         self.updated_by: torch.nn.Module | None = None
 
-    def onload(self) -> None:
-        super().onload()
+    def attach(self, pending: PendingCopy) -> None:
+        super().attach(pending)
         self._version_at_onload = self.tensor._version
 
     def offload(self) -> None:
-        if self.device_copy is None:
+        if self.pending is None:
             return
         changed = self.tensor._version != self._version_at_onload
         if changed or (self.updated_by is not None and self.updated_by.training):
-            self.copies.to_host(self.device_copy, self.host)
+            self.copies.to_host(self.pending.tensor, self.host)
         super().offload()
 
 
 class TrainableParamOffloader(StaticParamOffloader):
     """A trainable parameter whose optimizer runs on the CPU. The host copy is the master: the optimizer
     updates it in place, so weights never travel device -> host. Gradients do: each one is copied to a host
-    gradient buffer as soon as autograd finishes accumulating it, and ``hand_over_grad`` gives that buffer to
-    ``param.grad`` for the optimizer. Gradient accumulation adds into the buffer."""
+    gradient buffer on a side stream as soon as autograd finishes accumulating it, and ``hand_over_grad``
+    gives that buffer to ``param.grad`` for the optimizer. Gradient accumulation adds into the buffer."""
 
     kind = "trainable"
 
@@ -147,6 +173,9 @@ class TrainableParamOffloader(StaticParamOffloader):
             grad_host.copy_(existing_grad)
             tensor.grad = None
         self._handed_over = False
+        self._staging: torch.Tensor | None = None
+        self._staged = False
+        self._grad_event: torch.cuda.Event | None = None
 
     def acquire(self) -> None:
         if torch.is_grad_enabled():
@@ -167,24 +196,39 @@ class TrainableParamOffloader(StaticParamOffloader):
         self._handed_over = False
 
     def offload_grad(self) -> None:
-        """Post-accumulate-grad hook: the gradient is final for this backward; move it to the host."""
+        """Post-accumulate-grad hook: the gradient is final for this backward; send it to the host."""
         grad = self.tensor.grad
         if grad is None:
             return
+        self.settle_grad()  # an earlier backward's copy still to be added (accumulation without after_backward)
         if self._grad_valid:
-            self.grad_host.add_(self.copies.to_host(grad))
+            if self._staging is None:
+                self._staging = torch.empty_like(self.grad_host, pin_memory=self.grad_host.is_pinned())
+            self._grad_event = self.copies.to_host_async(grad, self._staging)
+            self._staged = True
         else:
-            self.copies.to_host(grad, self.grad_host)
+            self._grad_event = self.copies.to_host_async(grad, self.grad_host)
             self._grad_valid = True
         self.tensor.grad = None
 
+    def settle_grad(self) -> None:
+        """Wait for this gradient's copy and fold a staged one into the buffer (a host sync for this copy)."""
+        if self._grad_event is not None:
+            self._grad_event.synchronize()
+            self._grad_event = None
+        if self._staged:
+            self.grad_host.add_(self._staging)
+            self._staged = False
+
     def hand_over_grad(self) -> None:
         """After backward: the accumulated host gradient becomes ``param.grad`` for the optimizer."""
-        if self._grad_valid and self.device_copy is None:
+        self.settle_grad()
+        if self._grad_valid and self.pending is None:
             self.tensor.grad = self.grad_host
             self._handed_over = True
 
     def detach(self) -> None:
+        self.settle_grad()
         grad = self.grad_host.clone() if self._grad_valid else None
         super().detach()
         self.tensor.grad = grad
@@ -197,15 +241,16 @@ class AlwaysOnGPUParamOffloader(TensorOffloader):
 
     def __init__(self, name: str, tensor: torch.Tensor, copies: CopyEngine) -> None:
         super().__init__(name, tensor, copies)
-        self.device_copy = copies.to_device(tensor.data)
-        tensor.data = self.device_copy
+        self.pending = copies.to_device(tensor.data)
+        copies.stats.hold(self.nbytes)
+        tensor.data = self.pending.tensor
         if tensor.grad is not None:
             tensor.grad = tensor.grad.to(copies.device)
 
     def acquire(self) -> None:
         pass
 
-    def release(self) -> None:
+    def release(self, keep_if_saved: bool = False) -> None:
         pass
 
     def token_packed(self) -> None:
@@ -214,7 +259,10 @@ class AlwaysOnGPUParamOffloader(TensorOffloader):
     def token_released(self) -> None:
         pass
 
-    def onload(self) -> None:
+    def prefetch(self) -> None:
+        pass
+
+    def onload(self, prefetch: bool = False) -> None:
         pass
 
     def offload(self) -> None:
@@ -224,5 +272,5 @@ class AlwaysOnGPUParamOffloader(TensorOffloader):
         self.tensor.data = self.tensor.data.to("cpu")
         if self.tensor.grad is not None:
             self.tensor.grad = self.tensor.grad.to("cpu")
-        self.copies.release_device(self.device_copy)
-        self.device_copy = None
+        self.copies.stats.drop(self.nbytes)
+        self.pending = None

@@ -35,6 +35,8 @@ class SavedWeight:
     def unpack(self) -> torch.Tensor:
         """Onload before backward: the device copy (re-made if it was dropped after forward)."""
         weight = self.offloader.ensure_resident()
+        if self.offloader.on_backward_use is not None:
+            self.offloader.on_backward_use(self.offloader)
         if self.view is None:
             return weight
         size, stride, offset = self.view

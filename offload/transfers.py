@@ -1,4 +1,8 @@
-"""Copies between host and device, counted. The one place bytes cross the link."""
+"""Copies between host and device, counted and timed. The one place bytes cross the link.
+
+On CUDA, prefetches and gradient copies run on their own streams so they overlap with compute; the compute
+stream waits on a CUDA event only when it needs the data (no host synchronization in the steady state).
+"""
 
 from __future__ import annotations
 
@@ -12,30 +16,72 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class PendingCopy:
+    """A device copy that may still be in flight on the copy stream."""
+
+    __slots__ = ("tensor", "event")
+
+    def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.tensor = tensor
+        self.event = event
+
+
 class CopyEngine:
     """Makes device copies of host tensors and copies device tensors back, updating the counters.
 
     With ``target_device="cpu"`` the "device" copy is still a separate tensor, so the whole onload/offload
     logic runs for real in tests without an accelerator.
+
+    Args:
+        device: the target device.
+        stats: counters to update.
+        side_streams: on CUDA, use a host->device stream for prefetches and a device->host stream for
+            gradients. ``False`` queues every copy on the compute stream (the seed's serialized behaviour).
     """
 
-    def __init__(self, device: torch.device, stats: StatsCounter) -> None:
+    def __init__(self, device: torch.device, stats: StatsCounter, side_streams: bool = True) -> None:
         self.device = device
         self.stats = stats
+        cuda = device.type == "cuda"
+        self.h2d_stream = torch.cuda.Stream(device) if cuda and side_streams else None
+        self.d2h_stream = torch.cuda.Stream(device) if cuda and side_streams else None
+        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy of ``host``. Asynchronous from pinned memory: it is queued on the current stream,
-        which the compute that uses it runs on, so no synchronization is needed."""
-        device_copy = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        device_copy.copy_(host, non_blocking=True)
+    # ------------------------------------------------------------------ host -> device
+    def to_device(self, host: torch.Tensor, *, prefetch: bool = False) -> PendingCopy:
+        """A device copy of ``host``. With ``prefetch`` (and a side stream) it is queued on the copy stream
+        and the caller must ``wait`` before use; otherwise it is queued on the current stream, which the
+        compute that uses it runs on, so no wait is needed."""
         nbytes = host.numel() * host.element_size()
         self.stats.record_h2d(nbytes)
-        self.stats.hold(nbytes)
-        return device_copy
+        stream = self.h2d_stream if prefetch else None
+        if stream is None:
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            self._copy(tensor, host, "h2d", torch.cuda.current_stream(self.device) if self._cuda else None)
+            return PendingCopy(tensor, None)
+        with torch.cuda.stream(stream):
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            self._copy(tensor, host, "h2d", stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return PendingCopy(tensor, event)
 
-    def release_device(self, device_copy: torch.Tensor) -> None:
-        self.stats.drop(device_copy.numel() * device_copy.element_size())
+    def wait(self, pending: PendingCopy) -> torch.Tensor:
+        """Make the current stream wait for ``pending`` (a GPU-side wait, not a host sync)."""
+        if pending.event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(pending.event)
+            after.record(stream)
+            self._timed.append(("wait", before, after))
+            # The copy was allocated on the copy stream; tell the allocator the compute stream uses it too,
+            # so its memory is not handed out again before the compute stream is done with it.
+            pending.tensor.record_stream(stream)
+            pending.event = None
+        return pending.tensor
 
+    # ------------------------------------------------------------------ device -> host
     def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
         """Copy ``device_tensor`` into ``host`` (or a new host tensor). Blocking: the caller reads it next."""
         if host is None:
@@ -43,3 +89,42 @@ class CopyEngine:
         host.copy_(device_tensor)
         self.stats.record_d2h(device_tensor.numel() * device_tensor.element_size())
         return host
+
+    def to_host_async(self, device_tensor: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
+        """Queue a copy into pinned ``host`` on the device->host stream, after the work that produced
+        ``device_tensor``. Returns the event to synchronize on before the CPU reads ``host``."""
+        self.stats.record_d2h(device_tensor.numel() * device_tensor.element_size())
+        if self.d2h_stream is None:
+            host.copy_(device_tensor, non_blocking=self._cuda)
+            return None
+        self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            self._copy(host, device_tensor, "d2h", self.d2h_stream)
+            device_tensor.record_stream(self.d2h_stream)
+            event = torch.cuda.Event()
+            event.record(self.d2h_stream)
+        return event
+
+    # ------------------------------------------------------------------ timing
+    @property
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str, stream: torch.cuda.Stream | None) -> None:
+        if stream is None:
+            dst.copy_(src)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        dst.copy_(src, non_blocking=True)
+        end.record(stream)
+        self._timed.append((kind, start, end))
+
+    def end_step(self) -> None:
+        """Close the step's timing (call after a synchronization): copy time each way, time spent waiting."""
+        seconds = {"h2d": 0.0, "d2h": 0.0, "wait": 0.0}
+        for kind, start, end in self._timed:
+            seconds[kind] += start.elapsed_time(end) / 1e3
+        self._timed.clear()
+        self.stats.copy_wait_seconds += seconds["wait"]
+        self.stats.end_step(seconds["h2d"], seconds["d2h"])

@@ -17,6 +17,7 @@ class UnitPlan:
     name: str
     hook_modules: list[nn.Module]
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    flat: bool = False  # copy the unit's host tensors as one span (block granularity)
 
 
 class OffloadUnit:
@@ -30,14 +31,29 @@ class OffloadUnit:
         self.name = name
         self.offloaders = offloaders
         self.nbytes = sum(o.nbytes for o in offloaders)
+        self.index: int | None = None  # position in the recorded forward order
+        self.keep_for_backward = False  # the last unit of forward is the first of backward
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes that move on each onload (tensors that are not permanently on the device)."""
+        return sum(o.nbytes for o in self.offloaders if o.kind != "always_on_device")
 
     def onload(self) -> None:
         for offloader in self.offloaders:
             offloader.acquire()
 
     def offload(self) -> None:
+        keep = self.keep_for_backward and torch.is_grad_enabled()
         for offloader in self.offloaders:
-            offloader.release()
+            offloader.release(keep_if_saved=keep)
+
+    def prefetch(self, for_backward: bool = False) -> None:
+        """Start copying this unit's tensors on the copy stream. For backward, only those a pending backward
+        node will unpack (the others are not needed again this step)."""
+        for offloader in self.offloaders:
+            if not for_backward or offloader.live_tokens > 0:
+                offloader.prefetch()
 
     @property
     def resident(self) -> bool:
@@ -69,8 +85,12 @@ def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
-def discover_units(model: nn.Module, split_threshold_bytes: int | None = None) -> list[UnitPlan]:
+def discover_units(model: nn.Module, split_threshold_bytes: int | None = None,
+                   granularity: str = "leaf") -> list[UnitPlan]:
     """Cut ``model`` into units.
+
+    With ``granularity="block"`` every child of an ``nn.ModuleList`` (the repeated layers of a transformer)
+    is one unit whose tensors move in one copy; the rest is cut as below.
 
     Without a threshold every leaf module with parameters or buffers is a unit, and the parameters and
     buffers of non-leaf modules ("orphans") form one unit per owner, onloaded around the owner's forward and
@@ -85,6 +105,11 @@ def discover_units(model: nn.Module, split_threshold_bytes: int | None = None) -
             return
         visited.add(id(module))
         children = list(module.named_children())
+        if granularity == "block" and isinstance(parent, nn.ModuleList) and parent is not module:
+            subtree = _subtree_tensors(module, prefix)
+            if subtree:
+                plans.append(UnitPlan(prefix.rstrip("."), [module], subtree, flat=True))
+            return
         if split_threshold_bytes is not None:
             subtree = _subtree_tensors(module, prefix)
             if subtree and (not children or _nbytes(subtree) <= split_threshold_bytes):

@@ -31,6 +31,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Turn on activation checkpointing (non-reentrant, which LoRA's frozen inputs need)."""
     if isinstance(model, TransformerLM):
         model.gradient_checkpointing = True
+    elif hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:

@@ -14,6 +14,8 @@ from offload import OffloadOptions, OffloadTrainingManager, parse_bytes
 from tests.offload.models import make_stack
 
 SEED = Path(__file__).resolve().parents[3] / "shared" / "seed" / "Offload_Training.zh.md"
+# A verbatim copy of the seed's last code block, so the example also runs where ../shared is absent.
+SEED_EXAMPLE = Path(__file__).with_name("seed_toy_example.py.txt")
 
 
 @pytest.mark.parametrize(
@@ -74,8 +76,7 @@ def test_stats_and_repr() -> None:
 
 def seed_example(device: str, shrink: bool) -> str:
     """The seed's offload example, verbatim but for the import (and, on the CPU, the sizes)."""
-    text = SEED.read_text(encoding="utf-8")
-    code = re.findall(r"```python\n(.*?)```", text, flags=re.S)[-1]
+    code = SEED_EXAMPLE.read_text(encoding="utf-8")
     assert "from diffsynth.core import OffloadTrainingManager" in code
     code = code.replace("from diffsynth.core import OffloadTrainingManager", "from offload import OffloadTrainingManager")
     if shrink:
@@ -84,6 +85,11 @@ def seed_example(device: str, shrink: bool) -> str:
 
 
 @pytest.mark.skipif(not SEED.exists(), reason="the seed document sits in ../shared beside the checkout")
+def test_seed_example_copy_is_verbatim() -> None:
+    text = SEED.read_text(encoding="utf-8")
+    assert re.findall(r"```python\n(.*?)```", text, flags=re.S)[-1] == SEED_EXAMPLE.read_text(encoding="utf-8")
+
+
 def test_seed_toy_example_runs_on_cpu() -> None:
     namespace: dict = {}
     exec(compile(seed_example("cpu", shrink=True), "seed_example", "exec"), namespace)
@@ -91,7 +97,6 @@ def test_seed_toy_example_runs_on_cpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not SEED.exists(), reason="the seed document sits in ../shared beside the checkout")
 def test_seed_toy_example_runs_verbatim_on_gpu() -> None:
     namespace: dict = {}
     exec(compile(seed_example("cuda", shrink=False), "seed_example", "exec"), namespace)

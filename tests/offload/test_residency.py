@@ -1,4 +1,9 @@
-"""Outside its unit's forward and backward a frozen parameter holds no device storage."""
+"""Outside its unit's forward and backward a frozen parameter holds no device storage.
+
+With ``prefetch=0`` this holds strictly. With the defaults two deliberate exceptions are bounded: the next
+``prefetch`` units are copied while the current one computes, and the last unit of forward stays for the
+start of backward. Between steps nothing is resident either way.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +11,52 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offload import OffloadTrainingManager, StaticParamOffloader
+from offload import OffloadOptions, OffloadTrainingManager, StaticParamOffloader
 from tests.offload.models import WIDTH, make_stack
 
+OPTIONS = [
+    pytest.param(OffloadOptions(prefetch=0), id="prefetch0"),
+    pytest.param(OffloadOptions(), id="default"),
+    pytest.param(OffloadOptions(granularity="block", prefetch=1), id="block"),
+]
 
+
+@pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant", "reentrant"])
-def test_only_the_running_unit_is_resident(checkpointing: str | None) -> None:
+def test_frozen_weights_are_resident_only_around_their_unit(checkpointing: str | None,
+                                                            options: OffloadOptions) -> None:
     model = make_stack("adapter", checkpointing)
-    manager = OffloadTrainingManager(model, "cpu")
+    manager = OffloadTrainingManager(model, "cpu", options=options)
     frozen = [o for o in manager._offloaders.values() if isinstance(o, StaticParamOffloader)]
     hosts = {o.name: o.host.data_ptr() for o in frozen}
-    violations: list[str] = []
+    extra_units: list[int] = []
 
     def check_forward(module: torch.nn.Module, args: tuple) -> None:
-        # Before each leaf's forward, frozen weights of other leaves must not be resident (during
-        # the first forward; a checkpoint recompute keeps its region for the backward that follows).
-        if torch._C._current_graph_task_id() != -1:
-            return
-        mine = {id(p) for p in module.parameters()}
-        violations.extend(o.name for o in frozen if o.resident and id(o.tensor) not in mine)
+        if torch._C._current_graph_task_id() != -1 or manager._recording:
+            return  # a checkpoint recompute keeps its region for the backward that follows
+        mine = {id(manager._unit_of[id(manager._offloaders[id(p)])]) for p in module.parameters()}
+        others = {id(manager._unit_of[id(o)]) for o in frozen if o.resident} - mine
+        extra_units.append(len(others))
 
     for module in model.modules():
         if not list(module.children()):
             module.register_forward_pre_hook(check_forward)
-    for _ in range(2):
+    for step in range(3):
         x = torch.randn(8, WIDTH)
-        loss = F.mse_loss(model(x), x)
-        # Between forward and backward: every frozen weight is back on its host copy.
-        assert [o.name for o in frozen if o.resident] == []
-        assert all(o.tensor.data_ptr() == hosts[o.name] for o in frozen)
+        loss = F.mse_loss(model(x), x + 1)
+        resident = [o for o in frozen if o.resident]
+        if options.prefetch == 0 or step == 0:
+            assert resident == []
+            assert all(o.tensor.data_ptr() == hosts[o.name] for o in frozen)
+        else:  # only the last unit of forward, kept for the first node of backward
+            assert {id(manager._unit_of[id(o)]) for o in resident} <= {id(manager._order[-1])}
         loss.backward()
         assert [o.name for o in frozen if o.resident] == []
         manager.after_backward()
         assert manager.stats().device_bytes == sum(
             o.nbytes for o in manager._offloaders.values() if o.kind == "always_on_device")
-    assert violations == []
+    bound = 0 if options.prefetch == 0 else options.prefetch + 1  # + the unit kept from the last forward
+    assert max(extra_units) <= bound
 
 
 def test_remove_leaves_an_ordinary_cpu_model_with_trained_values() -> None:

@@ -1,0 +1,104 @@
+"""Command line: ``python -m jobs run FILE [--output DIR]``, ``validate FILE``, ``estimate FILE``, ``schema``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from jobs.errors import JobSpecError, OutOfMemoryHint
+from jobs.estimate import estimate_memory
+from jobs.loading import job_spec_schema, load_job_spec
+from jobs.paths import PathRoots
+from jobs.runner import run_job
+from jobs.spec import JobSpec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 for an invalid spec, 1 for a failed run)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command == "run" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "schema":
+        print(json.dumps(job_spec_schema(), indent=2))
+        return 0
+    try:
+        spec = _load(args)
+    except (JobSpecError, OSError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.command == "validate":
+        print(f"ok: {spec.name} ({_length(spec)}, model {spec.model.kind}, device {spec.device})")
+        return 0
+    if args.command == "estimate":
+        estimate = estimate_memory(spec)
+        print(json.dumps({"peak_device_bytes": estimate.peak_device_bytes,
+                          "pinned_host_bytes": estimate.pinned_host_bytes, "notes": estimate.notes}, indent=2))
+        return 0
+    output = Path(args.output or Path("out") / spec.name)
+    try:
+        with _ProgressBar() as progress:
+            outcome = run_job(spec, output_dir=output, report=progress, resume=not args.no_resume)
+    except OutOfMemoryHint as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"{outcome.status} at step {outcome.step}; checkpoint: {outcome.checkpoint}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jobs", description="Ferry training jobs from YAML specs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "train a job"), ("validate", "check a spec and list every problem"),
+                       ("estimate", "estimate peak device memory and pinned host memory")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("file", type=Path, help="the YAML job spec")
+        command.add_argument("--model-root", action="append", type=Path, default=None,
+                             help="directory model paths must stay in (repeatable; default: current directory)")
+        command.add_argument("--data-root", action="append", type=Path, default=None,
+                             help="directory data paths must stay in (repeatable; default: current directory)")
+        if name == "run":
+            command.add_argument("--output", type=Path, help="output directory (default: out/<name>)")
+            command.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    commands.add_parser("schema", help="print the JSON Schema of a job spec")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> JobSpec:
+    roots = PathRoots(model_roots=args.model_root or [Path.cwd()], data_roots=args.data_root or [Path.cwd()])
+    return load_job_spec(args.file.read_text(), roots=roots)
+
+
+def _length(spec: JobSpec) -> str:
+    steps = spec.training.steps
+    return f"{steps} steps" if steps is not None else f"{spec.training.epochs} epochs"
+
+
+class _ProgressBar:
+    """A report callback that drives a tqdm bar and prints lifecycle events."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+
+    def __enter__(self) -> _ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        if kind == "started":
+            self.bar = tqdm(total=event["total_steps"], initial=event["resumed_from_step"] or 0, unit="step")
+        elif kind == "step" and self.bar is not None:
+            self.bar.update(event["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{event['loss']:.4f}", lr=f"{event['lr']:.2e}")
+        elif kind in ("checkpoint", "log", "failed"):
+            text = event.get("path") or event.get("message")
+            (self.bar.write if self.bar is not None else print)(f"[{kind}] {text}")

@@ -1,0 +1,62 @@
+"""Flat groups: a block's host copies laid out in one span, so one copy moves the whole block.
+
+Used with ``granularity="block"``: a transformer layer's dozen tensors cost one large copy instead of a dozen
+small ones, and the device side is one allocation carved into views.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from offload.arena import ALIGNMENT, PinnedArenaPool
+from offload.offloaders import StaticParamOffloader
+from offload.transfers import CopyEngine, PendingCopy
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+class FlatGroup:
+    """Host copies of several tensors in one contiguous span; onload copies the span once."""
+
+    def __init__(self, tensors: list[torch.Tensor], arena: PinnedArenaPool, copies: CopyEngine) -> None:
+        self.copies = copies
+        self.offsets: list[int] = []
+        total = 0
+        for tensor in tensors:
+            self.offsets.append(total)
+            total += _aligned(tensor.numel() * tensor.element_size())
+        self.span = arena.allocate((total,), torch.uint8)
+        self.members: list[StaticParamOffloader] = []
+        self._device_span: weakref.ref[torch.Tensor] | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def host_view(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The slot for the ``index``-th tensor inside the span."""
+        return _view(self.span, self.offsets[index], tensor.shape, tensor.dtype)
+
+    def add(self, member: StaticParamOffloader) -> None:
+        self.members.append(member)
+        member.group = self
+
+    def onload(self, requester: StaticParamOffloader, prefetch: bool) -> None:
+        """Copy the span (unless a copy is still alive) and hand views to the members that need one now:
+        the requester and any member a running forward holds or a pending backward will unpack."""
+        span = self._device_span() if self._device_span is not None else None
+        if span is None:
+            pending = self.copies.to_device(self.span, prefetch=prefetch)
+            span, self._event = pending.tensor, pending.event
+            self._device_span = weakref.ref(span)
+        for index, member in enumerate(self.members):
+            wanted = member is requester or member.holds > 0 or member.live_tokens > 0
+            if member.pending is None and wanted:
+                view = _view(span, self.offsets[index], member.host.shape, member.host.dtype)
+                member.attach(PendingCopy(view, self._event))
+
+
+def _view(span: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    return span[offset : offset + max(nbytes, 0)].view(dtype).view(shape)

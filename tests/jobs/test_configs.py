@@ -1,0 +1,53 @@
+"""configs/: every file loads; the CPU ones run end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs import PathRoots, load_job_spec, run_job
+from tests.jobs.helpers import write_corpus
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+
+def roots_for(data: dict, tmp_path: Path) -> PathRoots:
+    """Roots in tmp_path holding whatever relative paths the config names (empty stand-ins)."""
+    models, datasets = tmp_path / "models", tmp_path / "data"
+    models.mkdir(), datasets.mkdir()
+    for section, key, root in (("model", "path", models), ("model", "weights", models), ("data", "path", datasets)):
+        if data.get(section, {}).get(key):
+            target = root / data[section][key]
+            write_corpus(target) if root is datasets else target.mkdir(parents=True, exist_ok=True)
+    tokenizer = data.get("data", {}).get("tokenizer", {})
+    if tokenizer.get("path"):
+        (models / tokenizer["path"]).mkdir(parents=True, exist_ok=True)
+    return PathRoots(model_roots=[models], data_roots=[datasets])
+
+
+def test_there_are_configs() -> None:
+    names = {p.name for p in CONFIGS}
+    assert "cpu_smoke.yaml" in names and len(names) >= 6
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_loads_and_is_documented(path: Path, tmp_path: Path) -> None:
+    text = path.read_text()
+    assert text.startswith("#"), "each config opens with a comment saying what it trains and how to submit it"
+    data = yaml.safe_load(text)
+    spec = load_job_spec(text, roots=roots_for(data, tmp_path))
+    assert path.stem.startswith(spec.model.kind) or path.stem == "cpu_smoke"
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if yaml.safe_load(p.read_text()).get("device") == "cpu"],
+                         ids=lambda p: p.name)
+def test_cpu_config_runs(path: Path, tmp_path: Path) -> None:
+    text = path.read_text()
+    spec = load_job_spec(text, roots=roots_for(yaml.safe_load(text), tmp_path))
+    events: list[dict] = []
+    outcome = run_job(spec, output_dir=tmp_path / "out", report=events.append)
+    assert outcome.status == "succeeded" and outcome.step == spec.training.steps
+    losses = [e["loss"] for e in events if e["type"] == "step"]
+    assert losses[-1] < losses[0]

@@ -1,0 +1,108 @@
+"""estimate_memory: a fit check from shapes alone."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from jobs import PathRoots, estimate_memory, load_job_spec, run_job
+from tests.jobs.helpers import TOY, merged, spec_from, write_corpus
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+BIG_TOY = merged(TOY, model={"hidden_size": 1024, "num_layers": 4}, training={"batch_size": 64})
+MODEL_ONLY = {"enable_model_cpu_offload": True}
+BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
+
+
+def test_offloading_lowers_the_device_estimate() -> None:
+    plain = estimate_memory(spec_from(BIG_TOY))
+    both = estimate_memory(spec_from(merged(BIG_TOY, offload=BOTH)))
+    assert plain.pinned_host_bytes == 0
+    assert both.peak_device_bytes < plain.peak_device_bytes / 3
+    assert both.pinned_host_bytes >= 2 * 4 * 4 * 1024 * 1024  # weights and their host gradient buffers
+    assert any("optimizer offload" in note for note in both.notes)
+
+
+def test_lora_keeps_only_adapters_and_their_state_on_the_device(roots: PathRoots) -> None:
+    lm = {"name": "lm", "model": {"kind": "transformer_lm", "hidden_size": 256, "num_layers": 4, "num_heads": 4,
+                                  "vocab_size": 512}, "data": {"kind": "text", "path": "corpus", "seq_len": 64},
+          "training": {"steps": 1}, "lora": {"target_modules": ["to_q", "to_v"], "rank": 8}}
+    full = estimate_memory(spec_from({k: v for k, v in lm.items() if k != "lora"}, roots))
+    lora = estimate_memory(spec_from(lm, roots))
+    lora_offloaded = estimate_memory(spec_from(merged(lm, offload=MODEL_ONLY), roots))
+    assert lora_offloaded.peak_device_bytes < lora.peak_device_bytes < full.peak_device_bytes
+    weights = sum(p.numel() * 4 for p in _meta_lm(lm).parameters())
+    assert weights <= lora_offloaded.pinned_host_bytes <= 2 * weights
+
+
+def _meta_lm(data: dict[str, Any]) -> torch.nn.Module:
+    from jobs.models.names import meta_model
+    from jobs.spec import TransformerLMSpec
+
+    return meta_model(TransformerLMSpec(**data["model"]))
+
+
+def test_pinned_estimate_matches_the_engine_arena(tmp_path: Path) -> None:
+    events: list[dict] = []
+    data = merged(BIG_TOY, offload=BOTH, training={"steps": 1})
+    run_job(spec_from(data), output_dir=tmp_path, report=events.append)
+    measured = next(e for e in events if e["type"] == "step")["pinned_bytes"]
+    assert estimate_memory(spec_from(data)).pinned_host_bytes == measured
+
+
+def test_hf_model_is_estimated_from_its_config_alone(roots: PathRoots) -> None:
+    from transformers import LlamaConfig
+
+    directory = roots.model_roots[0] / "config-only"
+    LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4).save_pretrained(directory)
+    assert {p.name for p in directory.iterdir()} == {"config.json"}  # no weights to load
+    spec = spec_from({"name": "hf", "model": {"kind": "hf_causal_lm", "path": "config-only"},
+                      "data": {"kind": "text", "path": "corpus", "seq_len": 32}, "training": {"steps": 1}}, roots)
+    assert estimate_memory(spec).peak_device_bytes > 300 * 64 * 2
+
+
+def test_a_multi_billion_model_is_estimated_without_memory(tmp_path: Path) -> None:
+    write_corpus(tmp_path / "example_dataset")
+    text = (CONFIGS / "transformer_lm-7b_lora_model-offload.yaml").read_text()
+    spec = load_job_spec(text, roots=PathRoots(model_roots=[tmp_path], data_roots=[tmp_path]))
+    before, started = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    estimate = estimate_memory(spec)
+    assert time.perf_counter() - started < 20
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 500 * 1024  # KiB: far below 12 GiB
+    assert 12 * 2**30 < estimate.pinned_host_bytes < 16 * 2**30
+    assert estimate.peak_device_bytes < 12 * 2**30
+
+
+def gpu_configs() -> list[Path]:
+    return [p for p in sorted(CONFIGS.glob("*.yaml")) if yaml.safe_load(p.read_text()).get("device") == "cuda"
+            and yaml.safe_load(p.read_text())["model"]["kind"] != "hf_causal_lm"]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("config", gpu_configs(), ids=lambda p: p.stem)
+def test_estimate_is_within_25_percent_of_the_measured_peak(config: Path, tmp_path: Path) -> None:
+    write_corpus(tmp_path / "example_dataset", documents=4000)
+    data = yaml.safe_load(config.read_text())
+    data["training"].pop("epochs", None)
+    data["training"].update(steps=3)
+    data["training"]["scheduler"] = {"kind": "constant", "warmup_steps": 0}
+    data["checkpoint"] = {"save_final": False}
+    spec = load_job_spec(yaml.safe_dump(data), roots=PathRoots(model_roots=[tmp_path], data_roots=[tmp_path]))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run_job(spec, output_dir=tmp_path / "out")
+    measured = torch.cuda.max_memory_allocated()
+    estimate = estimate_memory(spec)
+    record = {"config": config.name, "measured": measured, "estimated": estimate.peak_device_bytes,
+              "ratio": estimate.peak_device_bytes / measured, "notes": estimate.notes}
+    print(json.dumps(record))
+    assert abs(estimate.peak_device_bytes - measured) <= 0.25 * measured, record

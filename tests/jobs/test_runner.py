@@ -1,0 +1,198 @@
+"""run_job end to end on the CPU: events, exact resume, pause and cancel, failures and the OOM hint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import jobs.runner
+from jobs import JobOutcome, OutOfMemoryHint, PathRoots, list_checkpoints, run_job
+from tests.jobs.helpers import TINY_LM, TOY, assert_same_weights, final_weights, merged, spec_from
+
+STEP_KEYS = {"type", "step", "total_steps", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "eta_s",
+             "device_allocated_bytes", "device_reserved_bytes", "device_peak_bytes", "host_rss_bytes",
+             "pinned_bytes", "offload"}
+OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
+
+
+class Killed(Exception):
+    """Stands in for the process dying right after a checkpoint."""
+
+
+def run(data: dict[str, Any], out: Path, roots: PathRoots | None = None, **kwargs: Any) -> tuple[JobOutcome, list]:
+    events: list[dict[str, Any]] = []
+    outcome = run_job(spec_from(data, roots), output_dir=out, report=events.append, **kwargs)
+    return outcome, events
+
+
+def test_events_match_the_interface(tmp_path: Path) -> None:
+    data = merged(TOY, offload=OFFLOAD_BOTH, checkpoint={"every_steps": 4, "keep_last": 2})
+    outcome, events = run(data, tmp_path)
+    assert outcome == JobOutcome("succeeded", 10, str(tmp_path / "checkpoints" / "step-00000010"))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "started" and kinds[-1] == "finished"
+    assert set(events[0]) == {"type", "total_steps", "resumed_from_step", "spec"}
+    assert events[0]["resumed_from_step"] is None and events[0]["spec"]["name"] == "toy"
+    steps = [e for e in events if e["type"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 11))
+    assert all(set(e) == STEP_KEYS for e in steps)
+    assert set(steps[0]["offload"]) >= {"h2d_bytes", "d2h_bytes", "pinned_reserved_bytes", "last_step_h2d_gbps"}
+    checkpoints = [e for e in events if e["type"] == "checkpoint"]
+    assert [e["step"] for e in checkpoints] == [4, 8, 10]
+    assert set(checkpoints[0]) == {"type", "step", "name", "path", "files"}
+    assert {f["name"] for f in checkpoints[0]["files"]} == {"model.safetensors", "training_state.pt"}
+    assert events[-1] == {"type": "finished", "status": "succeeded", "step": 10}
+    json.dumps(events)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [8, 10]  # keep_last: 2
+
+
+def test_loss_goes_down_and_lr_follows_the_schedule(tmp_path: Path) -> None:
+    data = merged(TOY, training={"steps": 30, "scheduler": {"kind": "linear", "warmup_steps": 5}})
+    _, events = run(data, tmp_path)
+    steps = [e for e in events if e["type"] == "step"]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[0]["lr"] == pytest.approx(1e-2 / 5) and steps[4]["lr"] == pytest.approx(1e-2)
+    assert steps[-1]["lr"] < steps[5]["lr"]
+
+
+@pytest.mark.parametrize("offload", [{}, {"enable_model_cpu_offload": True}, OFFLOAD_BOTH],
+                         ids=["no-offload", "model-offload", "optimizer-offload"])
+def test_offload_trains_the_same_weights_on_cpu(tmp_path: Path, offload: dict) -> None:
+    run(TOY, tmp_path / "plain")
+    run(merged(TOY, offload=offload), tmp_path / "offloaded")
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
+
+
+def interrupted_then_resumed(data: dict[str, Any], out: Path, roots: PathRoots | None = None) -> list:
+    """Run until the step-5 checkpoint, die, then resume to the end; return the resumed run's events."""
+
+    def die_after_step_5(event: dict[str, Any]) -> None:
+        if event["type"] == "checkpoint" and event["step"] == 5:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_job(spec_from(data, roots), output_dir=out, report=die_after_step_5)
+    return run(data, out, roots)[1]
+
+
+@pytest.mark.parametrize("offload", [{}, OFFLOAD_BOTH], ids=["no-offload", "optimizer-offload"])
+def test_resume_is_exact_for_full_training(tmp_path: Path, offload: dict) -> None:
+    data = merged(TOY, offload=offload, checkpoint={"every_steps": 5},
+                  training={"scheduler": {"kind": "cosine", "warmup_steps": 2}, "max_grad_norm": 1.0})
+    run(data, tmp_path / "straight")
+    events = interrupted_then_resumed(data, tmp_path / "resumed")
+    assert events[0]["resumed_from_step"] == 5
+    assert [e["step"] for e in events if e["type"] == "step"] == [6, 7, 8, 9, 10]
+    assert_same_weights(final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed"))
+
+
+def test_resume_is_exact_for_lora_with_dropout_on_text(tmp_path: Path, roots: PathRoots) -> None:
+    # Dropout draws from the RNG and the text order is shuffled per epoch: both must continue exactly.
+    data = merged(TINY_LM, lora={"target_modules": ["to_q", "to_v", "mlp.net.0"], "rank": 4, "dropout": 0.1},
+                  offload={"enable_model_cpu_offload": True}, checkpoint={"every_steps": 5},
+                  training={"gradient_accumulation_steps": 2})
+    run(data, tmp_path / "straight", roots)
+    interrupted_then_resumed(data, tmp_path / "resumed", roots)
+    assert_same_weights(final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed"))
+
+
+def test_resume_after_sigkill(tmp_path: Path) -> None:
+    data = merged(TOY, checkpoint={"every_steps": 5})
+    run(data, tmp_path / "straight")
+    script = f"""
+import os, signal, torch
+torch.set_num_threads(1)
+from jobs import load_job_spec, run_job
+def report(event):
+    if event["type"] == "checkpoint" and event["step"] == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+run_job(load_job_spec({json.dumps(json.dumps(data))}), output_dir={str(tmp_path / 'resumed')!r}, report=report)
+"""
+    child = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    assert child.returncode == -signal.SIGKILL
+    assert [c.step for c in list_checkpoints(tmp_path / "resumed")] == [5]
+    run(data, tmp_path / "resumed")
+    assert_same_weights(final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed"))
+
+
+def test_pause_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
+    run(TOY, tmp_path / "straight")
+    polls = iter([None, None, None, "pause"])
+    outcome, events = run(TOY, tmp_path / "paused", should_stop=lambda: next(polls, None))
+    assert outcome.status == "paused" and outcome.step == 3
+    assert outcome.checkpoint == str(tmp_path / "paused" / "checkpoints" / "step-00000003")
+    assert events[-1] == {"type": "finished", "status": "paused", "step": 3}
+    outcome, _ = run(TOY, tmp_path / "paused")
+    assert outcome.status == "succeeded"
+    assert_same_weights(final_weights(tmp_path / "straight"), final_weights(tmp_path / "paused"))
+
+
+def test_cancel_stops_without_a_checkpoint(tmp_path: Path) -> None:
+    polls = iter([None, None, "cancel"])
+    outcome, events = run(TOY, tmp_path, should_stop=lambda: next(polls, None))
+    assert outcome == JobOutcome("cancelled", 2, None)
+    assert events[-1] == {"type": "finished", "status": "cancelled", "step": 2}
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_resume_false_starts_over(tmp_path: Path) -> None:
+    run(TOY, tmp_path)
+    _, events = run(TOY, tmp_path, resume=False)
+    assert events[0]["resumed_from_step"] is None and events[1]["step"] == 1
+
+
+def test_out_of_memory_names_the_setting_that_helps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(jobs.runner, "train_step", no_memory)
+    events: list[dict] = []
+    with pytest.raises(OutOfMemoryHint, match="set offload.enable_model_cpu_offload: true") as caught:
+        run_job(spec_from(TOY), output_dir=tmp_path, report=events.append)
+    assert isinstance(caught.value, RuntimeError)
+    assert events[-1] == {"type": "failed", "error": "OutOfMemoryHint", "message": str(caught.value)}
+    assert "at step 1: CUDA out of memory. Tried to allocate 2.00 GiB" in str(caught.value)
+
+
+def test_errors_are_reported_then_raised(tmp_path: Path, roots: PathRoots) -> None:
+    data = merged(TINY_LM, model={"vocab_size": 300}, data={"seq_len": 5000})
+    events: list[dict] = []
+    small = merged(data, data={"seq_len": 32}, training={"batch_size": 4096})
+    with pytest.raises(ValueError, match="fewer than training.batch_size=4096"):
+        run_job(spec_from(small, roots), output_dir=tmp_path, report=events.append)
+    assert events[-1]["type"] == "failed" and events[-1]["error"] == "ValueError"
+
+
+def test_settings_ignored_without_model_offload_are_logged(tmp_path: Path) -> None:
+    _, events = run(merged(TOY, offload={"prefetch": 2}), tmp_path)
+    logs = [e for e in events if e["type"] == "log"]
+    assert logs and logs[0]["level"] == "warning" and "offload.prefetch ignored" in logs[0]["message"]
+
+
+def test_train_step_can_be_called_directly() -> None:
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    class NoAccelerator:
+        def autocast(self) -> Any:
+            return torch.autocast("cpu", enabled=False)
+
+        def backward(self, loss: torch.Tensor) -> None:
+            loss.backward()
+
+    batch = {"x": torch.ones(2, 4)}
+    before = model.weight.detach().clone()
+    loss = jobs.runner.train_step(model, lambda m, b: m(b["x"]).pow(2).mean(), [batch, batch], optimizer=optimizer,
+                                  scheduler=scheduler, accelerator=NoAccelerator(), manager=None, max_grad_norm=None,
+                                  device=torch.device("cpu"))
+    assert loss.ndim == 0 and not torch.equal(before, model.weight)
+    assert os.environ.get("CUDA_VISIBLE_DEVICES", "") == os.environ.get("CUDA_VISIBLE_DEVICES", "")
