@@ -229,6 +229,16 @@ def test_a_failed_job_shows_its_error_first(page, failing_job: str) -> None:  # 
     shot(page, "job-failed")
 
 
+def test_without_the_chart_library_the_job_page_says_how_to_install_it(page) -> None:  # type: ignore[no-untyped-def]
+    page.route("**/ui/vendor/**", lambda route: route.fulfill(status=404, body="not installed"))
+    page.goto("/ui/#/jobs?status=succeeded")
+    page.locator("tr.job-row a.job-link").first.click()
+    notice = page.locator("[data-chart=loss] .chart-missing")
+    notice.wait_for()
+    assert "npm ci --prefix service/dashboard" in notice.inner_text()
+    assert page.locator("[data-stat=loss] .stat-value").inner_text() != "—"
+
+
 def test_phone_layout(page) -> None:  # type: ignore[no-untyped-def]
     page.set_viewport_size(PHONE)
     page.goto("/ui/#/jobs")
