@@ -201,7 +201,7 @@ def test_smoke_job_from_submit_to_checkpoint_download(page, server: Server, tmp_
     assert page.locator("#event-log li").count() == len(events)
 
     last = checkpoints[-1]["files"][0]
-    button = page.locator(f'#checkpoints button.download[data-file="{last["name"]}"]').last
+    button = page.locator(f'#checkpoints a.download[data-file="{last["name"]}"]').last
     with page.expect_download() as download_info:
         button.click()
     saved = tmp_path / last["name"]

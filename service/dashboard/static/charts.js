@@ -38,6 +38,7 @@ const UNIT_FORMAT = {
   bytes: (v) => bytes(v),
   "GB/s": (v) => `${num(v, 3)}`,
   s: (v) => `${num(v, 3)}`,
+  ms: (v) => `${num(v, 3)}`,
   "": (v) => num(v, 3),
 };
 

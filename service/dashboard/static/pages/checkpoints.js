@@ -1,6 +1,6 @@
 // Checkpoints: each with its step, files, sizes, SHA-256 and an authenticated download.
 
-import { AuthError, api, download } from "../api.js";
+import { AuthError, api, download, getToken } from "../api.js";
 import { bytes, dateTime, h } from "../format.js";
 import { listOf } from "../model.js";
 
@@ -35,8 +35,7 @@ export function checkpointsCard(jobId, ctx) {
       for (const file of files) {
         const url = file.url || `${base}/${encodeURIComponent(name)}/files/${encodeURIComponent(file.name)}`;
         rows.push(h("tr", { class: "ckpt-file" },
-          h("td", {}, h("button", { class: "link-button download", type: "button", "data-file": file.name, title: `Download ${file.name}`,
-            onclick: () => download(url, file.name).catch((err) => ctx.toast(err.message, "error")) }, `⤓ ${file.name}`)),
+          h("td", {}, downloadLink(url, file.name, ctx)),
           h("td", { class: "num small" }, bytes(file.bytes ?? file.size)),
           h("td", { class: "sha mono small", title: file.sha256 || "" },
             file.sha256 ? h("span", { class: "sha-text" }, file.sha256) : "—")));
@@ -48,4 +47,17 @@ export function checkpointsCard(jobId, ctx) {
   }
 
   return { element, refresh };
+}
+
+/**
+ * A plain link the browser downloads natively (streamed to disk, resumable). With a token, a click
+ * fetches the file with the Authorization header instead: the token never goes into a URL.
+ */
+function downloadLink(url, name, ctx) {
+  return h("a", { class: "download", href: url, download: name, "data-file": name, title: `Download ${name}`,
+    onclick: (event) => {
+      if (!getToken()) return;
+      event.preventDefault();
+      download(url, name).catch((err) => ctx.toast(err.message, "error"));
+    } }, `⤓ ${name}`);
 }

@@ -179,7 +179,20 @@ function offloadStat(last, job) {
   const o = isNum(last?.h2d) ? last : flattenStep({ offload: job.offload || {} });
   if (!isNum(o.h2d)) return stat("Offload", DASH, { id: "offload", sub: "no offload figures (offload off or not started)" });
   return stat("Offload H→D", `${num(o.h2d, 3)} GB/s`, { id: "offload",
-    sub: `D→H ${num(o.d2h, 3)} GB/s · copy wait ${num(o.copyWait, 3)} s` });
+    sub: `D→H ${num(o.d2h, 3)} GB/s · ${num(o.copyWait, 3)} s waiting on copies in all` });
+}
+
+/**
+ * The engine reports the total time compute waited on copies since the run (or attempt) started;
+ * the chart shows it per step, in milliseconds. A drop in the total means a new attempt began.
+ */
+function perStepWaitMs(rows) {
+  return rows.map((row, i) => {
+    const prev = rows[i - 1];
+    if (!isNum(row.copyWait)) return null;
+    if (!prev || !isNum(prev.copyWait) || row.copyWait < prev.copyWait) return null;
+    return (1000 * (row.copyWait - prev.copyWait)) / Math.max(1, row.step - prev.step);
+  });
 }
 
 /** Step rows keyed by step: a step seen again (resumed from a checkpoint) replaces the old point. */
@@ -209,7 +222,7 @@ function makeCharts() {
     series: [{ label: "samples/s", color: "#2b8a3e" }] });
   const transfer = lineChart({ title: "Offload transfers", xLabel: "step", yLabel: "rate", unit: "GB/s", testId: "transfer",
     series: [{ label: "host → GPU" }, { label: "GPU → host", color: "#d9480f" }] });
-  const wait = lineChart({ title: "Time waiting on copies", xLabel: "step", yLabel: "copy wait", unit: "s", testId: "copy-wait",
+  const wait = lineChart({ title: "Time waiting on copies", xLabel: "step", yLabel: "wait per step", unit: "ms", testId: "copy-wait",
     series: [{ label: "copy wait", color: "#c2255c" }] });
   const all = [loss, lr, memory, throughput, transfer, wait];
   let pending = false;
@@ -228,7 +241,7 @@ function makeCharts() {
       (k) => timed.map((r) => (isNum(r[k]) ? r[k] : null))));
     throughput.setData(steps, col("samplesPerS"));
     transfer.setData(steps, col("h2d"), col("d2h"));
-    wait.setData(steps, col("copyWait"));
+    wait.setData(steps, perStepWaitMs(rows));
   }
   // Many step events can arrive at once on replay: redraw at most once a frame.
   function schedule(store) {
