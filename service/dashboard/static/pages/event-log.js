@@ -17,6 +17,20 @@ export function eventLog() {
     list, h("p", { class: "empty small", id: "events-empty" }, "No events yet."));
   const seen = new Set();
   let total = 0;
+  let pending = [];
+
+  // A replay brings thousands of events at once: add them to the page once a frame, and keep
+  // following the end only if the reader was already there.
+  function flush() {
+    const stick = list.scrollHeight - list.scrollTop - list.clientHeight < 24;
+    const rows = pending.slice(-MAX_ROWS);
+    pending = [];
+    element.querySelector("#events-empty")?.remove();
+    count.textContent = total > MAX_ROWS ? `(${total}, the last ${MAX_ROWS} shown)` : `(${total})`;
+    list.append(...rows);
+    while (list.children.length > MAX_ROWS) list.firstElementChild.remove();
+    if (stick) list.scrollTop = list.scrollHeight;
+  }
   showSteps.addEventListener("change", () => element.classList.toggle("hide-steps", !showSteps.checked));
 
   return {
@@ -25,13 +39,9 @@ export function eventLog() {
       if (id !== null && seen.has(id)) return;
       if (id !== null) seen.add(id);
       total += 1;
-      count.textContent = `(${total})`;
-      element.querySelector("#events-empty")?.remove();
-      const stick = list.scrollHeight - list.scrollTop - list.clientHeight < 24;
-      list.append(h("li", { class: `event event-${type}`, "data-event-id": id ?? "", "data-type": type },
+      pending.push(h("li", { class: `event event-${type}`, "data-event-id": id ?? "", "data-type": type },
         h("span", { class: "event-type" }, type), h("span", { class: "event-text" }, describe(type, event))));
-      while (list.children.length > MAX_ROWS) list.firstElementChild.remove();
-      if (stick) list.scrollTop = list.scrollHeight;
+      if (pending.length === 1) requestAnimationFrame(flush);
     },
     setState(value) {
       state.dataset.state = value;

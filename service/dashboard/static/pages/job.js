@@ -1,12 +1,12 @@
 // Job: status and error first, then progress, live charts, the event log, checkpoints and the spec.
 
 import { AuthError, ApiError, api, streamEvents } from "../api.js";
-import { lineChart } from "../charts.js";
 import { DASH, bytes, dateTime, duration, h, isNum, num, percent, rate, secondsSince } from "../format.js";
 import { describeError, poll } from "../live.js";
-import { ACTIONS, TERMINAL, flattenStep, metricRows, normalizeJob, unwrapEvent } from "../model.js";
+import { ACTIONS, TERMINAL, flattenStep, normalizeJob, unwrapEvent } from "../model.js";
 import { errorState, failureBanner, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
+import { loadMetrics, makeCharts, seriesStore } from "./job-series.js";
 import { checkpointsCard } from "./checkpoints.js";
 import { specCard } from "./spec.js";
 
@@ -82,7 +82,7 @@ export async function render(root, { params: [jobId], ctx }) {
       const event = unwrapEvent(data, type);
       const kind = event.type || type;
       log.add(id, kind, event);
-      if (kind === "step") { series.addRows([event]); charts.schedule(series); drawStats(stats, job, series.last()); }
+      if (kind === "step") { series.addRows([event]); charts.schedule(series, () => drawStats(stats, job, series.last())); }
       if (kind === "checkpoint") checkpoints.refresh();
       if (kind === "status" || kind === "finished" || kind === "failed") refreshJob().catch(() => {});
     },
@@ -101,17 +101,6 @@ export async function render(root, { params: [jobId], ctx }) {
   const stopPoll = poll(refreshJob, { ctx, intervalMs: 2000, onError: (err) => banner.replaceChildren(failureBanner(err)) });
 
   return () => { stopStream(); stopPoll(); };
-}
-
-/** The stored series, page by page (`?after=` cursor) until the service says there is no more. */
-async function loadMetrics(path, series) {
-  let after = 0;
-  for (let page = 0; page < 100; page += 1) {
-    const body = await api(`${path}/metrics?after=${after}&limit=10000`);
-    series.addRows(metricRows(body));
-    if (!body?.has_more || body.next_cursor === undefined || body.next_cursor === after) return;
-    after = body.next_cursor;
-  }
 }
 
 function drawHeader(header, job, act) {
@@ -180,74 +169,4 @@ function offloadStat(last, job) {
   if (!isNum(o.h2d)) return stat("Offload", DASH, { id: "offload", sub: "no offload figures (offload off or not started)" });
   return stat("Offload H→D", `${num(o.h2d, 3)} GB/s`, { id: "offload",
     sub: `D→H ${num(o.d2h, 3)} GB/s · ${num(o.copyWait, 3)} s waiting on copies in all` });
-}
-
-/**
- * The engine reports the total time compute waited on copies since the run (or attempt) started;
- * the chart shows it per step, in milliseconds. A drop in the total means a new attempt began.
- */
-function perStepWaitMs(rows) {
-  return rows.map((row, i) => {
-    const prev = rows[i - 1];
-    if (!isNum(row.copyWait)) return null;
-    if (!prev || !isNum(prev.copyWait) || row.copyWait < prev.copyWait) return null;
-    return (1000 * (row.copyWait - prev.copyWait)) / Math.max(1, row.step - prev.step);
-  });
-}
-
-/** Step rows keyed by step: a step seen again (resumed from a checkpoint) replaces the old point. */
-function seriesStore() {
-  const byStep = new Map();
-  return {
-    addRows(rows) {
-      for (const row of rows) {
-        const step = flattenStep(row);
-        if (!isNum(step.step)) continue;
-        // A run resumed from a checkpoint repeats the steps after it; the newer figures win.
-        byStep.set(step.step, step);
-      }
-    },
-    rows() { return [...byStep.values()].sort((a, b) => a.step - b.step); },
-    last() { const rows = this.rows(); return rows[rows.length - 1] || null; },
-  };
-}
-
-function makeCharts() {
-  const loss = lineChart({ title: "Loss", xLabel: "step", yLabel: "loss", series: [{ label: "loss" }], testId: "loss" });
-  const lr = lineChart({ title: "Learning rate", xLabel: "step", yLabel: "learning rate", series: [{ label: "lr", color: "#7048e8" }], testId: "lr" });
-  const memory = lineChart({ title: "Memory over time", xLabel: "time since the first step", xUnit: "duration", yLabel: "memory", unit: "bytes", testId: "memory",
-    series: [{ label: "GPU allocated" }, { label: "GPU reserved", color: "#0c8599" }, { label: "GPU peak", color: "#c2255c" },
-      { label: "pinned host", color: "#d9480f" }, { label: "host RSS", color: "#868e96" }] });
-  const throughput = lineChart({ title: "Throughput", xLabel: "step", yLabel: "samples", unit: "samples/s", testId: "throughput",
-    series: [{ label: "samples/s", color: "#2b8a3e" }] });
-  const transfer = lineChart({ title: "Offload transfers", xLabel: "step", yLabel: "rate", unit: "GB/s", testId: "transfer",
-    series: [{ label: "host → GPU" }, { label: "GPU → host", color: "#d9480f" }] });
-  const wait = lineChart({ title: "Time waiting on copies", xLabel: "step", yLabel: "wait per step", unit: "ms", testId: "copy-wait",
-    series: [{ label: "copy wait", color: "#c2255c" }] });
-  const all = [loss, lr, memory, throughput, transfer, wait];
-  let pending = false;
-  function update(store) {
-    const rows = store.rows();
-    const col = (key) => rows.map((r) => (isNum(r[key]) ? r[key] : null));
-    const steps = col("step");
-    loss.setData(steps, col("loss"));
-    lr.setData(steps, col("lr"));
-    // Over wall-clock time since the first step, so a resumed run continues to the right instead of
-    // starting again at zero (its elapsed_s restarts with each attempt).
-    const clock = rows.every((r) => isNum(r.time)) ? "time" : "elapsed";
-    const timed = rows.filter((r) => isNum(r[clock]));
-    const t0 = timed.length ? Math.min(...timed.map((r) => r[clock])) : 0;
-    memory.setData(timed.map((r) => r[clock] - t0), ...["allocated", "reserved", "peak", "pinned", "hostRss"].map(
-      (k) => timed.map((r) => (isNum(r[k]) ? r[k] : null))));
-    throughput.setData(steps, col("samplesPerS"));
-    transfer.setData(steps, col("h2d"), col("d2h"));
-    wait.setData(steps, perStepWaitMs(rows));
-  }
-  // Many step events can arrive at once on replay: redraw at most once a frame.
-  function schedule(store) {
-    if (pending) return;
-    pending = true;
-    requestAnimationFrame(() => { pending = false; update(store); });
-  }
-  return { all, update, schedule };
 }
