@@ -43,29 +43,29 @@ const UNIT_FORMAT = {
 };
 
 /**
- * A chart card: `title`, x axis `xLabel`, y axis `yLabel` in `unit`, one line per entry of `series`
- * ({label, color}). Returns {element, setData(xs, ...ys), points()}.
+ * A chart card: `title`, x axis `xLabel` (`xUnit` "duration" for seconds), y axis `yLabel` in `unit`,
+ * one line per entry of `series` ({label, color}). With `logToggle`, a checkbox switches the y axis to a
+ * log scale (a loss that falls by orders of magnitude). Returns {element, setData(xs, ...ys)}.
  */
-export function lineChart({ title, xLabel, xUnit = "", yLabel, unit = "", series, testId, logY = false }) {
+export function lineChart({ title, xLabel, xUnit = "", yLabel, unit = "", series, testId, logToggle = false }) {
   const body = h("div", { class: "chart-body" });
+  const log = logToggle ? h("input", { type: "checkbox", "data-log": testId }) : null;
   const element = h("section", { class: "card chart", "data-chart": testId, "data-points": "0" },
-    h("h3", { class: "card-title" }, title), body);
+    h("div", { class: "card-head" }, h("h3", { class: "card-title" }, title),
+      log ? h("label", { class: "small muted toggle" }, log, " log scale") : null),
+    body);
+  let uPlot = null;
   let plot = null;
   let data = [[], ...series.map(() => [])];
-  let missing = false;
 
-  loadUPlot().then((uPlot) => {
-    if (!uPlot) {
-      missing = true;
-      element.dataset.missing = "true";
-      body.replaceChildren(h("div", { class: "chart-missing" },
-        "Charts are not installed. Run ", h("code", {}, INSTALL_HINT), " and reload."));
-      return;
-    }
+  function build() {
+    plot?.destroy();
+    const logY = Boolean(log?.checked);
     const fmt = UNIT_FORMAT[unit] || UNIT_FORMAT[""];
-    const width = Math.max(240, body.clientWidth || 480);
+    // A log axis cannot show zero or less: those points are left out while it is on.
+    const shown = logY ? [data[0], ...data.slice(1).map((ys) => ys.map((v) => (v > 0 ? v : null)))] : data;
     plot = new uPlot({
-      width, height: 220,
+      width: Math.max(240, body.clientWidth || 480), height: 220,
       legend: { live: true },
       cursor: { drag: { x: true, y: false } },
       scales: { x: { time: false }, y: logY ? { distr: 3 } : {} },
@@ -73,20 +73,33 @@ export function lineChart({ title, xLabel, xUnit = "", yLabel, unit = "", series
         { ...AXIS, label: xLabel, size: 42, ...(xLabel === "step" ? { incrs: STEP_INCRS } : {}),
           ...(xUnit === "duration" ? { values: (u, splits) => splits.map(clockTick) } : {}) },
         { ...AXIS, label: unit && unit !== "bytes" ? `${yLabel} (${unit})` : yLabel, size: unit === "bytes" ? 72 : 60,
-          values: (u, splits) => splits.map(fmt), ...(unit === "bytes" ? { incrs: BYTE_INCRS } : {}) },
+          values: (u, splits) => splits.map(fmt), ...(unit === "bytes" && !logY ? { incrs: BYTE_INCRS } : {}) },
       ],
       series: [
         { label: xLabel, value: (u, v) => (v == null ? "—" : xUnit === "duration" ? clockTick(v) : num(v, 5)) },
         ...series.map((s, i) => ({
           label: s.label, stroke: s.color || PALETTE[i % PALETTE.length], width: 1.75,
           points: { size: 4 }, spanGaps: true,
-          value: (u, v) => (v == null ? "—" : unit === "bytes" ? bytes(v) : `${num(v, 4)}${unit && unit !== "bytes" ? ` ${unit}` : ""}`),
+          value: (u, v) => (v == null ? "—" : unit === "bytes" ? bytes(v) : `${num(v, 4)}${unit ? ` ${unit}` : ""}`),
         })),
       ],
-    }, data, body);
+    }, shown, body);
+  }
+
+  loadUPlot().then((loaded) => {
+    if (!loaded) {
+      element.dataset.missing = "true";
+      log?.closest("label")?.remove();
+      body.replaceChildren(h("div", { class: "chart-missing" },
+        "Charts are not installed. Run ", h("code", {}, INSTALL_HINT), " and reload."));
+      return;
+    }
+    uPlot = loaded;
+    build();
+    log?.addEventListener("change", build);
     new ResizeObserver(() => {
       const w = body.clientWidth;
-      if (w && Math.abs(w - plot.width) > 2) plot.setSize({ width: w, height: 220 });
+      if (w && plot && Math.abs(w - plot.width) > 2) plot.setSize({ width: w, height: 220 });
     }).observe(body);
   });
 
@@ -96,10 +109,10 @@ export function lineChart({ title, xLabel, xUnit = "", yLabel, unit = "", series
       data = [xs, ...ys];
       const points = ys.length ? Math.max(...ys.map((y) => y.filter((v) => v !== null && v !== undefined).length)) : 0;
       element.dataset.points = String(points);
-      const empty = !xs.length;
-      element.classList.toggle("chart-empty", empty);
-      if (plot) plot.setData(data);
+      element.classList.toggle("chart-empty", !xs.length);
+      if (!plot) return;
+      if (log?.checked) build();  // the log view filters the data, so it is rebuilt
+      else plot.setData(data);
     },
-    get missing() { return missing; },
   };
 }

@@ -41,7 +41,8 @@ export function seriesStore() {
 }
 
 export function makeCharts() {
-  const loss = lineChart({ title: "Loss", xLabel: "step", yLabel: "loss", series: [{ label: "loss" }], testId: "loss" });
+  const loss = lineChart({ title: "Loss", xLabel: "step", yLabel: "loss", series: [{ label: "loss" }], testId: "loss",
+    logToggle: true });
   const lr = lineChart({ title: "Learning rate", xLabel: "step", yLabel: "learning rate", series: [{ label: "lr", color: "#7048e8" }], testId: "lr" });
   const memory = lineChart({ title: "Memory over time", xLabel: "time since the first step", xUnit: "duration", yLabel: "memory", unit: "bytes", testId: "memory",
     series: [{ label: "GPU allocated" }, { label: "GPU reserved", color: "#0c8599" }, { label: "GPU peak", color: "#c2255c" },
