@@ -76,6 +76,9 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
         if budget:
             notes.append(f"gpu_memory_budget keeps up to {_gib(budget)} resident")
         pinned = _pinned_bytes(model, spec, streamed)
+        needed = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if id(t) in streamed)
+        if needed and pinned > 1.1 * needed:
+            notes.append(f"pinned arena reserves {_gib(pinned)} for {_gib(needed)} of host copies (chunk rounding)")
     peak = resident + max(activations, step_temp)
     notes.append(f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
                  f"temporaries {_gib(step_temp)}); excludes the CUDA context")
@@ -117,16 +120,19 @@ def _streamed(model: nn.Module, spec: JobSpec) -> set[int]:
         id(p) for p in model.parameters() if not full_training or streams_trainable}
 
 
+def _plans(model: nn.Module, spec: JobSpec) -> list:
+    """The engine's own cut of the model into units (a threshold overrides block granularity, as there)."""
+    threshold = spec.offload.cpu_offload_split_threshold
+    if threshold is not None:
+        return discover_units(model, int(threshold * 2**20), "leaf")
+    return discover_units(model, None, spec.offload.granularity)
+
+
 def _streaming_window(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
     """Device bytes of the units in flight: the one computing, ``prefetch`` ahead, one being released."""
-    threshold = spec.offload.cpu_offload_split_threshold
-    plans = discover_units(model, int(threshold * 2**20) if threshold else None)
-    units = [sum(t.numel() * t.element_size() for _, t in plan.tensors if id(t) in streamed) for plan in plans]
+    units = [sum(t.numel() * t.element_size() for _, t in plan.tensors if id(t) in streamed)
+             for plan in _plans(model, spec)]
     largest = max(units, default=0)
-    if spec.offload.granularity == "block":
-        blocks = [sum(t.numel() * t.element_size() for t in child.parameters() if id(t) in streamed)
-                  for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
-        largest = max([largest, *blocks])
     in_flight = 2 + spec.offload.prefetch
     # Under full fine-tuning with optimizer offload a unit's gradients sit on the device until copied out.
     grads = largest if spec.lora is None and spec.offload.enable_optimizer_cpu_offload else 0
@@ -159,18 +165,20 @@ def _lm_dims(spec: JobSpec, model: nn.Module) -> tuple[int, int, int, int, tuple
 
 def _pinned_bytes(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
     """Replay the engine's arena over its host copies, in the engine's order: unit by unit, largest tensor
-    first, a trainable tensor's host gradient buffer right after it (optimizer offload)."""
-    threshold = spec.offload.cpu_offload_split_threshold
-    plans = discover_units(model, int(threshold * 2**20) if threshold else None)
+    first (a block unit as one span), a trainable tensor's host gradient buffer after it (optimizer offload)."""
     sizes, seen = [], set()
-    for plan in plans:
-        for _, tensor in sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size()):
-            if id(tensor) in seen or id(tensor) not in streamed:
-                continue
-            seen.add(id(tensor))
-            nbytes = max(1, tensor.numel()) * tensor.element_size()
-            trainable = isinstance(tensor, nn.Parameter) and spec.lora is None
-            sizes += [nbytes, nbytes] if trainable and spec.offload.enable_optimizer_cpu_offload else [nbytes]
+    grads_on_host = spec.lora is None and spec.offload.enable_optimizer_cpu_offload
+    for plan in _plans(model, spec):
+        ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
+        new = [t for _, t in ordered if id(t) not in seen and id(t) in streamed]
+        seen.update(id(t) for t in new)
+        nbytes = [max(1, t.numel()) * t.element_size() for t in new]
+        flat = getattr(plan, "flat", False) and len(new) > 1
+        if flat:
+            sizes.append(sum(_align(n) for n in nbytes))
+        for tensor, n in zip(new, nbytes):
+            trainable = isinstance(tensor, nn.Parameter) and grads_on_host
+            sizes += ([] if flat else [n]) + ([n] if trainable else [])
     if spec.lora is not None and spec.offload.enable_optimizer_cpu_offload:
         sizes += [_lora_bytes(model, spec)] * 2  # adapters and their gradients (summed: they are tiny)
     return _arena_reserved(sizes)

@@ -109,7 +109,7 @@ class ByteTokenizerSpec(Section):
 
 
 class HFTokenizerSpec(Section):
-    """A Hugging Face tokenizer from a local directory."""
+    """A Hugging Face tokenizer from a local directory under a model root (often the model's own)."""
 
     kind: Literal["hf"]
     path: Path

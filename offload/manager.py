@@ -80,6 +80,10 @@ class OffloadTrainingManager:
         self._order: list[OffloadUnit] = []
         self._recording = True
         self._unit_of: dict[int, OffloadUnit] = {}
+        # The order in which backward first needs each unit (with checkpointing: blocks in reverse, each
+        # block's units in forward order for its recompute), and what it needed of each.
+        self._backward_order: list[OffloadUnit] = []
+        self._backward_needs: dict[int, list[TensorOffloader]] = {}
         self._stats.start_step()
         log.info("offloading %s", self)
 
@@ -155,42 +159,66 @@ class OffloadTrainingManager:
         if self._recording and not backward and unit.index is None:
             unit.index = len(self._order)
             self._order.append(unit)
+            for offloader in unit.offloaders:
+                self._unit_of.setdefault(id(offloader), unit)
         unit.onload()
-        if not self._recording:
-            if backward:  # a checkpoint recompute: the backward walks the order in reverse
-                self._prefetch_around(unit, -1, for_backward=True)
-            else:
-                self._prefetch_around(unit, +1, for_backward=False)
+        if backward:  # a checkpoint recompute
+            self._backward_use(unit, unit.offloaders)
+        elif not self._recording:
+            self._prefetch_forward(unit)
 
     def _offload_after_forward(self, unit: OffloadUnit, module: nn.Module, args: Any, output: Any) -> None:
         unit.offload()
         self._router.exit()
 
     # ----------------------------------------------------------------- scheduling
-    def _prefetch_around(self, unit: OffloadUnit, direction: int, for_backward: bool) -> None:
-        """Start the copies of the next ``prefetch`` units that move bytes, in the given direction."""
+    def _prefetch_forward(self, unit: OffloadUnit) -> None:
+        """Start the copies of the next ``prefetch`` units of forward that move bytes."""
         if unit.index is None or self.options.prefetch == 0:
             return
-        ahead, index = 0, unit.index + direction
-        while ahead < self.options.prefetch and 0 <= index < len(self._order):
-            candidate = self._order[index]
+        ahead = 0
+        for candidate in self._order[unit.index + 1:]:
+            if ahead >= self.options.prefetch:
+                break
             if candidate.streamed_bytes:
-                candidate.prefetch(for_backward=for_backward)
+                candidate.prefetch()
                 ahead += 1
-            index += direction
 
     def _prefetch_for_backward(self, offloader: TensorOffloader) -> None:
-        """A backward node unpacked ``offloader``'s weight: prefetch the units the backward reaches next."""
+        """A backward node unpacked ``offloader``'s weight."""
         unit = self._unit_of.get(id(offloader))
         if unit is not None:
-            self._prefetch_around(unit, -1, for_backward=True)
+            self._backward_use(unit, [offloader])
+
+    def _backward_use(self, unit: OffloadUnit, offloaders: list[TensorOffloader]) -> None:
+        """Backward needed ``offloaders`` of ``unit``: in the first step record the order; after it,
+        prefetch what backward needed next last time."""
+        if self._recording:
+            if id(unit) not in self._backward_needs:
+                self._backward_needs[id(unit)] = []
+                unit.backward_index = len(self._backward_order)
+                self._backward_order.append(unit)
+            needs = self._backward_needs[id(unit)]
+            needs.extend(o for o in offloaders if o.kind != "always_on_device" and o not in needs)
+            return
+        if self.options.prefetch == 0 or unit.backward_index is None or unit.backward_step == self._stats.steps:
+            return
+        # Only the first use in a step walks the order: later uses (a recompute's units unpacked in reverse)
+        # would prefetch units whose backward is already done.
+        unit.backward_step = self._stats.steps
+        ahead = 0
+        for candidate in self._backward_order[unit.backward_index + 1:]:
+            if ahead >= self.options.prefetch:
+                break
+            needs = self._backward_needs[id(candidate)]
+            if needs:
+                for offloader in needs:
+                    offloader.prefetch()
+                ahead += 1
 
     def _finish_recording(self) -> None:
         """After the first step: fix the order, mark the last unit, and keep what the budget allows."""
         self._recording = False
-        for unit in self._order:
-            for offloader in unit.offloaders:
-                self._unit_of.setdefault(id(offloader), unit)
         if self._order and self.options.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
             self._order[-1].keep_for_backward = True
         budget = self.options.gpu_memory_budget

@@ -32,6 +32,8 @@ class OffloadUnit:
         self.offloaders = offloaders
         self.nbytes = sum(o.nbytes for o in offloaders)
         self.index: int | None = None  # position in the recorded forward order
+        self.backward_index: int | None = None  # position in the recorded backward order
+        self.backward_step = -1  # the step whose backward last used this unit
         self.keep_for_backward = False  # the last unit of forward is the first of backward
 
     @property
@@ -48,12 +50,10 @@ class OffloadUnit:
         for offloader in self.offloaders:
             offloader.release(keep_if_saved=keep)
 
-    def prefetch(self, for_backward: bool = False) -> None:
-        """Start copying this unit's tensors on the copy stream. For backward, only those a pending backward
-        node will unpack (the others are not needed again this step)."""
+    def prefetch(self) -> None:
+        """Start copying this unit's tensors on the copy stream; their users wait on its event."""
         for offloader in self.offloaders:
-            if not for_backward or offloader.live_tokens > 0:
-                offloader.prefetch()
+            offloader.prefetch()
 
     @property
     def resident(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from .body_limit import BodyLimitMiddleware
 from .dashboard import mount_dashboard
 from .deps import require_token
-from .devices import GpuMonitor, plan_slots, query_gpus
+from .devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
 from .errors import install_error_handlers
 from .executor import Executor, LocalProcessExecutor
 from .routes import checkpoints, events, health, jobs, workers
@@ -37,7 +38,8 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = JobStore(settings.db_path)  # creates the data dir and schema on a fresh start
         slots = plan_slots(settings, gpu_monitor.gpus())
-        scheduler = Scheduler(store, executor or LocalProcessExecutor(), slots, settings)
+        runner = executor or _local_executor(settings, slots)
+        scheduler = Scheduler(store, runner, slots, settings)
         app.state.settings, app.state.store, app.state.scheduler = settings, store, scheduler
         app.state.gpu_monitor = gpu_monitor
         scheduler.start()
@@ -46,6 +48,7 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
             yield
         finally:
             scheduler.stop()  # running jobs checkpoint and go back to the queue
+            runner.close()
             store.close()
 
     app = FastAPI(title="Ferry", version="0.1.0", lifespan=lifespan,
@@ -63,6 +66,11 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
                       dependencies=[Depends(require_token)], response_class=health.PlainTextResponse)
     mount_dashboard(app)  # the browser pages at /ui/; they read /v1 with the user's token
     return app
+
+
+def _local_executor(settings: Settings, slots: list[Slot]) -> LocalProcessExecutor:
+    warm = [(slot.device, threads_for(slot, slots, os.cpu_count())) for slot in slots] if settings.warm_start else []
+    return LocalProcessExecutor(warm=warm)
 
 
 app = create_app()  # `uvicorn service.app:app`; settings from FERRY_* variables

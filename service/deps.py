@@ -14,19 +14,21 @@ from .settings import Settings
 from .store import JobStore
 
 
-def get_settings(request: Request) -> Settings:
+# Dependencies are `async def` although they never await: a plain `def` would cost a hop to the thread
+# pool on every request, which dominates the cost of the hot read routes.
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> JobStore:
+async def get_store(request: Request) -> JobStore:
     return request.app.state.store
 
 
-def get_scheduler(request: Request) -> Scheduler:
+async def get_scheduler(request: Request) -> Scheduler:
     return request.app.state.scheduler
 
 
-def get_gpu_monitor(request: Request) -> GpuMonitor:
+async def get_gpu_monitor(request: Request) -> GpuMonitor:
     return request.app.state.gpu_monitor
 
 
@@ -42,7 +44,7 @@ SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 GpuMonitorDep = Annotated[GpuMonitor, Depends(get_gpu_monitor)]
 
 
-def require_token(request: Request, settings: SettingsDep) -> None:
+async def require_token(request: Request, settings: SettingsDep) -> None:
     """With FERRY_API_TOKEN set, every /v1 route needs ``Authorization: Bearer <token>``."""
     if settings.api_token is None:
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .settings import Settings
@@ -61,11 +62,23 @@ def plan_slots(settings: Settings, gpus: list[GpuInfo]) -> list[Slot]:
 class GpuMonitor:
     """``query_gpus`` cached for a couple of seconds: /v1/workers and /metrics may be polled hard."""
 
-    def __init__(self, probe=query_gpus, ttl_s: float = 2.0) -> None:  # noqa: ANN001 - a callable
+    def __init__(self, probe: Callable[[], list[GpuInfo]] = query_gpus, ttl_s: float = 2.0) -> None:
         self._probe, self._ttl = probe, ttl_s
-        self._at, self._cached = 0.0, []  # type: float, list[GpuInfo]
+        self._at = 0.0
+        self._cached: list[GpuInfo] = []
 
     def gpus(self) -> list[GpuInfo]:
         if time.monotonic() - self._at > self._ttl:
             self._cached, self._at = self._probe(), time.monotonic()
         return self._cached
+
+
+def cpu_threads_per_job(slots: list[Slot], cpu_count: int | None) -> int:
+    """Torch threads for each CPU job: the cores shared by the CPU slots, less one left to the server."""
+    cpu_slots = sum(slot.device is None for slot in slots) or 1
+    return max(1, ((cpu_count or 2) - 1) // cpu_slots)
+
+
+def threads_for(slot: Slot, slots: list[Slot], cpu_count: int | None) -> int | None:
+    """None for a GPU slot (torch's default), else `cpu_threads_per_job`."""
+    return None if slot.device is not None else cpu_threads_per_job(slots, cpu_count)

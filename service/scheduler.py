@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import psutil
-
-from .devices import Slot
+from .devices import Slot, threads_for
 from .executor import Executor, LaunchRequest, RunHandle
 from .records import JobRecord
 from .settings import Settings
@@ -29,7 +28,7 @@ class Running:
     handle: RunHandle
     stop_sent: str | None = None
     kill_at: float | None = None  # monotonic deadline after a cancel
-    shutting_down: bool = field(default=False)
+    shutting_down: bool = False
 
 
 class Scheduler:
@@ -74,12 +73,12 @@ class Scheduler:
             log.exception("recovery failed")
         self.ready.set()
         while not self._stopping.is_set():
+            self._wake.clear()  # before the tick, so a wake() during it is not lost
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - keep the queue running; the error is logged
                 log.exception("scheduler tick failed")
             self._wake.wait(self.settings.poll_interval_s)
-            self._wake.clear()
         self._shutdown_running()
 
     def tick(self) -> None:
@@ -117,6 +116,8 @@ class Scheduler:
         return LaunchRequest(
             job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=job_dir / "output",
             device=slot.device, db_path=self.settings.db_path, log_path=job_dir / "job.log",
+            # CPU jobs share the cores and leave one to the server, which must keep answering.
+            cpu_threads=threads_for(slot, self.slots, os.cpu_count()),
             model_roots=self.settings.effective_model_roots, data_roots=self.settings.effective_data_roots,
         )
 
@@ -175,10 +176,8 @@ class Scheduler:
     def recover(self) -> None:
         """Jobs marked running by an earlier server are interrupted and requeued (bounded retries)."""
         for job in self.store.jobs_with_status(JobStatus.RUNNING):
-            if _still_running(job):
-                # An orphan of the dead server pauses itself (it watches its parent); give it time to
-                # write its checkpoint, then make sure it is gone before anyone else writes that output.
-                _wait_then_kill(job.pid, self.settings.shutdown_grace_s)  # type: ignore[arg-type]
+            # Its process may outlive the dead server; it must be gone before anyone else writes that output.
+            self.executor.stop_orphan(job.pid, job.pid_started_at, grace_s=self.settings.shutdown_grace_s)
             self.store.transition(job.id, JobStatus.INTERRUPTED,
                                   reason=f"the server restarted and the job's process (pid {job.pid}) was gone")
         for job in self.store.jobs_with_status(JobStatus.INTERRUPTED):
@@ -208,24 +207,3 @@ class Scheduler:
             if code is not None:
                 del self.running[slot_id]
                 self._settle(run, code)
-
-
-def _still_running(job: JobRecord) -> bool:
-    if job.pid is None:
-        return False
-    try:
-        process = psutil.Process(job.pid)
-        # A pid is reused by the OS; the start time tells our process from a stranger.
-        return job.pid_started_at is not None and abs(process.create_time() - job.pid_started_at) < 1.0
-    except psutil.Error:
-        return False
-
-
-def _wait_then_kill(pid: int, grace_s: float) -> None:
-    try:
-        process = psutil.Process(pid)
-        process.wait(timeout=grace_s)
-    except psutil.TimeoutExpired:
-        process.kill()
-    except psutil.Error:
-        pass

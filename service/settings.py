@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     devices: str = "auto"
     cpu_workers: int = Field(1, ge=1, le=64)
     executor: str = "local"
+    # Keep one spawned process per worker with torch and `jobs` already imported, so a job starts in about
+    # a second instead of the import time; costs one idle process's host memory per worker (no GPU memory).
+    warm_start: bool = True
 
     # Paths inside a spec (model weights, datasets) must resolve under one of these roots.
     # From the environment as a comma-separated list: FERRY_DATA_ROOTS=/srv/data,/mnt/datasets

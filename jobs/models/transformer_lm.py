@@ -6,6 +6,9 @@ Module names follow the seed's LoRA example (diffusers' attention: ``to_q``, ``t
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
@@ -92,16 +95,24 @@ class TransformerLM(nn.Module):
 
 
 def _init_weights(model: TransformerLM, seed: int) -> None:
-    """GPT-2 style init from a private generator: N(0, 0.02) matrices, zero biases, unit norms."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
+    """GPT-2 style init: N(0, 0.02) matrices, zero biases, unit norms.
+
+    Each matrix draws from its own generator seeded by (seed, index), so the result does not depend on
+    thread scheduling and the matrices can be filled in parallel (torch releases the GIL): a
+    multi-billion-parameter model initializes in seconds on a many-core host, not minutes.
+    """
+
+    def fill(index: int, name: str, param: torch.Tensor) -> None:
         with torch.no_grad():
             if ".norm" in name or name.startswith("norm."):
                 param.fill_(1.0 if name.endswith("weight") else 0.0)
             elif name.endswith("bias"):
                 param.zero_()
             else:
-                param.normal_(0.0, 0.02, generator=generator)
+                param.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed * 100_003 + index))
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda item: fill(item[0], *item[1]), enumerate(model.named_parameters())))
 
 
 def build_transformer_lm(spec: TransformerLMSpec, seed: int) -> TransformerLM:

@@ -20,6 +20,7 @@ class LaunchRequest:
     device: str | None  # GPU index to expose as CUDA_VISIBLE_DEVICES; None = CPU only
     db_path: Path  # where the process writes its events
     log_path: Path
+    cpu_threads: int | None = None  # torch threads for a CPU job; None = torch's default
     model_roots: list[Path] = field(default_factory=list)
     data_roots: list[Path] = field(default_factory=list)
 
@@ -45,3 +46,10 @@ class Executor(Protocol):
 
     def launch(self, request: LaunchRequest) -> RunHandle:
         """Start the job and return at once."""
+
+    def close(self) -> None:
+        """Release what the executor holds between jobs (spare processes, connections)."""
+
+    def stop_orphan(self, pid: int | None, started_at: float | None, *, grace_s: float) -> None:
+        """At start-up: end a job's process left running by a previous server (``pid``/``started_at`` as
+        its handle reported them), giving it ``grace_s`` to finish the checkpoint it is writing."""

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .base import LaunchRequest
@@ -20,14 +21,46 @@ log = logging.getLogger("ferry.job")
 
 def run_child(request: LaunchRequest, stop_flag: Any) -> None:
     """Run one attempt of a job; exit code 0 when it ended by itself (succeeded, paused, cancelled)."""
+    _prepare_process(request.device, request.cpu_threads)
+    _run_prepared(request, stop_flag)
+
+
+def run_spare(device: str | None, cpu_threads: int | None, inbox: Connection, stop_flag: Any) -> None:
+    """A process started ahead of its job: import the heavy modules, then wait for one job and run it.
+
+    Importing torch and ``jobs`` is most of a job's start-up time; a spare has done it before the job
+    arrives. Importing does not initialise CUDA, so the GPU pinning still holds.
+    """
+    _prepare_process(device, cpu_threads)
+    import jobs  # noqa: F401 - the warm-up itself
+
+    try:
+        request = inbox.recv()
+    except (EOFError, OSError):  # the server stopped or died before it had a job for us
+        os._exit(0)
+    assert (request.device, request.cpu_threads) == (device, cpu_threads), "a spare runs only its slot's jobs"
+    _run_prepared(request, stop_flag)
+
+
+def _prepare_process(device: str | None, cpu_threads: int | None) -> None:
     # Pin the process to its GPU before anything can initialise CUDA; "" hides every GPU from a CPU job.
-    os.environ["CUDA_VISIBLE_DEVICES"] = request.device if request.device is not None else ""
+    # PCI order makes the index mean the same GPU as in nvidia-smi, where the slots came from.
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ["CUDA_VISIBLE_DEVICES"] = device if device is not None else ""
+    if cpu_threads is not None:  # a CPU job: read by torch when it starts its thread pools
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cpu_threads)
+        os.nice(5)  # when cores are short, the API answering beats a CPU job's next step
     # Ctrl-C in the server's terminal reaches the whole process group; the server decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run_prepared(request: LaunchRequest, stop_flag: Any) -> None:
     _log_to_file(request)
 
     from ..store import JobStore  # after the environment is set
 
+    log.info("job %s attempt %d starting in pid %d with CUDA_VISIBLE_DEVICES=%r", request.job_id,
+             request.attempt, os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
     store = JobStore(request.db_path)
     reporter = _Reporter(store, request)
     parent = os.getppid()

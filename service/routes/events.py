@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..deps import SettingsDep, StoreDep
 from ..schemas import EventPublic, EventsPublic, MetricsPublic
-from ..store import JobStore
+from ..store import JobNotFound, JobStore
 
 router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
 
@@ -62,7 +62,11 @@ async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> As
         if events:
             last_sent = time.monotonic()
             continue
-        job = await run_in_threadpool(store.get_job, job_id)
+        try:
+            job = await run_in_threadpool(store.get_job, job_id)
+        except JobNotFound:  # deleted while we streamed
+            yield f"event: end\ndata: {json.dumps({'status': 'deleted'})}\n\n"
+            return
         if job.status.is_finished:  # everything is out; the client may close
             yield f"event: end\ndata: {json.dumps({'status': job.status.value})}\n\n"
             return

@@ -13,8 +13,14 @@ from tests.jobs.helpers import write_corpus
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
 
+REPO = Path(__file__).parents[2]
+
+
 def roots_for(data: dict, tmp_path: Path) -> PathRoots:
-    """Roots in tmp_path holding whatever relative paths the config names (empty stand-ins)."""
+    """Roots in tmp_path holding whatever relative paths the config names (stand-ins), or the repository
+    as data root when the config uses data shipped in it."""
+    if (REPO / data.get("data", {}).get("path", "/nonexistent")).exists():
+        return PathRoots(model_roots=[REPO], data_roots=[REPO])
     models, datasets = tmp_path / "models", tmp_path / "data"
     models.mkdir(), datasets.mkdir()
     for section, key, root in (("model", "path", models), ("model", "weights", models), ("data", "path", datasets)):
@@ -39,6 +45,8 @@ def test_config_loads_and_is_documented(path: Path, tmp_path: Path) -> None:
     data = yaml.safe_load(text)
     spec = load_job_spec(text, roots=roots_for(data, tmp_path))
     assert path.stem.startswith(spec.model.kind) or path.stem == "cpu_smoke"
+    if "lora" in path.stem:
+        assert spec.lora is not None
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if yaml.safe_load(p.read_text()).get("device") == "cpu"],

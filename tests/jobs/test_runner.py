@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 import jobs.runner
 from jobs import JobOutcome, OutOfMemoryHint, PathRoots, list_checkpoints, run_job
+from jobs.data import build_data
 from tests.jobs.helpers import TINY_LM, TOY, assert_same_weights, final_weights, merged, spec_from
 
 STEP_KEYS = {"type", "step", "total_steps", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "eta_s",
@@ -69,6 +69,31 @@ def test_offload_trains_the_same_weights_on_cpu(tmp_path: Path, offload: dict) -
     run(TOY, tmp_path / "plain")
     run(merged(TOY, offload=offload), tmp_path / "offloaded")
     assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
+
+
+@pytest.mark.parametrize("offload", [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH],
+                         ids=["model-offload", "optimizer-offload"])
+def test_lora_through_the_engine_trains_the_same_adapters(tmp_path: Path, roots: PathRoots, offload: dict) -> None:
+    data = merged(TINY_LM, lora={"target_modules": ["to_q", "to_v"], "rank": 4}, training={"steps": 4})
+    run(data, tmp_path / "plain", roots)
+    run(merged(data, offload=offload), tmp_path / "offloaded", roots)
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
+
+
+def test_epochs_count_steps_from_the_data(tmp_path: Path, roots: PathRoots) -> None:
+    data = merged(TINY_LM, training={"steps": None, "epochs": 2, "gradient_accumulation_steps": 2})
+    data["training"].pop("steps")
+    spec = spec_from(data, roots)
+    source, _ = build_data(spec.data, batch_size=2, seed=0)
+    outcome, events = run(data, tmp_path, roots)
+    assert events[0]["total_steps"] == 2 * source.batches_per_epoch // 2 == outcome.step
+    assert events[1]["tokens_per_s"] == pytest.approx(events[1]["samples_per_s"] * 32)
+
+
+def test_bf16_mixed_precision_on_cpu(tmp_path: Path) -> None:
+    outcome, events = run(merged(TOY, training={"mixed_precision": "bf16"}, offload=OFFLOAD_BOTH), tmp_path)
+    assert outcome.status == "succeeded"
+    assert all(e["loss"] == e["loss"] for e in events if e["type"] == "step")  # no NaN
 
 
 def interrupted_then_resumed(data: dict[str, Any], out: Path, roots: PathRoots | None = None) -> list:
@@ -195,4 +220,3 @@ def test_train_step_can_be_called_directly() -> None:
                                   scheduler=scheduler, accelerator=NoAccelerator(), manager=None, max_grad_norm=None,
                                   device=torch.device("cpu"))
     assert loss.ndim == 0 and not torch.equal(before, model.weight)
-    assert os.environ.get("CUDA_VISIBLE_DEVICES", "") == os.environ.get("CUDA_VISIBLE_DEVICES", "")

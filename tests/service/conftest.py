@@ -112,7 +112,7 @@ def client(server: Server) -> Iterator[httpx.Client]:
 
 
 def wait_for(client: httpx.Client, job_id: str, predicate: Callable[[dict[str, Any]], bool],
-             timeout: float = 90.0) -> dict[str, Any]:
+             timeout: float = 90.0, interval: float = 0.1) -> dict[str, Any]:
     """Poll GET /v1/jobs/{id} until ``predicate(job)``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -121,7 +121,7 @@ def wait_for(client: httpx.Client, job_id: str, predicate: Callable[[dict[str, A
             return job
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} stuck: {job['status']} {job.get('error')}")
-        time.sleep(0.1)
+        time.sleep(interval)
 
 
 def wait_status(client: httpx.Client, job_id: str, *statuses: str, timeout: float = 90.0) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import psutil
 import pytest
 
 from service.devices import Slot
@@ -35,10 +37,17 @@ class FakeExecutor:
 
     def __init__(self) -> None:
         self.launched: list[FakeHandle] = []
+        self.orphans_stopped: list[int | None] = []
 
     def launch(self, request: LaunchRequest) -> FakeHandle:
         self.launched.append(FakeHandle(request))
         return self.launched[-1]
+
+    def close(self) -> None:
+        pass
+
+    def stop_orphan(self, pid: int | None, started_at: float | None, *, grace_s: float) -> None:
+        self.orphans_stopped.append(pid)
 
 
 @pytest.fixture
@@ -120,10 +129,17 @@ def test_recovery_requeues_jobs_whose_process_is_gone(store: JobStore, tmp_path:
     add(store, "a")
     store.claim_next(worker="cpu0", device=None)
     store.set_process("a", pid=999_999_999, started_at=1.0)  # no such process
-    scheduler, _ = make(store, tmp_path, [Slot("cpu0", None)])
+    scheduler, executor = make(store, tmp_path, [Slot("cpu0", None)])
     scheduler.recover()
     job = store.get_job("a")
-    assert (job.status, job.retries) == (JobStatus.QUEUED, 1)
+    assert (job.status, job.retries, executor.orphans_stopped) == (JobStatus.QUEUED, 1, [999_999_999])
+
+
+def test_local_executor_leaves_a_reused_pid_alone() -> None:
+    from service.executor.local import _same_process
+
+    assert _same_process(os.getpid(), 1.0) is None  # our pid, but not started at that time
+    assert _same_process(os.getpid(), psutil.Process().create_time()) is not None
 
 
 def test_shutdown_pauses_running_jobs_back_into_the_queue_without_using_a_retry(

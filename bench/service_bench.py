@@ -1,0 +1,197 @@
+"""Load on the service while a job trains: N concurrent clients poll the job's status for a fixed time.
+
+Starts its own server on 127.0.0.1 (a fresh data dir in a temp directory, CPU worker) unless --url is given,
+submits a CPU job, waits for its first step, then runs the clients. Reports requests/s, p50/p99 latency,
+errors and the time from POST to the job's first step, and writes its row into bench/RESULTS.md between
+the service_bench markers (other sections of that file are left as they are).
+
+    python bench/service_bench.py                      # 200 clients, 10 s
+    python bench/service_bench.py --clients 50 --seconds 5 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "RESULTS.md"
+START, END = "<!-- service_bench:start -->", "<!-- service_bench:end -->"
+SPEC = """name: bench
+model: {kind: toy_mlp, hidden_size: 256, num_layers: 4}
+data: {kind: synthetic_regression}
+training: {steps: 100000, batch_size: 16, optimizer: adamw, learning_rate: 0.001}
+checkpoint: {every_steps: 1000}
+device: cpu
+"""
+
+
+def start_server(data_dir: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "FERRY_PORT": str(port), "FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu",
+           "FERRY_SHUTDOWN_GRACE_S": "5",
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)}
+    env.pop("FERRY_API_TOKEN", None)
+    log = open(data_dir.parent / "server.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=data_dir.parent, stdout=log,
+                               stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    raise SystemExit(f"server did not become ready; see {data_dir.parent / 'server.log'}")
+
+
+def first_step_seconds(client: httpx.Client, job_id: str, posted_at: float) -> float:
+    """From sending the POST to the job's first `step` event, by the server's event timestamps."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+        steps = [e for e in events if e["type"] == "step"]
+        if steps:
+            at = {e["type"] if e["type"] != "status" else e["data"]["status"]: _time(e) for e in reversed(events)}
+            print(f"POST→running {at['running'] - posted_at:.2f} s, running→started (process start, imports, "
+                  f"model setup) {at['started'] - at['running']:.2f} s, started→first step "
+                  f"{at['step'] - at['started']:.2f} s")
+            return _time(steps[0]) - posted_at
+        failed = [e for e in events if e["type"] == "failed"]
+        if failed:
+            raise SystemExit(f"the bench job failed: {failed[0]['data']}")
+        time.sleep(0.05)
+    raise SystemExit("the bench job never stepped")
+
+
+def submit_and_time(client: httpx.Client, spec: str) -> tuple[str, float]:
+    posted_at = time.time()
+    job = client.post("/v1/jobs", content=spec, headers={"Content-Type": "application/yaml"}).json()
+    return job["id"], first_step_seconds(client, job["id"], posted_at)
+
+
+def wait_finished(client: httpx.Client, job_id: str) -> None:
+    while client.get(f"/v1/jobs/{job_id}").json()["status"] not in ("succeeded", "failed", "cancelled"):
+        time.sleep(0.2)
+
+
+def _time(event: dict) -> float:
+    return datetime.fromisoformat(event["created_at"]).timestamp()
+
+
+async def poll(url: str, path: str, clients: int, seconds: float, headers: dict) -> tuple[list[float], int]:
+    """``clients`` keep-alive connections, each sending its next GET as soon as the last answer is in.
+
+    A minimal HTTP/1.1 client on asyncio streams: httpx's pool costs more CPU per request than the server
+    does, which on a small machine would measure the client instead of the service.
+    """
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    request_bytes = (request + "\r\n").encode()
+    latencies: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + seconds
+
+    async def one_client() -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while time.monotonic() < stop_at:
+                start = time.perf_counter()
+                writer.write(request_bytes)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                body = await reader.readexactly(length)
+                latencies.append(time.perf_counter() - start)
+                errors += not (head.startswith(b"HTTP/1.1 200") and b'"status":"running"' in body)
+        except (OSError, asyncio.IncompleteReadError, StopIteration):
+            errors += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(one_client() for _ in range(clients)))
+    return latencies, errors
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def write_row(row: str) -> None:
+    header = ("| date (UTC) | machine | server HTTP stack | clients | seconds | requests | req/s | p50 ms | p99 ms | "
+              "errors | POST→first step s, cold / warm | job steps during load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if START in text and END in text:
+        before, rest = text.split(START, 1)
+        old, after = rest.split(END, 1)
+        rows = [line for line in old.splitlines() if line.startswith("| 20")]
+    else:
+        before, after, rows = text.rstrip() + "\n\n", "\n", []
+    section = (f"{START}\n## Service: status polling under load (`bench/service_bench.py`)\n\n"
+               f"{header}" + "\n".join(rows + [row]) + f"\n{END}")
+    RESULTS.write_text(before + section + after)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--url", help="use a running server instead of starting one")
+    parser.add_argument("--token", help="bearer token for --url")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    args = parser.parse_args()
+
+    tmp = tempfile.TemporaryDirectory(prefix="ferry-bench-")
+    process, url = (None, args.url) if args.url else start_server(Path(tmp.name) / "data")
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+            # The first job after start-up pays for the imports; later ones find a warm process waiting.
+            cold = submit_and_time(client, (REPO / "configs" / "cpu_smoke.yaml").read_text())
+            wait_finished(client, cold[0])
+            time.sleep(2)
+            job_id, to_first_step = submit_and_time(client, SPEC)
+            job = {"id": job_id}
+            step_before = client.get(f"/v1/jobs/{job['id']}").json()["progress"]["step"]
+            latencies, errors = asyncio.run(poll(url, f"/v1/jobs/{job['id']}", args.clients, args.seconds, headers))
+            step_after = client.get(f"/v1/jobs/{job['id']}").json()["progress"]["step"]
+            client.post(f"/v1/jobs/{job['id']}/cancel")
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+        tmp.cleanup()
+
+    machine = f"{platform.machine()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    # uvicorn takes httptools and uvloop when installed (pyproject lists them), else h11 and asyncio.
+    fast = all(importlib.util.find_spec(m) for m in ("httptools", "uvloop"))
+    stack = "httptools+uvloop" if fast else "h11+asyncio"
+    p50, p99 = percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3
+    row = (f"| {datetime.now(timezone.utc):%Y-%m-%d %H:%M} | {machine} | {stack} | {args.clients} | {args.seconds:g} | "
+           f"{len(latencies)} | {len(latencies) / args.seconds:.0f} | {p50:.1f} | {p99:.1f} | {errors} | "
+           f"{cold[1]:.1f} / {to_first_step:.1f} | {step_after - step_before} |")
+    print(row)
+    if not args.no_write:
+        write_row(row)
+
+
+if __name__ == "__main__":
+    main()

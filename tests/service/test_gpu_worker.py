@@ -1,0 +1,30 @@
+"""On a GPU box: a job's process sees only the GPU its worker owns (run with `pytest -m gpu`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from .conftest import Server, submit, wait_status
+
+CUDA_JOB = """name: gpu-pinning
+device: cuda
+model: {kind: toy_mlp, hidden_size: 256, num_layers: 2}
+data: {kind: synthetic_regression}
+training: {steps: 5, batch_size: 8}
+"""
+
+
+@pytest.mark.gpu
+def test_job_process_sees_only_its_assigned_gpu(make_server: Callable[..., Server]) -> None:
+    last = str(torch.cuda.device_count() - 1)  # on a multi-GPU box this is not the default device 0
+    server = make_server(FERRY_DEVICES=last)
+    with server.client() as client:
+        assert [w["device"] for w in client.get("/v1/workers").json()["data"]] == [last]
+        job = submit(client, CUDA_JOB)
+        done = wait_status(client, job["id"], "succeeded", "failed", timeout=300)
+        assert done["status"] == "succeeded", done["error"]
+        assert done["worker"] == f"gpu{last}" and done["memory"]["device_peak_bytes"] > 0
+        assert f"with CUDA_VISIBLE_DEVICES='{last}'" in client.get(f"/v1/jobs/{job['id']}/logs").text
