@@ -12,7 +12,10 @@ export async function render(root, { ctx }) {
   root.append(h("div", { class: "page-head" }, h("h1", {}, "Workers")), banner, grid);
 
   return poll(async () => {
-    const workers = listOf(await api("/v1/workers"), "workers");
+    // Workers name their job by id; the running jobs give the names to show.
+    const [workersBody, runningBody] = await Promise.all([api("/v1/workers"), api("/v1/jobs?status=running&limit=200")]);
+    const names = new Map(listOf(runningBody).map((job) => [String(job.id), job.name]));
+    const workers = listOf(workersBody, "workers").map((w) => ({ ...w, job_name: w.job_name ?? names.get(String(w.job_id)) }));
     banner.replaceChildren();
     grid.replaceChildren(...(workers.length ? workers.map(workerCard)
       : [h("div", { class: "empty" }, h("p", { class: "empty-title" }, "No workers."), h("p", { class: "muted" }, "The service started none; check its settings."))]));
@@ -41,6 +44,7 @@ function workerCard(w) {
       h("div", { class: "small muted" }, `${bytes(used)} used of ${bytes(total)}`)) : h("div", { class: "small muted" }, isCpu ? "Runs jobs on the CPU; no GPU memory to show." : "No memory figures from this GPU."),
     h("div", { class: "worker-job" }, jobId
       ? ["Running ", h("a", { href: `#/jobs/${encodeURIComponent(jobId)}` }, jobName || jobId),
+        jobName ? h("span", { class: "muted small mono" }, ` ${jobId}`) : null,
         pick(w, "pid") ? h("span", { class: "muted small" }, ` · pid ${pick(w, "pid")}`) : null]
       : h("span", { class: "muted" }, "Idle")));
 }
