@@ -10,6 +10,7 @@ saying why, when chromium or Playwright is absent.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -237,6 +238,41 @@ def test_without_the_chart_library_the_job_page_says_how_to_install_it(page) -> 
     notice.wait_for()
     assert "npm ci --prefix service/dashboard" in notice.inner_text()
     assert page.locator("[data-stat=loss] .stat-value").inner_text() != "—"
+
+
+def test_a_dropped_stream_resumes_from_the_last_event_id(page) -> None:  # type: ignore[no-untyped-def]
+    """The client half of resuming: the server's half is tested in the service's SSE tests. The stream
+    is cut after three events; the page must reconnect with `Last-Event-ID: 3` and show each event once."""
+    job = {"id": "job-cut", "name": "cut-stream", "status": "running", "spec": {}, "spec_text": "name: cut-stream\n",
+           "progress": {"step": 3, "total_steps": 4, "percent": 75.0, "eta_s": 1.0}}
+    seen_ids: list[str | None] = []
+
+    def event(event_id: int, step: int) -> str:
+        data = {"id": event_id, "job_id": "job-cut", "attempt": 1, "type": "step", "created_at": "2026-01-01T00:00:00Z",
+                "data": {"type": "step", "step": step, "total_steps": 4, "loss": 1.0 / step}}
+        return f"id: {event_id}\nevent: step\ndata: {json.dumps(data)}\n\n"
+
+    def stream(route) -> None:  # type: ignore[no-untyped-def]
+        last = route.request.headers.get("last-event-id")
+        seen_ids.append(last)
+        if last is None:  # the first connection: three events, then the connection drops
+            body = "retry: 100\n\n" + "".join(event(i, i) for i in (1, 2, 3))
+        else:  # the reconnection: only what comes after, then the end
+            job["status"] = "succeeded"
+            body = event(4, 4) + 'event: end\ndata: {"status": "succeeded"}\n\n'
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+    page.route("**/v1/jobs/job-cut/events/stream*", stream)
+    page.route("**/v1/jobs/job-cut/metrics*", lambda r: r.fulfill(json={"data": [], "next_cursor": 0, "has_more": False}))
+    page.route("**/v1/jobs/job-cut/checkpoints", lambda r: r.fulfill(json={"data": []}))
+    page.route("**/v1/jobs/job-cut", lambda r: r.fulfill(json=job))
+    page.goto("/ui/#/jobs/job-cut")
+
+    page.wait_for_selector('#event-log [data-event-id="4"]')
+    assert seen_ids[:2] == [None, "3"]
+    ids = page.eval_on_selector_all("#event-log li", "items => items.map(item => item.dataset.eventId)")
+    assert ids == ["1", "2", "3", "4"]
+    page.wait_for_selector('[data-chart=loss][data-points="4"]')
 
 
 def test_phone_layout(page) -> None:  # type: ignore[no-untyped-def]
