@@ -204,7 +204,8 @@ def run_lora(mode: str, steps: int, tokens: int) -> Result:
         model.to("cuda")
     elif mode == "fsdp2":
         import copy
-        model = fsdp2_wrap(copy.deepcopy(model), list(model.blocks))
+        model = copy.deepcopy(model)  # FSDP2 takes the model over; the other modes keep the original
+        model = fsdp2_wrap(model, list(model.blocks))
     elif mode.startswith("ferry-budget-"):
         budget = {"0": None, "unlimited": 1 << 50}.get(mode.removeprefix("ferry-budget-"),
                                                           mode.removeprefix("ferry-budget-"))

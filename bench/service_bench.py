@@ -136,6 +136,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def write_row(row: str) -> None:
+    """Add ``row`` to the service_bench section of bench/RESULTS.md, creating either if missing."""
     header = ("| date (UTC) | machine | server HTTP stack | clients | seconds | requests | req/s | p50 ms | p99 ms | "
               "errors | POST→first step s, cold / warm | job steps during load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
@@ -145,7 +146,11 @@ def write_row(row: str) -> None:
         rows = [line for line in old.splitlines() if line.startswith("| 20")]
     else:
         before, after, rows = text.rstrip() + "\n\n", "\n", []
-    section = (f"{START}\n## Service: status polling under load (`bench/service_bench.py`)\n\n"
+    note = ("One row per run: the clients poll `GET /v1/jobs/{id}` over keep-alive connections while a CPU job "
+            "trains. Server, job and clients share the machine; `load` is its 1-minute load average at the end "
+            "of the run, which includes any other work on it. Cold: the first job after start-up; warm: a later "
+            "job, which finds a spare process with the imports done (FERRY_WARM_START).\n\n")
+    section = (f"{START}\n## Service: status polling under load (`bench/service_bench.py`)\n\n{note}"
                f"{header}" + "\n".join(rows + [row]) + f"\n{END}")
     RESULTS.write_text(before + section + after)
 

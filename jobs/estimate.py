@@ -106,7 +106,8 @@ def _lora_bytes(model: nn.Module, spec: JobSpec) -> int:
     total = 0
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if weight is not None and weight.dim() == 2 and any(lora_target_matches(name, t) for t in spec.lora.target_modules):
+        targeted = any(lora_target_matches(name, target) for target in spec.lora.target_modules)
+        if targeted and weight is not None and weight.dim() == 2:
             total += spec.lora.rank * sum(weight.shape) * _LORA_BYTES
     return total
 
@@ -145,7 +146,9 @@ def _activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     e = 2 if half else 4
     if spec.model.kind == "toy_mlp":
         n, h, layers = training.batch_size, spec.model.hidden_size, spec.model.num_layers
-        return n * h * (e * (3 * layers + 2) + 4 * 3)  # per layer: norm in/out, residual; loss in float32
+        # Saved per layer: the norm's input and output (the Linear's input); the residual sum is the next
+        # layer's input. Then the prediction, target and difference of the float32 loss.
+        return n * h * (e * (2 * layers + 1) + 4 * 3)
     h, i, layers, vocab, per_layer = _lm_dims(spec, model)
     n = training.batch_size * spec.data.seq_len
     layer = n * (per_layer[0] * h + per_layer[1] * i) * e
@@ -176,7 +179,7 @@ def _pinned_bytes(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:
         flat = getattr(plan, "flat", False) and len(new) > 1
         if flat:
             sizes.append(sum(_align(n) for n in nbytes))
-        for tensor, n in zip(new, nbytes):
+        for tensor, n in zip(new, nbytes, strict=True):
             trainable = isinstance(tensor, nn.Parameter) and grads_on_host
             sizes += ([] if flat else [n]) + ([n] if trainable else [])
     if spec.lora is not None and spec.offload.enable_optimizer_cpu_offload:

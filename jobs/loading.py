@@ -33,20 +33,28 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
     Example:
         >>> spec = load_job_spec(open("configs/cpu_smoke.yaml").read())
         >>> spec.training.steps
-        20
+        30
     """
     try:
         data = yaml.safe_load(text)
-        lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise JobSpecError([SpecProblem("", f"not valid YAML: {exc}", mark.line + 1 if mark else None)]) from exc
     if not isinstance(data, dict):
         raise JobSpecError([SpecProblem("", f"a job spec is a YAML mapping; got {type(data).__name__}", 1)])
+    lines = _key_lines(node)
+    # YAML keeps the last of two equal keys without a word; a spec that says a thing twice is refused.
+    duplicates = [SpecProblem(".".join(path), f"duplicate key (first on line {lines[path]})", line)
+                  for path, line in _duplicate_keys(node)]
     try:
-        return JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
+        spec = JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
     except ValidationError as exc:
-        raise JobSpecError(_problems(exc, data, lines)) from None
+        problems = duplicates + _problems(exc, data, lines)
+        raise JobSpecError(sorted(problems, key=lambda p: (p.line or 0, p.path))) from None
+    if duplicates:
+        raise JobSpecError(duplicates)
+    return spec
 
 
 def _key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
@@ -55,13 +63,27 @@ def _key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tup
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             path = (*prefix, str(key_node.value))
-            lines[path] = key_node.start_mark.line + 1
+            lines.setdefault(path, key_node.start_mark.line + 1)
             lines.update(_key_lines(value_node, path))
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             lines[(*prefix, str(index))] = item.start_mark.line + 1
             lines.update(_key_lines(item, (*prefix, str(index))))
     return lines
+
+
+def _duplicate_keys(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], int]]:
+    """(path, line) of every key that repeats an earlier key of the same mapping."""
+    found: list[tuple[tuple[str, ...], int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            path = (*prefix, str(key_node.value))
+            if path[-1] in seen:
+                found.append((path, key_node.start_mark.line + 1))
+            seen.add(path[-1])
+            found += _duplicate_keys(value_node, path)
+    return found
 
 
 def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int]) -> list[SpecProblem]:
@@ -80,12 +102,13 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
         elif error["type"] == "union_tag_invalid":
             expected = [t.strip(" '") for t in error["ctx"]["expected_tags"].split(",")]
             tag = str(error["ctx"]["tag"])
-            problems.append(SpecProblem(".".join((*path, "kind")), f"unknown kind '{tag}' (one of: {', '.join(expected)})",
-                                        _line((*path, "kind"), lines), _closest(tag, expected)))
+            message = f"unknown kind '{tag}' (one of: {', '.join(expected)})"
+            problems.append(SpecProblem(".".join((*path, "kind")), message, _line((*path, "kind"), lines),
+                                        _closest(tag, expected)))
         else:
             message = error["msg"].removeprefix("Value error, ")
             problems.append(SpecProblem(".".join(path), message, _line(path, lines)))
-    return sorted(problems, key=lambda p: (p.line or 0, p.path))
+    return problems
 
 
 def _data_path(loc: Loc, data: Any) -> list[str]:

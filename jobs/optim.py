@@ -17,7 +17,10 @@ def build_optimizer(params: list[torch.nn.Parameter], spec: TrainingSpec) -> tor
     if spec.optimizer == "sgd":
         return torch.optim.SGD(params, lr=spec.learning_rate, momentum=0.9, weight_decay=spec.weight_decay)
     optimizer_class = torch.optim.AdamW if spec.optimizer == "adamw" else torch.optim.Adam
-    return optimizer_class(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
+    # On the CPU (optimizer offload) the fused kernel is 4-5x faster than the default for-loop/foreach one:
+    # 41 ms against 189 ms for 168M parameters on a 16-core host (shared/design/offload-engine.md).
+    on_cpu = all(p.device.type == "cpu" and p.is_floating_point() for p in params)
+    return optimizer_class(params, lr=spec.learning_rate, weight_decay=spec.weight_decay, fused=on_cpu or None)
 
 
 def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:

@@ -87,9 +87,16 @@ def _check_warmup_fits_steps(spec: JobSpec) -> list[Problem]:
     return []
 
 
-RULES = (_check_data_fits_model, _check_epochs_need_finite_data, _check_optimizer_offload_without_accumulation,
-         _check_tokenizer_fits_vocab, _check_lora_targets_exist, _check_checkpointing_supported, _check_precision_fits_device,
-         _check_warmup_fits_steps)
+RULES = (
+    _check_data_fits_model,
+    _check_epochs_need_finite_data,
+    _check_optimizer_offload_without_accumulation,
+    _check_tokenizer_fits_vocab,
+    _check_lora_targets_exist,
+    _check_checkpointing_supported,
+    _check_precision_fits_device,
+    _check_warmup_fits_steps,
+)
 
 
 def cross_section_problems(spec: JobSpec) -> list[Problem]:

@@ -94,7 +94,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
             options=OffloadOptions(prefetch=spec.offload.prefetch, granularity=spec.offload.granularity,
                                    gpu_memory_budget=spec.offload.gpu_memory_budget))
     else:
-        forward_model = accelerator.prepare(model)  # moves it to the device and applies mixed precision to its forward
+        forward_model = accelerator.prepare(model)  # to the device, with mixed precision on its forward
     trainable = [p for p in model.parameters() if p.requires_grad]
     steps = total_steps(spec, data)
     raw_optimizer = build_optimizer(trainable, training)
@@ -110,8 +110,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
         start_step = state["step"]
         log.info("resuming from %s at step %d", checkpoint.path, start_step)
-    return TrainingSession(accelerator, device, model, forward_model, loss_fn, data, optimizer, scheduler, manager, steps,
-                           start_step, checkpoint)
+    return TrainingSession(accelerator, device, model, forward_model, loss_fn, data, optimizer, scheduler, manager,
+                           steps, start_step, checkpoint)
 
 
 def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:

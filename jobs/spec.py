@@ -1,8 +1,9 @@
 """The job spec: pydantic models that mirror the YAML sections. `load_job_spec` (loading.py) builds them.
 
 Components are picked by ``kind`` from a closed set (discriminated unions), never by an import path:
-specs arrive over HTTP and must not name code to run. Field-level rules live on the sections; rules that
-span sections are the ``_check_*`` methods of ``JobSpec`` and are all reported together.
+specs arrive over HTTP and must not name code to run. Field-level rules live on the sections as
+``_check_*`` validators; rules that span sections are the ``_check_*`` functions of rules.py, which
+``JobSpec._check_all_rules`` runs so that every violation is reported together.
 """
 
 from __future__ import annotations
@@ -217,19 +218,21 @@ class CheckpointSpec(Section):
 class JobSpec(Section):
     """A whole training job. Build it with `jobs.load_job_spec`, which reports every problem at once."""
 
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="letters, digits, '.', '_', '-'; names the default output directory")
     model: ModelSpec
     data: DataSpec
     lora: LoraSpec | None = None
     training: TrainingSpec
     offload: OffloadSpec = OffloadSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
-    device: Literal["auto", "cuda", "cpu"] = "auto"
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: CUDA when present, else the CPU")
 
     @model_validator(mode="after")
     def _check_all_rules(self) -> JobSpec:
         """Run every cross-section rule and report all violations in one error (expanded by loading.py)."""
-        from jobs.rules import cross_section_problems  # rules.py reads JobSpec; import here avoids a cycle
+        # rules.py needs the models package, which imports this module: import at call time.
+        from jobs.rules import cross_section_problems
 
         problems = cross_section_problems(self)
         if problems:

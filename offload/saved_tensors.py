@@ -78,10 +78,10 @@ class SavedTensorRouter:
     def enter(self) -> None:
         """Install the hooks unless ours are already the innermost (nested units share them)."""
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and getattr(getattr(top[0], "__self__", None), "router", None) is self:
+        if top is not None and getattr(top[0], "ferry_router", None) is self:
             self._contexts.append(None)
             return
-        context = _Hooks(self, outer=top)
+        context = _hooks(self, outer=top)
         context.__enter__()
         self._contexts.append(context)
 
@@ -122,11 +122,13 @@ class _Outer:
         return self.unpack_hook(self.packed)
 
 
-class _Hooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, router: SavedTensorRouter, outer: tuple[Callable, Callable] | None) -> None:
-        self.router = router
-        self.outer = outer
-        super().__init__(self.pack, router.unpack)
+def _hooks(router: SavedTensorRouter, outer: tuple[Callable, Callable] | None) -> torch.autograd.graph.saved_tensors_hooks:
+    """The hooks context. The pack function is a closure, not a bound method of the context: a context that
+    held its own method would be a reference cycle, and through ``outer`` it would keep gradient
+    checkpointing's frames (and the block inputs they save) alive until the garbage collector ran."""
 
-    def pack(self, tensor: torch.Tensor) -> Any:
-        return self.router.pack(tensor, self.outer)
+    def pack(tensor: torch.Tensor) -> Any:
+        return router.pack(tensor, outer)
+
+    pack.ferry_router = router  # type: ignore[attr-defined]
+    return torch.autograd.graph.saved_tensors_hooks(pack, router.unpack)

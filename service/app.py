@@ -61,9 +61,7 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)
-    # /metrics carries job ids and figures, so it takes the token too when one is set.
-    app.add_api_route("/metrics", health.metrics, methods=["GET"], tags=["health"],
-                      dependencies=[Depends(require_token)], response_class=health.PlainTextResponse)
+    app.include_router(health.metrics_router)
     mount_dashboard(app)  # the browser pages at /ui/; they read /v1 with the user's token
     return app
 

@@ -47,6 +47,7 @@ class JobStore:
         self.db = Database(path)
 
     def close(self) -> None:
+        """Close this process's connections to the file."""
         self.db.close()
 
     # -- jobs -------------------------------------------------------------------------------------------
@@ -78,6 +79,7 @@ class JobStore:
             return self._get(conn, job_id), True
 
     def get_job(self, job_id: str) -> JobRecord:
+        """The job, or ``JobNotFound``."""
         return self._get(self.db.conn, job_id)
 
     def list_jobs(
@@ -99,10 +101,12 @@ class JobStore:
         return jobs, (jobs[-1].seq if len(rows) > limit else None)
 
     def jobs_with_status(self, status: JobStatus) -> list[JobRecord]:
+        """Every job in ``status``, oldest first."""
         rows = self.db.conn.execute("SELECT * FROM jobs WHERE status = ? ORDER BY seq", (status.value,))
         return [JobRecord.from_row(r) for r in rows]
 
     def count_by_status(self) -> dict[JobStatus, int]:
+        """How many jobs are in each status (zeros included)."""
         counts = {s: 0 for s in JobStatus}
         for row in self.db.conn.execute("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status"):
             counts[JobStatus(row["status"])] = row["n"]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from ..deps import SchedulerDep, StoreDep
+from ..deps import SchedulerDep, StoreDep, require_token
 from ..prometheus import render_metrics
 
 router = APIRouter(tags=["health"])
+# /metrics names jobs and their figures, so it takes the token too when one is set.
+metrics_router = APIRouter(tags=["health"], dependencies=[Depends(require_token)])
 
 
 @router.get("/health")
@@ -31,6 +33,7 @@ def ready(store: StoreDep, scheduler: SchedulerDep) -> JSONResponse:
     return JSONResponse({"status": "ready"})
 
 
+@metrics_router.get("/metrics", response_class=PlainTextResponse)
 def metrics(store: StoreDep, scheduler: SchedulerDep) -> PlainTextResponse:
     """Prometheus text format: jobs by status, busy workers, and the latest figures of running jobs."""
     return PlainTextResponse(render_metrics(store, scheduler), media_type="text/plain; version=0.0.4")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,8 @@ def test_run_resumes_into_the_output_directory(toy_file: Path, tmp_path: Path,
 
 def test_python_dash_m_jobs_runs_the_smoke_config(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "jobs", "run", "configs/cpu_smoke.yaml", "--output",
-                             str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                             str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     assert "succeeded at step 30" in result.stdout
     assert "30/30" in result.stderr  # the progress bar

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from jobs import JobSpecError, PathRoots, load_job_spec
 from jobs.loading import job_spec_schema
@@ -106,6 +107,12 @@ def test_unknown_top_level_key_and_bad_yaml() -> None:
     assert "a job spec is a YAML mapping" in problems_of("- 1\n")[""][2]
 
 
+def test_duplicate_keys_are_refused() -> None:
+    text = "name: t\nmodel: {kind: toy_mlp}\ndata: {kind: synthetic_regression}\ntraining:\n  steps: 1\n  steps: 2\n"
+    assert problems_of(text)["training.steps"][:1] == (6,)
+    assert "duplicate key (first on line 5)" in problems_of(text)["training.steps"][2]
+
+
 def test_gpu_memory_budget_sizes() -> None:
     data = {**TOY, "offload": {"enable_model_cpu_offload": True, "gpu_memory_budget": "8GiB"}}
     assert spec_from(data).offload.gpu_memory_budget == "8GiB"
@@ -119,7 +126,8 @@ def test_paths_escaping_roots_are_refused(roots: PathRoots, tmp_path) -> None:
     outside.mkdir()
     (roots.data_roots[0] / "link").symlink_to(outside)
     for path in ("../outside", str(outside), "link", "missing"):
-        text = f"name: t\nmodel: {{kind: transformer_lm}}\ndata: {{kind: text, path: '{path}'}}\ntraining: {{steps: 1}}\n"
+        text = (f"name: t\nmodel: {{kind: transformer_lm}}\ndata: {{kind: text, path: '{path}'}}\n"
+                "training: {steps: 1}\n")
         problems = problems_of(text, roots)
         assert "data.path" in problems, path
     spec = load_job_spec(text.replace("missing", "corpus"), roots=roots)
@@ -128,7 +136,7 @@ def test_paths_escaping_roots_are_refused(roots: PathRoots, tmp_path) -> None:
 
 def test_spec_is_frozen() -> None:
     spec = spec_from(TOY)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         spec.training.steps = 5  # type: ignore[misc]
 
 

@@ -23,4 +23,5 @@ def test_advice_follows_the_expected_savings() -> None:
 
 def test_message_quotes_the_error() -> None:
     message = oom_message(spec_from(TOY), 4, RuntimeError("CUDA out of memory. Tried to allocate 1 GiB\nmore"))
-    assert message.startswith("device out of memory at step 5: CUDA out of memory. Tried to allocate 1 GiB. To fit: set")
+    assert message.startswith("device out of memory at step 5: CUDA out of memory. Tried to allocate 1 GiB. "
+                              "To fit: set")

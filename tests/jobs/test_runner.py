@@ -220,3 +220,32 @@ def test_train_step_can_be_called_directly() -> None:
                                   scheduler=scheduler, accelerator=NoAccelerator(), manager=None, max_grad_norm=None,
                                   device=torch.device("cpu"))
     assert loss.ndim == 0 and not torch.equal(before, model.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH,
+                                     {**OFFLOAD_BOTH, "granularity": "block", "prefetch": 2}],
+                         ids=["model-offload", "optimizer-offload", "block-prefetch"])
+def test_offload_on_cuda_matches_plain_training(tmp_path: Path, offload: dict) -> None:
+    data = merged(TOY, device="cuda", model={"hidden_size": 512})
+    _, plain = run(data, tmp_path / "plain")
+    _, offloaded = run(merged(data, offload=offload), tmp_path / "offloaded")
+    losses = [[e["loss"] for e in events if e["type"] == "step"] for events in (plain, offloaded)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    steps = [e for e in offloaded if e["type"] == "step"]
+    assert steps[-1]["offload"]["h2d_bytes"] > 0 and steps[-1]["device_peak_bytes"] > 0
+    assert steps[-1]["pinned_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_real_cuda_out_of_memory_becomes_a_hint(tmp_path: Path) -> None:
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(2 * 2**30 / total)  # pretend the GPU has 2 GiB
+    try:
+        data = merged(TOY, device="cuda", model={"hidden_size": 8192, "num_layers": 8})  # 2 GiB of weights
+        with pytest.raises(OutOfMemoryHint, match="set offload.enable_model_cpu_offload: true"):
+            run(data, tmp_path)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

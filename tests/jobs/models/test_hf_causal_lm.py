@@ -50,7 +50,8 @@ def test_lora_adapter_trains_and_reloads_with_peft(tmp_path: Path, roots: PathRo
     reloaded = AutoPeftModelForCausalLM.from_pretrained(str(checkpoint))
     live = {n: p for n, p in reloaded.named_parameters() if "lora_" in n}
     for name, tensor in saved.items():
-        match = [p for n, p in live.items() if n.replace(".default", "") .endswith(name.removeprefix("base_model.model."))]
+        suffix = name.removeprefix("base_model.model.")
+        match = [p for n, p in live.items() if n.replace(".default", "").endswith(suffix)]
         assert len(match) == 1 and torch.equal(match[0].detach(), tensor), name
 
     ids = torch.arange(16).unsqueeze(0)

@@ -29,7 +29,7 @@ def test_init_is_seeded_and_dtype_applies() -> None:
     a, _ = build_model(SPEC, seed=1)
     b, _ = build_model(SPEC, seed=1)
     c, _ = build_model(SPEC.model_copy(update={"dtype": "bfloat16"}), seed=2)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     assert all(p.dtype == torch.bfloat16 for p in c.parameters())
     assert torch.equal(a.blocks[0].norm1.weight, torch.ones(16))
 
