@@ -57,3 +57,10 @@ def test_port_and_health_path_exist_in_the_app(tmp_path: Path) -> None:
     assert health.group(2) in service()["healthcheck"]["test"][-1]
     paths = {getattr(route, "path", None) for route in create_app(Settings(data_dir=tmp_path)).routes}
     assert health.group(2) in paths
+
+
+def test_image_carries_the_dashboard_charts_from_the_lock_file() -> None:
+    assert "COPY service/dashboard/package.json service/dashboard/package-lock.json ./" in DOCKERFILE
+    assert "RUN npm ci" in DOCKERFILE
+    assert "COPY --from=charts /charts/node_modules service/dashboard/node_modules" in DOCKERFILE
+    assert (ROOT / "service/dashboard/package-lock.json").exists()
