@@ -1,6 +1,13 @@
 # Ferry on a GPU box: `docker compose up` (see docker-compose.yml and the README).
 # The base image brings CUDA and a CUDA build of PyTorch; Ferry needs torch >= 2.11.
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+
+# The dashboard's chart library (uPlot), installed by npm from the lock file in its own stage.
+FROM node:20-slim AS charts
+WORKDIR /charts
+COPY service/dashboard/package.json service/dashboard/package-lock.json ./
+RUN npm ci --no-audit --no-fund --loglevel=error
+
 FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
@@ -19,6 +26,7 @@ RUN mkdir -p offload jobs service \
 COPY offload/ offload/
 COPY jobs/ jobs/
 COPY service/ service/
+COPY --from=charts /charts/node_modules service/dashboard/node_modules
 COPY configs/ configs/
 
 # A non-root user owns the data directory (database, checkpoints, logs), which is a volume.

@@ -81,6 +81,8 @@ MODES = {
     # name: (OffloadOptions or None for no manager, CPU optimizer fused?)
     "ferry-prefetch0-leaf (seed)": (OffloadOptions(prefetch=0, granularity="leaf"), False),
     "ferry-default": (OffloadOptions(), True),
+    # + manager.attach_optimizer(optimizer): each parameter's CPU update runs while backward continues.
+    "ferry-default+step-in-backward": (OffloadOptions(), True),
 }
 
 
@@ -107,6 +109,8 @@ def run_toy(mode: str, steps: int) -> Result:
         manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, options=options)
         # With the optimizer on the CPU, Ferry's runner uses the fused CPU AdamW (4-5x faster than foreach).
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
+        if mode.endswith("+step-in-backward"):
+            manager.attach_optimizer(optimizer)
     step_ms, peak = measure(toy_step(model, optimizer, manager), steps)
     note = stats_note(manager) if manager is not None else ""
     if manager is not None:
@@ -247,7 +251,7 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
     return 5 * nbytes / (time.perf_counter() - start) / 1e9
 
 
-LORA_MODES = ["resident", *MODES, "fsdp2"]
+LORA_MODES = ["resident", *[m for m in MODES if "step-in-backward" not in m], "fsdp2"]
 WORKLOADS: dict[str, tuple[Callable[[str, int], Result], list[str]]] = {
     "toy": (run_toy, ["resident", *MODES, "fsdp2"]),
     "lora4k": (lambda mode, steps: run_lora(mode, steps, 4096), LORA_MODES),

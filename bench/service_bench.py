@@ -185,7 +185,9 @@ def main() -> None:
             process.wait(timeout=60)
         tmp.cleanup()
 
-    machine = f"{platform.machine()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    machine = f"{platform.machine()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, commit {commit}"
     # uvicorn takes httptools and uvloop when installed (pyproject lists them), else h11 and asyncio.
     fast = all(importlib.util.find_spec(m) for m in ("httptools", "uvloop"))
     stack = "httptools+uvloop" if fast else "h11+asyncio"

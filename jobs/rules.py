@@ -27,16 +27,6 @@ def _check_epochs_need_finite_data(spec: JobSpec) -> list[Problem]:
     return []
 
 
-def _check_optimizer_offload_without_accumulation(spec: JobSpec) -> list[Problem]:
-    # The engine moves gradients to the CPU after every backward; accumulating across micro-batches there
-    # is not supported (the seed's restriction).
-    if spec.offload.enable_optimizer_cpu_offload and spec.training.gradient_accumulation_steps != 1:
-        return [("offload.enable_optimizer_cpu_offload",
-                 "needs training.gradient_accumulation_steps=1; got "
-                 f"{spec.training.gradient_accumulation_steps} (raise training.batch_size instead)")]
-    return []
-
-
 def _check_tokenizer_fits_vocab(spec: JobSpec) -> list[Problem]:
     if spec.model.kind != "transformer_lm" or spec.data.kind != "text":
         return []
@@ -90,7 +80,6 @@ def _check_warmup_fits_steps(spec: JobSpec) -> list[Problem]:
 RULES = (
     _check_data_fits_model,
     _check_epochs_need_finite_data,
-    _check_optimizer_offload_without_accumulation,
     _check_tokenizer_fits_vocab,
     _check_lora_targets_exist,
     _check_checkpointing_supported,

@@ -110,6 +110,10 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
         start_step = state["step"]
         log.info("resuming from %s at step %d", checkpoint.path, start_step)
+    if manager is not None and spec.offload.enable_optimizer_cpu_offload and training.max_grad_norm is None:
+        # Each parameter's CPU update runs while the GPU's backward continues. Not with clipping: a global
+        # norm needs every gradient first. After load_state_dict, which replaces the optimizer's state.
+        manager.attach_optimizer(raw_optimizer, accumulation_steps=training.gradient_accumulation_steps)
     return TrainingSession(accelerator, device, model, forward_model, loss_fn, data, optimizer, scheduler, manager,
                            steps, start_step, checkpoint)
 

@@ -20,6 +20,7 @@ from offload.offloaders import (
     TensorOffloader,
     TrainableParamOffloader,
 )
+from offload.optimizer_step import StepDuringBackward
 from offload.options import OffloadOptions
 from offload.saved_tensors import SavedTensorRouter
 from offload.stats import OffloadStats, StatsCounter
@@ -84,6 +85,7 @@ class OffloadTrainingManager:
         # block's units in forward order for its recompute), and what it needed of each.
         self._backward_order: list[OffloadUnit] = []
         self._backward_needs: dict[int, list[TensorOffloader]] = {}
+        self._stepper: StepDuringBackward | None = None
         self._stats.start_step()
         log.info("offloading %s", self)
 
@@ -149,7 +151,7 @@ class OffloadTrainingManager:
                     functools.partial(self._offload_after_forward, unit), always_call=True))
         for offloader in self._offloaders.values():
             if isinstance(offloader, TrainableParamOffloader):
-                hook = functools.partial(_offload_grad_after_backward, offloader)
+                hook = functools.partial(self._offload_grad_after_backward, offloader)
                 self._handles.append(offloader.tensor.register_post_accumulate_grad_hook(hook))
 
     # ----------------------------------------------------------------- hooks
@@ -170,6 +172,11 @@ class OffloadTrainingManager:
     def _offload_after_forward(self, unit: OffloadUnit, module: nn.Module, args: Any, output: Any) -> None:
         unit.offload()
         self._router.exit()
+
+    def _offload_grad_after_backward(self, offloader: TrainableParamOffloader, param: torch.Tensor) -> None:
+        offloader.offload_grad()
+        if self._stepper is not None:
+            self._stepper.grad_ready(offloader)
 
     # ----------------------------------------------------------------- scheduling
     def _prefetch_forward(self, unit: OffloadUnit) -> None:
@@ -241,6 +248,21 @@ class OffloadTrainingManager:
         log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device", budget, used)
 
     # ----------------------------------------------------------------- public API
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, accumulation_steps: int = 1) -> None:
+        """Step ``optimizer`` for each parameter while backward continues (optimizer offload only).
+
+        Each parameter is updated on a CPU worker thread as soon as its gradient reaches the host, during
+        the backward of the last of ``accumulation_steps`` micro-batches (call ``after_backward`` after
+        each one); ``optimizer.step()`` then only waits for those updates. Do not combine with global-norm
+        gradient clipping, which needs every gradient before any update. Attach after creating LR schedulers
+        and after ``optimizer.load_state_dict`` (both replace what the per-parameter steps refer to).
+        """
+        if not self.enable_optimizer_cpu_offload:
+            raise ValueError("attach_optimizer needs enable_optimizer_cpu_offload=True: the optimizer must run "
+                             "on the CPU for its steps to overlap with the GPU's backward")
+        trainable = {k: o for k, o in self._offloaders.items() if isinstance(o, TrainableParamOffloader)}
+        self._stepper = StepDuringBackward(optimizer, trainable, accumulation_steps)
+
     def after_backward(self) -> None:
         """Call between ``backward()`` and ``optimizer.step()``: waits for gradient copies, makes sure no
         weight stays on the device, and hands host gradients to ``param.grad`` (optimizer offload)."""
@@ -249,10 +271,14 @@ class OffloadTrainingManager:
         for offloader in self._offloaders.values():
             if offloader.holds == 0:
                 offloader.offload()
+        if self._stepper is not None:
+            self._stepper.wait()  # the worker also settles gradients; never both at once
         for offloader in self._offloaders.values():
             if isinstance(offloader, TrainableParamOffloader):
                 offloader.hand_over_grad()
         self._copies.end_step()
+        if self._stepper is not None:
+            self._stepper.end_backward()
         if self._recording:
             self._finish_recording()
 
@@ -262,6 +288,9 @@ class OffloadTrainingManager:
 
     def remove(self) -> nn.Module:
         """Detach every hook and leave ``model`` an ordinary CPU model holding the trained values."""
+        if self._stepper is not None:
+            self._stepper.detach()
+            self._stepper = None
         synchronize(self.device)
         for handle in self._handles:
             handle.remove()
@@ -278,10 +307,6 @@ class OffloadTrainingManager:
             kinds[offloader.kind] = kinds.get(offloader.kind, 0) + offloader.nbytes
         return (f"OffloadTrainingManager(device={self.device}, units={len(self.units)}, bytes_by_kind={kinds}, "
                 f"pinned_reserved={self.arena.reserved_bytes})")
-
-
-def _offload_grad_after_backward(offloader: TrainableParamOffloader, param: torch.Tensor) -> None:
-    offloader.offload_grad()
 
 
 def _check_model(model: nn.Module) -> None:

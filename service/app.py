@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI
 
 from .body_limit import BodyLimitMiddleware
+from .dashboard import mount_dashboard
 from .deps import require_token
 from .devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
 from .errors import install_error_handlers
@@ -64,6 +65,7 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
     app.include_router(v1)
     app.include_router(health.router)
     app.include_router(health.metrics_router)
+    mount_dashboard(app)  # the browser pages at /ui/; they read /v1 with the user's token
     return app
 
 

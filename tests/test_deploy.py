@@ -41,7 +41,7 @@ def test_dockerfile_runs_the_service_as_a_non_root_user_with_a_data_volume() -> 
     assert re.search(r"^USER ferry$", DOCKERFILE, flags=re.M)
     assert 'VOLUME ["/data"]' in DOCKERFILE and "FERRY_DATA_DIR=/data" in DOCKERFILE
     # Dependencies are installed before the sources are copied, so code changes reuse that layer.
-    assert DOCKERFILE.index("pip install -e .") < DOCKERFILE.index("COPY service/")
+    assert DOCKERFILE.index("pip install -e .") < DOCKERFILE.index("COPY service/ service/")
 
 
 def test_port_and_health_path_exist_in_the_app(tmp_path: Path) -> None:
@@ -55,5 +55,12 @@ def test_port_and_health_path_exist_in_the_app(tmp_path: Path) -> None:
     health = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", DOCKERFILE)
     assert health.group(1) == exposed
     assert health.group(2) in service()["healthcheck"]["test"][-1]
-    paths = {getattr(route, "path", None) for route in create_app(Settings(data_dir=tmp_path)).routes}
-    assert health.group(2) in paths
+    paths = create_app(Settings(data_dir=tmp_path)).openapi()["paths"]
+    assert "get" in paths[health.group(2)]
+
+
+def test_image_carries_the_dashboard_charts_from_the_lock_file() -> None:
+    assert "COPY service/dashboard/package.json service/dashboard/package-lock.json ./" in DOCKERFILE
+    assert "RUN npm ci" in DOCKERFILE
+    assert "COPY --from=charts /charts/node_modules service/dashboard/node_modules" in DOCKERFILE
+    assert (ROOT / "service/dashboard/package-lock.json").exists()

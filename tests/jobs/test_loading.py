@@ -74,9 +74,9 @@ offload:
 lora: {target_modules: [to_q, nope]}
 """
     problems = problems_of(text)
-    assert set(problems) == {"data.kind", "training.epochs", "offload.enable_optimizer_cpu_offload",
-                             "lora.target_modules"}
-    assert "needs training.gradient_accumulation_steps=1" in problems["offload.enable_optimizer_cpu_offload"][2]
+    # Gradient accumulation with optimizer offload is allowed: the engine accumulates host gradients
+    # (the seed's restriction to 1 is one of the reference's defects Ferry fixes).
+    assert set(problems) == {"data.kind", "training.epochs", "lora.target_modules"}
     assert problems["lora.target_modules"][0] == 10
 
 

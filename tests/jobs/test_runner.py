@@ -71,6 +71,13 @@ def test_offload_trains_the_same_weights_on_cpu(tmp_path: Path, offload: dict) -
     assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
 
 
+def test_gradient_accumulation_with_optimizer_offload_trains_the_same_weights(tmp_path: Path) -> None:
+    data = merged(TOY, training={"gradient_accumulation_steps": 4, "max_grad_norm": 1.0})
+    run(data, tmp_path / "plain")
+    run(merged(data, offload=OFFLOAD_BOTH), tmp_path / "offloaded")
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
+
+
 @pytest.mark.parametrize("offload", [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH],
                          ids=["model-offload", "optimizer-offload"])
 def test_lora_through_the_engine_trains_the_same_adapters(tmp_path: Path, roots: PathRoots, offload: dict) -> None:

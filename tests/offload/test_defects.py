@@ -247,3 +247,45 @@ def test_no_reference_cycles_keep_checkpoint_inputs_alive(granularity: str) -> N
     finally:
         gc.enable()
     assert alive == []
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+@pytest.mark.parametrize("method", ["full", "adapter"])
+def test_optimizer_steps_during_backward_equal_a_normal_step(method: str, micro_batches: int) -> None:
+    """attach_optimizer: each parameter's update runs on a CPU thread while backward continues."""
+
+    def run(attach: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = make_stack(method, "non_reentrant")
+        manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True) if attach else None
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        if manager:
+            manager.attach_optimizer(optimizer, accumulation_steps=micro_batches)
+        generator = torch.Generator().manual_seed(5)
+        losses = []
+        for _ in range(3):
+            for _ in range(micro_batches):
+                x = torch.randn(8, WIDTH, generator=generator)
+                loss = F.mse_loss(model(x), x + 1) / micro_batches
+                loss.backward()
+                if manager:
+                    manager.after_backward()
+                losses.append(loss.item())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if manager:
+            manager.remove()
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+    plain_losses, plain = run(False)
+    losses, state = run(True)
+    assert losses == plain_losses
+    assert_states_equal(plain, state)
+
+
+def test_attach_optimizer_needs_optimizer_offload() -> None:
+    model = make_stack("full", None)
+    manager = OffloadTrainingManager(model, "cpu")
+    with pytest.raises(ValueError, match="attach_optimizer needs enable_optimizer_cpu_offload=True"):
+        manager.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
