@@ -34,6 +34,9 @@ def run_spare(device: str | None, cpu_threads: int | None, inbox: Connection, st
     """
     _prepare_process(device, cpu_threads)
     import jobs  # noqa: F401 - the warm-up itself
+    # The first optimizer a process builds imports torch._dynamo (about 3.5 s on a small machine); do that
+    # here too, so a warm job reaches its first step in well under a second.
+    import torch._dynamo  # noqa: F401
 
     try:
         request = inbox.recv()
