@@ -14,6 +14,7 @@ import torch.utils.checkpoint as cp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload_bench as B  # noqa: E402
+
 from offload import OffloadOptions, OffloadTrainingManager  # noqa: E402
 
 

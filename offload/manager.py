@@ -23,6 +23,7 @@ from offload.offloaders import (
 from offload.optimizer_step import StepDuringBackward
 from offload.options import OffloadOptions
 from offload.saved_tensors import SavedTensorRouter
+from offload.schedule import PrefetchSchedule
 from offload.stats import OffloadStats, StatsCounter
 from offload.transfers import CopyEngine, in_backward
 from offload.units import OffloadUnit, UnitPlan, discover_units
@@ -69,6 +70,9 @@ class OffloadTrainingManager:
         self.model = model
         self._stats = StatsCounter()
         self._copies = CopyEngine(self.device, self._stats, side_streams=self.options.prefetch > 0)
+        # The forward and backward orders are recorded during the first step; prefetching and the budget
+        # follow them after.
+        self._schedule = PrefetchSchedule(self.options.prefetch)
         plans = discover_units(model, threshold, self.options.granularity if threshold is None else "leaf")
         self.arena = self._make_arena(plans)
         self._offloaders: dict[int, TensorOffloader] = {}
@@ -77,14 +81,6 @@ class OffloadTrainingManager:
         self._router = SavedTensorRouter(self._offloaders)
         self._handles: list[RemovableHandle] = []
         self._attach(plans)
-        # The forward order is recorded during the first step; prefetching and the budget follow it after.
-        self._order: list[OffloadUnit] = []
-        self._recording = True
-        self._unit_of: dict[int, OffloadUnit] = {}
-        # The order in which backward first needs each unit (with checkpointing: blocks in reverse, each
-        # block's units in forward order for its recompute), and what it needed of each.
-        self._backward_order: list[OffloadUnit] = []
-        self._backward_needs: dict[int, list[TensorOffloader]] = {}
         self._stepper: StepDuringBackward | None = None
         self._stats.start_step()
         log.info("offloading %s", self)
@@ -130,7 +126,7 @@ class OffloadTrainingManager:
                                                 self.arena.allocate(tensor.shape, tensor.dtype))
         else:
             offloader = AlwaysOnGPUParamOffloader(name, tensor, self._copies)
-        offloader.on_backward_use = self._prefetch_for_backward
+        offloader.on_backward_use = self._schedule.weight_unpacked
         self._offloaders[id(tensor)] = offloader
         return offloader
 
@@ -143,7 +139,7 @@ class OffloadTrainingManager:
                         offloader.updated_by = module
 
     def _attach(self, plans: list[UnitPlan]) -> None:
-        for plan, unit in zip(plans, self.units):
+        for plan, unit in zip(plans, self.units, strict=True):
             for module in plan.hook_modules:
                 self._handles.append(module.register_forward_pre_hook(
                     functools.partial(self._onload_before_forward, unit)))
@@ -158,16 +154,13 @@ class OffloadTrainingManager:
     def _onload_before_forward(self, unit: OffloadUnit, module: nn.Module, args: Any) -> None:
         self._router.enter()
         backward = in_backward()
-        if self._recording and not backward and unit.index is None:
-            unit.index = len(self._order)
-            self._order.append(unit)
-            for offloader in unit.offloaders:
-                self._unit_of.setdefault(id(offloader), unit)
+        if not backward:
+            self._schedule.forward_started(unit)
         unit.onload()
         if backward:  # a checkpoint recompute
-            self._backward_use(unit, unit.offloaders)
-        elif not self._recording:
-            self._prefetch_forward(unit)
+            self._schedule.backward_used(unit, unit.offloaders)
+        else:
+            self._schedule.forward_onloaded(unit)
 
     def _offload_after_forward(self, unit: OffloadUnit, module: nn.Module, args: Any, output: Any) -> None:
         unit.offload()
@@ -177,75 +170,6 @@ class OffloadTrainingManager:
         offloader.offload_grad()
         if self._stepper is not None:
             self._stepper.grad_ready(offloader)
-
-    # ----------------------------------------------------------------- scheduling
-    def _prefetch_forward(self, unit: OffloadUnit) -> None:
-        """Start the copies of the next ``prefetch`` units of forward that move bytes."""
-        if unit.index is None or self.options.prefetch == 0:
-            return
-        ahead = 0
-        for candidate in self._order[unit.index + 1:]:
-            if ahead >= self.options.prefetch:
-                break
-            if candidate.streamed_bytes:
-                candidate.prefetch()
-                ahead += 1
-
-    def _prefetch_for_backward(self, offloader: TensorOffloader) -> None:
-        """A backward node unpacked ``offloader``'s weight."""
-        unit = self._unit_of.get(id(offloader))
-        if unit is not None:
-            self._backward_use(unit, [offloader])
-
-    def _backward_use(self, unit: OffloadUnit, offloaders: list[TensorOffloader]) -> None:
-        """Backward needed ``offloaders`` of ``unit``: in the first step record the order; after it,
-        prefetch what backward needed next last time."""
-        if self._recording:
-            if id(unit) not in self._backward_needs:
-                self._backward_needs[id(unit)] = []
-                unit.backward_index = len(self._backward_order)
-                self._backward_order.append(unit)
-            needs = self._backward_needs[id(unit)]
-            needs.extend(o for o in offloaders if o.kind != "always_on_device" and o not in needs)
-            return
-        if self.options.prefetch == 0 or unit.backward_index is None or unit.backward_step == self._stats.steps:
-            return
-        # Only the first use in a step walks the order: later uses (a recompute's units unpacked in reverse)
-        # would prefetch units whose backward is already done.
-        unit.backward_step = self._stats.steps
-        ahead = 0
-        for candidate in self._backward_order[unit.backward_index + 1:]:
-            if ahead >= self.options.prefetch:
-                break
-            needs = self._backward_needs[id(candidate)]
-            if needs:
-                for offloader in needs:
-                    offloader.prefetch()
-                ahead += 1
-
-    def _finish_recording(self) -> None:
-        """After the first step: fix the order, mark the last unit, and keep what the budget allows."""
-        self._recording = False
-        if self._order and self.options.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
-            self._order[-1].keep_for_backward = True
-        budget = self.options.gpu_memory_budget
-        if budget:
-            self._keep_resident_within(budget)
-
-    def _keep_resident_within(self, budget: int) -> None:
-        """Hold units on the device for good, from the end of forward (the start of backward) backwards,
-        while their frozen tensors fit the budget. Trainable host masters still stream (the CPU optimizer
-        changes them every step)."""
-        used = 0
-        for unit in reversed(self._order):
-            frozen = [o for o in unit.offloaders if o.kind in ("static", "buffer") and o.holds == 0]
-            size = sum(o.nbytes for o in frozen)
-            if used + size > budget:
-                break
-            for offloader in frozen:
-                offloader.acquire()
-            used += size
-        log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device", budget, used)
 
     # ----------------------------------------------------------------- public API
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, accumulation_steps: int = 1) -> None:
@@ -279,8 +203,7 @@ class OffloadTrainingManager:
         self._copies.end_step()
         if self._stepper is not None:
             self._stepper.end_backward()
-        if self._recording:
-            self._finish_recording()
+        self._schedule.end_step(self.options.gpu_memory_budget)
 
     def stats(self) -> OffloadStats:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""

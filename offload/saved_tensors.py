@@ -122,7 +122,8 @@ class _Outer:
         return self.unpack_hook(self.packed)
 
 
-def _hooks(router: SavedTensorRouter, outer: tuple[Callable, Callable] | None) -> torch.autograd.graph.saved_tensors_hooks:
+def _hooks(router: SavedTensorRouter,
+           outer: tuple[Callable, Callable] | None) -> torch.autograd.graph.saved_tensors_hooks:
     """The hooks context. The pack function is a closure, not a bound method of the context: a context that
     held its own method would be a reference cycle, and through ``outer`` it would keep gradient
     checkpointing's frames (and the block inputs they save) alive until the garbage collector ran."""

@@ -32,10 +32,10 @@ def test_frozen_weights_are_resident_only_around_their_unit(checkpointing: str |
     extra_units: list[int] = []
 
     def check_forward(module: torch.nn.Module, args: tuple) -> None:
-        if torch._C._current_graph_task_id() != -1 or manager._recording:
+        if torch._C._current_graph_task_id() != -1 or manager._schedule.recording:
             return  # a checkpoint recompute keeps its region for the backward that follows
-        mine = {id(manager._unit_of[id(manager._offloaders[id(p)])]) for p in module.parameters()}
-        others = {id(manager._unit_of[id(o)]) for o in frozen if o.resident} - mine
+        mine = {id(manager._schedule.unit_of[id(manager._offloaders[id(p)])]) for p in module.parameters()}
+        others = {id(manager._schedule.unit_of[id(o)]) for o in frozen if o.resident} - mine
         extra_units.append(len(others))
 
     for module in model.modules():
@@ -49,7 +49,7 @@ def test_frozen_weights_are_resident_only_around_their_unit(checkpointing: str |
             assert resident == []
             assert all(o.tensor.data_ptr() == hosts[o.name] for o in frozen)
         else:  # only the last unit of forward, kept for the first node of backward
-            assert {id(manager._unit_of[id(o)]) for o in resident} <= {id(manager._order[-1])}
+            assert {id(manager._schedule.unit_of[id(o)]) for o in resident} <= {id(manager._schedule.order[-1])}
         loss.backward()
         assert [o.name for o in frozen if o.resident] == []
         manager.after_backward()
