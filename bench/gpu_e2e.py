@@ -99,7 +99,7 @@ def run_job(client: httpx.Client, label: str, spec: str, timeout: float) -> dict
     steps = [e for e in events if e["type"] == "step"]
     metrics = fetch_all(client, f"/v1/jobs/{job_id}/metrics")
     elapsed = [m.get("elapsed_s") for m in metrics if m.get("elapsed_s") is not None]
-    step_times = [b - a for a, b in zip(elapsed, elapsed[1:])][1:]  # without the first (warm-up) step
+    step_times = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][1:]  # without the first (warm-up) step
     first_step = datetime.datetime.fromisoformat(steps[0]["created_at"]).timestamp() - posted if steps else None
     memory = job.get("memory") or {}
     return {
