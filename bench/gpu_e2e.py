@@ -15,18 +15,16 @@ import argparse
 import datetime
 import hashlib
 import json
-import os
 import secrets
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import local_server
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,26 +34,9 @@ GIB = 2**30
 
 def start_server(root: Path, token: str) -> tuple[subprocess.Popen, str]:
     """``python -m service`` with the image's settings (data dir, roots, token), on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "FERRY_HOST": "127.0.0.1", "FERRY_PORT": str(port), "FERRY_API_TOKEN": token,
-           "FERRY_DATA_DIR": str(root / "data"), "FERRY_MODEL_ROOTS": str(root / "models"),
-           "FERRY_DATA_ROOTS": str(root / "datasets"),
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)}
-    log = open(root / "server.log", "wb")  # noqa: SIM115 - the server's lifetime
-    process = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=root, stdout=log,
-                               stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    process.kill()
-    raise SystemExit(f"the server did not become ready; see {root / 'server.log'}")
+    return local_server.start_server(root, {"FERRY_API_TOKEN": token, "FERRY_DATA_DIR": str(root / "data"),
+                                            "FERRY_MODEL_ROOTS": str(root / "models"),
+                                            "FERRY_DATA_ROOTS": str(root / "datasets")})
 
 
 def spec_from(config: str, **changes: Any) -> str:

@@ -16,16 +16,15 @@ import asyncio
 import importlib.util
 import os
 import platform
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+import local_server
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "RESULTS.md"
@@ -40,26 +39,9 @@ device: cpu
 
 
 def start_server(data_dir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "FERRY_PORT": str(port), "FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu",
-           "FERRY_SHUTDOWN_GRACE_S": "5",
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)}
-    env.pop("FERRY_API_TOKEN", None)
-    log = open(data_dir.parent / "server.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=data_dir.parent, stdout=log,
-                               stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise SystemExit(f"server did not become ready; see {data_dir.parent / 'server.log'}")
+    return local_server.start_server(data_dir.parent, {"FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu",
+                                                       "FERRY_SHUTDOWN_GRACE_S": "5"},
+                                     unset=("FERRY_API_TOKEN",), ready_timeout=180)
 
 
 def first_step_seconds(client: httpx.Client, job_id: str, posted_at: float) -> float:
