@@ -18,7 +18,7 @@ from jobs.models import LossFn
 from jobs.oom import oom_message
 from jobs.session import TrainingSession, close_session, open_session
 from jobs.spec import JobSpec
-from jobs.telemetry import StepClock, step_event
+from jobs.telemetry import StepClock, device_identity, step_event
 from jobs.training_state import save_training_state
 from jobs.weights import save_trainable
 from offload import OffloadTrainingManager
@@ -92,7 +92,8 @@ def run_job(spec: JobSpec, *, output_dir: Path | str, report: Report | None = No
         session = open_session(spec, output_dir, resume=resume)
         step = session.start_step
         report({"type": "started", "total_steps": session.total_steps, "spec": resolved,
-                "resumed_from_step": session.start_step if session.resumed_from else None})
+                "resumed_from_step": session.start_step if session.resumed_from else None,
+                "device": device_identity(session.device)})
         outcome = _train(session, spec, resolved, output_dir, report, should_stop)
         report({"type": "finished", "status": outcome.status, "step": outcome.step})
         return outcome

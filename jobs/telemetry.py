@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -23,6 +24,21 @@ class StepClock:
         elapsed = now - self.started
         per_step = elapsed / max(1, step - self.start_step)
         return {"step_s": step_seconds, "elapsed_s": elapsed, "eta_s": per_step * (self.total_steps - step)}
+
+
+def device_identity(device: torch.device) -> dict[str, Any]:
+    """Which device this process trains on, as the job itself sees it (the ``started`` event's ``device``).
+
+    ``visible_devices`` and ``uuid`` let a service check that a job saw only the GPU it was given: the
+    UUID is the one ``nvidia-smi --query-gpu=uuid`` prints for that GPU.
+    """
+    if device.type != "cuda":
+        return {"type": device.type}
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "") or "")
+    return {"type": "cuda", "name": props.name, "uuid": f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid,
+            "visible_devices": torch.cuda.device_count(), "memory_total_bytes": props.total_memory,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def memory_snapshot(device: torch.device) -> dict[str, int]:

@@ -6,7 +6,10 @@ import psutil
 from jobs import JobSpec, estimate_memory
 
 from .devices import GpuInfo, Slot
+from .errors import ApiError
 from .schemas import DeviceFit, FitEstimate
+
+GIB = 2**30
 
 
 def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEstimate:
@@ -30,3 +33,38 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
         peak_device_bytes=estimate.peak_device_bytes, pinned_host_bytes=estimate.pinned_host_bytes,
         notes=list(estimate.notes), host_available_bytes=host_free, fits=fits, devices=devices,
     )
+
+
+def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate) -> None:
+    """Raise 422 ``does_not_fit`` when a GPU job's estimated peak exceeds the memory of every GPU worker.
+
+    Such a job would wait its turn, spend minutes building the model, then die of out-of-memory; refusing
+    it at submit says so at once. Only a definite "no" on every GPU refuses: unknown GPU sizes or a job
+    for the CPU never do, and ``?fit_check=false`` queues it anyway (the estimate can be wrong).
+    """
+    gpu_verdicts = [d.fits for d in fit.devices if d.device is not None]
+    if spec.device == "cpu" or not gpu_verdicts or any(v is not False for v in gpu_verdicts):
+        return
+    largest = max(d.memory_total_bytes or 0 for d in fit.devices if d.device is not None)
+    message = (f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds the largest GPU here "
+               f"({largest / GIB:.1f} GiB)")
+    problems = [{"path": path, "message": f"{message}; {fix}", "line": None, "suggestion": None}
+                for path, fix in _fixes(spec)]
+    raise ApiError(422, "does_not_fit", f"The job cannot fit on any GPU of this service: {message}. "
+                   + " ".join(f"Set {path}: {fix}." for path, fix in _fixes(spec))
+                   + " Submit with ?fit_check=false to queue it anyway.", problems=problems)
+
+
+def _fixes(spec: JobSpec) -> list[tuple[str, str]]:
+    """The settings that lower the peak, the most effective first."""
+    fixes = []
+    if not spec.offload.enable_model_cpu_offload:
+        fixes.append(("offload.enable_model_cpu_offload", "true streams the weights from CPU memory"))
+    elif not spec.offload.enable_optimizer_cpu_offload and spec.lora is None:
+        fixes.append(("offload.enable_optimizer_cpu_offload", "true keeps gradients and optimizer state on the CPU"))
+    if not spec.training.gradient_checkpointing:
+        fixes.append(("training.gradient_checkpointing", "true keeps one block's activations instead of all"))
+    if spec.training.batch_size > 1:
+        fixes.append(("training.batch_size", f"lower than {spec.training.batch_size} (raise "
+                      "gradient_accumulation_steps to keep the effective batch)"))
+    return fixes or [("model", "a smaller model (no memory setting is left to turn on)")]

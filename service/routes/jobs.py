@@ -9,10 +9,12 @@ import shutil
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
+from jobs import JobSpec
 
+from ..devices import GpuInfo, Slot
 from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, StoreDep
 from ..errors import ApiError
-from ..fit import estimate_fit
+from ..fit import estimate_fit, refuse_if_it_cannot_fit
 from ..intake import load_checked_spec, spec_text_from_body
 from ..schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
 from ..status import JobStatus
@@ -36,11 +38,16 @@ _ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": 
 def create_job(
     body: SpecBody, request: Request, response: Response,
     store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep,
+    gpus: GpuMonitorDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    fit_check: Annotated[bool, Query(description="false: queue even a job estimated not to fit any GPU")] = True,
 ) -> JobPublic:
-    """Queue a job from a YAML (or JSON) spec. Every problem in the spec is reported at once."""
+    """Queue a job from a YAML (or JSON) spec. Every problem in the spec is reported at once, and a GPU job
+    estimated to exceed every GPU's memory is refused (422 ``does_not_fit``) unless ``fit_check=false``."""
     text = spec_text_from_body(body, request.headers.get("content-type"))
     spec = load_checked_spec(text, settings)
+    if fit_check:
+        _check_fit(spec, scheduler.slots, gpus.gpus())
     try:
         job, created = store.create_job(
             job_id=f"job-{secrets.token_hex(6)}", name=spec.name, spec_text=text, spec=spec.model_dump(mode="json"),
@@ -59,6 +66,15 @@ def create_job(
     else:
         response.status_code = status.HTTP_200_OK
     return JobPublic.from_record(job)
+
+
+def _check_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> None:
+    try:
+        fit = estimate_fit(spec, slots, gpus)
+    except Exception:  # noqa: BLE001 - a failed estimate never keeps a valid job out
+        log.exception("memory estimate failed; the job is queued without a fit check")
+        return
+    refuse_if_it_cannot_fit(spec, fit)
 
 
 @router.post("/validate", openapi_extra=_SPEC_BODY, responses={422: {"model": ErrorBody}})

@@ -39,7 +39,8 @@ def test_events_match_the_interface(tmp_path: Path) -> None:
     assert outcome == JobOutcome("succeeded", 10, str(tmp_path / "checkpoints" / "step-00000010"))
     kinds = [e["type"] for e in events]
     assert kinds[0] == "started" and kinds[-1] == "finished"
-    assert set(events[0]) == {"type", "total_steps", "resumed_from_step", "spec"}
+    assert set(events[0]) == {"type", "total_steps", "resumed_from_step", "spec", "device"}
+    assert events[0]["device"] == {"type": "cpu"}
     assert events[0]["resumed_from_step"] is None and events[0]["spec"]["name"] == "toy"
     steps = [e for e in events if e["type"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 11))
