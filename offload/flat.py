@@ -1,12 +1,12 @@
 """Flat groups: a block's host copies laid out in one span, so one copy moves the whole block.
 
 Used with ``granularity="block"``: a transformer layer's dozen tensors cost one large copy instead of a dozen
-small ones, and the device side is one allocation carved into views.
+small ones, and the device side is one allocation carved into views. Only tensors whose host copy never
+changes during training go into a span (frozen weights, buffers): a span's device copy may outlive a step
+while a member is held, and a trainable host master updated by the CPU optimizer would then be stale.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -31,8 +31,12 @@ class FlatGroup:
             total += _aligned(tensor.numel() * tensor.element_size())
         self.span = arena.allocate((total,), torch.uint8)
         self.members: list[StaticParamOffloader] = []
-        self._device_span: weakref.ref[torch.Tensor] | None = None
+        # The device copy of the span, held while any member is attached to a view of it. A strong
+        # reference: the members' views keep the storage alive but not this Python object, so a weak one
+        # died at once and every member's onload copied the whole span again (a block copied once per tensor).
+        self._device_span: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
+        self._attached = 0
 
     def host_view(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """The slot for the ``index``-th tensor inside the span."""
@@ -45,16 +49,21 @@ class FlatGroup:
     def onload(self, requester: StaticParamOffloader, prefetch: bool) -> None:
         """Copy the span (unless a copy is still alive) and hand views to the members that need one now:
         the requester and any member a running forward holds or a pending backward will unpack."""
-        span = self._device_span() if self._device_span is not None else None
-        if span is None:
+        if self._device_span is None:
             pending = self.copies.to_device(self.span, prefetch=prefetch)
-            span, self._event = pending.tensor, pending.event
-            self._device_span = weakref.ref(span)
+            self._device_span, self._event = pending.tensor, pending.event
         for index, member in enumerate(self.members):
             wanted = member is requester or member.holds > 0 or member.live_tokens > 0
             if member.pending is None and wanted:
-                view = _view(span, self.offsets[index], member.host.shape, member.host.dtype)
+                view = _view(self._device_span, self.offsets[index], member.host.shape, member.host.dtype)
                 member.attach(PendingCopy(view, self._event))
+                self._attached += 1
+
+    def detached(self, member: StaticParamOffloader) -> None:
+        """``member`` dropped its view; with the last one gone the span's device memory is released."""
+        self._attached -= 1
+        if self._attached == 0:
+            self._device_span = self._event = None
 
 
 def _view(span: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -101,7 +101,8 @@ class OffloadTrainingManager:
     def _make_unit(self, plan: UnitPlan) -> OffloadUnit:
         # Largest first: the arena packs tightly when big tensors are placed before small ones.
         ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
-        new = [t for _, t in ordered if id(t) not in self._offloaders and self._wants_host_copy(t)]
+        new = [t for _, t in ordered if id(t) not in self._offloaders and self._wants_host_copy(t)
+               and not (isinstance(t, nn.Parameter) and t.requires_grad)]  # spans hold what never changes
         group = FlatGroup(new, self.arena, self._copies) if plan.flat and len(new) > 1 else None
         hosts = {id(t): group.host_view(i, t) for i, t in enumerate(new)} if group else {}
         offloaders = [self._offloader_for(name, tensor, hosts.get(id(tensor))) for name, tensor in ordered]

@@ -123,6 +123,8 @@ class StaticParamOffloader(TensorOffloader):
         self.tensor.data = self.host
         self.pending = None
         self.copies.stats.drop(self.nbytes)
+        if self.group is not None:
+            self.group.detached(self)
 
     def detach(self) -> None:
         self.offload()
