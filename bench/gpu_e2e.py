@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import local_server
+from provenance import commit
 import yaml
 from doc_sections import replace_section
 
@@ -315,12 +316,6 @@ def check_fit(client: httpx.Client, too_big: str, *, refusal_expected: bool) -> 
             "peak_gib": estimate.get("peak_device_bytes", 0) / GIB,
             "largest_device_gib": round(max(sizes, default=0) / GIB, 1), "notes": estimate.get("notes"),
             "submit": submit, "as_expected": as_expected}
-
-
-def commit() -> str:
-    """This tree's commit; the device machine's copy has no .git, so the caller passes FERRY_COMMIT there."""
-    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return found.stdout.strip() or os.environ.get("FERRY_COMMIT", "unknown")
 
 
 if __name__ == "__main__":

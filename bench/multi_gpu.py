@@ -31,6 +31,7 @@ from typing import Any
 import doc_sections
 import httpx
 import local_server
+from provenance import commit
 from gpu_e2e import DOC, DOC_TITLE, fetch_all, spec_from, write_corpus
 from multi_gpu_checks import GIB, SlotChange, attach_smi, verdicts
 
@@ -156,15 +157,6 @@ def markdown(record: dict[str, Any]) -> str:
             f"Reproduce: `{record['command']}`\n\n{record['spec_note']}\n\n" + "\n".join(rows)
             + "\n\nThe assignment as GET /v1/workers showed it, a row each time it changed:\n\n"
             + "\n".join(assignment_rows(record["samples"], names)) + "\n\n" + "\n".join(lines) + "\n")
-
-
-def commit() -> str:
-    """This checkout's commit; the device machine's copy may have no git, so FERRY_COMMIT names it there."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        return out.stdout.strip() or os.environ.get("FERRY_COMMIT", "unknown")
-    except OSError:  # no git on the device machine
-        return os.environ.get("FERRY_COMMIT", "unknown")
 
 
 def run(args: argparse.Namespace, root: Path) -> tuple[list[dict], list[dict], list[dict]]:
