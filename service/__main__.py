@@ -25,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         for problem in error.errors():
             print(f"ferry: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
+    if settings.executor == "local":
+        from .devices import query_gpus, unlisted_devices_problem
+
+        problem = unlisted_devices_problem(settings, query_gpus())
+        if problem:
+            print(f"ferry: {problem}", file=sys.stderr)
+            return 2
     from .app import create_app  # after the settings check: a refused start should be instant
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -59,6 +59,23 @@ def plan_slots(settings: Settings, gpus: list[GpuInfo]) -> list[Slot]:
     return [Slot(id=f"cpu{n}", device=None) for n in range(settings.cpu_workers)]
 
 
+def unlisted_devices_problem(settings: Settings, gpus: list[GpuInfo]) -> str | None:
+    """Why ``FERRY_DEVICES`` cannot be served here: it names a GPU index that ``nvidia-smi`` does not list.
+
+    Only checked when nvidia-smi answered: without it the indices are taken as given (a box whose driver
+    tools are elsewhere, or tests that simulate GPUs).
+    """
+    spec = settings.devices.strip().lower()
+    if spec in ("auto", "cpu") or not gpus:
+        return None
+    listed = [gpu.index for gpu in gpus]
+    unknown = [part.strip() for part in spec.split(",") if part.strip() and part.strip() not in listed]
+    if not unknown:
+        return None
+    return (f"FERRY_DEVICES={settings.devices!r} names GPU {', '.join(unknown)}, which nvidia-smi does not list "
+            f"(it lists {', '.join(listed)}); use those indices, 'auto' for all of them, or 'cpu'")
+
+
 class GpuMonitor:
     """``query_gpus`` cached for a couple of seconds: /v1/workers and /metrics may be polled hard."""
 

@@ -48,23 +48,26 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate) -> None:
     largest = max(d.memory_total_bytes or 0 for d in fit.devices if d.device is not None)
     message = (f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds the largest GPU here "
                f"({largest / GIB:.1f} GiB)")
-    problems = [{"path": path, "message": f"{message}; {fix}", "line": None, "suggestion": None}
-                for path, fix in _fixes(spec)]
+    fixes = _fixes(spec)
+    problems = [{"path": path, "message": f"{message}; set it to {value} ({why})", "line": None, "suggestion": None}
+                for path, value, why in fixes]
     raise ApiError(422, "does_not_fit", f"The job cannot fit on any GPU of this service: {message}. "
-                   + " ".join(f"Set {path}: {fix}." for path, fix in _fixes(spec))
+                   + " ".join(f"Set {path}: {value} ({why})." for path, value, why in fixes)
                    + " Submit with ?fit_check=false to queue it anyway.", problems=problems)
 
 
-def _fixes(spec: JobSpec) -> list[tuple[str, str]]:
-    """The settings that lower the peak, the most effective first."""
+def _fixes(spec: JobSpec) -> list[tuple[str, str, str]]:
+    """(setting, value, why) for each setting that lowers the peak, the most effective first."""
     fixes = []
     if not spec.offload.enable_model_cpu_offload:
-        fixes.append(("offload.enable_model_cpu_offload", "true streams the weights from CPU memory"))
+        fixes.append(("offload.enable_model_cpu_offload", "true", "streams the weights from CPU memory"))
     elif not spec.offload.enable_optimizer_cpu_offload and spec.lora is None:
-        fixes.append(("offload.enable_optimizer_cpu_offload", "true keeps gradients and optimizer state on the CPU"))
+        fixes.append(("offload.enable_optimizer_cpu_offload", "true",
+                      "keeps gradients and optimizer state on the CPU"))
     if not spec.training.gradient_checkpointing:
-        fixes.append(("training.gradient_checkpointing", "true keeps one block's activations instead of all"))
+        fixes.append(("training.gradient_checkpointing", "true", "keeps each block's input instead of all its "
+                      "activations"))
     if spec.training.batch_size > 1:
-        fixes.append(("training.batch_size", f"lower than {spec.training.batch_size} (raise "
-                      "gradient_accumulation_steps to keep the effective batch)"))
-    return fixes or [("model", "a smaller model (no memory setting is left to turn on)")]
+        fixes.append(("training.batch_size", f"less than {spec.training.batch_size}",
+                      "raise gradient_accumulation_steps to keep the effective batch"))
+    return fixes or [("model", "a smaller model", "no memory setting is left to turn on")]

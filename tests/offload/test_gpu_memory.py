@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,11 @@ from offload import OffloadTrainingManager
 
 
 def peak_memory_of_training(offload: dict | None, steps: int = 3) -> tuple[int, int]:
+    """Peak and between-steps device memory of this training alone: measured from what the process held
+    before (earlier tests in the same process may leave tensors and cuBLAS workspaces allocated)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])
     manager = OffloadTrainingManager(model, "cuda", **offload) if offload is not None else None
@@ -26,8 +33,8 @@ def peak_memory_of_training(offload: dict | None, steps: int = 3) -> tuple[int, 
             manager.after_backward()
         optimizer.step()
         optimizer.zero_grad()
-    between_steps = torch.cuda.memory_allocated()
-    peak = torch.cuda.max_memory_allocated()
+    between_steps = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
     if manager:
         assert manager.stats().device_bytes == 0
         manager.remove()

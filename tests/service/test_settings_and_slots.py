@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from service.devices import GpuInfo, Slot, plan_slots
+from service.devices import GpuInfo, Slot, plan_slots, unlisted_devices_problem
 from service.settings import Settings
 
 from .conftest import REPO
@@ -51,6 +51,14 @@ def test_serve_command_refuses_public_host_without_token() -> None:
 ])
 def test_one_slot_per_gpu_or_a_cpu_slot(devices: str, gpus: list[GpuInfo], expected: list[Slot]) -> None:
     assert plan_slots(Settings(devices=devices, _env_file=None), gpus) == expected
+
+
+def test_a_gpu_index_nvidia_smi_does_not_list_is_refused() -> None:
+    problem = unlisted_devices_problem(Settings(devices="0,5", _env_file=None), GPUS)
+    assert problem == ("FERRY_DEVICES='0,5' names GPU 5, which nvidia-smi does not list (it lists 0, 1); use "
+                       "those indices, 'auto' for all of them, or 'cpu'")
+    assert unlisted_devices_problem(Settings(devices="1", _env_file=None), GPUS) is None
+    assert unlisted_devices_problem(Settings(devices="0,1", _env_file=None), []) is None  # no nvidia-smi here
 
 
 def test_unknown_devices_setting_is_refused() -> None:
