@@ -9,7 +9,7 @@ Example:
 from jobs.checkpoint import CheckpointInfo, list_checkpoints
 from jobs.errors import JobSpecError, OutOfMemoryHint, SpecProblem
 from jobs.estimate import MemoryEstimate, estimate_memory
-from jobs.loading import job_spec_schema, load_job_spec
+from jobs.loading import job_spec_schema, line_of, load_job_spec
 from jobs.paths import PathRoots
 from jobs.runner import JobOutcome, run_job, train_step
 from jobs.spec import JobSpec
@@ -25,6 +25,7 @@ __all__ = [
     "SpecProblem",
     "estimate_memory",
     "job_spec_schema",
+    "line_of",
     "list_checkpoints",
     "load_job_spec",
     "run_job",

@@ -57,6 +57,15 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
     return spec
 
 
+def line_of(text: str, path: str) -> int | None:
+    """The YAML line of the dotted ``path`` in ``text`` (a missing key: its nearest parent's line)."""
+    try:
+        lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError:
+        return None
+    return _line(path.split("."), lines)
+
+
 def _key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
     """Map each key path in the YAML document to the 1-based line of its key."""
     lines: dict[tuple[str, ...], int] = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import psutil
-from jobs import JobSpec, estimate_memory
+from jobs import JobSpec, estimate_memory, line_of
 
 from .devices import GpuInfo, Slot
 from .errors import ApiError
@@ -35,12 +35,13 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
     )
 
 
-def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate) -> None:
+def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> None:
     """Raise 422 ``does_not_fit`` when a GPU job's estimated peak exceeds the memory of every GPU worker.
 
     Such a job would wait its turn, spend minutes building the model, then die of out-of-memory; refusing
     it at submit says so at once. Only a definite "no" on every GPU refuses: unknown GPU sizes or a job
-    for the CPU never do, and ``?fit_check=false`` queues it anyway (the estimate can be wrong).
+    for the CPU never do, and ``?fit_check=false`` queues it anyway (the estimate can be wrong). Each
+    problem carries the line of its setting in ``text`` (the spec as submitted), or of its section.
     """
     gpu_verdicts = [d.fits for d in fit.devices if d.device is not None]
     if spec.device == "cpu" or not gpu_verdicts or any(v is not False for v in gpu_verdicts):
@@ -49,8 +50,8 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate) -> None:
     message = (f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds the largest GPU here "
                f"({largest / GIB:.1f} GiB)")
     fixes = _fixes(spec)
-    problems = [{"path": path, "message": f"{message}; set it to {value} ({why})", "line": None, "suggestion": None}
-                for path, value, why in fixes]
+    problems = [{"path": path, "message": f"{message}; set it to {value} ({why})",
+                 "line": line_of(text, path) if text else None, "suggestion": None} for path, value, why in fixes]
     raise ApiError(422, "does_not_fit", f"The job cannot fit on any GPU of this service: {message}. "
                    + " ".join(f"Set {path}: {value} ({why})." for path, value, why in fixes)
                    + " Submit with ?fit_check=false to queue it anyway.", problems=problems)

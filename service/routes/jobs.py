@@ -47,7 +47,7 @@ def create_job(
     text = spec_text_from_body(body, request.headers.get("content-type"))
     spec = load_checked_spec(text, settings)
     if fit_check:
-        _check_fit(spec, scheduler.slots, gpus.gpus())
+        _check_fit(spec, text, scheduler.slots, gpus.gpus())
     try:
         job, created = store.create_job(
             job_id=f"job-{secrets.token_hex(6)}", name=spec.name, spec_text=text, spec=spec.model_dump(mode="json"),
@@ -68,13 +68,13 @@ def create_job(
     return JobPublic.from_record(job)
 
 
-def _check_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> None:
+def _check_fit(spec: JobSpec, text: str, slots: list[Slot], gpus: list[GpuInfo]) -> None:
     try:
         fit = estimate_fit(spec, slots, gpus)
     except Exception:  # noqa: BLE001 - a failed estimate never keeps a valid job out
         log.exception("memory estimate failed; the job is queued without a fit check")
         return
-    refuse_if_it_cannot_fit(spec, fit)
+    refuse_if_it_cannot_fit(spec, fit, text)
 
 
 @router.post("/validate", openapi_extra=_SPEC_BODY, responses={422: {"model": ErrorBody}})

@@ -46,11 +46,22 @@ def one_gpu(total_bytes: int) -> tuple[list[Slot], list[GpuInfo]]:
 def test_refusal_lists_the_settings_that_lower_the_peak() -> None:
     spec = load_job_spec(TOY_ON_GPU)
     with pytest.raises(ApiError) as refused:
-        refuse_if_it_cannot_fit(spec, estimate_fit(spec, *one_gpu(2 * GIB)))
+        refuse_if_it_cannot_fit(spec, estimate_fit(spec, *one_gpu(2 * GIB)), TOY_ON_GPU)
     assert refused.value.status_code == 422 and refused.value.code == "does_not_fit"
-    paths = [p["path"] for p in refused.value.problems]
-    assert paths == ["offload.enable_model_cpu_offload", "training.gradient_checkpointing", "training.batch_size"]
+    where = [(p["path"], p["line"]) for p in refused.value.problems]
+    assert where == [("offload.enable_model_cpu_offload", None), ("training.gradient_checkpointing", 5),
+                     ("training.batch_size", 5)]
     assert "?fit_check=false" in refused.value.message
+
+
+def test_with_model_offload_on_the_next_setting_is_named_at_its_line() -> None:
+    text = TOY_ON_GPU.replace("training: {steps: 5, batch_size: 512}", "training: {steps: 5, batch_size: 1}") + (
+        "offload:\n  enable_model_cpu_offload: true\n  enable_optimizer_cpu_offload: false\n")
+    spec = load_job_spec(text)
+    with pytest.raises(ApiError) as refused:  # a 0.1 GiB GPU: nothing this small fits even with model offload
+        refuse_if_it_cannot_fit(spec, estimate_fit(spec, *one_gpu(GIB // 10)), text)
+    where = [(p["path"], p["line"]) for p in refused.value.problems]
+    assert where == [("offload.enable_optimizer_cpu_offload", 8), ("training.gradient_checkpointing", 5)]
 
 
 @pytest.mark.parametrize("text, gpu_bytes", [(WITH_OFFLOAD, 2 * GIB), (TOY_ON_GPU, 140 * GIB),
@@ -77,7 +88,10 @@ def test_submit_refuses_a_job_that_fits_no_gpu_and_queues_it_when_told(
         assert refused.status_code == 422, refused.text
         error = refused.json()["error"]
         assert error["code"] == "does_not_fit" and "exceeds the largest GPU here (2.0 GiB)" in error["message"]
-        assert error["problems"][0]["path"] == "offload.enable_model_cpu_offload"
+        # No offload section in the spec: the problems point at the lines of the sections they belong in.
+        assert [(p["path"], p["line"]) for p in error["problems"]] == [
+            ("offload.enable_model_cpu_offload", None), ("training.gradient_checkpointing", 5),
+            ("training.batch_size", 5)]
         assert client.get("/v1/jobs").json()["data"] == []
 
         forced = client.post("/v1/jobs", params={"fit_check": "false"}, content=TOY_ON_GPU,
