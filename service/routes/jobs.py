@@ -69,6 +69,8 @@ def create_job(
 
 
 def _check_fit(spec: JobSpec, text: str, slots: list[Slot], gpus: list[GpuInfo]) -> None:
+    if spec.device == "cpu" or all(slot.device is None for slot in slots):
+        return  # only a GPU job on GPU workers can be refused: spare the estimate (it builds the model on meta)
     try:
         fit = estimate_fit(spec, slots, gpus)
     except Exception:  # noqa: BLE001 - a failed estimate never keeps a valid job out
