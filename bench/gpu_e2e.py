@@ -31,9 +31,9 @@ from typing import Any
 
 import httpx
 import local_server
-from provenance import commit
 import yaml
 from doc_sections import replace_section
+from provenance import commit
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -131,7 +131,8 @@ def run_job(client: httpx.Client, label: str, spec: str, timeout: float) -> dict
     seen = next((e["data"].get("device") for e in events if e["type"] == "started"), None)
     return {
         "label": label, "id": job_id, "status": job["status"], "error": job.get("error"),
-        "worker": job.get("worker"), "worker_while_running": worker_seen, "device_seen_by_job": seen, "ray_placement": placed,
+        "worker": job.get("worker"), "worker_while_running": worker_seen, "device_seen_by_job": seen,
+        "ray_placement": placed,
         "steps": len(steps), "post_to_first_step_s": first_step,
         "median_step_s": statistics.median(step_times) if step_times else None,
         "device_peak_gib": (memory.get("device_peak_bytes") or 0) / GIB,

@@ -18,7 +18,6 @@ import collections
 import datetime
 import importlib.metadata
 import json
-import os
 import re
 import secrets
 import shutil
@@ -31,9 +30,9 @@ from typing import Any
 import doc_sections
 import httpx
 import local_server
-from provenance import commit
 from gpu_e2e import DOC, DOC_TITLE, fetch_all, spec_from, write_corpus
 from multi_gpu_checks import GIB, SlotChange, attach_smi, verdicts
+from provenance import commit
 
 REPO = Path(__file__).resolve().parents[1]
 ENDED = ("succeeded", "failed", "cancelled", "paused")
