@@ -261,8 +261,7 @@ def main() -> None:
     if args.executor == "ray":
         head = RayHead(root, cpus=2 if args.cpu else None)
         extra = {"FERRY_EXECUTOR": "ray", "FERRY_RAY_ADDRESS": head.address,
-                 "FERRY_SHARED_DIR": str(root / "shared"), "FERRY_RAY_CPUS_PER_JOB": "1" if args.cpu else "4",
-                 "FERRY_MODEL_ROOTS": str(root / "models"), "FERRY_DATA_ROOTS": str(root / "datasets")}
+                 "FERRY_SHARED_DIR": str(root / "shared"), "FERRY_RAY_CPUS_PER_JOB": "1" if args.cpu else "4"}
     try:
         process, url = start_server(root, token, extra)
         try:

@@ -34,7 +34,6 @@ from gpu_e2e import DOC, DOC_TITLE, fetch_all, spec_from, write_corpus
 from multi_gpu_checks import GIB, SlotChange, attach_smi, verdicts
 from provenance import commit
 
-REPO = Path(__file__).resolve().parents[1]
 ENDED = ("succeeded", "failed", "cancelled", "paused")
 
 
