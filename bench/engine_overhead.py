@@ -12,6 +12,7 @@ bookkeeping cost in Python per step, which a GPU step pays as well (its copies c
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 from pathlib import Path
@@ -21,23 +22,32 @@ from gpu_e2e import spec_from, write_corpus
 
 from jobs import PathRoots, load_job_spec, run_job
 
-MODES = {"no offload": {"enable_model_cpu_offload": False},
-         "offload, leaf units": {"enable_model_cpu_offload": True, "granularity": "leaf"},
-         "offload, block units": {"enable_model_cpu_offload": True, "granularity": "block"}}
+MODES = {
+    "no offload": {"enable_model_cpu_offload": False},
+    "offload, leaf units": {"enable_model_cpu_offload": True, "granularity": "leaf"},
+    "offload, block units": {"enable_model_cpu_offload": True, "granularity": "block"},
+}
 
 
 def median_step_ms(config: str, offload: dict, steps: int, root: Path) -> float:
-    text = spec_from(config, device="cpu",
-                     model={"hidden_size": 32, "num_heads": 2, "vocab_size": 300, "dtype": "float32",
-                            "intermediate_size": 128},
-                     training={"steps": steps, "epochs": None, "mixed_precision": "no", "batch_size": 1},
-                     data={"path": "corpus", "seq_len": 8}, offload=offload, checkpoint={"save_final": False})
+    text = spec_from(
+        config,
+        device="cpu",
+        model={"hidden_size": 32, "num_heads": 2, "vocab_size": 300, "dtype": "float32", "intermediate_size": 128},
+        training={"steps": steps, "epochs": None, "mixed_precision": "no", "batch_size": 1},
+        data={"path": "corpus", "seq_len": 8},
+        offload=offload,
+        checkpoint={"save_final": False},
+    )
     events: list[dict] = []
     out = Path(tempfile.mkdtemp(dir=root))
-    run_job(load_job_spec(text, roots=PathRoots(model_roots=[root], data_roots=[root])), output_dir=out,
-            report=events.append)
+    run_job(
+        load_job_spec(text, roots=PathRoots(model_roots=[root], data_roots=[root])),
+        output_dir=out,
+        report=events.append,
+    )
     elapsed = [e["elapsed_s"] for e in events if e["type"] == "step"]
-    return 1000 * statistics.median([b - a for a, b in zip(elapsed, elapsed[1:], strict=False)][1:])
+    return 1000 * statistics.median([b - a for a, b in itertools.pairwise(elapsed)][1:])
 
 
 def main() -> None:

@@ -14,20 +14,27 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_server(workdir: Path, settings: dict[str, str], *, unset: tuple[str, ...] = (),
-                 ready_timeout: float = 300) -> tuple[subprocess.Popen, str]:
+def start_server(
+    workdir: Path, settings: dict[str, str], *, unset: tuple[str, ...] = (), ready_timeout: float = 300
+) -> tuple[subprocess.Popen, str]:
     """The service with ``settings`` (FERRY_* variables) on top of this environment, logging to
     ``workdir/server.log``. Returns the process and its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "FERRY_HOST": "127.0.0.1", "FERRY_PORT": str(port), **settings,
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)}
+    env = {
+        **os.environ,
+        "FERRY_HOST": "127.0.0.1",
+        "FERRY_PORT": str(port),
+        **settings,
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
+    }
     for name in unset:
         env.pop(name, None)
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 - open for the server's lifetime
-    process = subprocess.Popen([sys.executable, "-m", "service"], env=env, cwd=workdir, stdout=log,
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service"], env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:

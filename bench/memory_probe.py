@@ -13,9 +13,9 @@ import torch.utils.checkpoint as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload_bench as B  # noqa: E402
+import offload_bench as B
 
-from offload import OffloadOptions, OffloadTrainingManager  # noqa: E402
+from offload import OffloadOptions, OffloadTrainingManager
 
 
 def peak(model, manager, reentrant=False, tokens=16384, steps=3) -> str:
@@ -23,6 +23,7 @@ def peak(model, manager, reentrant=False, tokens=16384, steps=3) -> str:
         for block in model.blocks:
             x = cp.checkpoint(block, x, use_reentrant=reentrant)
         return x
+
     report = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -36,8 +37,10 @@ def peak(model, manager, reentrant=False, tokens=16384, steps=3) -> str:
         if manager:
             manager.after_backward()
         torch.cuda.synchronize()
-        report.append(f"fwd {after_forward / 2**30:.2f}/peak {(torch.cuda.max_memory_allocated() - base) / 2**30:.2f}"
-                      f"/left {(torch.cuda.memory_allocated() - base) / 2**30:.2f}")
+        report.append(
+            f"fwd {after_forward / 2**30:.2f}/peak {(torch.cuda.max_memory_allocated() - base) / 2**30:.2f}"
+            f"/left {(torch.cuda.memory_allocated() - base) / 2**30:.2f}"
+        )
     return " | ".join(report)
 
 
@@ -53,13 +56,17 @@ def main() -> None:
     model.cuda()
     print(f"resident non-reentrant: {peak(model, None)} GiB above weights")
     model.cpu()
-    for name, opts, reentrant in [("seed", OffloadOptions(prefetch=0), False),
-                                  ("seed reentrant", OffloadOptions(prefetch=0), True),
-                                  ("default", OffloadOptions(), False),
-                                  ("block", OffloadOptions(granularity="block"), False)]:
+    for name, opts, reentrant in [
+        ("seed", OffloadOptions(prefetch=0), False),
+        ("seed reentrant", OffloadOptions(prefetch=0), True),
+        ("default", OffloadOptions(), False),
+        ("block", OffloadOptions(granularity="block"), False),
+    ]:
         manager = OffloadTrainingManager(model, "cuda", options=opts)
-        print(f"ferry {name}: {peak(model, manager, reentrant)} GiB (engine peak "
-              f"{manager.stats().peak_device_bytes / 2**30:.2f})")
+        print(
+            f"ferry {name}: {peak(model, manager, reentrant)} GiB (engine peak "
+            f"{manager.stats().peak_device_bytes / 2**30:.2f})"
+        )
         manager.remove()
 
 

@@ -39,8 +39,13 @@ ENDED = ("succeeded", "failed", "cancelled", "paused")
 
 def nvidia_smi(query: str, fields: str) -> list[list[str]]:
     """The rows of ``nvidia-smi --query-<query>=<fields>`` as stripped strings, without units."""
-    out = subprocess.run(["nvidia-smi", f"--query-{query}={fields}", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-{query}={fields}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     return [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
 
 
@@ -53,11 +58,15 @@ def _mib(text: str) -> int | None:
 
 def sample_gpus() -> dict[str, Any]:
     """Every GPU (index, UUID, memory used) and every compute process with the index of its GPU."""
-    gpus = [{"index": i, "uuid": u, "name": n, "used_mib": _mib(m)}
-            for i, u, n, m in nvidia_smi("gpu", "index,uuid,name,memory.used")]
+    gpus = [
+        {"index": i, "uuid": u, "name": n, "used_mib": _mib(m)}
+        for i, u, n, m in nvidia_smi("gpu", "index,uuid,name,memory.used")
+    ]
     index_of = {gpu["uuid"]: gpu["index"] for gpu in gpus}
-    apps = [{"pid": int(pid), "gpu": index_of.get(uuid), "used_mib": _mib(used)}
-            for pid, uuid, used in nvidia_smi("compute-apps", "pid,gpu_uuid,used_memory")]
+    apps = [
+        {"pid": int(pid), "gpu": index_of.get(uuid), "used_mib": _mib(used)}
+        for pid, uuid, used in nvidia_smi("compute-apps", "pid,gpu_uuid,used_memory")
+    ]
     return {"gpus": gpus, "apps": apps}
 
 
@@ -68,8 +77,12 @@ def config_for(cpu: bool) -> str:
 
 def job_specs(cpu: bool, count: int, steps: int) -> list[str]:
     """``count`` copies of the config, ``steps`` long, reading the corpus written under the data root."""
-    return [spec_from(config_for(cpu), name=f"multi-gpu-{n}", training={"steps": steps, "epochs": None},
-                      data={"path": "corpus"}) for n in range(count)]
+    return [
+        spec_from(
+            config_for(cpu), name=f"multi-gpu-{n}", training={"steps": steps, "epochs": None}, data={"path": "corpus"}
+        )
+        for n in range(count)
+    ]
 
 
 def watch(client: httpx.Client, ids: list[str], *, interval: float, timeout: float, smi: bool) -> list[dict]:
@@ -80,10 +93,14 @@ def watch(client: httpx.Client, ids: list[str], *, interval: float, timeout: flo
         began = time.monotonic()
         workers = client.get("/v1/workers").json()["data"]
         jobs = [client.get(f"/v1/jobs/{job_id}").json() for job_id in ids]
-        sample = {"t": round(began - start, 2),
-                  "workers": {w["id"]: {"job": w["job_id"], "pid": w["pid"]} for w in workers},
-                  "jobs": {j["id"]: {"status": j["status"], "worker": j["worker"], "device": j["device"],
-                                     **(j["memory"] or {})} for j in jobs}}
+        sample = {
+            "t": round(began - start, 2),
+            "workers": {w["id"]: {"job": w["job_id"], "pid": w["pid"]} for w in workers},
+            "jobs": {
+                j["id"]: {"status": j["status"], "worker": j["worker"], "device": j["device"], **(j["memory"] or {})}
+                for j in jobs
+            },
+        }
         samples.append({**sample, **(sample_gpus() if smi else {})})
         if all(job["status"] in ENDED for job in jobs):
             return samples
@@ -109,11 +126,18 @@ def read_job(client: httpx.Client, job_id: str, posted: float) -> dict[str, Any]
     starts = [c.at for c in changes if c.kind == "start"]
     ends = [c.at for c in changes if c.kind == "end"]
     return {
-        "id": job_id, "name": job["name"], "status": job["status"], "error": job["error"],
-        "attempt": job["attempt"], "worker": job["worker"], "device": job["device"],
-        "pid": int(launches[-1][0]) if launches else None, "cuda_visible_devices": [v for _, v in launches],
+        "id": job_id,
+        "name": job["name"],
+        "status": job["status"],
+        "error": job["error"],
+        "attempt": job["attempt"],
+        "worker": job["worker"],
+        "device": job["device"],
+        "pid": int(launches[-1][0]) if launches else None,
+        "cuda_visible_devices": [v for _, v in launches],
         "seen_device": next((e["data"].get("device") for e in events if e["type"] == "started"), None),
-        "steps": len(metrics), "changes": changes,
+        "steps": len(metrics),
+        "changes": changes,
         "waited_s": starts[0] - posted if starts else None,
         "ran_s": ends[-1] - starts[0] if starts and ends else None,
         "peak_bytes": max((m.get("device_peak_bytes") or 0 for m in metrics), default=0),
@@ -139,22 +163,32 @@ def markdown(record: dict[str, Any]) -> str:
     """The doc section: when and on what, the per-job table, the assignment over time, the verdicts."""
     gib = lambda v: "—" if not v else f"{v / GIB:.2f}"  # noqa: E731
     secs = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
-    rows = ["| job | worker | pid | POST → start (s) | ran (s) | status | GPU peak, job (GiB) "
-            "| GPU reserved, job (GiB) | nvidia-smi, its pid (GiB) | GPUs its pid was on | pinned host (GiB) |",
-            "|---" * 11 + "|"]
+    rows = [
+        "| job | worker | pid | POST → start (s) | ran (s) | status | GPU peak, job (GiB) "
+        "| GPU reserved, job (GiB) | nvidia-smi, its pid (GiB) | GPUs its pid was on | pinned host (GiB) |",
+        "|---" * 11 + "|",
+    ]
     for j in record["jobs"]:
-        rows.append(f"| {j['name']} | {j['worker']} | {j['pid']} | {secs(j['waited_s'])} | {secs(j['ran_s'])} "
-                    f"| {j['status']} | {gib(j['peak_bytes'])} | {gib(j['reserved_bytes'])} "
-                    f"| {gib(j.get('smi_bytes'))} | {', '.join(j.get('smi_gpus') or []) or '—'} "
-                    f"| {gib(j['pinned_bytes'])} |")
+        rows.append(
+            f"| {j['name']} | {j['worker']} | {j['pid']} | {secs(j['waited_s'])} | {secs(j['ran_s'])} "
+            f"| {j['status']} | {gib(j['peak_bytes'])} | {gib(j['reserved_bytes'])} "
+            f"| {gib(j.get('smi_bytes'))} | {', '.join(j.get('smi_gpus') or []) or '—'} "
+            f"| {gib(j['pinned_bytes'])} |"
+        )
     names = {j["id"]: j["name"] for j in record["jobs"]}
     marks = {True: "PASS", False: "FAIL", None: "n/a"}
     lines = [f"- **{marks[ok]}** {name}: {detail}" for name, (ok, detail) in record["verdicts"].items()]
-    return (f"## One job per GPU: {len(record['jobs'])} LoRA jobs with model offload on {record['slots']} GPUs\n\n"
-            f"{record['when']} — {record['gpus']} — torch {record['torch']} — commit {record['commit']}\n\n"
-            f"Reproduce: `{record['command']}`\n\n{record['spec_note']}\n\n" + "\n".join(rows)
-            + "\n\nThe assignment as GET /v1/workers showed it, a row each time it changed:\n\n"
-            + "\n".join(assignment_rows(record["samples"], names)) + "\n\n" + "\n".join(lines) + "\n")
+    return (
+        f"## One job per GPU: {len(record['jobs'])} LoRA jobs with model offload on {record['slots']} GPUs\n\n"
+        f"{record['when']} — {record['gpus']} — torch {record['torch']} — commit {record['commit']}\n\n"
+        f"Reproduce: `{record['command']}`\n\n{record['spec_note']}\n\n"
+        + "\n".join(rows)
+        + "\n\nThe assignment as GET /v1/workers showed it, a row each time it changed:\n\n"
+        + "\n".join(assignment_rows(record["samples"], names))
+        + "\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def run(args: argparse.Namespace, root: Path) -> tuple[list[dict], list[dict], list[dict]]:
@@ -162,9 +196,16 @@ def run(args: argparse.Namespace, root: Path) -> tuple[list[dict], list[dict], l
     write_corpus(root / "datasets" / "corpus")
     (root / "models").mkdir()
     token = secrets.token_hex(16)
-    process, url = local_server.start_server(root, {
-        "FERRY_API_TOKEN": token, "FERRY_DATA_DIR": str(root / "data"), "FERRY_MODEL_ROOTS": str(root / "models"),
-        "FERRY_DATA_ROOTS": str(root / "datasets"), "FERRY_DEVICES": "0,1" if args.cpu else args.devices})
+    process, url = local_server.start_server(
+        root,
+        {
+            "FERRY_API_TOKEN": token,
+            "FERRY_DATA_DIR": str(root / "data"),
+            "FERRY_MODEL_ROOTS": str(root / "models"),
+            "FERRY_DATA_ROOTS": str(root / "datasets"),
+            "FERRY_DEVICES": "0,1" if args.cpu else args.devices,
+        },
+    )
     try:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
             workers = client.get("/v1/workers").json()["data"]
@@ -174,8 +215,13 @@ def run(args: argparse.Namespace, root: Path) -> tuple[list[dict], list[dict], l
                 response = client.post("/v1/jobs", content=spec, headers={"Content-Type": "application/yaml"})
                 response.raise_for_status()
                 posted[response.json()["id"]] = at
-            samples = watch(client, list(posted), interval=args.interval or (0.25 if args.cpu else 1.0),
-                            timeout=args.timeout, smi=not args.cpu)
+            samples = watch(
+                client,
+                list(posted),
+                interval=args.interval or (0.25 if args.cpu else 1.0),
+                timeout=args.timeout,
+                smi=not args.cpu,
+            )
             jobs = [read_job(client, job_id, at) for job_id, at in posted.items()]
     finally:
         process.terminate()
@@ -204,15 +250,22 @@ def main() -> None:
     workers, jobs, samples = run(args, Path(tempfile.mkdtemp(prefix="ferry-multi-gpu-")))
     names = collections.Counter(w["gpu_name"] for w in workers if w["gpu_name"])
     record = {
-        "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "gpus": ", ".join(f"{n} × {name}" for name, n in names.items()) or "CPU (simulated GPU slots 0,1)",
-        "torch": importlib.metadata.version("torch"), "commit": commit(), "slots": len(workers),
-        "command": (f"python bench/multi_gpu.py {'--cpu ' if args.cpu else ''}--jobs {args.jobs} --steps {args.steps} "
-                    f"--out /tmp/mg{'' if args.cpu else ' --write-doc'}"),
-        "spec_note": (f"Each job: configs/{config_for(args.cpu)} with training.steps = {args.steps} and "
-                      f"data.path = corpus; all {args.jobs} POSTed at once."),
+        "torch": importlib.metadata.version("torch"),
+        "commit": commit(),
+        "slots": len(workers),
+        "command": (
+            f"python bench/multi_gpu.py {'--cpu ' if args.cpu else ''}--jobs {args.jobs} --steps {args.steps} "
+            f"--out /tmp/mg{'' if args.cpu else ' --write-doc'}"
+        ),
+        "spec_note": (
+            f"Each job: configs/{config_for(args.cpu)} with training.steps = {args.steps} and "
+            f"data.path = corpus; all {args.jobs} POSTed at once."
+        ),
         "verdicts": verdicts(jobs, samples, workers, smi=not args.cpu),
-        "jobs": [{**j, "changes": [c._asdict() for c in j["changes"]]} for j in jobs], "samples": samples,
+        "jobs": [{**j, "changes": [c._asdict() for c in j["changes"]]} for j in jobs],
+        "samples": samples,
     }
     (args.out / "multi_gpu.json").write_text(json.dumps(record, indent=2, default=str))
     text = markdown(record)

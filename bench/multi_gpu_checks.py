@@ -42,14 +42,19 @@ def verdicts(jobs: list[dict], samples: list[dict], workers: list[dict], smi: bo
     most, shared = sweep(changes, gpu_of)
     most_shown = max((sum(bool(v["job"]) for v in s["workers"].values()) for s in samples), default=0)
     checks = {
-        "concurrency": (most == expected, f"at most {most} running at once by the server's events ({most_shown} "
-                                          f"in one GET /v1/workers sample); expected min({len(jobs)} jobs, "
-                                          f"{len(workers)} GPUs) = {expected}"),
+        "concurrency": (
+            most == expected,
+            f"at most {most} running at once by the server's events ({most_shown} "
+            f"in one GET /v1/workers sample); expected min({len(jobs)} jobs, "
+            f"{len(workers)} GPUs) = {expected}",
+        ),
         "one_job_per_gpu": sharing_verdict(shared, jobs, samples, gpu_of),
         "queue": queue_verdict(changes, [job["id"] for job in jobs], expected),
         "pinned": pinned_verdict(jobs, samples),
-        "all_succeeded": (all(j["status"] == "succeeded" and j["attempt"] == 1 for j in jobs),
-                          ", ".join(f"{j['name']} {j['status']} (attempt {j['attempt']})" for j in jobs)),
+        "all_succeeded": (
+            all(j["status"] == "succeeded" and j["attempt"] == 1 for j in jobs),
+            ", ".join(f"{j['name']} {j['status']} (attempt {j['attempt']})" for j in jobs),
+        ),
     }
     if smi:
         checks["nvidia_smi_pids"] = pid_verdict(jobs, samples)
@@ -63,12 +68,18 @@ def sharing_verdict(shared: list[str], jobs: list[dict], samples: list[dict], gp
     found = list(shared)
     if len(set(gpu_of.values())) < len(gpu_of):
         found.append(f"two workers share a GPU: {gpu_of}")
-    found += [f"{j['name']} ran on {j['worker']} (GPU {gpu_of.get(j['worker'])}) but its record says GPU "
-              f"{j['device']}" for j in jobs if j["device"] != gpu_of.get(j["worker"])]
+    found += [
+        f"{j['name']} ran on {j['worker']} (GPU {gpu_of.get(j['worker'])}) but its record says GPU {j['device']}"
+        for j in jobs
+        if j["device"] != gpu_of.get(j["worker"])
+    ]
     worker_of = {job["id"]: job["worker"] for job in jobs}
     shown = {(w, seen["job"]) for s in samples for w, seen in s["workers"].items() if seen["job"]}
-    found += [f"GET /v1/workers showed {j} on {w}, its record says {worker_of.get(j)}"
-              for w, j in sorted(shown) if worker_of.get(j) != w]
+    found += [
+        f"GET /v1/workers showed {j} on {w}, its record says {worker_of.get(j)}"
+        for w, j in sorted(shown)
+        if worker_of.get(j) != w
+    ]
     return not found, "; ".join(found) or "no GPU ever held two jobs; every job was shown on its own worker only"
 
 
@@ -99,8 +110,10 @@ def queue_verdict(changes: list[SlotChange], ids: list[str], expected: int) -> V
         freed = [c.at for c in changes[:n] if c.kind == "end"]
         waits.append(start.at - freed[-1] if freed else float("inf"))
     ok = in_order and at_once and all(w < REFILL_S for w in waits)
-    return ok, (f"started oldest first: {in_order}; the first {expected} at once: {at_once}; each later one "
-                f"started {', '.join(f'{w:.2f}' for w in waits) or '-'} s after a GPU freed")
+    return ok, (
+        f"started oldest first: {in_order}; the first {expected} at once: {at_once}; each later one "
+        f"started {', '.join(f'{w:.2f}' for w in waits) or '-'} s after a GPU freed"
+    )
 
 
 def pinned_verdict(jobs: list[dict], samples: list[dict]) -> Verdict:
@@ -114,29 +127,36 @@ def pinned_verdict(jobs: list[dict], samples: list[dict]) -> Verdict:
         if pids.get(job["id"], job["pid"]) != job["pid"]:
             wrong.append(f"{job['name']}: /v1/workers showed pid {pids[job['id']]}, its log says {job['pid']}")
         seen = job["seen_device"] or {}
-        if seen.get("type") == "cuda" and (seen.get("visible_devices") != 1
-                                           or seen.get("uuid") != uuid_of.get(job["device"], seen.get("uuid"))):
+        if seen.get("type") == "cuda" and (
+            seen.get("visible_devices") != 1 or seen.get("uuid") != uuid_of.get(job["device"], seen.get("uuid"))
+        ):
             wrong.append(f"{job['name']} saw {seen.get('visible_devices')} GPU(s), {seen.get('uuid')}")
     checked_uuid = any((j["seen_device"] or {}).get("uuid") for j in jobs) and uuid_of
-    return not wrong, "; ".join(wrong) or ("each job's process started with CUDA_VISIBLE_DEVICES = its worker's "
-                                           "index, in the pid /v1/workers showed"
-                                           + (", and saw one GPU whose UUID is that index's" if checked_uuid else ""))
+    return not wrong, "; ".join(wrong) or (
+        "each job's process started with CUDA_VISIBLE_DEVICES = its worker's "
+        "index, in the pid /v1/workers showed"
+        + (", and saw one GPU whose UUID is that index's" if checked_uuid else "")
+    )
 
 
 def pid_verdict(jobs: list[dict], samples: list[dict]) -> Verdict:
     """nvidia-smi showed each job's pid on its assigned GPU and never on another."""
     if not any(job["smi_gpus"] for job in jobs):
         return apps_per_gpu_verdict(samples)
-    wrong = [f"{j['name']} (pid {j['pid']}, GPU {j['device']}) seen on GPUs {j['smi_gpus']}"
-             for j in jobs if j["smi_gpus"] != [j["device"]]]
+    wrong = [
+        f"{j['name']} (pid {j['pid']}, GPU {j['device']}) seen on GPUs {j['smi_gpus']}"
+        for j in jobs
+        if j["smi_gpus"] != [j["device"]]
+    ]
     job_pids = {j["pid"] for j in jobs}
     for s in samples:
         for gpu in {app["gpu"] for app in s.get("apps", [])}:
             together = sorted({a["pid"] for a in s["apps"] if a["gpu"] == gpu and a["pid"] in job_pids})
             if len(together) > 1:
                 wrong.append(f"at {s['t']} s nvidia-smi showed job pids {together} together on GPU {gpu}")
-    return not wrong, "; ".join(wrong) or ("every job's pid was seen by nvidia-smi on its assigned GPU and no "
-                                           "other, never two jobs on one GPU")
+    return not wrong, "; ".join(wrong) or (
+        "every job's pid was seen by nvidia-smi on its assigned GPU and no other, never two jobs on one GPU"
+    )
 
 
 def apps_per_gpu_verdict(samples: list[dict]) -> Verdict:
@@ -144,11 +164,20 @@ def apps_per_gpu_verdict(samples: list[dict]) -> Verdict:
     listed = sorted({app["pid"] for s in samples for app in s.get("apps", [])})
     if not listed:
         return None, "nvidia-smi listed no compute process at all (no access to other processes?)"
-    crowded = [f"{s['t']} s: GPU {gpu}" for s in samples for gpu in {a["gpu"] for a in s["apps"]}
-               if sum(a["gpu"] == gpu for a in s["apps"]) > 1]
-    return not crowded, (f"nvidia-smi never showed a job's pid (it listed {listed}: another PID namespace); "
-                         + (f"two processes on one GPU at {', '.join(crowded)}" if crowded
-                            else "it never showed two processes on one GPU"))
+    crowded = [
+        f"{s['t']} s: GPU {gpu}"
+        for s in samples
+        for gpu in {a["gpu"] for a in s["apps"]}
+        if sum(a["gpu"] == gpu for a in s["apps"]) > 1
+    ]
+    return not crowded, (
+        f"nvidia-smi never showed a job's pid (it listed {listed}: another PID namespace); "
+        + (
+            f"two processes on one GPU at {', '.join(crowded)}"
+            if crowded
+            else "it never showed two processes on one GPU"
+        )
+    )
 
 
 def memory_verdict(jobs: list[dict]) -> Verdict:
@@ -162,7 +191,12 @@ def memory_verdict(jobs: list[dict]) -> Verdict:
     if not measured:
         return None, "nvidia-smi gave no per-process memory"
     ok = all(j["peak_bytes"] <= j["smi_bytes"] <= j["reserved_bytes"] + CONTEXT_SLACK for j in measured)
-    return ok, ("nvidia-smi for the pid minus the job's own peak / reserved: "
-                + ", ".join(f"{j['name']} {(j['smi_bytes'] - j['peak_bytes']) / GIB:+.2f} / "
-                            f"{(j['smi_bytes'] - j['reserved_bytes']) / GIB:+.2f} GiB" for j in measured)
-                + f" (agree: at least 0 over the peak, at most {CONTEXT_SLACK / GIB:.0f} GiB over the reserve)")
+    return ok, (
+        "nvidia-smi for the pid minus the job's own peak / reserved: "
+        + ", ".join(
+            f"{j['name']} {(j['smi_bytes'] - j['peak_bytes']) / GIB:+.2f} / "
+            f"{(j['smi_bytes'] - j['reserved_bytes']) / GIB:+.2f} GiB"
+            for j in measured
+        )
+        + f" (agree: at least 0 over the peak, at most {CONTEXT_SLACK / GIB:.0f} GiB over the reserve)"
+    )

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload import OffloadOptions, OffloadTrainingManager  # noqa: E402
+from offload import OffloadOptions, OffloadTrainingManager
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
@@ -64,8 +64,13 @@ def measure(step: Callable[[], None], steps: int, warmup: int = 2) -> tuple[floa
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
-def toy_step(model: nn.Module, optimizer: torch.optim.Optimizer, manager: OffloadTrainingManager | None,
-             batch: int = 512, width: int = 4096) -> Callable[[], None]:
+def toy_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    manager: OffloadTrainingManager | None,
+    batch: int = 512,
+    width: int = 4096,
+) -> Callable[[], None]:
     def step() -> None:
         x = torch.randn((batch, width), device="cuda")
         loss = F.mse_loss(model(x), x + 1)
@@ -74,6 +79,7 @@ def toy_step(model: nn.Module, optimizer: torch.optim.Optimizer, manager: Offloa
             manager.after_backward()
         optimizer.step()
         optimizer.zero_grad()
+
     return step
 
 
@@ -88,10 +94,12 @@ MODES = {
 
 def stats_note(manager: OffloadTrainingManager) -> str:
     stats = manager.stats()
-    return (f"h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB/step at {stats.last_step_h2d_gbps:.0f} GB/s, "
-            f"d2h {stats.last_step_d2h_bytes / 1e9:.2f} GB/step, copy wait "
-            f"{stats.copy_wait_seconds / max(stats.steps, 1) * 1e3:.0f} ms/step, "
-            f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB")
+    return (
+        f"h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB/step at {stats.last_step_h2d_gbps:.0f} GB/s, "
+        f"d2h {stats.last_step_d2h_bytes / 1e9:.2f} GB/step, copy wait "
+        f"{stats.copy_wait_seconds / max(stats.steps, 1) * 1e3:.0f} ms/step, "
+        f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB"
+    )
 
 
 def run_toy(mode: str, steps: int) -> Result:
@@ -177,6 +185,7 @@ class LoraModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
+
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         return x
@@ -208,11 +217,13 @@ def run_lora(mode: str, steps: int, tokens: int) -> Result:
         model.to("cuda")
     elif mode == "fsdp2":
         import copy
+
         model = copy.deepcopy(model)  # FSDP2 takes the model over; the other modes keep the original
         model = fsdp2_wrap(model, list(model.blocks))
     elif mode.startswith("ferry-budget-"):
-        budget = {"0": None, "unlimited": 1 << 50}.get(mode.removeprefix("ferry-budget-"),
-                                                          mode.removeprefix("ferry-budget-"))
+        budget = {"0": None, "unlimited": 1 << 50}.get(
+            mode.removeprefix("ferry-budget-"), mode.removeprefix("ferry-budget-")
+        )
         manager = OffloadTrainingManager(model, "cuda", options=OffloadOptions(gpu_memory_budget=budget))
     else:
         manager = OffloadTrainingManager(model, "cuda", options=MODES[mode][0])
@@ -256,15 +267,22 @@ WORKLOADS: dict[str, tuple[Callable[[str, int], Result], list[str]]] = {
     "toy": (run_toy, ["resident", *MODES, "fsdp2"]),
     "lora4k": (lambda mode, steps: run_lora(mode, steps, 4096), LORA_MODES),
     "lora16k": (lambda mode, steps: run_lora(mode, steps, 16384), LORA_MODES),
-    "budget": (lambda mode, steps: run_lora(mode, steps, 4096),
-               [f"ferry-budget-{b}" for b in ("0", "2GiB", "4GiB", "8GiB", "unlimited")]),
+    "budget": (
+        lambda mode, steps: run_lora(mode, steps, 4096),
+        [f"ferry-budget-{b}" for b in ("0", "2GiB", "4GiB", "8GiB", "unlimited")],
+    ),
 }
 
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -295,11 +313,13 @@ def main() -> None:
             print(table(results[-1:]).splitlines()[-1], flush=True)
             gc.collect()
             torch.cuda.empty_cache()
-    header = (f"Offload engine benchmark — {datetime.date.today()} — {torch.cuda.get_device_name()} — "
-              f"torch {torch.__version__} — commit {commit()}\n\n"
-              f"Measured floor in this run: pinned host→device copy {h2d:.1f} GB/s; lora transfer floor "
-              f"2 × {LORA_WEIGHT_BYTES / 1e9:.2f} GB / H2D = {2 * LORA_WEIGHT_BYTES / h2d / 1e6:.0f} ms.\n\n"
-              f"Reproduce: `python bench/offload_bench.py --workloads {args.workloads} --steps {args.steps}`\n")
+    header = (
+        f"Offload engine benchmark — {datetime.date.today()} — {torch.cuda.get_device_name()} — "
+        f"torch {torch.__version__} — commit {commit()}\n\n"
+        f"Measured floor in this run: pinned host→device copy {h2d:.1f} GB/s; lora transfer floor "
+        f"2 × {LORA_WEIGHT_BYTES / 1e9:.2f} GB / H2D = {2 * LORA_WEIGHT_BYTES / h2d / 1e6:.0f} ms.\n\n"
+        f"Reproduce: `python bench/offload_bench.py --workloads {args.workloads} --steps {args.steps}`\n"
+    )
     text = header + "\n" + table(results) + "\n"
     print("\n" + text)
     if not args.no_write:

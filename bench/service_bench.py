@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -39,9 +39,12 @@ device: cpu
 
 
 def start_server(data_dir: Path) -> tuple[subprocess.Popen, str]:
-    return local_server.start_server(data_dir.parent, {"FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu",
-                                                       "FERRY_SHUTDOWN_GRACE_S": "5"},
-                                     unset=("FERRY_API_TOKEN",), ready_timeout=180)
+    return local_server.start_server(
+        data_dir.parent,
+        {"FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu", "FERRY_SHUTDOWN_GRACE_S": "5"},
+        unset=("FERRY_API_TOKEN",),
+        ready_timeout=180,
+    )
 
 
 def first_step_seconds(client: httpx.Client, job_id: str, posted_at: float) -> float:
@@ -52,9 +55,11 @@ def first_step_seconds(client: httpx.Client, job_id: str, posted_at: float) -> f
         steps = [e for e in events if e["type"] == "step"]
         if steps:
             at = {e["type"] if e["type"] != "status" else e["data"]["status"]: _time(e) for e in reversed(events)}
-            print(f"POST→running {at['running'] - posted_at:.2f} s, running→started (process start, imports, "
-                  f"model setup) {at['started'] - at['running']:.2f} s, started→first step "
-                  f"{at['step'] - at['started']:.2f} s")
+            print(
+                f"POST→running {at['running'] - posted_at:.2f} s, running→started (process start, imports, "
+                f"model setup) {at['started'] - at['running']:.2f} s, started→first step "
+                f"{at['step'] - at['started']:.2f} s"
+            )
             return _time(steps[0]) - posted_at
         failed = [e for e in events if e["type"] == "failed"]
         if failed:
@@ -99,8 +104,11 @@ async def poll(url: str, path: str, clients: int, seconds: float, headers: dict)
                 start = time.perf_counter()
                 writer.write(request_bytes)
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 body = await reader.readexactly(length)
                 latencies.append(time.perf_counter() - start)
                 errors += not (head.startswith(b"HTTP/1.1 200") and b'"status":"running"' in body)
@@ -119,8 +127,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def write_row(row: str) -> None:
     """Add ``row`` to the service_bench section of bench/RESULTS.md, creating either if missing."""
-    header = ("| date (UTC) | machine | server HTTP stack | clients | seconds | requests | req/s | p50 ms | p99 ms | "
-              "errors | POST→first step s, cold / warm | job steps during load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    header = (
+        "| date (UTC) | machine | server HTTP stack | clients | seconds | requests | req/s | p50 ms | p99 ms | "
+        "errors | POST→first step s, cold / warm | job steps during load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     if START in text and END in text:
         before, rest = text.split(START, 1)
@@ -128,12 +138,16 @@ def write_row(row: str) -> None:
         rows = [line for line in old.splitlines() if line.startswith("| 20")]
     else:
         before, after, rows = text.rstrip() + "\n\n", "\n", []
-    note = ("One row per run: the clients poll `GET /v1/jobs/{id}` over keep-alive connections while a CPU job "
-            "trains. Server, job and clients share the machine; `load` is its 1-minute load average at the end "
-            "of the run, which includes any other work on it. Cold: the first job after start-up; warm: a later "
-            "job, which finds a spare process with the imports done (FERRY_WARM_START).\n\n")
-    section = (f"{START}\n## Service: status polling under load (`bench/service_bench.py`)\n\n{note}"
-               f"{header}" + "\n".join(rows + [row]) + f"\n{END}")
+    note = (
+        "One row per run: the clients poll `GET /v1/jobs/{id}` over keep-alive connections while a CPU job "
+        "trains. Server, job and clients share the machine; `load` is its 1-minute load average at the end "
+        "of the run, which includes any other work on it. Cold: the first job after start-up; warm: a later "
+        "job, which finds a spare process with the imports done (FERRY_WARM_START).\n\n"
+    )
+    section = (
+        f"{START}\n## Service: status polling under load (`bench/service_bench.py`)\n\n{note}"
+        f"{header}" + "\n".join([*rows, row]) + f"\n{END}"
+    )
     RESULTS.write_text(before + section + after)
 
 
@@ -167,16 +181,20 @@ def main() -> None:
             process.wait(timeout=60)
         tmp.cleanup()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = (
+        subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        or "unknown"
+    )
     machine = f"{platform.machine()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, commit {commit}"
     # uvicorn takes httptools and uvloop when installed (pyproject lists them), else h11 and asyncio.
     fast = all(importlib.util.find_spec(m) for m in ("httptools", "uvloop"))
     stack = "httptools+uvloop" if fast else "h11+asyncio"
     p50, p99 = percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3
-    row = (f"| {datetime.now(timezone.utc):%Y-%m-%d %H:%M} | {machine} | {stack} | {args.clients} | {args.seconds:g} | "
-           f"{len(latencies)} | {len(latencies) / args.seconds:.0f} | {p50:.1f} | {p99:.1f} | {errors} | "
-           f"{cold[1]:.1f} / {to_first_step:.1f} | {step_after - step_before} |")
+    row = (
+        f"| {datetime.now(UTC):%Y-%m-%d %H:%M} | {machine} | {stack} | {args.clients} | {args.seconds:g} | "
+        f"{len(latencies)} | {len(latencies) / args.seconds:.0f} | {p50:.1f} | {p99:.1f} | {errors} | "
+        f"{cold[1]:.1f} / {to_first_step:.1f} | {step_after - step_before} |"
+    )
     print(row)
     if not args.no_write:
         write_row(row)

@@ -53,8 +53,9 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save_checkpoint(output_dir: Path, step: int, spec: dict[str, Any], write: Callable[[Path], None],
-                    *, keep_last: int | None = None) -> CheckpointInfo:
+def save_checkpoint(
+    output_dir: Path, step: int, spec: dict[str, Any], write: Callable[[Path], None], *, keep_last: int | None = None
+) -> CheckpointInfo:
     """Save a checkpoint atomically and prune old ones.
 
     Args:
@@ -99,8 +100,11 @@ def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
             manifest = json.loads((directory / MANIFEST).read_text())
         except (OSError, ValueError):
             continue  # incomplete or foreign directory
-        infos.append(CheckpointInfo(directory.name, int(manifest["step"]), str(directory.resolve()),
-                                    manifest["created"], manifest["files"]))
+        infos.append(
+            CheckpointInfo(
+                directory.name, int(manifest["step"]), str(directory.resolve()), manifest["created"], manifest["files"]
+            )
+        )
     return sorted(infos, key=lambda info: info.step)
 
 

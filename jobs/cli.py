@@ -22,8 +22,10 @@ from jobs.spec import JobSpec
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for an invalid spec, 1 for a failed run)."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.command == "run" else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.command == "run" else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if args.command == "schema":
         print(json.dumps(job_spec_schema(), indent=2))
         return 0
@@ -37,8 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "estimate":
         estimate = estimate_memory(spec)
-        print(json.dumps({"peak_device_bytes": estimate.peak_device_bytes,
-                          "pinned_host_bytes": estimate.pinned_host_bytes, "notes": estimate.notes}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "peak_device_bytes": estimate.peak_device_bytes,
+                    "pinned_host_bytes": estimate.pinned_host_bytes,
+                    "notes": estimate.notes,
+                },
+                indent=2,
+            )
+        )
         return 0
     output = Path(args.output or Path("out") / spec.name)
     try:
@@ -54,14 +64,27 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jobs", description="Ferry training jobs from YAML specs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("run", "train a job"), ("validate", "check a spec and list every problem"),
-                       ("estimate", "estimate peak device memory and pinned host memory")):
+    for name, text in (
+        ("run", "train a job"),
+        ("validate", "check a spec and list every problem"),
+        ("estimate", "estimate peak device memory and pinned host memory"),
+    ):
         command = commands.add_parser(name, help=text)
         command.add_argument("file", type=Path, help="the YAML job spec")
-        command.add_argument("--model-root", action="append", type=Path, default=None,
-                             help="directory model paths must stay in (repeatable; default: current directory)")
-        command.add_argument("--data-root", action="append", type=Path, default=None,
-                             help="directory data paths must stay in (repeatable; default: current directory)")
+        command.add_argument(
+            "--model-root",
+            action="append",
+            type=Path,
+            default=None,
+            help="directory model paths must stay in (repeatable; default: current directory)",
+        )
+        command.add_argument(
+            "--data-root",
+            action="append",
+            type=Path,
+            default=None,
+            help="directory data paths must stay in (repeatable; default: current directory)",
+        )
         if name == "run":
             command.add_argument("--output", type=Path, help="output directory (default: out/<name>)")
             command.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")

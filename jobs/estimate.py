@@ -67,12 +67,16 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
         budget = min(parse_bytes(offload.gpu_memory_budget) or 0, total)
         if offload.enable_optimizer_cpu_offload:
             resident, step_temp = window + budget, 0
-            notes.append(f"model + optimizer offload: streaming window {_gib(window)} (units in flight, with "
-                         "their gradients); trainable weights and optimizer state on the host")
+            notes.append(
+                f"model + optimizer offload: streaming window {_gib(window)} (units in flight, with "
+                "their gradients); trainable weights and optimizer state on the host"
+            )
         else:
             resident = window + budget + 2 * trainable + optimizer_state  # weights, gradients, state
-            notes.append(f"model offload: streaming window {_gib(window)}; trainable weights, gradients and "
-                         "optimizer state on the device")
+            notes.append(
+                f"model offload: streaming window {_gib(window)}; trainable weights, gradients and "
+                "optimizer state on the device"
+            )
         if budget:
             notes.append(f"gpu_memory_budget keeps up to {_gib(budget)} resident")
         pinned = _pinned_bytes(model, spec, streamed)
@@ -80,8 +84,10 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
         if needed and pinned > 1.1 * needed:
             notes.append(f"pinned arena reserves {_gib(pinned)} for {_gib(needed)} of host copies (chunk rounding)")
     peak = resident + max(activations, step_temp)
-    notes.append(f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
-                 f"temporaries {_gib(step_temp)}); excludes the CUDA context")
+    notes.append(
+        f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
+        f"temporaries {_gib(step_temp)}); excludes the CUDA context"
+    )
     return MemoryEstimate(int(peak), int(pinned), notes)
 
 
@@ -118,7 +124,8 @@ def _streamed(model: nn.Module, spec: JobSpec) -> set[int]:
     full_training = spec.lora is None
     streams_trainable = spec.offload.enable_optimizer_cpu_offload
     return {id(b) for b in model.buffers()} | {
-        id(p) for p in model.parameters() if not full_training or streams_trainable}
+        id(p) for p in model.parameters() if not full_training or streams_trainable
+    }
 
 
 def _plans(model: nn.Module, spec: JobSpec) -> list:
@@ -133,11 +140,12 @@ def _streaming_window(model: nn.Module, spec: JobSpec, streamed: set[int]) -> in
     """Device bytes of the units in flight, following the engine's schedule over its units in forward order:
     the unit computing plus ``prefetch`` units ahead (the largest such run), plus the last unit of forward,
     which the engine keeps for the start of backward."""
-    units = [sum(t.numel() * t.element_size() for _, t in plan.tensors if id(t) in streamed)
-             for plan in _plans(model, spec)]
+    units = [
+        sum(t.numel() * t.element_size() for _, t in plan.tensors if id(t) in streamed) for plan in _plans(model, spec)
+    ]
     units = [u for u in units if u] or [0]
     run = spec.offload.prefetch + 1
-    window = max(sum(units[i:i + run]) for i in range(len(units)))
+    window = max(sum(units[i : i + run]) for i in range(len(units)))
     kept = units[-1] if spec.offload.prefetch > 0 else 0
     # Under full fine-tuning with optimizer offload a unit's gradients sit on the device until copied out.
     grads = max(units) if spec.lora is None and spec.offload.enable_optimizer_cpu_offload else 0

@@ -45,8 +45,10 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
         raise JobSpecError([SpecProblem("", f"a job spec is a YAML mapping; got {type(data).__name__}", 1)])
     lines = _key_lines(node)
     # YAML keeps the last of two equal keys without a word; a spec that says a thing twice is refused.
-    duplicates = [SpecProblem(".".join(path), f"duplicate key (first on line {lines[path]})", line)
-                  for path, line in _duplicate_keys(node)]
+    duplicates = [
+        SpecProblem(".".join(path), f"duplicate key (first on line {lines[path]})", line)
+        for path, line in _duplicate_keys(node)
+    ]
     try:
         spec = JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
     except ValidationError as exc:
@@ -106,14 +108,18 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
         elif error["type"] == "extra_forbidden":
             valid = _valid_keys(error["loc"][:-1])
             suggestion = _closest(str(path[-1]), valid)
-            problems.append(SpecProblem(".".join(path), f"unknown key (valid keys: {', '.join(valid)})",
-                                        _line(path, lines), suggestion))
+            problems.append(
+                SpecProblem(
+                    ".".join(path), f"unknown key (valid keys: {', '.join(valid)})", _line(path, lines), suggestion
+                )
+            )
         elif error["type"] == "union_tag_invalid":
             expected = [t.strip(" '") for t in error["ctx"]["expected_tags"].split(",")]
             tag = str(error["ctx"]["tag"])
             message = f"unknown kind '{tag}' (one of: {', '.join(expected)})"
-            problems.append(SpecProblem(".".join((*path, "kind")), message, _line((*path, "kind"), lines),
-                                        _closest(tag, expected)))
+            problems.append(
+                SpecProblem(".".join((*path, "kind")), message, _line((*path, "kind"), lines), _closest(tag, expected))
+            )
         else:
             message = error["msg"].removeprefix("Value error, ")
             problems.append(SpecProblem(".".join(path), message, _line(path, lines)))
@@ -127,8 +133,11 @@ def _data_path(loc: Loc, data: Any) -> list[str]:
         if isinstance(node, dict) and part not in node and node.get("kind") == part:
             continue  # a discriminated-union tag, not a key
         path.append(str(part))
-        node = node.get(part) if isinstance(node, dict) else (
-            node[part] if isinstance(node, list) and isinstance(part, int) and part < len(node) else None)
+        node = (
+            node.get(part)
+            if isinstance(node, dict)
+            else (node[part] if isinstance(node, list) and isinstance(part, int) and part < len(node) else None)
+        )
     return path
 
 

@@ -22,8 +22,13 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, causal_lm: bool) -> PeftMode
         spec: The lora section.
         causal_lm: A Hugging Face causal LM (records ``task_type`` so AutoPeftModelForCausalLM loads it).
     """
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha or spec.rank, lora_dropout=spec.dropout,
-                        target_modules=list(spec.target_modules), task_type="CAUSAL_LM" if causal_lm else None)
+    config = LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha or spec.rank,
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        task_type="CAUSAL_LM" if causal_lm else None,
+    )
     return get_peft_model(model, config)
 
 

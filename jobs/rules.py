@@ -32,11 +32,13 @@ def _check_tokenizer_fits_vocab(spec: JobSpec) -> list[Problem]:
         return []
     problems = []
     if spec.data.tokenizer.kind == "byte" and spec.model.vocab_size < BYTE_VOCAB:
-        problems.append(("model.vocab_size", f"the byte tokenizer needs vocab_size >= {BYTE_VOCAB}; "
-                                             f"got {spec.model.vocab_size}"))
+        problems.append(
+            ("model.vocab_size", f"the byte tokenizer needs vocab_size >= {BYTE_VOCAB}; got {spec.model.vocab_size}")
+        )
     if spec.data.seq_len > spec.model.max_seq_len:
-        problems.append(("data.seq_len", f"must be <= model.max_seq_len ({spec.model.max_seq_len}); "
-                                         f"got {spec.data.seq_len}"))
+        problems.append(
+            ("data.seq_len", f"must be <= model.max_seq_len ({spec.model.max_seq_len}); got {spec.data.seq_len}")
+        )
     return problems
 
 
@@ -47,8 +49,12 @@ def _check_lora_targets_exist(spec: JobSpec) -> list[Problem]:
     missing = [t for t in spec.lora.target_modules if not any(lora_target_matches(n, t) for n in names)]
     if missing:
         examples = ", ".join(sorted({_without_block_index(n) for n in names})[:12])
-        return [("lora.target_modules", f"{missing} match no Linear module of {spec.model.kind} "
-                                        f"(names end in e.g.: {examples})")]
+        return [
+            (
+                "lora.target_modules",
+                f"{missing} match no Linear module of {spec.model.kind} (names end in e.g.: {examples})",
+            )
+        ]
     return []
 
 

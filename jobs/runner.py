@@ -37,9 +37,18 @@ class JobOutcome:
     checkpoint: str | None
 
 
-def train_step(model: nn.Module, loss_fn: LossFn, batches: list[dict[str, torch.Tensor]], *, optimizer: Any,
-               scheduler: Any, accelerator: Any, manager: OffloadTrainingManager | None,
-               max_grad_norm: float | None, device: torch.device) -> torch.Tensor:
+def train_step(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    optimizer: Any,
+    scheduler: Any,
+    accelerator: Any,
+    manager: OffloadTrainingManager | None,
+    max_grad_norm: float | None,
+    device: torch.device,
+) -> torch.Tensor:
     """One optimizer step over ``batches`` (gradient accumulation); returns the mean loss, still on the device.
 
     No I/O, no logging: tests call it directly.
@@ -61,8 +70,14 @@ def train_step(model: nn.Module, loss_fn: LossFn, batches: list[dict[str, torch.
     return total
 
 
-def run_job(spec: JobSpec, *, output_dir: Path | str, report: Report | None = None, resume: bool = True,
-            should_stop: StopPoll | None = None) -> JobOutcome:
+def run_job(
+    spec: JobSpec,
+    *,
+    output_dir: Path | str,
+    report: Report | None = None,
+    resume: bool = True,
+    should_stop: StopPoll | None = None,
+) -> JobOutcome:
     """Train ``spec`` to the end, a pause or a cancel, checkpointing into ``output_dir/checkpoints``.
 
     Args:
@@ -91,9 +106,15 @@ def run_job(spec: JobSpec, *, output_dir: Path | str, report: Report | None = No
         _warn_skipped_settings(spec, report)
         session = open_session(spec, output_dir, resume=resume)
         step = session.start_step
-        report({"type": "started", "total_steps": session.total_steps, "spec": resolved,
+        report(
+            {
+                "type": "started",
+                "total_steps": session.total_steps,
+                "spec": resolved,
                 "resumed_from_step": session.start_step if session.resumed_from else None,
-                "device": device_identity(session.device)})
+                "device": device_identity(session.device),
+            }
+        )
         outcome = _train(session, spec, resolved, output_dir, report, should_stop)
         report({"type": "finished", "status": outcome.status, "step": outcome.step})
         return outcome
@@ -108,8 +129,14 @@ def run_job(spec: JobSpec, *, output_dir: Path | str, report: Report | None = No
         close_session(session)
 
 
-def _train(session: TrainingSession, spec: JobSpec, resolved: dict[str, Any], output_dir: Path, report: Report,
-           should_stop: StopPoll | None) -> JobOutcome:
+def _train(
+    session: TrainingSession,
+    spec: JobSpec,
+    resolved: dict[str, Any],
+    output_dir: Path,
+    report: Report,
+    should_stop: StopPoll | None,
+) -> JobOutcome:
     training, every = spec.training, spec.checkpoint.every_steps
     accumulation = training.gradient_accumulation_steps
     step, total = session.start_step, session.total_steps
@@ -132,16 +159,34 @@ def _train(session: TrainingSession, spec: JobSpec, resolved: dict[str, Any], ou
         lr = session.optimizer.param_groups[0]["lr"]  # the rate this step uses
         first = step * accumulation  # data position: micro-batches consumed so far
         batches = [session.data.batch(index) for index in range(first, first + accumulation)]
-        loss = train_step(session.forward_model, session.loss_fn, batches, optimizer=session.optimizer,
-                          scheduler=session.scheduler, accelerator=session.accelerator, manager=session.manager,
-                          max_grad_norm=training.max_grad_norm, device=session.device)
+        loss = train_step(
+            session.forward_model,
+            session.loss_fn,
+            batches,
+            optimizer=session.optimizer,
+            scheduler=session.scheduler,
+            accelerator=session.accelerator,
+            manager=session.manager,
+            max_grad_norm=training.max_grad_norm,
+            device=session.device,
+        )
         loss_value = loss.item()  # CPU-GPU sync point: once per step, and it makes the step timing honest
         step += 1
         samples = training.batch_size * accumulation
         tokens = samples * session.data.tokens_per_sample if session.data.tokens_per_sample else None
-        report(step_event(step=step, total_steps=total, loss=loss_value, lr=lr, samples=samples, tokens=tokens,
-                          timing=clock.tick(step), device=session.device,
-                          offload=session.manager.stats().as_dict() if session.manager else None))
+        report(
+            step_event(
+                step=step,
+                total_steps=total,
+                loss=loss_value,
+                lr=lr,
+                samples=samples,
+                tokens=tokens,
+                timing=clock.tick(step),
+                device=session.device,
+                offload=session.manager.stats().as_dict() if session.manager else None,
+            )
+        )
         if every is not None and step % every == 0 and step < total:
             saved = checkpoint_now()
     if spec.checkpoint.save_final:
@@ -149,20 +194,27 @@ def _train(session: TrainingSession, spec: JobSpec, resolved: dict[str, Any], ou
     return JobOutcome("succeeded", step, saved.path if saved else None)
 
 
-def _save(session: TrainingSession, resolved: dict[str, Any], output_dir: Path, step: int, accumulation: int,
-          keep_last: int) -> CheckpointInfo:
+def _save(
+    session: TrainingSession, resolved: dict[str, Any], output_dir: Path, step: int, accumulation: int, keep_last: int
+) -> CheckpointInfo:
     def write(directory: Path) -> None:
         save_trainable(session.model, directory)
-        save_training_state(directory, step=step, data_position=step * accumulation,
-                            optimizer=session.optimizer, scheduler=session.scheduler)
+        save_training_state(
+            directory,
+            step=step,
+            data_position=step * accumulation,
+            optimizer=session.optimizer,
+            scheduler=session.scheduler,
+        )
 
     return save_checkpoint(output_dir, step, resolved, write, keep_last=keep_last)
 
 
 def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:
     """Engine options given without model offload do nothing; say so rather than ignore them silently."""
-    ignored = sorted(spec.offload.model_fields_set & {"prefetch", "granularity", "gpu_memory_budget",
-                                                      "cpu_offload_split_threshold"})
+    ignored = sorted(
+        spec.offload.model_fields_set & {"prefetch", "granularity", "gpu_memory_budget", "cpu_offload_split_threshold"}
+    )
     if ignored and not spec.offload.enable_model_cpu_offload:
         message = f"offload.{', offload.'.join(ignored)} ignored: offload.enable_model_cpu_offload is false"
         log.warning(message)

@@ -81,18 +81,25 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         load_trainable(model, Path(checkpoint.path))  # before the engine takes the weights over
-    data, vocab = build_data(spec.data, batch_size=training.batch_size, seed=training.seed,
-                             width=getattr(spec.model, "hidden_size", None))
+    data, vocab = build_data(
+        spec.data, batch_size=training.batch_size, seed=training.seed, width=getattr(spec.model, "hidden_size", None)
+    )
     _check_vocab_fits(model, vocab)
     model.train()
 
     manager, forward_model = None, model
     if spec.offload.enable_model_cpu_offload:
         manager = OffloadTrainingManager(
-            model, device, enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
+            model,
+            device,
+            enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
             cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
-            options=OffloadOptions(prefetch=spec.offload.prefetch, granularity=spec.offload.granularity,
-                                   gpu_memory_budget=spec.offload.gpu_memory_budget))
+            options=OffloadOptions(
+                prefetch=spec.offload.prefetch,
+                granularity=spec.offload.granularity,
+                gpu_memory_budget=spec.offload.gpu_memory_budget,
+            ),
+        )
     else:
         forward_model = accelerator.prepare(model)  # to the device, with mixed precision on its forward
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -114,8 +121,20 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         # Each parameter's CPU update runs while the GPU's backward continues. Not with clipping: a global
         # norm needs every gradient first. After load_state_dict, which replaces the optimizer's state.
         manager.attach_optimizer(raw_optimizer, accumulation_steps=training.gradient_accumulation_steps)
-    return TrainingSession(accelerator, device, model, forward_model, loss_fn, data, optimizer, scheduler, manager,
-                           steps, start_step, checkpoint)
+    return TrainingSession(
+        accelerator,
+        device,
+        model,
+        forward_model,
+        loss_fn,
+        data,
+        optimizer,
+        scheduler,
+        manager,
+        steps,
+        start_step,
+        checkpoint,
+    )
 
 
 def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:
@@ -123,8 +142,10 @@ def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:
     if embeddings is None:
         embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if vocab is not None and embeddings is not None and vocab > embeddings.num_embeddings:
-        raise ValueError(f"the tokenizer has {vocab} tokens but the model's embedding has "
-                         f"{embeddings.num_embeddings}; use a matching data.tokenizer or model")
+        raise ValueError(
+            f"the tokenizer has {vocab} tokens but the model's embedding has "
+            f"{embeddings.num_embeddings}; use a matching data.tokenizer or model"
+        )
 
 
 def close_session(session: TrainingSession | None) -> None:

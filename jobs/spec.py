@@ -130,7 +130,8 @@ class TextDataSpec(Section):
     text_field: str = "text"
     seq_len: int = Field(512, gt=1)
     tokenizer: Annotated[ByteTokenizerSpec | HFTokenizerSpec, Field(discriminator="kind")] = ByteTokenizerSpec(
-        kind="byte")
+        kind="byte"
+    )
 
     @field_validator("path")
     @classmethod
@@ -201,8 +202,14 @@ class OffloadSpec(Section):
     @model_validator(mode="after")
     def _check_optimizer_offload_needs_model_offload(self) -> OffloadSpec:
         if self.enable_optimizer_cpu_offload and not self.enable_model_cpu_offload:
-            raise broken_rules([("enable_optimizer_cpu_offload", "needs offload.enable_model_cpu_offload: true "
-                                                                 "(the seed's flags combine that way)")])
+            raise broken_rules(
+                [
+                    (
+                        "enable_optimizer_cpu_offload",
+                        "needs offload.enable_model_cpu_offload: true (the seed's flags combine that way)",
+                    )
+                ]
+            )
         return self
 
 
@@ -218,8 +225,12 @@ class CheckpointSpec(Section):
 class JobSpec(Section):
     """A whole training job. Build it with `jobs.load_job_spec`, which reports every problem at once."""
 
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                      description="letters, digits, '.', '_', '-'; names the default output directory")
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="letters, digits, '.', '_', '-'; names the default output directory",
+    )
     model: ModelSpec
     data: DataSpec
     lora: LoraSpec | None = None

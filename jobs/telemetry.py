@@ -36,9 +36,14 @@ def device_identity(device: torch.device) -> dict[str, Any]:
         return {"type": device.type}
     props = torch.cuda.get_device_properties(device)
     uuid = str(getattr(props, "uuid", "") or "")
-    return {"type": "cuda", "name": props.name, "uuid": f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid,
-            "visible_devices": torch.cuda.device_count(), "memory_total_bytes": props.total_memory,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return {
+        "type": "cuda",
+        "name": props.name,
+        "uuid": f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid,
+        "visible_devices": torch.cuda.device_count(),
+        "memory_total_bytes": props.total_memory,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
 
 
 def memory_snapshot(device: torch.device) -> dict[str, int]:
@@ -52,13 +57,31 @@ def memory_snapshot(device: torch.device) -> dict[str, int]:
     }
 
 
-def step_event(*, step: int, total_steps: int, loss: float, lr: float, samples: int, tokens: int | None,
-               timing: dict[str, float], device: torch.device, offload: dict[str, Any] | None) -> dict[str, Any]:
+def step_event(
+    *,
+    step: int,
+    total_steps: int,
+    loss: float,
+    lr: float,
+    samples: int,
+    tokens: int | None,
+    timing: dict[str, float],
+    device: torch.device,
+    offload: dict[str, Any] | None,
+) -> dict[str, Any]:
     """The ``step`` event of docs/interfaces.md."""
     seconds = max(timing["step_s"], 1e-9)
     return {
-        "type": "step", "step": step, "total_steps": total_steps, "loss": loss, "lr": lr,
-        "samples_per_s": samples / seconds, "tokens_per_s": tokens / seconds if tokens is not None else None,
-        "elapsed_s": timing["elapsed_s"], "eta_s": timing["eta_s"], **memory_snapshot(device),
-        "pinned_bytes": int(offload["pinned_reserved_bytes"]) if offload else 0, "offload": offload,
+        "type": "step",
+        "step": step,
+        "total_steps": total_steps,
+        "loss": loss,
+        "lr": lr,
+        "samples_per_s": samples / seconds,
+        "tokens_per_s": tokens / seconds if tokens is not None else None,
+        "elapsed_s": timing["elapsed_s"],
+        "eta_s": timing["eta_s"],
+        **memory_snapshot(device),
+        "pinned_bytes": int(offload["pinned_reserved_bytes"]) if offload else 0,
+        "offload": offload,
     }

@@ -26,11 +26,20 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_training_state(directory: Path, *, step: int, data_position: int, optimizer: torch.optim.Optimizer,
-                        scheduler: Any) -> None:
+def save_training_state(
+    directory: Path, *, step: int, data_position: int, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> None:
     """Write ``training_state.pt`` (tensors and plain containers only, so it loads with weights_only)."""
-    torch.save({"step": step, "data_position": data_position, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": capture_rng()}, directory / TRAINING_STATE)
+    torch.save(
+        {
+            "step": step,
+            "data_position": data_position,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": capture_rng(),
+        },
+        directory / TRAINING_STATE,
+    )
 
 
 def load_training_state(directory: Path) -> dict[str, Any]:

@@ -41,6 +41,8 @@ def load_trainable(model: nn.Module, directory: Path) -> None:
     state = load_file(str(directory / MODEL_WEIGHTS))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     if set(state) != trainable:
-        raise ValueError(f"checkpoint {directory} does not match the model: missing "
-                         f"{sorted(trainable - set(state))[:5]}, unexpected {sorted(set(state) - trainable)[:5]}")
+        raise ValueError(
+            f"checkpoint {directory} does not match the model: missing "
+            f"{sorted(trainable - set(state))[:5]}, unexpected {sorted(set(state) - trainable)[:5]}"
+        )
     model.load_state_dict(state, strict=False)

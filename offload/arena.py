@@ -124,5 +124,7 @@ class PinnedArenaPool:
         return tensor
 
     def __repr__(self) -> str:
-        return (f"PinnedArenaPool(chunks={len(self._chunks)}, reserved={self.reserved_bytes}, "
-                f"requested={self.requested_bytes}, pinned={self.pin})")
+        return (
+            f"PinnedArenaPool(chunks={len(self._chunks)}, reserved={self.reserved_bytes}, "
+            f"requested={self.requested_bytes}, pinned={self.pin})"
+        )

@@ -101,8 +101,13 @@ class OffloadTrainingManager:
     def _make_unit(self, plan: UnitPlan) -> OffloadUnit:
         # Largest first: the arena packs tightly when big tensors are placed before small ones.
         ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
-        new = [t for _, t in ordered if id(t) not in self._offloaders and self._wants_host_copy(t)
-               and not (isinstance(t, nn.Parameter) and t.requires_grad)]  # spans hold what never changes
+        new = [
+            t
+            for _, t in ordered
+            if id(t) not in self._offloaders
+            and self._wants_host_copy(t)
+            and not (isinstance(t, nn.Parameter) and t.requires_grad)
+        ]  # spans hold what never changes
         group = FlatGroup(new, self.arena, self._copies) if plan.flat and len(new) > 1 else None
         hosts = {id(t): group.host_view(i, t) for i, t in enumerate(new)} if group else {}
         offloaders = [self._offloader_for(name, tensor, hosts.get(id(tensor))) for name, tensor in ordered]
@@ -123,8 +128,9 @@ class OffloadTrainingManager:
         elif not tensor.requires_grad:
             offloader = StaticParamOffloader(name, tensor, self._copies, host)
         elif self.enable_optimizer_cpu_offload:
-            offloader = TrainableParamOffloader(name, tensor, self._copies, host,
-                                                self.arena.allocate(tensor.shape, tensor.dtype))
+            offloader = TrainableParamOffloader(
+                name, tensor, self._copies, host, self.arena.allocate(tensor.shape, tensor.dtype)
+            )
         else:
             offloader = AlwaysOnGPUParamOffloader(name, tensor, self._copies)
         offloader.on_backward_use = self._schedule.weight_unpacked
@@ -142,10 +148,12 @@ class OffloadTrainingManager:
     def _attach(self, plans: list[UnitPlan]) -> None:
         for plan, unit in zip(plans, self.units, strict=True):
             for module in plan.hook_modules:
-                self._handles.append(module.register_forward_pre_hook(
-                    functools.partial(self._onload_before_forward, unit)))
-                self._handles.append(module.register_forward_hook(
-                    functools.partial(self._offload_after_forward, unit), always_call=True))
+                self._handles.append(
+                    module.register_forward_pre_hook(functools.partial(self._onload_before_forward, unit))
+                )
+                self._handles.append(
+                    module.register_forward_hook(functools.partial(self._offload_after_forward, unit), always_call=True)
+                )
         for offloader in self._offloaders.values():
             if isinstance(offloader, TrainableParamOffloader):
                 hook = functools.partial(self._offload_grad_after_backward, offloader)
@@ -183,8 +191,10 @@ class OffloadTrainingManager:
         and after ``optimizer.load_state_dict`` (both replace what the per-parameter steps refer to).
         """
         if not self.enable_optimizer_cpu_offload:
-            raise ValueError("attach_optimizer needs enable_optimizer_cpu_offload=True: the optimizer must run "
-                             "on the CPU for its steps to overlap with the GPU's backward")
+            raise ValueError(
+                "attach_optimizer needs enable_optimizer_cpu_offload=True: the optimizer must run "
+                "on the CPU for its steps to overlap with the GPU's backward"
+            )
         trainable = {k: o for k, o in self._offloaders.items() if isinstance(o, TrainableParamOffloader)}
         self._stepper = StepDuringBackward(optimizer, trainable, accumulation_steps)
 
@@ -229,8 +239,10 @@ class OffloadTrainingManager:
         kinds: dict[str, int] = {}
         for offloader in self._offloaders.values():
             kinds[offloader.kind] = kinds.get(offloader.kind, 0) + offloader.nbytes
-        return (f"OffloadTrainingManager(device={self.device}, units={len(self.units)}, bytes_by_kind={kinds}, "
-                f"pinned_reserved={self.arena.reserved_bytes})")
+        return (
+            f"OffloadTrainingManager(device={self.device}, units={len(self.units)}, bytes_by_kind={kinds}, "
+            f"pinned_reserved={self.arena.reserved_bytes})"
+        )
 
 
 def _check_model(model: nn.Module) -> None:
@@ -250,7 +262,5 @@ def _threshold_bytes(threshold_mb: float | None) -> int | None:
     if threshold_mb is None:
         return None
     if isinstance(threshold_mb, bool) or not isinstance(threshold_mb, (int, float)) or threshold_mb <= 0:
-        raise ValueError(
-            f"cpu_offload_split_threshold must be a positive number of MB (or None); got {threshold_mb!r}"
-        )
+        raise ValueError(f"cpu_offload_split_threshold must be a positive number of MB (or None); got {threshold_mb!r}")
     return int(threshold_mb * 2**20)

@@ -165,8 +165,9 @@ class TrainableParamOffloader(StaticParamOffloader):
 
     kind = "trainable"
 
-    def __init__(self, name: str, tensor: torch.Tensor, copies: CopyEngine, host: torch.Tensor,
-                 grad_host: torch.Tensor) -> None:
+    def __init__(
+        self, name: str, tensor: torch.Tensor, copies: CopyEngine, host: torch.Tensor, grad_host: torch.Tensor
+    ) -> None:
         existing_grad = tensor.grad
         super().__init__(name, tensor, copies, host)
         self.grad_host = grad_host

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from offload.offloaders import TrainableParamOffloader
 
 
-def _one_parameter_view(optimizer: torch.optim.Optimizer, group: dict[str, Any],
-                        param: torch.Tensor) -> torch.optim.Optimizer:
+def _one_parameter_view(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
+) -> torch.optim.Optimizer:
     """A shallow copy of ``optimizer`` that steps only ``param``: it shares the state dict and hooks, and
     has one group holding that parameter (its hyperparameters are refreshed before each step)."""
     single = copy.copy(optimizer)
@@ -40,8 +41,12 @@ class StepDuringBackward:
         accumulation_steps: backward passes per optimizer step; the update runs during the last one.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, offloaders: dict[int, TrainableParamOffloader],
-                 accumulation_steps: int = 1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        offloaders: dict[int, TrainableParamOffloader],
+        accumulation_steps: int = 1,
+    ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1; got {accumulation_steps}")
         self.optimizer = optimizer

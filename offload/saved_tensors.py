@@ -112,7 +112,7 @@ class SavedTensorRouter:
 class _Outer:
     """A tensor packed by an enclosing hook (e.g. gradient checkpointing's), unpacked by it too."""
 
-    __slots__ = ("unpack_hook", "packed")
+    __slots__ = ("packed", "unpack_hook")
 
     def __init__(self, unpack_hook: Callable, packed: Any) -> None:
         self.unpack_hook = unpack_hook
@@ -122,8 +122,9 @@ class _Outer:
         return self.unpack_hook(self.packed)
 
 
-def _hooks(router: SavedTensorRouter,
-           outer: tuple[Callable, Callable] | None) -> torch.autograd.graph.saved_tensors_hooks:
+def _hooks(
+    router: SavedTensorRouter, outer: tuple[Callable, Callable] | None
+) -> torch.autograd.graph.saved_tensors_hooks:
     """The hooks context. The pack function is a closure, not a bound method of the context: a context that
     held its own method would be a reference cycle, and through ``outer`` it would keep gradient
     checkpointing's frames (and the block inputs they save) alive until the garbage collector ran."""

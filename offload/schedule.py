@@ -43,7 +43,7 @@ class PrefetchSchedule:
         if self.recording or unit.index is None or self.prefetch == 0:
             return
         ahead = 0
-        for candidate in self.order[unit.index + 1:]:
+        for candidate in self.order[unit.index + 1 :]:
             if ahead >= self.prefetch:
                 break
             if candidate.streamed_bytes:
@@ -73,7 +73,7 @@ class PrefetchSchedule:
         # would prefetch units whose backward is already done.
         unit.backward_step = self.step
         ahead = 0
-        for candidate in self.backward_order[unit.backward_index + 1:]:
+        for candidate in self.backward_order[unit.backward_index + 1 :]:
             if ahead >= self.prefetch:
                 break
             needs = self.backward_needs[id(candidate)]

@@ -80,17 +80,26 @@ class StatsCounter:
         h2d = self.h2d_bytes - self._step_start[0]
         d2h = self.d2h_bytes - self._step_start[1]
         self.last_step = (h2d, d2h)
-        self.last_step_gbps = (h2d / h2d_seconds / 1e9 if h2d_seconds > 0 else 0.0,
-                               d2h / d2h_seconds / 1e9 if d2h_seconds > 0 else 0.0)
+        self.last_step_gbps = (
+            h2d / h2d_seconds / 1e9 if h2d_seconds > 0 else 0.0,
+            d2h / d2h_seconds / 1e9 if d2h_seconds > 0 else 0.0,
+        )
         self._step_start = (self.h2d_bytes, self.d2h_bytes)
         self.steps += 1
 
     def snapshot(self, pinned_reserved: int, pinned_requested: int) -> OffloadStats:
         return OffloadStats(
-            h2d_bytes=self.h2d_bytes, d2h_bytes=self.d2h_bytes, onloads=self.onloads,
-            pinned_reserved_bytes=pinned_reserved, pinned_requested_bytes=pinned_requested,
-            device_bytes=self.device_bytes, peak_device_bytes=self.peak_device_bytes, steps=self.steps,
-            last_step_h2d_bytes=self.last_step[0], last_step_d2h_bytes=self.last_step[1],
-            last_step_h2d_gbps=self.last_step_gbps[0], last_step_d2h_gbps=self.last_step_gbps[1],
+            h2d_bytes=self.h2d_bytes,
+            d2h_bytes=self.d2h_bytes,
+            onloads=self.onloads,
+            pinned_reserved_bytes=pinned_reserved,
+            pinned_requested_bytes=pinned_requested,
+            device_bytes=self.device_bytes,
+            peak_device_bytes=self.peak_device_bytes,
+            steps=self.steps,
+            last_step_h2d_bytes=self.last_step[0],
+            last_step_d2h_bytes=self.last_step[1],
+            last_step_h2d_gbps=self.last_step_gbps[0],
+            last_step_d2h_gbps=self.last_step_gbps[1],
             copy_wait_seconds=self.copy_wait_seconds,
         )

@@ -19,7 +19,7 @@ def in_backward() -> bool:
 class PendingCopy:
     """A device copy that may still be in flight on the copy stream."""
 
-    __slots__ = ("tensor", "event")
+    __slots__ = ("event", "tensor")
 
     def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event | None) -> None:
         self.tensor = tensor

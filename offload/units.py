@@ -85,8 +85,9 @@ def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
-def discover_units(model: nn.Module, split_threshold_bytes: int | None = None,
-                   granularity: str = "leaf") -> list[UnitPlan]:
+def discover_units(
+    model: nn.Module, split_threshold_bytes: int | None = None, granularity: str = "leaf"
+) -> list[UnitPlan]:
     """Cut ``model`` into units.
 
     With ``granularity="block"`` every child of an ``nn.ModuleList`` (the repeated layers of a transformer)

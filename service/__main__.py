@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Open event streams never end by themselves; give them a few seconds on shutdown, then close them.
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5
+    )
     return 0
 
 

@@ -23,8 +23,9 @@ from .store import JobStore
 log = logging.getLogger("ferry")
 
 
-def create_app(settings: Settings | None = None, *, executor: Executor | None = None,
-               gpu_monitor: GpuMonitor | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, executor: Executor | None = None, gpu_monitor: GpuMonitor | None = None
+) -> FastAPI:
     """Build the service. The store opens and the workers start in the lifespan, not at import.
 
     Example:
@@ -54,8 +55,12 @@ def create_app(settings: Settings | None = None, *, executor: Executor | None = 
             runner.close()
             store.close()
 
-    app = FastAPI(title="Ferry", version="0.1.0", lifespan=lifespan,
-                  description="Submit YAML training jobs; follow their progress; download checkpoints.")
+    app = FastAPI(
+        title="Ferry",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Submit YAML training jobs; follow their progress; download checkpoints.",
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
 
@@ -79,15 +84,18 @@ def _ray_executor(settings: Settings) -> tuple[Executor, list[Slot]]:
     try:
         from .executor.ray_executor import RayExecutor  # Ray is an optional extra, imported only when chosen
     except ImportError as error:
-        raise RuntimeError(f"FERRY_EXECUTOR=ray needs Ray on this machine and every node: "
-                           f"pip install -e '.[ray]' ({error})") from error
+        raise RuntimeError(
+            f"FERRY_EXECUTOR=ray needs Ray on this machine and every node: pip install -e '.[ray]' ({error})"
+        ) from error
 
-    runner = RayExecutor(address=settings.ray_address, db_path=settings.db_path,
-                         cpus_per_job=settings.ray_cpus_per_job)
+    runner = RayExecutor(address=settings.ray_address, db_path=settings.db_path, cpus_per_job=settings.ray_cpus_per_job)
     count = settings.ray_max_jobs or runner.gpu_count() or settings.cpu_workers
     if settings.shared_dir is None:
-        log.warning("FERRY_EXECUTOR=ray without FERRY_SHARED_DIR: job outputs go to %s, which only works when "
-                    "every Ray node sees that path", settings.data_dir.resolve())
+        log.warning(
+            "FERRY_EXECUTOR=ray without FERRY_SHARED_DIR: job outputs go to %s, which only works when "
+            "every Ray node sees that path",
+            settings.data_dir.resolve(),
+        )
     return runner, [Slot(id=f"ray{n}", device=None) for n in range(count)]
 
 

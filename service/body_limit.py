@@ -49,10 +49,20 @@ class BodyLimitMiddleware:
                 await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        message = (f"The request body is larger than {self.max_bytes} bytes; send a smaller spec "
-                   "or raise FERRY_MAX_BODY_BYTES.")
+        message = (
+            f"The request body is larger than {self.max_bytes} bytes; send a smaller spec "
+            "or raise FERRY_MAX_BODY_BYTES."
+        )
         body = json.dumps({"error": {"code": "body_too_large", "message": message}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -70,9 +70,7 @@ def create_schema(path: Path) -> None:
     conn = connect(path)
     try:
         conn.executescript(SCHEMA)
-        conn.execute(
-            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-        )
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
     finally:
         conn.close()
 

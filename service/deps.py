@@ -51,9 +51,15 @@ async def require_token(request: Request, settings: SettingsDep) -> None:
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     challenge = {"WWW-Authenticate": "Bearer"}
     if scheme.lower() != "bearer" or not given:
-        raise ApiError(401, "unauthorized", "This service needs a token: send the header "
-                       "'Authorization: Bearer <token>' with the value of FERRY_API_TOKEN.", headers=challenge)
+        raise ApiError(
+            401,
+            "unauthorized",
+            "This service needs a token: send the header "
+            "'Authorization: Bearer <token>' with the value of FERRY_API_TOKEN.",
+            headers=challenge,
+        )
     # Constant time: how much of a guess matches must not show in the response time.
     if not hmac.compare_digest(given.strip().encode(), settings.api_token.get_secret_value().encode()):
-        raise ApiError(401, "unauthorized", "The bearer token is wrong; send the value of FERRY_API_TOKEN.",
-                       headers=challenge)
+        raise ApiError(
+            401, "unauthorized", "The bearer token is wrong; send the value of FERRY_API_TOKEN.", headers=challenge
+        )

@@ -34,7 +34,10 @@ def query_gpus() -> list[GpuInfo]:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
@@ -72,8 +75,10 @@ def unlisted_devices_problem(settings: Settings, gpus: list[GpuInfo]) -> str | N
     unknown = [part.strip() for part in spec.split(",") if part.strip() and part.strip() not in listed]
     if not unknown:
         return None
-    return (f"FERRY_DEVICES={settings.devices!r} names GPU {', '.join(unknown)}, which nvidia-smi does not list "
-            f"(it lists {', '.join(listed)}); use those indices, 'auto' for all of them, or 'cpu'")
+    return (
+        f"FERRY_DEVICES={settings.devices!r} names GPU {', '.join(unknown)}, which nvidia-smi does not list "
+        f"(it lists {', '.join(listed)}); use those indices, 'auto' for all of them, or 'cpu'"
+    )
 
 
 class GpuMonitor:

@@ -20,7 +20,12 @@ class ApiError(Exception):
     """An answer other than success, with a message that names the field and the fix."""
 
     def __init__(
-        self, status_code: int, code: str, message: str, *, problems: list[dict[str, Any]] | None = None,
+        self,
+        status_code: int,
+        code: str,
+        message: str,
+        *,
+        problems: list[dict[str, Any]] | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -28,8 +33,13 @@ class ApiError(Exception):
         self.problems, self.headers = problems, headers
 
 
-def error_response(status_code: int, code: str, message: str, problems: list[dict[str, Any]] | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status_code: int,
+    code: str,
+    message: str,
+    problems: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body: dict[str, Any] = {"code": code, "message": message}
     if problems is not None:
         body["problems"] = problems
@@ -63,8 +73,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=error)
-        return error_response(500, "internal_error", "The server failed to handle the request; its log has "
-                              f"the details ({type(error).__name__}).")
+        return error_response(
+            500,
+            "internal_error",
+            f"The server failed to handle the request; its log has the details ({type(error).__name__}).",
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psutil
+
 from jobs import JobSpec, estimate_memory, line_of
 
 from .devices import GpuInfo, Slot
@@ -30,8 +31,12 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
     verdicts = [d.fits for d in devices]
     fits = None if None in verdicts else (all(verdicts) and host_fits)
     return FitEstimate(
-        peak_device_bytes=estimate.peak_device_bytes, pinned_host_bytes=estimate.pinned_host_bytes,
-        notes=list(estimate.notes), host_available_bytes=host_free, fits=fits, devices=devices,
+        peak_device_bytes=estimate.peak_device_bytes,
+        pinned_host_bytes=estimate.pinned_host_bytes,
+        notes=list(estimate.notes),
+        host_available_bytes=host_free,
+        fits=fits,
+        devices=devices,
     )
 
 
@@ -47,14 +52,28 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> 
     if spec.device == "cpu" or not gpu_verdicts or any(v is not False for v in gpu_verdicts):
         return
     largest = max(d.memory_total_bytes or 0 for d in fit.devices if d.device is not None)
-    message = (f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds the largest GPU here "
-               f"({largest / GIB:.1f} GiB)")
+    message = (
+        f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds the largest GPU here "
+        f"({largest / GIB:.1f} GiB)"
+    )
     fixes = _fixes(spec)
-    problems = [{"path": path, "message": f"{message}; set it to {value} ({why})",
-                 "line": line_of(text, path) if text else None, "suggestion": None} for path, value, why in fixes]
-    raise ApiError(422, "does_not_fit", f"The job cannot fit on any GPU of this service: {message}. "
-                   + " ".join(f"Set {path}: {value} ({why})." for path, value, why in fixes)
-                   + " Submit with ?fit_check=false to queue it anyway.", problems=problems)
+    problems = [
+        {
+            "path": path,
+            "message": f"{message}; set it to {value} ({why})",
+            "line": line_of(text, path) if text else None,
+            "suggestion": None,
+        }
+        for path, value, why in fixes
+    ]
+    raise ApiError(
+        422,
+        "does_not_fit",
+        f"The job cannot fit on any GPU of this service: {message}. "
+        + " ".join(f"Set {path}: {value} ({why})." for path, value, why in fixes)
+        + " Submit with ?fit_check=false to queue it anyway.",
+        problems=problems,
+    )
 
 
 def _fixes(spec: JobSpec) -> list[tuple[str, str, str]]:
@@ -63,12 +82,17 @@ def _fixes(spec: JobSpec) -> list[tuple[str, str, str]]:
     if not spec.offload.enable_model_cpu_offload:
         fixes.append(("offload.enable_model_cpu_offload", "true", "streams the weights from CPU memory"))
     elif not spec.offload.enable_optimizer_cpu_offload and spec.lora is None:
-        fixes.append(("offload.enable_optimizer_cpu_offload", "true",
-                      "keeps gradients and optimizer state on the CPU"))
+        fixes.append(("offload.enable_optimizer_cpu_offload", "true", "keeps gradients and optimizer state on the CPU"))
     if not spec.training.gradient_checkpointing:
-        fixes.append(("training.gradient_checkpointing", "true", "keeps each block's input instead of all its "
-                      "activations"))
+        fixes.append(
+            ("training.gradient_checkpointing", "true", "keeps each block's input instead of all its activations")
+        )
     if spec.training.batch_size > 1:
-        fixes.append(("training.batch_size", f"less than {spec.training.batch_size}",
-                      "raise gradient_accumulation_steps to keep the effective batch"))
+        fixes.append(
+            (
+                "training.batch_size",
+                f"less than {spec.training.batch_size}",
+                "raise gradient_accumulation_steps to keep the effective batch",
+            )
+        )
     return fixes or [("model", "a smaller model", "no memory setting is left to turn on")]

@@ -20,17 +20,22 @@ def spec_text_from_body(body: bytes, content_type: str | None) -> str:
     """The spec as text; JSON is accepted as is because JSON is YAML."""
     media_type = (content_type or "application/yaml").split(";")[0].strip().lower()
     if media_type not in YAML_TYPES | JSON_TYPES:
-        raise ApiError(415, "unsupported_media_type",
-                       f"Content-Type {media_type!r} is not accepted; send the spec as application/yaml "
-                       "(or text/yaml) or as application/json.")
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"Content-Type {media_type!r} is not accepted; send the spec as application/yaml "
+            "(or text/yaml) or as application/json.",
+        )
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ApiError(400, "invalid_encoding", f"The body is not UTF-8 (byte {error.start}); save the spec "
-                       "as UTF-8.") from None
+        raise ApiError(
+            400, "invalid_encoding", f"The body is not UTF-8 (byte {error.start}); save the spec as UTF-8."
+        ) from None
     if not text.strip():
-        raise _spec_error([{"path": "", "message": "the body is empty; send a job spec", "line": None,
-                            "suggestion": None}])
+        raise _spec_error(
+            [{"path": "", "message": "the body is empty; send a job spec", "line": None, "suggestion": None}]
+        )
     if media_type in JSON_TYPES:
         _check_json(text)
     return text
@@ -53,8 +58,16 @@ def _check_json(text: str) -> None:
     try:
         json.loads(text)
     except json.JSONDecodeError as error:
-        raise _spec_error([{"path": "", "message": f"the body is not valid JSON: {error.msg} at line "
-                            f"{error.lineno}, column {error.colno}", "line": error.lineno, "suggestion": None}]) from None
+        raise _spec_error(
+            [
+                {
+                    "path": "",
+                    "message": f"the body is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}",
+                    "line": error.lineno,
+                    "suggestion": None,
+                }
+            ]
+        ) from None
 
 
 def _spec_error(problems: list[dict[str, Any]]) -> ApiError:

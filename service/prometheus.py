@@ -21,8 +21,12 @@ def render_metrics(store: JobStore, scheduler: Scheduler) -> str:
     for status, count in store.count_by_status().items():
         lines.append(f'ferry_jobs{{status="{status.value}"}} {count}')
     busy = len(scheduler.running)
-    lines += ["# HELP ferry_workers Worker slots by state.", "# TYPE ferry_workers gauge",
-              f'ferry_workers{{state="busy"}} {busy}', f'ferry_workers{{state="idle"}} {len(scheduler.slots) - busy}']
+    lines += [
+        "# HELP ferry_workers Worker slots by state.",
+        "# TYPE ferry_workers gauge",
+        f'ferry_workers{{state="busy"}} {busy}',
+        f'ferry_workers{{state="idle"}} {len(scheduler.slots) - busy}',
+    ]
     running = store.jobs_with_status(JobStatus.RUNNING)
     for metric, key, help_text in _JOB_GAUGES:
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]

@@ -44,16 +44,32 @@ class JobRecord:
     request_sha256: str | None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "JobRecord":
+    def from_row(cls, row: sqlite3.Row) -> JobRecord:
         return cls(
-            seq=row["seq"], id=row["id"], name=row["name"], status=JobStatus(row["status"]),
-            spec_text=row["spec_text"], spec=json.loads(row["spec_json"]), total_steps=row["total_steps"],
-            created_at=row["created_at"], updated_at=row["updated_at"], started_at=row["started_at"],
-            finished_at=row["finished_at"], attempt=row["attempt"], retries=row["retries"],
-            worker=row["worker"], device=row["device"], pid=row["pid"], pid_started_at=row["pid_started_at"],
-            stop_request=row["stop_request"], error_code=row["error_code"], error_message=row["error_message"],
-            progress=_json(row["progress_json"]), checkpoint=_json(row["checkpoint_json"]),
-            idempotency_key=row["idempotency_key"], request_sha256=row["request_sha256"],
+            seq=row["seq"],
+            id=row["id"],
+            name=row["name"],
+            status=JobStatus(row["status"]),
+            spec_text=row["spec_text"],
+            spec=json.loads(row["spec_json"]),
+            total_steps=row["total_steps"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            started_at=row["started_at"],
+            finished_at=row["finished_at"],
+            attempt=row["attempt"],
+            retries=row["retries"],
+            worker=row["worker"],
+            device=row["device"],
+            pid=row["pid"],
+            pid_started_at=row["pid_started_at"],
+            stop_request=row["stop_request"],
+            error_code=row["error_code"],
+            error_message=row["error_message"],
+            progress=_json(row["progress_json"]),
+            checkpoint=_json(row["checkpoint_json"]),
+            idempotency_key=row["idempotency_key"],
+            request_sha256=row["request_sha256"],
         )
 
 
@@ -69,8 +85,12 @@ class EventRecord:
     data: dict[str, Any]
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "EventRecord":
+    def from_row(cls, row: sqlite3.Row) -> EventRecord:
         return cls(
-            id=row["id"], job_id=row["job_id"], attempt=row["attempt"], type=row["type"],
-            created_at=row["created_at"], data=json.loads(row["data"]),
+            id=row["id"],
+            job_id=row["job_id"],
+            attempt=row["attempt"],
+            type=row["type"],
+            created_at=row["created_at"],
+            data=json.loads(row["data"]),
         )

@@ -69,14 +69,14 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             self.recover()
-        except Exception:  # noqa: BLE001 - a broken recovery must not stop the queue
+        except Exception:
             log.exception("recovery failed")
         self.ready.set()
         while not self._stopping.is_set():
             self._wake.clear()  # before the tick, so a wake() during it is not lost
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - keep the queue running; the error is logged
+            except Exception:
                 log.exception("scheduler tick failed")
             self._wake.wait(self.settings.poll_interval_s)
         self._shutdown_running()
@@ -91,9 +91,8 @@ class Scheduler:
             else:
                 self._forward_stop(run)
         for slot in self.slots:
-            if slot.id not in self.running and not self._stopping.is_set():
-                if not self._start_next(slot):
-                    break
+            if slot.id not in self.running and not self._stopping.is_set() and not self._start_next(slot):
+                break
 
     def _start_next(self, slot: Slot) -> bool:
         job = self.store.claim_next(worker=slot.id, device=slot.device)
@@ -101,10 +100,15 @@ class Scheduler:
             return False
         try:
             handle = self.executor.launch(self._launch_request(job, slot))
-        except Exception as error:  # noqa: BLE001 - a launch failure fails this job, not the queue
+        except Exception as error:
             log.exception("could not launch %s", job.id)
-            self.store.transition(job.id, JobStatus.FAILED, reason="launch failed",
-                                  error_code="launch_failed", error_message=f"Could not start the job: {error}")
+            self.store.transition(
+                job.id,
+                JobStatus.FAILED,
+                reason="launch failed",
+                error_code="launch_failed",
+                error_message=f"Could not start the job: {error}",
+            )
             return True
         self.store.set_process(job.id, pid=handle.pid, started_at=handle.started_at)
         self.running[slot.id] = Running(job.id, job.attempt, handle)
@@ -114,11 +118,17 @@ class Scheduler:
     def _launch_request(self, job: JobRecord, slot: Slot) -> LaunchRequest:
         job_dir = self.settings.job_dir(job.id)
         return LaunchRequest(
-            job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=job_dir / "output",
-            device=slot.device, db_path=self.settings.db_path, log_path=job_dir / "job.log",
+            job_id=job.id,
+            attempt=job.attempt,
+            spec_text=job.spec_text,
+            output_dir=job_dir / "output",
+            device=slot.device,
+            db_path=self.settings.db_path,
+            log_path=job_dir / "job.log",
             # CPU jobs share the cores and leave one to the server, which must keep answering.
             cpu_threads=threads_for(slot, self.slots, os.cpu_count()),
-            model_roots=self.settings.effective_model_roots, data_roots=self.settings.effective_data_roots,
+            model_roots=self.settings.effective_model_roots,
+            data_roots=self.settings.effective_data_roots,
         )
 
     def _forward_stop(self, run: Running) -> None:
@@ -151,15 +161,19 @@ class Scheduler:
             log.exception("could not settle %s", job.id)
             return
         if target is JobStatus.INTERRUPTED:
-            self.store.requeue_interrupted(job.id, max_retries=self.settings.max_retries,
-                                           count_retry=not run.shutting_down)
+            self.store.requeue_interrupted(
+                job.id, max_retries=self.settings.max_retries, count_retry=not run.shutting_down
+            )
         log.info("%s attempt %d ended: %s (%s)", job.id, run.attempt, target.value, reason)
 
     @staticmethod
     def _judge(job: JobRecord, run: Running, code: int, outcome: dict | None) -> tuple[JobStatus, str, dict]:
         if outcome and outcome.get("type") == "failed":
-            return JobStatus.FAILED, "the job raised an error", {
-                "error_code": str(outcome.get("error") or "error"), "error_message": str(outcome.get("message"))}
+            return (
+                JobStatus.FAILED,
+                "the job raised an error",
+                {"error_code": str(outcome.get("error") or "error"), "error_message": str(outcome.get("message"))},
+            )
         if outcome and outcome.get("status") in ("succeeded", "cancelled"):
             return JobStatus(outcome["status"]), f"the job {outcome['status']}", {}
         if outcome and outcome.get("status") == "paused":
@@ -180,8 +194,11 @@ class Scheduler:
         for job in self.store.jobs_with_status(JobStatus.RUNNING):
             # Its process may outlive the dead server; it must be gone before anyone else writes that output.
             self.executor.stop_orphan(job.pid, job.pid_started_at, grace_s=self.settings.shutdown_grace_s)
-            self.store.transition(job.id, JobStatus.INTERRUPTED,
-                                  reason=f"the server restarted and the job's process (pid {job.pid}) was gone")
+            self.store.transition(
+                job.id,
+                JobStatus.INTERRUPTED,
+                reason=f"the server restarted and the job's process (pid {job.pid}) was gone",
+            )
         for job in self.store.jobs_with_status(JobStatus.INTERRUPTED):
             self.store.requeue_interrupted(job.id, max_retries=self.settings.max_retries, count_retry=True)
 

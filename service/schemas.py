@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel
@@ -12,7 +12,7 @@ from .status import JobStatus
 
 
 def _time(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
+    return None if ts is None else datetime.fromtimestamp(ts, tz=UTC)
 
 
 class Problem(BaseModel):
@@ -73,23 +73,40 @@ class JobPublic(BaseModel):
     spec_text: str
 
     @classmethod
-    def from_record(cls, job: JobRecord) -> "JobPublic":
+    def from_record(cls, job: JobRecord) -> JobPublic:
         step = job.progress or {}
         return cls(
-            id=job.id, name=job.name, status=job.status, stop_requested=job.stop_request,
-            created_at=_time(job.created_at), updated_at=_time(job.updated_at),
-            started_at=_time(job.started_at), finished_at=_time(job.finished_at),
-            attempt=job.attempt, retries=job.retries, worker=job.worker, device=job.device,
-            progress=_progress(job), metrics=_pick(step, _METRIC_KEYS), memory=_pick(step, _MEMORY_KEYS),
-            offload=step.get("offload"), last_checkpoint=_checkpoint_summary(job.checkpoint),
+            id=job.id,
+            name=job.name,
+            status=job.status,
+            stop_requested=job.stop_request,
+            created_at=_time(job.created_at),
+            updated_at=_time(job.updated_at),
+            started_at=_time(job.started_at),
+            finished_at=_time(job.finished_at),
+            attempt=job.attempt,
+            retries=job.retries,
+            worker=job.worker,
+            device=job.device,
+            progress=_progress(job),
+            metrics=_pick(step, _METRIC_KEYS),
+            memory=_pick(step, _MEMORY_KEYS),
+            offload=step.get("offload"),
+            last_checkpoint=_checkpoint_summary(job.checkpoint),
             error=JobError(code=job.error_code, message=job.error_message) if job.error_message else None,
-            spec=job.spec, spec_text=job.spec_text,
+            spec=job.spec,
+            spec_text=job.spec_text,
         )
 
 
 _METRIC_KEYS = ("loss", "lr", "samples_per_s", "tokens_per_s")
-_MEMORY_KEYS = ("device_allocated_bytes", "device_reserved_bytes", "device_peak_bytes", "host_rss_bytes",
-                "pinned_bytes")
+_MEMORY_KEYS = (
+    "device_allocated_bytes",
+    "device_reserved_bytes",
+    "device_peak_bytes",
+    "host_rss_bytes",
+    "pinned_bytes",
+)
 
 
 def _pick(step: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any] | None:
@@ -106,8 +123,11 @@ def _progress(job: JobRecord) -> Progress | None:
     eta = step.get("eta_s") if job.status is JobStatus.RUNNING else None
     reported_at = step.get("reported_at")
     return Progress(
-        step=current, total_steps=total, percent=round(100.0 * current / total, 2) if total else None,
-        elapsed_s=step.get("elapsed_s"), eta_s=eta,
+        step=current,
+        total_steps=total,
+        percent=round(100.0 * current / total, 2) if total else None,
+        elapsed_s=step.get("elapsed_s"),
+        eta_s=eta,
         estimated_finish=_time(reported_at + eta) if eta is not None and reported_at else None,
     )
 
@@ -130,9 +150,15 @@ class EventPublic(BaseModel):
     data: dict[str, Any]
 
     @classmethod
-    def from_record(cls, event: EventRecord) -> "EventPublic":
-        return cls(id=event.id, job_id=event.job_id, attempt=event.attempt, type=event.type,
-                   created_at=_time(event.created_at), data=event.data)
+    def from_record(cls, event: EventRecord) -> EventPublic:
+        return cls(
+            id=event.id,
+            job_id=event.job_id,
+            attempt=event.attempt,
+            type=event.type,
+            created_at=_time(event.created_at),
+            data=event.data,
+        )
 
 
 class EventsPublic(BaseModel):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -81,7 +80,7 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _check_token_for_public_host(self) -> "Settings":
+    def _check_token_for_public_host(self) -> Settings:
         if not is_loopback(self.host) and not self.api_token:
             raise ValueError(
                 f"FERRY_HOST={self.host} is not a loopback address and no FERRY_API_TOKEN is set; "

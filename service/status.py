@@ -60,8 +60,10 @@ def illegal_transition_message(job_id: str, current: JobStatus, target: JobStatu
 
 def deletion_refused_message(job_id: str, current: JobStatus) -> str:
     finished = [s.value for s in JobStatus if s in FINISHED]
-    return (f"Job {job_id} is {current.value} and cannot be deleted; only a {_or(finished)} job can be "
-            "deleted. Cancel it first.")
+    return (
+        f"Job {job_id} is {current.value} and cannot be deleted; only a {_or(finished)} job can be "
+        "deleted. Cancel it first."
+    )
 
 
 def _or(words: list[str]) -> str:

@@ -53,9 +53,16 @@ class JobStore:
     # -- jobs -------------------------------------------------------------------------------------------
 
     def create_job(
-        self, *, job_id: str, name: str | None, spec_text: str, spec: dict[str, Any],
-        total_steps: int | None = None, idempotency_key: str | None = None,
-        request_sha256: str | None = None, max_queued: int | None = None,
+        self,
+        *,
+        job_id: str,
+        name: str | None,
+        spec_text: str,
+        spec: dict[str, Any],
+        total_steps: int | None = None,
+        idempotency_key: str | None = None,
+        request_sha256: str | None = None,
+        max_queued: int | None = None,
     ) -> tuple[JobRecord, bool]:
         """Queue a new job; returns ``(job, created)``. A repeated idempotency key returns the first job."""
         now = time.time()
@@ -71,11 +78,22 @@ class JobStore:
             conn.execute(
                 "INSERT INTO jobs (id, name, status, spec_text, spec_json, total_steps, idempotency_key,"
                 " request_sha256, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, name, JobStatus.QUEUED.value, spec_text, json.dumps(spec), total_steps,
-                 idempotency_key, request_sha256, now, now),
+                (
+                    job_id,
+                    name,
+                    JobStatus.QUEUED.value,
+                    spec_text,
+                    json.dumps(spec),
+                    total_steps,
+                    idempotency_key,
+                    request_sha256,
+                    now,
+                    now,
+                ),
             )
-            self._insert_event(conn, job_id, 0, {"type": "status", "status": "queued", "previous": None,
-                                                 "reason": "submitted"}, now)
+            self._insert_event(
+                conn, job_id, 0, {"type": "status", "status": "queued", "previous": None, "reason": "submitted"}, now
+            )
             return self._get(conn, job_id), True
 
     def get_job(self, job_id: str) -> JobRecord:
@@ -117,8 +135,7 @@ class JobStore:
         with self.db.transaction() as conn:
             job = self._get(conn, job_id)
             if job.status not in FINISHED:
-                raise IllegalTransition(job_id, job.status, job.status,
-                                        deletion_refused_message(job_id, job.status))
+                raise IllegalTransition(job_id, job.status, job.status, deletion_refused_message(job_id, job.status))
             conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return job
@@ -136,8 +153,9 @@ class JobStore:
             row = conn.execute("SELECT id FROM jobs WHERE status = 'queued' ORDER BY seq LIMIT 1").fetchone()
             if row is None:
                 return None
-            return self._transition(conn, row["id"], JobStatus.RUNNING, reason=f"started on {worker}",
-                                    worker=worker, device=device)
+            return self._transition(
+                conn, row["id"], JobStatus.RUNNING, reason=f"started on {worker}", worker=worker, device=device
+            )
 
     def cancel(self, job_id: str) -> JobRecord:
         """Cancel now, or ask a running job's process to stop (the scheduler enforces it)."""
@@ -162,10 +180,13 @@ class JobStore:
                 return self._transition(conn, job_id, JobStatus.QUEUED, reason="requeued after a server shutdown")
             if job.retries >= max_retries:
                 return self._transition(
-                    conn, job_id, JobStatus.FAILED, reason="interrupted too often",
+                    conn,
+                    job_id,
+                    JobStatus.FAILED,
+                    reason="interrupted too often",
                     error_code="interrupted",
                     error_message=f"The job was interrupted {job.retries + 1} times; the limit is "
-                                  f"{max_retries} automatic retries (FERRY_MAX_RETRIES). Resume it by hand.",
+                    f"{max_retries} automatic retries (FERRY_MAX_RETRIES). Resume it by hand.",
                 )
             conn.execute("UPDATE jobs SET retries = retries + 1 WHERE id = ?", (job_id,))
             return self._transition(conn, job_id, JobStatus.QUEUED, reason="requeued after an interruption")
@@ -180,8 +201,9 @@ class JobStore:
             if job.status is not JobStatus.RUNNING:
                 return self._transition(conn, job_id, target, reason=reason)
             if job.stop_request != "cancel":  # a cancel is never downgraded to a pause
-                conn.execute("UPDATE jobs SET stop_request = ?, updated_at = ? WHERE id = ?",
-                             (kind, time.time(), job_id))
+                conn.execute(
+                    "UPDATE jobs SET stop_request = ?, updated_at = ? WHERE id = ?", (kind, time.time(), job_id)
+                )
                 self._insert_event(conn, job_id, job.attempt, {"type": "stop_requested", "kind": kind})
             return self._get(conn, job_id)
 
@@ -195,8 +217,13 @@ class JobStore:
         now = time.time()
         changes: dict[str, Any] = {"status": target.value, "updated_at": now, "stop_request": None, **fields}
         if target is JobStatus.RUNNING:
-            changes.update(attempt=job.attempt + 1, started_at=job.started_at or now, finished_at=None,
-                           error_code=fields.get("error_code"), error_message=fields.get("error_message"))
+            changes.update(
+                attempt=job.attempt + 1,
+                started_at=job.started_at or now,
+                finished_at=None,
+                error_code=fields.get("error_code"),
+                error_message=fields.get("error_message"),
+            )
         else:
             changes.update(pid=None, pid_started_at=None)
         if target in FINISHED:
@@ -243,7 +270,8 @@ class JobStore:
         """The ``finished`` or ``failed`` event the job's process sent in ``attempt``, if any."""
         row = self.db.conn.execute(
             "SELECT * FROM events WHERE job_id = ? AND attempt = ? AND type IN ('finished', 'failed')"
-            " ORDER BY id DESC LIMIT 1", (job_id, attempt),
+            " ORDER BY id DESC LIMIT 1",
+            (job_id, attempt),
         ).fetchone()
         return None if row is None else EventRecord.from_row(row)
 

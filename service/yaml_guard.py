@@ -37,8 +37,7 @@ def check_yaml_shape(text: str, *, max_depth: int, max_nodes: int) -> None:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 if len(open_anchors) >= max_depth:
-                    raise YamlShapeError(
-                        f"the spec nests deeper than {max_depth} levels; flatten it", _line(event))
+                    raise YamlShapeError(f"the spec nests deeper than {max_depth} levels; flatten it", _line(event))
                 open_counts.append(1)
                 open_anchors.append(event.anchor)
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
@@ -55,7 +54,9 @@ def check_yaml_shape(text: str, *, max_depth: int, max_nodes: int) -> None:
             if open_counts[-1] > max_nodes or sum(open_counts) > max_nodes:
                 raise YamlShapeError(
                     f"the spec expands to more than {max_nodes} YAML nodes once its aliases (*name) are "
-                    "expanded; write the values out instead of repeating anchors", _line(event))
+                    "expanded; write the values out instead of repeating anchors",
+                    _line(event),
+                )
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line = mark.line + 1 if mark else None

@@ -37,5 +37,12 @@ def build_data(spec: object, *, batch_size: int, seed: int, width: int | None = 
     return PackedText(sequences, batch_size, seed), tokenizer.vocab_size
 
 
-__all__ = ["BatchSource", "ByteTokenizer", "HFTokenizer", "PackedText", "SyntheticRegression", "Tokenizer",
-           "build_data"]
+__all__ = [
+    "BatchSource",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "PackedText",
+    "SyntheticRegression",
+    "Tokenizer",
+    "build_data",
+]

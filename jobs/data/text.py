@@ -33,8 +33,10 @@ def _jsonl_texts(file: Path, text_field: str) -> list[str]:
             continue
         record = json.loads(line)
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise ValueError(f"{file}:{number}: expected an object with a string '{text_field}' "
-                             "(set data.text_field to the right key)")
+            raise ValueError(
+                f"{file}:{number}: expected an object with a string '{text_field}' "
+                "(set data.text_field to the right key)"
+            )
         texts.append(record[text_field])
     return texts
 
@@ -59,8 +61,10 @@ class PackedText:
 
     def __init__(self, sequences: torch.Tensor, batch_size: int, seed: int) -> None:
         if len(sequences) < batch_size:
-            raise ValueError(f"data yields {len(sequences)} sequence(s) of data.seq_len tokens, fewer than "
-                             f"training.batch_size={batch_size}; add text or lower data.seq_len")
+            raise ValueError(
+                f"data yields {len(sequences)} sequence(s) of data.seq_len tokens, fewer than "
+                f"training.batch_size={batch_size}; add text or lower data.seq_len"
+            )
         self.sequences, self.batch_size, self.seed = sequences, batch_size, seed
         self.batches_per_epoch = len(sequences) // batch_size
         self.tokens_per_sample = sequences.shape[1]
@@ -69,7 +73,7 @@ class PackedText:
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         """The ``index``-th micro-batch (CPU tensors), counting across epochs."""
         epoch, within = divmod(index, self.batches_per_epoch)
-        rows = self._epoch_order(epoch)[within * self.batch_size:(within + 1) * self.batch_size]
+        rows = self._epoch_order(epoch)[within * self.batch_size : (within + 1) * self.batch_size]
         input_ids = self.sequences[rows]
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 

@@ -13,7 +13,8 @@ def build_hf_causal_lm(spec: HFCausalLMSpec, seed: int) -> nn.Module:
     from transformers import AutoModelForCausalLM  # transformers is slow to import; only this model needs it
 
     torch.manual_seed(seed)  # weights absent from the files (if any) are initialized reproducibly
-    model = AutoModelForCausalLM.from_pretrained(str(spec.path), dtype=getattr(torch, spec.dtype),
-                                                 local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(spec.path), dtype=getattr(torch, spec.dtype), local_files_only=True, trust_remote_code=False
+    )
     model.config.use_cache = False  # a KV cache is useless in training and costs memory
     return model

@@ -41,8 +41,11 @@ class FeedForward(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(hidden_size, intermediate_size), nn.GELU(approximate="tanh"),
-                                 nn.Linear(intermediate_size, hidden_size))
+        self.net = nn.Sequential(
+            nn.Linear(hidden_size, intermediate_size),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(intermediate_size, hidden_size),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -67,18 +67,22 @@ def _add_vendor_route(app: FastAPI, node_modules: Path) -> None:
         path = node_modules / relative if relative else None
         if path is None or not path.is_file():
             # The page catches this and shows how to install the charting library.
-            return Response(f"{name} is not installed: run `npm ci --prefix service/dashboard`",
-                            status_code=404, media_type="text/plain")
+            return Response(
+                f"{name} is not installed: run `npm ci --prefix service/dashboard`",
+                status_code=404,
+                media_type="text/plain",
+            )
         return FileResponse(path, headers=NO_CACHE)
 
-    app.add_api_route(f"{DASHBOARD_PREFIX}/vendor/{{name}}", read_vendor_file, methods=["GET"],
-                      include_in_schema=False)
+    app.add_api_route(f"{DASHBOARD_PREFIX}/vendor/{{name}}", read_vendor_file, methods=["GET"], include_in_schema=False)
 
 
 def _warn_if_charts_missing(node_modules: Path) -> None:
     if not all((node_modules / relative).is_file() for relative in VENDOR_FILES.values()):
-        logger.warning("dashboard charts are off: uPlot is not installed under %s; "
-                       "run `npm ci --prefix service/dashboard`", node_modules)
+        logger.warning(
+            "dashboard charts are off: uPlot is not installed under %s; run `npm ci --prefix service/dashboard`",
+            node_modules,
+        )
 
 
 class _NoCacheStatic(StaticFiles):

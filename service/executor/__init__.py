@@ -3,4 +3,4 @@
 from .base import Executor, LaunchRequest, RunHandle
 from .local import LocalProcessExecutor
 
-__all__ = ["Executor", "LaunchRequest", "RunHandle", "LocalProcessExecutor"]
+__all__ = ["Executor", "LaunchRequest", "LocalProcessExecutor", "RunHandle"]

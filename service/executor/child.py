@@ -9,8 +9,8 @@ import logging
 import os
 import signal
 import sys
-from multiprocessing.connection import Connection
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .base import LaunchRequest
@@ -33,10 +33,11 @@ def run_spare(device: str | None, cpu_threads: int | None, inbox: Connection, st
     arrives. Importing does not initialise CUDA, so the GPU pinning still holds.
     """
     _prepare_process(device, cpu_threads)
-    import jobs  # noqa: F401 - the warm-up itself
     # The first optimizer a process builds imports torch._dynamo (about 3.5 s on a small machine); do that
     # here too, so a warm job reaches its first step in well under a second.
     import torch._dynamo  # noqa: F401
+
+    import jobs  # noqa: F401 - the warm-up itself
 
     try:
         request = inbox.recv()
@@ -63,8 +64,13 @@ def _run_prepared(request: LaunchRequest, stop_flag: Any) -> None:
 
     from ..store import JobStore  # after the environment is set
 
-    log.info("job %s attempt %d starting in pid %d with CUDA_VISIBLE_DEVICES=%r", request.job_id,
-             request.attempt, os.getpid(), os.environ["CUDA_VISIBLE_DEVICES"])
+    log.info(
+        "job %s attempt %d starting in pid %d with CUDA_VISIBLE_DEVICES=%r",
+        request.job_id,
+        request.attempt,
+        os.getpid(),
+        os.environ["CUDA_VISIBLE_DEVICES"],
+    )
     store = JobStore(request.db_path)
     parent = os.getppid()
 
@@ -94,13 +100,13 @@ def run_attempt(request: LaunchRequest, sink: Any, should_stop: Callable[[], str
         outcome = _run(request, reporter, should_stop)
         reporter.finished(outcome.status, outcome.step)
         return 0
-    except BaseException as error:  # noqa: BLE001 - every failure must reach the store before we die
+    except BaseException as error:
         log.exception("job %s failed", request.job_id)
         reporter.failed(error)
         return 1
 
 
-def _run(request: LaunchRequest, reporter: "_Reporter", should_stop: Any) -> Any:
+def _run(request: LaunchRequest, reporter: _Reporter, should_stop: Any) -> Any:
     from jobs import PathRoots, load_job_spec, run_job
 
     roots = PathRoots(model_roots=request.model_roots, data_roots=request.data_roots)

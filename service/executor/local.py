@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -20,7 +21,7 @@ _SPAWN = mp.get_context("spawn")
 class LocalProcessHandle:
     """A spawned process plus the shared flag it polls between steps."""
 
-    def __init__(self, process: mp.process.BaseProcess, stop_flag: "mp.sharedctypes.Synchronized[int]") -> None:
+    def __init__(self, process: mp.process.BaseProcess, stop_flag: mp.sharedctypes.Synchronized[int]) -> None:
         self._process = process
         self._stop_flag = stop_flag
         self.pid = process.pid
@@ -40,10 +41,8 @@ class LocalProcessHandle:
 
     def kill(self) -> None:
         if self._process.exitcode is None and self.pid is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def reap(self) -> None:
         """Collect the exit status so no zombie is left behind."""
@@ -60,11 +59,15 @@ class _Spare:
         self.process, self.outbox, self.stop_flag = process, outbox, stop_flag
 
     @classmethod
-    def start(cls, device: str | None, cpu_threads: int | None) -> "_Spare":
+    def start(cls, device: str | None, cpu_threads: int | None) -> _Spare:
         inbox, outbox = _SPAWN.Pipe(duplex=False)
         stop_flag = _SPAWN.Value("i", 0, lock=False)
-        process = _SPAWN.Process(target=run_spare, args=(device, cpu_threads, inbox, stop_flag),
-                                 name=f"ferry-spare-{device or 'cpu'}", daemon=False)
+        process = _SPAWN.Process(
+            target=run_spare,
+            args=(device, cpu_threads, inbox, stop_flag),
+            name=f"ferry-spare-{device or 'cpu'}",
+            daemon=False,
+        )
         process.start()
         inbox.close()  # the child holds the only reader, so it sees EOF when we go away
         return cls(process, outbox, stop_flag)

@@ -45,8 +45,9 @@ class RayRunHandle:
         self._reason: str | None = None
         self._closing = threading.Event()
         self._done = actor.run.remote()
-        self._thread = threading.Thread(target=self._pump, args=(store_factory,), daemon=True,
-                                        name=f"ferry-ray-{request.job_id}")
+        self._thread = threading.Thread(
+            target=self._pump, args=(store_factory,), daemon=True, name=f"ferry-ray-{request.job_id}"
+        )
         self._thread.start()
 
     def exit_code(self) -> int | None:
@@ -83,7 +84,7 @@ class RayRunHandle:
         except RayError as error:  # the actor died: its node was lost, its worker killed, or we killed it
             self._reason = f"its Ray worker died ({type(error).__name__}: {_first_line(error)})"
             self._code = 1
-        except Exception as error:  # noqa: BLE001 - a broken pump must still end the attempt
+        except Exception as error:
             log.exception("event pump for %s failed", self._request.job_id)
             self._reason = f"the service lost track of its Ray task ({error})"
             self._code = 1
@@ -96,10 +97,13 @@ class RayRunHandle:
     def _place(self, store: JobStore) -> None:
         where = self._get(self._actor.where.remote())  # waits while Ray looks for a free GPU
         self.pid, self.host = where["pid"], where["host"]
-        message = (f"attempt {self._request.attempt} runs on Ray node {where['host']} in pid {where['pid']} "
-                   f"(CUDA_VISIBLE_DEVICES={where['cuda_visible_devices']!r})")
-        store.append_event(self._request.job_id, self._request.attempt, {"type": "log", "level": "info",
-                                                                         "message": message})
+        message = (
+            f"attempt {self._request.attempt} runs on Ray node {where['host']} in pid {where['pid']} "
+            f"(CUDA_VISIBLE_DEVICES={where['cuda_visible_devices']!r})"
+        )
+        store.append_event(
+            self._request.job_id, self._request.attempt, {"type": "log", "level": "info", "message": message}
+        )
 
     def _get(self, ref: Any) -> Any:
         while True:
@@ -131,8 +135,12 @@ class RayExecutor:
     def __init__(self, *, address: str | None, db_path: Path, cpus_per_job: int = 4) -> None:
         if not ray.is_initialized():
             # No log_to_driver: each job writes its own log file; the service log stays the service's.
-            ray.init(address=address, log_to_driver=False, include_dashboard=False if address is None else None,
-                     namespace="ferry")
+            ray.init(
+                address=address,
+                log_to_driver=False,
+                include_dashboard=False if address is None else None,
+                namespace="ferry",
+            )
         self._db_path, self._cpus_per_job = db_path, cpus_per_job
         self._handles: list[RayRunHandle] = []
         self._remote_job = ray.remote(RemoteJob)
@@ -147,7 +155,10 @@ class RayExecutor:
         # step runs on them.
         resources = {"num_gpus": 1 if wants_gpu else 0, "num_cpus": self._cpus_per_job}
         actor = self._remote_job.options(
-            **resources, max_concurrency=4, max_restarts=0, max_task_retries=0,
+            **resources,
+            max_concurrency=4,
+            max_restarts=0,
+            max_task_retries=0,
             name=f"ferry-{request.job_id}-{request.attempt}",
         ).remote(request, hide_gpus=not wants_gpu)
         handle = RayRunHandle(actor, request, self._open_store)

@@ -42,15 +42,24 @@ class RemoteJob:
 
     def where(self) -> dict[str, Any]:
         """The node and process running the job (for the job's log and /v1/workers)."""
-        return {"pid": os.getpid(), "host": socket.gethostname(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
     def run(self) -> int:
         """Train until the job ends; 0 when it ended by itself, 1 when it raised (a ``failed`` event says why)."""
         request = self._request
         _log_to_file(request, capture_stdio=False)
-        log.info("job %s attempt %d starting on %s in pid %d (Ray) with CUDA_VISIBLE_DEVICES=%r", request.job_id,
-                 request.attempt, socket.gethostname(), os.getpid(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        log.info(
+            "job %s attempt %d starting on %s in pid %d (Ray) with CUDA_VISIBLE_DEVICES=%r",
+            request.job_id,
+            request.attempt,
+            socket.gethostname(),
+            os.getpid(),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
         code = run_attempt(request, self, lambda: self._stop)
         logging.shutdown()
         return code

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
+
 from jobs import CheckpointInfo, list_checkpoints
 
 from ..deps import SettingsDep, StoreDep
@@ -23,8 +24,11 @@ def list_job_checkpoints(job_id: str, store: StoreDep, settings: SettingsDep) ->
     return CheckpointsPublic(data=[_public(job_id, c) for c in _checkpoints(settings.job_dir(job_id))])
 
 
-@router.get("/{checkpoint}/files/{name:path}", response_class=FileResponse,
-            responses={200: {"content": {"application/octet-stream": {}}}})
+@router.get(
+    "/{checkpoint}/files/{name:path}",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
 def download_checkpoint_file(
     job_id: str, checkpoint: str, name: str, store: StoreDep, settings: SettingsDep
 ) -> FileResponse:
@@ -32,18 +36,24 @@ def download_checkpoint_file(
     store.get_job(job_id)
     found = {c.name: c for c in _checkpoints(settings.job_dir(job_id))}.get(checkpoint)
     if found is None:
-        raise ApiError(404, "not_found", f"Job {job_id} has no checkpoint {checkpoint!r}; "
-                       f"GET /v1/jobs/{job_id}/checkpoints lists them.")
+        raise ApiError(
+            404,
+            "not_found",
+            f"Job {job_id} has no checkpoint {checkpoint!r}; GET /v1/jobs/{job_id}/checkpoints lists them.",
+        )
     # Only names the manifest lists are served, so no path in the URL can reach another file.
     entry = next((f for f in found.files if f["name"] == name), None)
     if entry is None:
         raise ApiError(404, "not_found", f"Checkpoint {checkpoint!r} of job {job_id} has no file {name!r}.")
     digest = bytes.fromhex(entry["sha256"])
-    headers = {"X-Checksum-SHA256": entry["sha256"],
-               "Repr-Digest": f"sha-256=:{base64.b64encode(digest).decode()}:",  # RFC 9530
-               "Cache-Control": "private, no-store"}
-    return FileResponse(Path(found.path) / name, filename=Path(name).name, headers=headers,
-                        media_type="application/octet-stream")
+    headers = {
+        "X-Checksum-SHA256": entry["sha256"],
+        "Repr-Digest": f"sha-256=:{base64.b64encode(digest).decode()}:",  # RFC 9530
+        "Cache-Control": "private, no-store",
+    }
+    return FileResponse(
+        Path(found.path) / name, filename=Path(name).name, headers=headers, media_type="application/octet-stream"
+    )
 
 
 def _checkpoints(job_dir: Path) -> list[CheckpointInfo]:
@@ -53,6 +63,8 @@ def _checkpoints(job_dir: Path) -> list[CheckpointInfo]:
 
 def _public(job_id: str, info: CheckpointInfo) -> CheckpointPublic:
     base = f"/v1/jobs/{job_id}/checkpoints/{info.name}/files"
-    files = [CheckpointFile(name=f["name"], bytes=f["bytes"], sha256=f["sha256"], url=f"{base}/{f['name']}")
-             for f in info.files]
+    files = [
+        CheckpointFile(name=f["name"], bytes=f["bytes"], sha256=f["sha256"], url=f"{base}/{f['name']}")
+        for f in info.files
+    ]
     return CheckpointPublic(name=info.name, step=info.step, created=info.created, files=files)

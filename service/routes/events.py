@@ -24,7 +24,8 @@ POLL_S = 0.25
 
 @router.get("/events")
 def list_events(
-    job_id: str, store: StoreDep,
+    job_id: str,
+    store: StoreDep,
     after: Annotated[int, Query(ge=0, description="the last event id you have")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> EventsPublic:
@@ -32,22 +33,29 @@ def list_events(
     store.get_job(job_id)  # 404 for an unknown id
     events = store.list_events(job_id, after=after, limit=limit + 1)
     page = events[:limit]
-    return EventsPublic(data=[EventPublic.from_record(e) for e in page],
-                        next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
+    return EventsPublic(
+        data=[EventPublic.from_record(e) for e in page],
+        next_cursor=page[-1].id if page else after,
+        has_more=len(events) > limit,
+    )
 
 
-@router.get("/events/stream", response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {}}}})
+@router.get("/events/stream", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
 async def stream_events(
-    job_id: str, request: Request, store: StoreDep,
+    job_id: str,
+    request: Request,
+    store: StoreDep,
     after: Annotated[int, Query(ge=0)] = 0,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     """Server-sent events; a reconnecting client sends ``Last-Event-ID`` and misses nothing."""
     await run_in_threadpool(store.get_job, job_id)
     start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
-    return StreamingResponse(_sse(store, job_id, start, request), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _sse(store, job_id, start, request),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
 
 
 async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> AsyncIterator[str]:
@@ -78,7 +86,8 @@ async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> As
 
 @router.get("/metrics")
 def read_metrics(
-    job_id: str, store: StoreDep,
+    job_id: str,
+    store: StoreDep,
     after: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 2_000,
 ) -> MetricsPublic:
@@ -94,7 +103,9 @@ def read_metrics(
 
 @router.get("/logs", response_class=PlainTextResponse)
 def read_logs(
-    job_id: str, store: StoreDep, settings: SettingsDep,
+    job_id: str,
+    store: StoreDep,
+    settings: SettingsDep,
     tail_bytes: Annotated[int, Query(ge=1, le=16 << 20)] = 256 << 10,
 ) -> PlainTextResponse:
     """The end of the job's log file (all attempts), as plain text."""

@@ -24,7 +24,7 @@ def ready(store: StoreDep, scheduler: SchedulerDep) -> JSONResponse:
     """Readiness: the store answers, start-up recovery is done and the queue thread runs."""
     try:
         store.count_by_status()
-    except Exception as error:  # noqa: BLE001 - any store failure means not ready
+    except Exception as error:
         return JSONResponse({"status": "unavailable", "reason": f"store: {error}"}, status_code=503)
     if not scheduler.ready.is_set():
         return JSONResponse({"status": "starting", "reason": "recovering interrupted jobs"}, status_code=503)

@@ -9,10 +9,11 @@ import shutil
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
+
 from jobs import JobSpec
 
-from ..devices import GpuInfo, Slot
 from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, StoreDep
+from ..devices import GpuInfo, Slot
 from ..errors import ApiError
 from ..fit import estimate_fit, refuse_if_it_cannot_fit
 from ..intake import load_checked_spec, spec_text_from_body
@@ -26,18 +27,33 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 _SPEC_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/yaml": {"schema": {"type": "string"}}, "application/json": {"schema": {"type": "object"}}},
+        "content": {
+            "application/yaml": {"schema": {"type": "string"}},
+            "application/json": {"schema": {"type": "object"}},
+        },
     }
 }
 _ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody}}
 
 
-@router.post("", status_code=201, openapi_extra=_SPEC_BODY,
-             responses={200: {"model": JobPublic, "description": "a repeated Idempotency-Key"},
-                        413: {"model": ErrorBody}, 422: {"model": ErrorBody}, 429: {"model": ErrorBody}})
+@router.post(
+    "",
+    status_code=201,
+    openapi_extra=_SPEC_BODY,
+    responses={
+        200: {"model": JobPublic, "description": "a repeated Idempotency-Key"},
+        413: {"model": ErrorBody},
+        422: {"model": ErrorBody},
+        429: {"model": ErrorBody},
+    },
+)
 def create_job(
-    body: SpecBody, request: Request, response: Response,
-    store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep,
+    body: SpecBody,
+    request: Request,
+    response: Response,
+    store: StoreDep,
+    scheduler: SchedulerDep,
+    settings: SettingsDep,
     gpus: GpuMonitorDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
     fit_check: Annotated[bool, Query(description="false: queue even a job estimated not to fit any GPU")] = True,
@@ -50,16 +66,28 @@ def create_job(
         _check_fit(spec, text, scheduler.slots, gpus.gpus())
     try:
         job, created = store.create_job(
-            job_id=f"job-{secrets.token_hex(6)}", name=spec.name, spec_text=text, spec=spec.model_dump(mode="json"),
-            idempotency_key=idempotency_key, request_sha256=hashlib.sha256(body).hexdigest(),
+            job_id=f"job-{secrets.token_hex(6)}",
+            name=spec.name,
+            spec_text=text,
+            spec=spec.model_dump(mode="json"),
+            idempotency_key=idempotency_key,
+            request_sha256=hashlib.sha256(body).hexdigest(),
             max_queued=settings.max_queued_jobs,
         )
     except QueueFull:
-        raise ApiError(429, "queue_full", f"The queue already holds {settings.max_queued_jobs} jobs "
-                       "(FERRY_MAX_QUEUED_JOBS); wait for some to start or cancel queued ones.") from None
+        raise ApiError(
+            429,
+            "queue_full",
+            f"The queue already holds {settings.max_queued_jobs} jobs "
+            "(FERRY_MAX_QUEUED_JOBS); wait for some to start or cancel queued ones.",
+        ) from None
     except IdempotencyConflict:
-        raise ApiError(422, "idempotency_key_reused", f"Idempotency-Key {idempotency_key!r} was already used "
-                       "with a different spec; send a new key for a new job.") from None
+        raise ApiError(
+            422,
+            "idempotency_key_reused",
+            f"Idempotency-Key {idempotency_key!r} was already used "
+            "with a different spec; send a new key for a new job.",
+        ) from None
     if created:
         scheduler.wake()
         response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -73,7 +101,7 @@ def _check_fit(spec: JobSpec, text: str, slots: list[Slot], gpus: list[GpuInfo])
         return  # only a GPU job on GPU workers can be refused: spare the estimate (it builds the model on meta)
     try:
         fit = estimate_fit(spec, slots, gpus)
-    except Exception:  # noqa: BLE001 - a failed estimate never keeps a valid job out
+    except Exception:
         log.exception("memory estimate failed; the job is queued without a fit check")
         return
     refuse_if_it_cannot_fit(spec, fit, text)
@@ -81,18 +109,22 @@ def _check_fit(spec: JobSpec, text: str, slots: list[Slot], gpus: list[GpuInfo])
 
 @router.post("/validate", openapi_extra=_SPEC_BODY, responses={422: {"model": ErrorBody}})
 def validate_job(
-    body: SpecBody, request: Request, settings: SettingsDep,
-    scheduler: SchedulerDep, gpus: GpuMonitorDep,
+    body: SpecBody,
+    request: Request,
+    settings: SettingsDep,
+    scheduler: SchedulerDep,
+    gpus: GpuMonitorDep,
 ) -> ValidationPublic:
     """The same checks as submitting, plus whether the job fits this service's GPUs; queues nothing."""
     spec = load_checked_spec(spec_text_from_body(body, request.headers.get("content-type")), settings)
     try:
         estimate, problem = estimate_fit(spec, scheduler.slots, gpus.gpus()), None
-    except Exception as error:  # noqa: BLE001 - a spec that loads is valid even if the estimate fails
+    except Exception as error:
         log.exception("memory estimate failed")
         estimate, problem = None, f"the memory estimate failed: {type(error).__name__}: {error}"
-    return ValidationPublic(valid=True, name=spec.name, spec=spec.model_dump(mode="json"), estimate=estimate,
-                            estimate_error=problem)
+    return ValidationPublic(
+        valid=True, name=spec.name, spec=spec.model_dump(mode="json"), estimate=estimate, estimate_error=problem
+    )
 
 
 @router.get("")
@@ -104,8 +136,9 @@ async def list_jobs(
 ) -> JobsPublic:
     """Jobs, newest first, one page at a time (read in the event loop, as ``read_job``)."""
     jobs, next_cursor = store.list_jobs(statuses=status, before=int(cursor) if cursor else None, limit=limit)
-    return JobsPublic(data=[JobPublic.from_record(j) for j in jobs],
-                      next_cursor=None if next_cursor is None else str(next_cursor))
+    return JobsPublic(
+        data=[JobPublic.from_record(j) for j in jobs], next_cursor=None if next_cursor is None else str(next_cursor)
+    )
 
 
 @router.get("/{job_id}", responses=_ERRORS)

@@ -19,10 +19,15 @@ def list_workers(scheduler: SchedulerDep, gpus: GpuMonitorDep) -> WorkersPublic:
     for slot in scheduler.slots:
         gpu = by_index.get(slot.device) if slot.device is not None else None
         run = running.get(slot.id)
-        workers.append(WorkerPublic(
-            id=slot.id, device=slot.device, gpu_name=gpu.name if gpu else None,
-            memory_total_bytes=gpu.memory_total_bytes if gpu else None,
-            memory_used_bytes=gpu.memory_used_bytes if gpu else None,
-            job_id=run.job_id if run else None, pid=run.handle.pid if run else None,
-        ))
+        workers.append(
+            WorkerPublic(
+                id=slot.id,
+                device=slot.device,
+                gpu_name=gpu.name if gpu else None,
+                memory_total_bytes=gpu.memory_total_bytes if gpu else None,
+                memory_used_bytes=gpu.memory_used_bytes if gpu else None,
+                job_id=run.job_id if run else None,
+                pid=run.handle.pid if run else None,
+            )
+        )
     return WorkersPublic(data=workers)

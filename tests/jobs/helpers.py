@@ -24,8 +24,15 @@ TOY: dict[str, Any] = {
 TINY_LM: dict[str, Any] = {
     "name": "tiny-lm",
     "device": "cpu",
-    "model": {"kind": "transformer_lm", "vocab_size": 257, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
-              "max_seq_len": 64, "dropout": 0.1},
+    "model": {
+        "kind": "transformer_lm",
+        "vocab_size": 257,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "max_seq_len": 64,
+        "dropout": 0.1,
+    },
     "data": {"kind": "text", "path": "corpus", "seq_len": 32},
     "training": {"steps": 10, "batch_size": 2, "learning_rate": 1e-3},
 }
@@ -49,7 +56,24 @@ def spec_from(data: dict[str, Any], roots: PathRoots | None = None) -> JobSpec:
 def write_corpus(directory: Path, documents: int = 40) -> Path:
     """A JSONL file and a text file of varied sentences under ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    words = "the quick brown fox jumps over a lazy dog while offload streams weights to the device".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "offload",
+        "streams",
+        "weights",
+        "to",
+        "the",
+        "device",
+    ]
     generator = torch.Generator().manual_seed(0)
     lines = []
     for _ in range(documents):

@@ -47,8 +47,9 @@ def test_estimate_and_schema(toy_file: Path, capsys: pytest.CaptureFixture[str])
     assert json.loads(capsys.readouterr().out)["title"] == "JobSpec"
 
 
-def test_run_resumes_into_the_output_directory(toy_file: Path, tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_resumes_into_the_output_directory(
+    toy_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "out"
     assert main(["run", str(toy_file), "--output", str(out)]) == 0
     assert f"succeeded at step 10; checkpoint: {out / 'checkpoints' / 'step-00000010'}" in capsys.readouterr().out
@@ -57,9 +58,14 @@ def test_run_resumes_into_the_output_directory(toy_file: Path, tmp_path: Path,
 
 
 def test_python_dash_m_jobs_runs_the_smoke_config(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "jobs", "run", "configs/cpu_smoke.yaml", "--output",
-                             str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs", "run", "configs/cpu_smoke.yaml", "--output", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr
     assert "succeeded at step 30" in result.stdout
     assert "30/30" in result.stderr  # the progress bar

@@ -49,8 +49,9 @@ def test_config_loads_and_is_documented(path: Path, tmp_path: Path) -> None:
         assert spec.lora is not None
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if yaml.safe_load(p.read_text()).get("device") == "cpu"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [p for p in CONFIGS if yaml.safe_load(p.read_text()).get("device") == "cpu"], ids=lambda p: p.name
+)
 def test_cpu_config_runs(path: Path, tmp_path: Path) -> None:
     text = path.read_text()
     spec = load_job_spec(text, roots=roots_for(yaml.safe_load(text), tmp_path))

@@ -31,9 +31,13 @@ def test_offloading_lowers_the_device_estimate() -> None:
 
 
 def test_lora_keeps_only_adapters_and_their_state_on_the_device(roots: PathRoots) -> None:
-    lm = {"name": "lm", "model": {"kind": "transformer_lm", "hidden_size": 256, "num_layers": 4, "num_heads": 4,
-                                  "vocab_size": 512}, "data": {"kind": "text", "path": "corpus", "seq_len": 64},
-          "training": {"steps": 1}, "lora": {"target_modules": ["to_q", "to_v"], "rank": 8}}
+    lm = {
+        "name": "lm",
+        "model": {"kind": "transformer_lm", "hidden_size": 256, "num_layers": 4, "num_heads": 4, "vocab_size": 512},
+        "data": {"kind": "text", "path": "corpus", "seq_len": 64},
+        "training": {"steps": 1},
+        "lora": {"target_modules": ["to_q", "to_v"], "rank": 8},
+    }
     full = estimate_memory(spec_from({k: v for k, v in lm.items() if k != "lora"}, roots))
     lora = estimate_memory(spec_from(lm, roots))
     lora_offloaded = estimate_memory(spec_from(merged(lm, offload=MODEL_ONLY), roots))
@@ -61,11 +65,19 @@ def test_hf_model_is_estimated_from_its_config_alone(roots: PathRoots) -> None:
     from transformers import LlamaConfig
 
     directory = roots.model_roots[0] / "config-only"
-    LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4).save_pretrained(directory)
+    LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    ).save_pretrained(directory)
     assert {p.name for p in directory.iterdir()} == {"config.json"}  # no weights to load
-    spec = spec_from({"name": "hf", "model": {"kind": "hf_causal_lm", "path": "config-only"},
-                      "data": {"kind": "text", "path": "corpus", "seq_len": 32}, "training": {"steps": 1}}, roots)
+    spec = spec_from(
+        {
+            "name": "hf",
+            "model": {"kind": "hf_causal_lm", "path": "config-only"},
+            "data": {"kind": "text", "path": "corpus", "seq_len": 32},
+            "training": {"steps": 1},
+        },
+        roots,
+    )
     assert estimate_memory(spec).peak_device_bytes > 300 * 64 * 2
 
 
@@ -82,8 +94,12 @@ def test_a_multi_billion_model_is_estimated_without_memory(tmp_path: Path) -> No
 
 
 def gpu_configs() -> list[Path]:
-    return [p for p in sorted(CONFIGS.glob("*.yaml")) if yaml.safe_load(p.read_text()).get("device") == "cuda"
-            and yaml.safe_load(p.read_text())["model"]["kind"] != "hf_causal_lm"]
+    return [
+        p
+        for p in sorted(CONFIGS.glob("*.yaml"))
+        if yaml.safe_load(p.read_text()).get("device") == "cuda"
+        and yaml.safe_load(p.read_text())["model"]["kind"] != "hf_causal_lm"
+    ]
 
 
 @pytest.mark.gpu
@@ -102,19 +118,36 @@ def test_estimate_is_within_25_percent_of_the_measured_peak(config: Path, tmp_pa
     run_job(spec, output_dir=tmp_path / "out")
     measured = torch.cuda.max_memory_allocated()
     estimate = estimate_memory(spec)
-    record = {"config": config.name, "measured": measured, "estimated": estimate.peak_device_bytes,
-              "ratio": estimate.peak_device_bytes / measured, "notes": estimate.notes}
+    record = {
+        "config": config.name,
+        "measured": measured,
+        "estimated": estimate.peak_device_bytes,
+        "ratio": estimate.peak_device_bytes / measured,
+        "notes": estimate.notes,
+    }
     print(json.dumps(record))
     assert abs(estimate.peak_device_bytes - measured) <= 0.25 * measured, record
 
 
-@pytest.mark.parametrize("offload", [{**BOTH, "granularity": "block"}, {**BOTH, "cpu_offload_split_threshold": 2},
-                                     {**MODEL_ONLY, "granularity": "block"}], ids=["block", "threshold", "lm-block"])
-def test_pinned_estimate_matches_the_engine_arena_for_other_cuts(tmp_path: Path, roots: PathRoots,
-                                                                 offload: dict) -> None:
-    lm = {"name": "lm", "device": "cpu", "data": {"kind": "text", "path": "corpus", "seq_len": 16},
-          "model": {"kind": "transformer_lm", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 300},
-          "training": {"steps": 1, "batch_size": 2}}
+@pytest.mark.parametrize(
+    "offload",
+    [
+        {**BOTH, "granularity": "block"},
+        {**BOTH, "cpu_offload_split_threshold": 2},
+        {**MODEL_ONLY, "granularity": "block"},
+    ],
+    ids=["block", "threshold", "lm-block"],
+)
+def test_pinned_estimate_matches_the_engine_arena_for_other_cuts(
+    tmp_path: Path, roots: PathRoots, offload: dict
+) -> None:
+    lm = {
+        "name": "lm",
+        "device": "cpu",
+        "data": {"kind": "text", "path": "corpus", "seq_len": 16},
+        "model": {"kind": "transformer_lm", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 300},
+        "training": {"steps": 1, "batch_size": 2},
+    }
     if offload.get("enable_optimizer_cpu_offload") is None:
         lm["lora"] = {"target_modules": ["to_q"], "rank": 2}
     events: list[dict] = []

@@ -126,8 +126,9 @@ def test_paths_escaping_roots_are_refused(roots: PathRoots, tmp_path) -> None:
     outside.mkdir()
     (roots.data_roots[0] / "link").symlink_to(outside)
     for path in ("../outside", str(outside), "link", "missing"):
-        text = (f"name: t\nmodel: {{kind: transformer_lm}}\ndata: {{kind: text, path: '{path}'}}\n"
-                "training: {steps: 1}\n")
+        text = (
+            f"name: t\nmodel: {{kind: transformer_lm}}\ndata: {{kind: text, path: '{path}'}}\ntraining: {{steps: 1}}\n"
+        )
         problems = problems_of(text, roots)
         assert "data.path" in problems, path
     spec = load_job_spec(text.replace("missing", "corpus"), roots=roots)

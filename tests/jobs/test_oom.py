@@ -13,7 +13,8 @@ def advice(**sections: object) -> str:
 def test_advice_follows_the_expected_savings() -> None:
     assert advice().startswith("set offload.enable_model_cpu_offload: true")
     assert advice(offload={"enable_model_cpu_offload": True}).startswith(
-        "set offload.enable_optimizer_cpu_offload: true")
+        "set offload.enable_optimizer_cpu_offload: true"
+    )
     both = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
     assert advice(offload={**both, "gpu_memory_budget": "1GiB"}).startswith("lower offload.gpu_memory_budget")
     assert advice(offload={**both, "prefetch": 3}).startswith("lower offload.prefetch")
@@ -23,5 +24,6 @@ def test_advice_follows_the_expected_savings() -> None:
 
 def test_message_quotes_the_error() -> None:
     message = oom_message(spec_from(TOY), 4, RuntimeError("CUDA out of memory. Tried to allocate 1 GiB\nmore"))
-    assert message.startswith("device out of memory at step 5: CUDA out of memory. Tried to allocate 1 GiB. "
-                              "To fit: set")
+    assert message.startswith(
+        "device out of memory at step 5: CUDA out of memory. Tried to allocate 1 GiB. To fit: set"
+    )

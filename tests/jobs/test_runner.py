@@ -17,9 +17,23 @@ from jobs import JobOutcome, OutOfMemoryHint, PathRoots, list_checkpoints, run_j
 from jobs.data import build_data
 from tests.jobs.helpers import TINY_LM, TOY, assert_same_weights, final_weights, merged, spec_from
 
-STEP_KEYS = {"type", "step", "total_steps", "loss", "lr", "samples_per_s", "tokens_per_s", "elapsed_s", "eta_s",
-             "device_allocated_bytes", "device_reserved_bytes", "device_peak_bytes", "host_rss_bytes",
-             "pinned_bytes", "offload"}
+STEP_KEYS = {
+    "type",
+    "step",
+    "total_steps",
+    "loss",
+    "lr",
+    "samples_per_s",
+    "tokens_per_s",
+    "elapsed_s",
+    "eta_s",
+    "device_allocated_bytes",
+    "device_reserved_bytes",
+    "device_peak_bytes",
+    "host_rss_bytes",
+    "pinned_bytes",
+    "offload",
+}
 OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
 
 
@@ -64,8 +78,11 @@ def test_loss_goes_down_and_lr_follows_the_schedule(tmp_path: Path) -> None:
     assert steps[-1]["lr"] < steps[5]["lr"]
 
 
-@pytest.mark.parametrize("offload", [{}, {"enable_model_cpu_offload": True}, OFFLOAD_BOTH],
-                         ids=["no-offload", "model-offload", "optimizer-offload"])
+@pytest.mark.parametrize(
+    "offload",
+    [{}, {"enable_model_cpu_offload": True}, OFFLOAD_BOTH],
+    ids=["no-offload", "model-offload", "optimizer-offload"],
+)
 def test_offload_trains_the_same_weights_on_cpu(tmp_path: Path, offload: dict) -> None:
     run(TOY, tmp_path / "plain")
     run(merged(TOY, offload=offload), tmp_path / "offloaded")
@@ -79,8 +96,9 @@ def test_gradient_accumulation_with_optimizer_offload_trains_the_same_weights(tm
     assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
 
 
-@pytest.mark.parametrize("offload", [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH],
-                         ids=["model-offload", "optimizer-offload"])
+@pytest.mark.parametrize(
+    "offload", [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH], ids=["model-offload", "optimizer-offload"]
+)
 def test_lora_through_the_engine_trains_the_same_adapters(tmp_path: Path, roots: PathRoots, offload: dict) -> None:
     data = merged(TINY_LM, lora={"target_modules": ["to_q", "to_v"], "rank": 4}, training={"steps": 4})
     run(data, tmp_path / "plain", roots)
@@ -118,8 +136,12 @@ def interrupted_then_resumed(data: dict[str, Any], out: Path, roots: PathRoots |
 
 @pytest.mark.parametrize("offload", [{}, OFFLOAD_BOTH], ids=["no-offload", "optimizer-offload"])
 def test_resume_is_exact_for_full_training(tmp_path: Path, offload: dict) -> None:
-    data = merged(TOY, offload=offload, checkpoint={"every_steps": 5},
-                  training={"scheduler": {"kind": "cosine", "warmup_steps": 2}, "max_grad_norm": 1.0})
+    data = merged(
+        TOY,
+        offload=offload,
+        checkpoint={"every_steps": 5},
+        training={"scheduler": {"kind": "cosine", "warmup_steps": 2}, "max_grad_norm": 1.0},
+    )
     run(data, tmp_path / "straight")
     events = interrupted_then_resumed(data, tmp_path / "resumed")
     assert events[0]["resumed_from_step"] == 5
@@ -129,9 +151,13 @@ def test_resume_is_exact_for_full_training(tmp_path: Path, offload: dict) -> Non
 
 def test_resume_is_exact_for_lora_with_dropout_on_text(tmp_path: Path, roots: PathRoots) -> None:
     # Dropout draws from the RNG and the text order is shuffled per epoch: both must continue exactly.
-    data = merged(TINY_LM, lora={"target_modules": ["to_q", "to_v", "mlp.net.0"], "rank": 4, "dropout": 0.1},
-                  offload={"enable_model_cpu_offload": True}, checkpoint={"every_steps": 5},
-                  training={"gradient_accumulation_steps": 2})
+    data = merged(
+        TINY_LM,
+        lora={"target_modules": ["to_q", "to_v", "mlp.net.0"], "rank": 4, "dropout": 0.1},
+        offload={"enable_model_cpu_offload": True},
+        checkpoint={"every_steps": 5},
+        training={"gradient_accumulation_steps": 2},
+    )
     run(data, tmp_path / "straight", roots)
     interrupted_then_resumed(data, tmp_path / "resumed", roots)
     assert_same_weights(final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed"))
@@ -147,7 +173,7 @@ from jobs import load_job_spec, run_job
 def report(event):
     if event["type"] == "checkpoint" and event["step"] == 5:
         os.kill(os.getpid(), signal.SIGKILL)
-run_job(load_job_spec({json.dumps(json.dumps(data))}), output_dir={str(tmp_path / 'resumed')!r}, report=report)
+run_job(load_job_spec({json.dumps(json.dumps(data))}), output_dir={str(tmp_path / "resumed")!r}, report=report)
 """
     child = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
     assert child.returncode == -signal.SIGKILL
@@ -224,16 +250,26 @@ def test_train_step_can_be_called_directly() -> None:
 
     batch = {"x": torch.ones(2, 4)}
     before = model.weight.detach().clone()
-    loss = jobs.runner.train_step(model, lambda m, b: m(b["x"]).pow(2).mean(), [batch, batch], optimizer=optimizer,
-                                  scheduler=scheduler, accelerator=NoAccelerator(), manager=None, max_grad_norm=None,
-                                  device=torch.device("cpu"))
+    loss = jobs.runner.train_step(
+        model,
+        lambda m, b: m(b["x"]).pow(2).mean(),
+        [batch, batch],
+        optimizer=optimizer,
+        scheduler=scheduler,
+        accelerator=NoAccelerator(),
+        manager=None,
+        max_grad_norm=None,
+        device=torch.device("cpu"),
+    )
     assert loss.ndim == 0 and not torch.equal(before, model.weight)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("offload", [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH,
-                                     {**OFFLOAD_BOTH, "granularity": "block", "prefetch": 2}],
-                         ids=["model-offload", "optimizer-offload", "block-prefetch"])
+@pytest.mark.parametrize(
+    "offload",
+    [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH, {**OFFLOAD_BOTH, "granularity": "block", "prefetch": 2}],
+    ids=["model-offload", "optimizer-offload", "block-prefetch"],
+)
 def test_offload_on_cuda_matches_plain_training(tmp_path: Path, offload: dict) -> None:
     data = merged(TOY, device="cuda", model={"hidden_size": 512})
     _, plain = run(data, tmp_path / "plain")

@@ -61,8 +61,15 @@ def test_options_are_validated() -> None:
 
 
 def test_public_names() -> None:
-    for name in ("OffloadTrainingManager", "StaticParamOffloader", "TrainableParamOffloader",
-                 "AlwaysOnGPUParamOffloader", "BufferOffloader", "PinnedArenaPool", "OffloadStats"):
+    for name in (
+        "OffloadTrainingManager",
+        "StaticParamOffloader",
+        "TrainableParamOffloader",
+        "AlwaysOnGPUParamOffloader",
+        "BufferOffloader",
+        "PinnedArenaPool",
+        "OffloadStats",
+    ):
         assert name in offload.__all__
 
 
@@ -78,7 +85,9 @@ def seed_example(device: str, shrink: bool) -> str:
     """The seed's offload example, verbatim but for the import (and, on the CPU, the sizes)."""
     code = SEED_EXAMPLE.read_text(encoding="utf-8")
     assert "from diffsynth.core import OffloadTrainingManager" in code
-    code = code.replace("from diffsynth.core import OffloadTrainingManager", "from offload import OffloadTrainingManager")
+    code = code.replace(
+        "from diffsynth.core import OffloadTrainingManager", "from offload import OffloadTrainingManager"
+    )
     if shrink:
         code = code.replace("4096", "64").replace("512", "16").replace("range(100)", "range(5)")
     return code.replace('"cuda"', f'"{device}"')

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from offload import PinnedArenaPool
@@ -22,8 +24,10 @@ def test_reserve_stays_within_one_chunk_of_the_request_and_beats_per_tensor_roun
     per_tensor = sum(_next_pow2(n * 2) for n in numels)
     largest_chunk = max(c.capacity for c in pool._chunks)
     with capsys.disabled():
-        print(f"\narena: requested {requested / 2**20:.1f} MiB, reserved {pool.reserved_bytes / 2**20:.1f} MiB "
-              f"in {len(pool._chunks)} chunks; per-tensor power-of-two pinning {per_tensor / 2**20:.1f} MiB")
+        print(
+            f"\narena: requested {requested / 2**20:.1f} MiB, reserved {pool.reserved_bytes / 2**20:.1f} MiB "
+            f"in {len(pool._chunks)} chunks; per-tensor power-of-two pinning {per_tensor / 2**20:.1f} MiB"
+        )
     assert requested == sum(n * 2 for n in numels)
     assert pool.reserved_bytes - requested <= largest_chunk
     assert pool.reserved_bytes - requested < (per_tensor - requested) / 4
@@ -31,7 +35,7 @@ def test_reserve_stays_within_one_chunk_of_the_request_and_beats_per_tensor_roun
     # Views are 64-byte aligned, never overlap, and keep their values.
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 2) for v in views)
     assert all(start % ALIGNMENT == 0 for start, _ in spans)
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
     for i, view in enumerate(views):
         view.fill_(i % 100)
     assert all(float(v[0]) == i % 100 and float(v[-1]) == i % 100 for i, v in enumerate(views))

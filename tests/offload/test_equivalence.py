@@ -14,8 +14,11 @@ CASES = [
     pytest.param("adapter", {}, id="adapter"),
     pytest.param("adapter", {"enable_optimizer_cpu_offload": True}, id="adapter-optimizer-offload"),
     pytest.param("full", {"cpu_offload_split_threshold": 0.01}, id="full-split-threshold"),
-    pytest.param("adapter", {"cpu_offload_split_threshold": 0.005, "enable_optimizer_cpu_offload": True},
-                 id="adapter-split-threshold-optimizer-offload"),
+    pytest.param(
+        "adapter",
+        {"cpu_offload_split_threshold": 0.005, "enable_optimizer_cpu_offload": True},
+        id="adapter-split-threshold-optimizer-offload",
+    ),
 ]
 CHECKPOINTING = [None, "non_reentrant", "reentrant"]
 # The fast path (default: side streams, prefetch, last unit kept), whole-block copies, and the seed's
@@ -28,8 +31,9 @@ OPTIONS = [
 ]
 
 
-def assert_same_training(method: str, offload: dict, checkpointing: str | None, device: str, exact: bool,
-                         options: dict) -> None:
+def assert_same_training(
+    method: str, offload: dict, checkpointing: str | None, device: str, exact: bool, options: dict
+) -> None:
     ref_losses, ref_state, _ = train(make_stack(method, checkpointing), device=device)
     offload = {**offload, "options": OffloadOptions(**options)}
     losses, state, _ = train(make_stack(method, checkpointing), offload=offload, device=device)
@@ -48,8 +52,9 @@ def assert_same_training(method: str, offload: dict, checkpointing: str | None, 
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize(("method", "offload"), CASES)
-def test_offload_matches_plain_training_on_cpu(method: str, offload: dict, checkpointing: str | None,
-                                               options: dict) -> None:
+def test_offload_matches_plain_training_on_cpu(
+    method: str, offload: dict, checkpointing: str | None, options: dict
+) -> None:
     assert_same_training(method, offload, checkpointing, device="cpu", exact=True, options=options)
 
 
@@ -57,8 +62,9 @@ def test_offload_matches_plain_training_on_cpu(method: str, offload: dict, check
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize(("method", "offload"), CASES)
-def test_offload_matches_plain_training_on_gpu(method: str, offload: dict, checkpointing: str | None,
-                                               options: dict) -> None:
+def test_offload_matches_plain_training_on_gpu(
+    method: str, offload: dict, checkpointing: str | None, options: dict
+) -> None:
     # The CPU optimizer (optimizer offload) and the GPU one round differently: close, not bitwise.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -23,8 +23,7 @@ OPTIONS = [
 
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant", "reentrant"])
-def test_frozen_weights_are_resident_only_around_their_unit(checkpointing: str | None,
-                                                            options: OffloadOptions) -> None:
+def test_frozen_weights_are_resident_only_around_their_unit(checkpointing: str | None, options: OffloadOptions) -> None:
     model = make_stack("adapter", checkpointing)
     manager = OffloadTrainingManager(model, "cpu", options=options)
     frozen = [o for o in manager._offloaders.values() if isinstance(o, StaticParamOffloader)]
@@ -54,7 +53,8 @@ def test_frozen_weights_are_resident_only_around_their_unit(checkpointing: str |
         assert [o.name for o in frozen if o.resident] == []
         manager.after_backward()
         assert manager.stats().device_bytes == sum(
-            o.nbytes for o in manager._offloaders.values() if o.kind == "always_on_device")
+            o.nbytes for o in manager._offloaders.values() if o.kind == "always_on_device"
+        )
     bound = 0 if options.prefetch == 0 else options.prefetch + 1  # + the unit kept from the last forward
     assert max(extra_units) <= bound
 

@@ -30,19 +30,31 @@ class Server:
 
     def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
         self.data_dir, self.port = data_dir, free_port()
-        self.env = {**os.environ, "FERRY_HOST": "127.0.0.1", "FERRY_PORT": str(self.port),
-                    "FERRY_DATA_DIR": str(data_dir), "FERRY_DEVICES": "cpu", "FERRY_POLL_INTERVAL_S": "0.05",
-                    "FERRY_SHUTDOWN_GRACE_S": "5",
-                    "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
-                    **env}
+        self.env = {
+            **os.environ,
+            "FERRY_HOST": "127.0.0.1",
+            "FERRY_PORT": str(self.port),
+            "FERRY_DATA_DIR": str(data_dir),
+            "FERRY_DEVICES": "cpu",
+            "FERRY_POLL_INTERVAL_S": "0.05",
+            "FERRY_SHUTDOWN_GRACE_S": "5",
+            "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
+            **env,
+        }
         self.process: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> None:
         log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115
         # cwd outside the repo: the server must work from anywhere, with a data dir that does not exist yet.
-        self.process = subprocess.Popen([sys.executable, "-m", "service"], env=self.env, cwd=self.data_dir.parent,
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "service"],
+            env=self.env,
+            cwd=self.data_dir.parent,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"server exited: {self.log_text()[-3000:]}"
@@ -97,8 +109,10 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server shared by the tests that do not need their own (starting one imports torch: seconds)."""
     root = tmp_path_factory.mktemp("ferry")
-    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_DATA_ROOTS": str(root / "datasets"),
-                                    "FERRY_MAX_BODY_BYTES": "65536"})
+    server = Server(
+        root / "data",
+        {"FERRY_API_TOKEN": TOKEN, "FERRY_DATA_ROOTS": str(root / "datasets"), "FERRY_MAX_BODY_BYTES": "65536"},
+    )
     (root / "datasets").mkdir()
     server.start()
     yield server
@@ -111,8 +125,13 @@ def client(server: Server) -> Iterator[httpx.Client]:
         yield c
 
 
-def wait_for(client: httpx.Client, job_id: str, predicate: Callable[[dict[str, Any]], bool],
-             timeout: float = 90.0, interval: float = 0.1) -> dict[str, Any]:
+def wait_for(
+    client: httpx.Client,
+    job_id: str,
+    predicate: Callable[[dict[str, Any]], bool],
+    timeout: float = 90.0,
+    interval: float = 0.1,
+) -> dict[str, Any]:
     """Poll GET /v1/jobs/{id} until ``predicate(job)``."""
     deadline = time.monotonic() + timeout
     while True:

@@ -43,8 +43,12 @@ def test_cpu_job_succeeds_with_ordered_events_progress_and_verified_checkpoints(
     job = submit(client, SMOKE)
     assert job["status"] == "queued" and job["spec"]["training"]["steps"] == 30 and job["spec_text"] == SMOKE
 
-    running = wait_for(client, job["id"], lambda j: j["status"] == "running" and j["progress"]
-                       and j["progress"]["step"] >= 1, interval=0.02)
+    running = wait_for(
+        client,
+        job["id"],
+        lambda j: j["status"] == "running" and j["progress"] and j["progress"]["step"] >= 1,
+        interval=0.02,
+    )
     assert running["worker"] == "cpu0" and running["progress"]["total_steps"] == 30
     assert running["memory"]["host_rss_bytes"] > 0 and "loss" in running["metrics"]
     done = wait_status(client, job["id"], "succeeded", "failed")
@@ -88,9 +92,13 @@ def test_pause_resume_cancel_and_409s(client: httpx.Client) -> None:
     assert client.post(f"/v1/jobs/{waiting['id']}/cancel").json()["status"] == "cancelled"
     assert_409s(client, waiting["id"])
     response = client.delete(f"/v1/jobs/{job['id']}")
-    assert (response.status_code, response.json()["error"]["message"]) == (409, (
-        f"Job {job['id']} is running and cannot be deleted; only a succeeded, failed or cancelled job can be "
-        "deleted. Cancel it first."))
+    assert (response.status_code, response.json()["error"]["message"]) == (
+        409,
+        (
+            f"Job {job['id']} is running and cannot be deleted; only a succeeded, failed or cancelled job can be "
+            "deleted. Cancel it first."
+        ),
+    )
 
     asked = client.post(f"/v1/jobs/{job['id']}/pause")
     assert asked.status_code == 200 and asked.json()["stop_requested"] == "pause"
@@ -114,10 +122,10 @@ def test_pause_resume_cancel_and_409s(client: httpx.Client) -> None:
 def assert_409s(client: httpx.Client, jid: str) -> None:
     expected = {
         "resume": f"Job {jid} is cancelled and cannot be resumed; only a paused, failed or interrupted job can "
-                  "be resumed.",
+        "be resumed.",
         "pause": f"Job {jid} is cancelled and cannot be paused; only a queued or running job can be paused.",
         "cancel": f"Job {jid} is cancelled and cannot be cancelled; only a queued, running, paused or "
-                  "interrupted job can be cancelled.",
+        "interrupted job can be cancelled.",
     }
     for action, message in expected.items():
         response = client.post(f"/v1/jobs/{jid}/{action}")

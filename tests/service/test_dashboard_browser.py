@@ -9,6 +9,7 @@ saying why, when chromium or Playwright is absent.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,8 +26,16 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 SMOKE_SPEC = REPO / "configs" / "cpu_smoke.yaml"
 CHROMIUM = os.environ.get("FERRY_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 LAPTOP = {"width": 1280, "height": 860}
 PHONE = {"width": 390, "height": 844}
 
@@ -167,10 +176,8 @@ def test_smoke_job_from_submit_to_checkpoint_download(page, server: Server, tmp_
     # The worker shows the job it runs (unless the job is already over).
     page.click("nav [data-nav=workers]")
     page.wait_for_selector("#workers .worker")
-    try:
+    with contextlib.suppress(PlaywrightTimeout):
         page.wait_for_selector(f'#workers a[href="#/jobs/{job_id}"]', timeout=20_000)
-    except PlaywrightTimeout:
-        pass
     shot(page, "workers")
 
     # Watch it on the Jobs page: the row changes status in place, no reload.
@@ -243,13 +250,25 @@ def test_without_the_chart_library_the_job_page_says_how_to_install_it(page) -> 
 def test_a_dropped_stream_resumes_from_the_last_event_id(page) -> None:  # type: ignore[no-untyped-def]
     """The client half of resuming: the server's half is tested in the service's SSE tests. The stream
     is cut after three events; the page must reconnect with `Last-Event-ID: 3` and show each event once."""
-    job = {"id": "job-cut", "name": "cut-stream", "status": "running", "spec": {}, "spec_text": "name: cut-stream\n",
-           "progress": {"step": 3, "total_steps": 4, "percent": 75.0, "eta_s": 1.0}}
+    job = {
+        "id": "job-cut",
+        "name": "cut-stream",
+        "status": "running",
+        "spec": {},
+        "spec_text": "name: cut-stream\n",
+        "progress": {"step": 3, "total_steps": 4, "percent": 75.0, "eta_s": 1.0},
+    }
     seen_ids: list[str | None] = []
 
     def event(event_id: int, step: int) -> str:
-        data = {"id": event_id, "job_id": "job-cut", "attempt": 1, "type": "step", "created_at": "2026-01-01T00:00:00Z",
-                "data": {"type": "step", "step": step, "total_steps": 4, "loss": 1.0 / step}}
+        data = {
+            "id": event_id,
+            "job_id": "job-cut",
+            "attempt": 1,
+            "type": "step",
+            "created_at": "2026-01-01T00:00:00Z",
+            "data": {"type": "step", "step": step, "total_steps": 4, "loss": 1.0 / step},
+        }
         return f"id: {event_id}\nevent: step\ndata: {json.dumps(data)}\n\n"
 
     def stream(route) -> None:  # type: ignore[no-untyped-def]
@@ -263,7 +282,9 @@ def test_a_dropped_stream_resumes_from_the_last_event_id(page) -> None:  # type:
         route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
 
     page.route("**/v1/jobs/job-cut/events/stream*", stream)
-    page.route("**/v1/jobs/job-cut/metrics*", lambda r: r.fulfill(json={"data": [], "next_cursor": 0, "has_more": False}))
+    page.route(
+        "**/v1/jobs/job-cut/metrics*", lambda r: r.fulfill(json={"data": [], "next_cursor": 0, "has_more": False})
+    )
     page.route("**/v1/jobs/job-cut/checkpoints", lambda r: r.fulfill(json={"data": []}))
     page.route("**/v1/jobs/job-cut", lambda r: r.fulfill(json=job))
     page.goto("/ui/#/jobs/job-cut")

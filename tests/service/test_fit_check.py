@@ -49,14 +49,18 @@ def test_refusal_lists_the_settings_that_lower_the_peak() -> None:
         refuse_if_it_cannot_fit(spec, estimate_fit(spec, *one_gpu(2 * GIB)), TOY_ON_GPU)
     assert refused.value.status_code == 422 and refused.value.code == "does_not_fit"
     where = [(p["path"], p["line"]) for p in refused.value.problems]
-    assert where == [("offload.enable_model_cpu_offload", None), ("training.gradient_checkpointing", 5),
-                     ("training.batch_size", 5)]
+    assert where == [
+        ("offload.enable_model_cpu_offload", None),
+        ("training.gradient_checkpointing", 5),
+        ("training.batch_size", 5),
+    ]
     assert "?fit_check=false" in refused.value.message
 
 
 def test_with_model_offload_on_the_next_setting_is_named_at_its_line() -> None:
     text = TOY_ON_GPU.replace("training: {steps: 5, batch_size: 512}", "training: {steps: 5, batch_size: 1}") + (
-        "offload:\n  enable_model_cpu_offload: true\n  enable_optimizer_cpu_offload: false\n")
+        "offload:\n  enable_model_cpu_offload: true\n  enable_optimizer_cpu_offload: false\n"
+    )
     spec = load_job_spec(text)
     with pytest.raises(ApiError) as refused:  # a 0.1 GiB GPU: nothing this small fits even with model offload
         refuse_if_it_cannot_fit(spec, estimate_fit(spec, *one_gpu(GIB // 10)), text)
@@ -64,9 +68,11 @@ def test_with_model_offload_on_the_next_setting_is_named_at_its_line() -> None:
     assert where == [("offload.enable_optimizer_cpu_offload", 8), ("training.gradient_checkpointing", 5)]
 
 
-@pytest.mark.parametrize("text, gpu_bytes", [(WITH_OFFLOAD, 2 * GIB), (TOY_ON_GPU, 140 * GIB),
-                                             (TOY_ON_GPU.replace("device: cuda", "device: cpu"), 2 * GIB)],
-                         ids=["offload-fits", "big-gpu", "cpu-job"])
+@pytest.mark.parametrize(
+    "text, gpu_bytes",
+    [(WITH_OFFLOAD, 2 * GIB), (TOY_ON_GPU, 140 * GIB), (TOY_ON_GPU.replace("device: cuda", "device: cpu"), 2 * GIB)],
+    ids=["offload-fits", "big-gpu", "cpu-job"],
+)
 def test_what_fits_or_runs_elsewhere_is_not_refused(text: str, gpu_bytes: int) -> None:
     spec = load_job_spec(text)
     refuse_if_it_cannot_fit(spec, estimate_fit(spec, *one_gpu(gpu_bytes)))
@@ -78,10 +84,10 @@ def test_unknown_gpu_sizes_never_refuse() -> None:
 
 
 def test_submit_refuses_a_job_that_fits_no_gpu_and_queues_it_when_told(
-        make_server: Callable[..., Server], tmp_path: Path) -> None:
+    make_server: Callable[..., Server], tmp_path: Path
+) -> None:
     fake_bin = fake_nvidia_smi(tmp_path / "bin", total_mib=2048)
-    server = make_server(FERRY_DEVICES="auto", PATH=f"{fake_bin}:{os.environ['PATH']}",
-                         FERRY_WARM_START="false")
+    server = make_server(FERRY_DEVICES="auto", PATH=f"{fake_bin}:{os.environ['PATH']}", FERRY_WARM_START="false")
     with server.client() as client:
         assert [w["gpu_name"] for w in client.get("/v1/workers").json()["data"]] == ["Stand-in GPU"]
         refused = client.post("/v1/jobs", content=TOY_ON_GPU, headers={"Content-Type": "application/yaml"})
@@ -90,11 +96,14 @@ def test_submit_refuses_a_job_that_fits_no_gpu_and_queues_it_when_told(
         assert error["code"] == "does_not_fit" and "exceeds the largest GPU here (2.0 GiB)" in error["message"]
         # No offload section in the spec: the problems point at the lines of the sections they belong in.
         assert [(p["path"], p["line"]) for p in error["problems"]] == [
-            ("offload.enable_model_cpu_offload", None), ("training.gradient_checkpointing", 5),
-            ("training.batch_size", 5)]
+            ("offload.enable_model_cpu_offload", None),
+            ("training.gradient_checkpointing", 5),
+            ("training.batch_size", 5),
+        ]
         assert client.get("/v1/jobs").json()["data"] == []
 
-        forced = client.post("/v1/jobs", params={"fit_check": "false"}, content=TOY_ON_GPU,
-                             headers={"Content-Type": "application/yaml"})
+        forced = client.post(
+            "/v1/jobs", params={"fit_check": "false"}, content=TOY_ON_GPU, headers={"Content-Type": "application/yaml"}
+        )
         assert forced.status_code == 201, forced.text
         client.post(f"/v1/jobs/{forced.json()['id']}/cancel")

@@ -21,8 +21,13 @@ training: {steps: 5, batch_size: 8}
 
 def nvidia_smi_uuids() -> dict[str, str]:
     """GPU index (as the service's FERRY_DEVICES numbers them) → UUID, from nvidia-smi."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True,
-                         text=True, check=True, timeout=30).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return dict(tuple(part.strip() for part in line.split(",")) for line in out.strip().splitlines())
 
 

@@ -106,8 +106,8 @@ def test_two_gpu_slots_run_one_job_each_and_the_queue_feeds_the_first_free(
     # Oldest first: the first two start at once, and each of the others just after a slot freed.
     starts = [(n, change) for n, change in enumerate(changes) if change.kind == "start"]
     assert [change.job_id for _, change in starts] == ids
-    assert [change.kind for change in changes[:len(SLOTS)]] == ["start"] * len(SLOTS), changes
-    for n, start in starts[len(SLOTS):]:
+    assert [change.kind for change in changes[: len(SLOTS)]] == ["start"] * len(SLOTS), changes
+    for n, start in starts[len(SLOTS) :]:
         freed = [change.at for change in changes[:n] if change.kind == "end"]
         assert freed and start.at - freed[-1] < REFILL_S, f"{start.job_id} not started as a slot freed: {changes}"
 

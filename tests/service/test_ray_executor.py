@@ -28,8 +28,9 @@ def ray_address() -> Iterator[str]:
     # Ray's workers inherit this environment: they must import `service` and `jobs` as the server does.
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_path) if p)
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 * 1024 * 1024)
+    ray.init(
+        num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 1024 * 1024
+    )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -43,10 +44,18 @@ def ray_address() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def ray_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("ferry-ray")
-    server = Server(root / "data", {"FERRY_API_TOKEN": TOKEN, "FERRY_EXECUTOR": "ray",
-                                    "FERRY_RAY_ADDRESS": ray_address, "FERRY_SHARED_DIR": str(root / "shared"),
-                                    "FERRY_RAY_MAX_JOBS": "1", "FERRY_RAY_CPUS_PER_JOB": "1",
-                                    "FERRY_CANCEL_GRACE_S": "30"})
+    server = Server(
+        root / "data",
+        {
+            "FERRY_API_TOKEN": TOKEN,
+            "FERRY_EXECUTOR": "ray",
+            "FERRY_RAY_ADDRESS": ray_address,
+            "FERRY_SHARED_DIR": str(root / "shared"),
+            "FERRY_RAY_MAX_JOBS": "1",
+            "FERRY_RAY_CPUS_PER_JOB": "1",
+            "FERRY_CANCEL_GRACE_S": "30",
+        },
+    )
     server.start(timeout=90)
     yield server
     server.stop()
@@ -60,6 +69,7 @@ def client(ray_server: Server) -> Iterator[httpx.Client]:
 
 def ray_worker_pid(client: httpx.Client, job_id: str) -> int:
     """The pid of the Ray worker running ``job_id``, once Ray has placed it."""
+
     def placed(_: dict) -> bool:
         workers = client.get("/v1/workers").json()["data"]
         return any(w["job_id"] == job_id and w["pid"] for w in workers)
@@ -68,9 +78,7 @@ def ray_worker_pid(client: httpx.Client, job_id: str) -> int:
     return next(w["pid"] for w in client.get("/v1/workers").json()["data"] if w["job_id"] == job_id)
 
 
-def test_cpu_job_runs_on_ray_to_succeeded_with_events_and_checkpoints(
-    ray_server: Server, client: httpx.Client
-) -> None:
+def test_cpu_job_runs_on_ray_to_succeeded_with_events_and_checkpoints(ray_server: Server, client: httpx.Client) -> None:
     job = submit(client, SMOKE)
     done = wait_status(client, job["id"], "succeeded", "failed", "interrupted", timeout=120)
     assert done["status"] == "succeeded", done["error"]
@@ -107,7 +115,7 @@ def test_cancel_reaches_the_ray_job(client: httpx.Client) -> None:
     assert done["status"] == "cancelled"
     events = all_events(client, job["id"])
     # The job stopped itself between steps (the grace before a kill is 30 s): the request reached it.
-    assert [e["data"] for e in events if e["type"] == "finished"][0]["status"] == "cancelled"
+    assert next(e["data"] for e in events if e["type"] == "finished")["status"] == "cancelled"
     assert events[-1]["data"]["reason"] == "the job cancelled"
 
 
@@ -140,7 +148,13 @@ def test_killed_ray_worker_interrupts_the_job_which_resumes_from_its_checkpoint(
     assert job["retries"] == 1
     events = all_events(client, job_id)
     assert [e["data"]["status"] for e in events if e["type"] == "status"] == [
-        "queued", "running", "interrupted", "queued", "running", "succeeded"]
+        "queued",
+        "running",
+        "interrupted",
+        "queued",
+        "running",
+        "succeeded",
+    ]
     interrupted = next(e for e in events if e["data"].get("status") == "interrupted")
     assert interrupted["data"]["reason"].startswith("the job ended without finishing: its Ray worker died")
     resumed_from = [e["data"]["resumed_from_step"] for e in events if e["type"] == "started"]
@@ -153,8 +167,16 @@ def test_killed_ray_worker_interrupts_the_job_which_resumes_from_its_checkpoint(
 def test_a_killed_server_takes_its_ray_jobs_down_and_the_next_server_resumes_them(
     ray_server: Server, tmp_path: Path
 ) -> None:
-    env = {key: ray_server.env[key] for key in ("FERRY_API_TOKEN", "FERRY_EXECUTOR", "FERRY_RAY_ADDRESS",
-                                                "FERRY_RAY_MAX_JOBS", "FERRY_RAY_CPUS_PER_JOB")}
+    env = {
+        key: ray_server.env[key]
+        for key in (
+            "FERRY_API_TOKEN",
+            "FERRY_EXECUTOR",
+            "FERRY_RAY_ADDRESS",
+            "FERRY_RAY_MAX_JOBS",
+            "FERRY_RAY_CPUS_PER_JOB",
+        )
+    }
     env["FERRY_SHARED_DIR"] = str(tmp_path / "shared")
     first = Server(tmp_path / "data", env)
     first.start(timeout=90)

@@ -52,7 +52,13 @@ def test_sigkilled_job_resumes_after_restart_and_ends_with_the_same_weights(
 
         events = all_events(client, victim)
         assert [e["data"]["status"] for e in events if e["type"] == "status"] == [
-            "queued", "running", "interrupted", "queued", "running", "succeeded"]
+            "queued",
+            "running",
+            "interrupted",
+            "queued",
+            "running",
+            "succeeded",
+        ]
         interrupted = next(e for e in events if e["data"].get("status") == "interrupted")
         assert interrupted["data"]["reason"] == f"the server restarted and the job's process (pid {pid}) was gone"
         resumed_from = [e["data"]["resumed_from_step"] for e in events if e["type"] == "started"]

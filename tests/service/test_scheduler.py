@@ -113,7 +113,10 @@ def test_failed_and_paused_outcomes(store: JobStore, tmp_path: Path) -> None:
     scheduler.tick()
     failed = store.get_job("fails")
     assert (failed.status, failed.error_code, failed.error_message) == (
-        JobStatus.FAILED, "out_of_memory", "set offload.x: true")
+        JobStatus.FAILED,
+        "out_of_memory",
+        "set offload.x: true",
+    )
     assert store.get_job("pauses").status is JobStatus.PAUSED
 
 

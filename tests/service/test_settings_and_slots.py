@@ -34,29 +34,40 @@ def test_roots_come_from_a_comma_separated_variable(monkeypatch: pytest.MonkeyPa
 
 
 def test_serve_command_refuses_public_host_without_token() -> None:
-    result = subprocess.run([sys.executable, "-m", "service", "--host", "0.0.0.0"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "--host", "0.0.0.0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "ferry: FERRY_HOST=0.0.0.0 is not a loopback address and no FERRY_API_TOKEN is set; set "
-        "FERRY_API_TOKEN to a long random string, or bind FERRY_HOST=127.0.0.1")
+        "FERRY_API_TOKEN to a long random string, or bind FERRY_HOST=127.0.0.1"
+    )
 
 
-@pytest.mark.parametrize(("devices", "gpus", "expected"), [
-    ("auto", GPUS, [Slot("gpu0", "0"), Slot("gpu1", "1")]),
-    ("auto", [], [Slot("cpu0", None)]),
-    ("1", GPUS, [Slot("gpu1", "1")]),
-    ("cpu", GPUS, [Slot("cpu0", None)]),
-])
+@pytest.mark.parametrize(
+    ("devices", "gpus", "expected"),
+    [
+        ("auto", GPUS, [Slot("gpu0", "0"), Slot("gpu1", "1")]),
+        ("auto", [], [Slot("cpu0", None)]),
+        ("1", GPUS, [Slot("gpu1", "1")]),
+        ("cpu", GPUS, [Slot("cpu0", None)]),
+    ],
+)
 def test_one_slot_per_gpu_or_a_cpu_slot(devices: str, gpus: list[GpuInfo], expected: list[Slot]) -> None:
     assert plan_slots(Settings(devices=devices, _env_file=None), gpus) == expected
 
 
 def test_a_gpu_index_nvidia_smi_does_not_list_is_refused() -> None:
     problem = unlisted_devices_problem(Settings(devices="0,5", _env_file=None), GPUS)
-    assert problem == ("FERRY_DEVICES='0,5' names GPU 5, which nvidia-smi does not list (it lists 0, 1); use "
-                       "those indices, 'auto' for all of them, or 'cpu'")
+    assert problem == (
+        "FERRY_DEVICES='0,5' names GPU 5, which nvidia-smi does not list (it lists 0, 1); use "
+        "those indices, 'auto' for all of them, or 'cpu'"
+    )
     assert unlisted_devices_problem(Settings(devices="1", _env_file=None), GPUS) is None
     assert unlisted_devices_problem(Settings(devices="0,1", _env_file=None), []) is None  # no nvidia-smi here
 
@@ -84,6 +95,12 @@ def test_shared_dir_holds_job_outputs_and_default_roots_while_the_queue_stays_lo
 
 def test_the_service_imports_ray_only_when_the_ray_executor_is_chosen() -> None:
     code = "import sys, service.app; assert 'ray' not in sys.modules, 'ray imported'"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "FERRY_EXECUTOR": "local"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "FERRY_EXECUTOR": "local"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -26,8 +26,10 @@ def add(store: JobStore, job_id: str = "job-1", **kw) -> str:
 def force(store: JobStore, job_id: str, status: JobStatus) -> None:
     """Put a job into ``status`` through legal transitions only."""
     paths = {
-        JobStatus.QUEUED: [], JobStatus.RUNNING: [JobStatus.RUNNING],
-        JobStatus.PAUSED: [JobStatus.PAUSED], JobStatus.CANCELLED: [JobStatus.CANCELLED],
+        JobStatus.QUEUED: [],
+        JobStatus.RUNNING: [JobStatus.RUNNING],
+        JobStatus.PAUSED: [JobStatus.PAUSED],
+        JobStatus.CANCELLED: [JobStatus.CANCELLED],
         JobStatus.SUCCEEDED: [JobStatus.RUNNING, JobStatus.SUCCEEDED],
         JobStatus.FAILED: [JobStatus.RUNNING, JobStatus.FAILED],
         JobStatus.INTERRUPTED: [JobStatus.RUNNING, JobStatus.INTERRUPTED],
@@ -57,8 +59,10 @@ def test_illegal_transition_says_why(store: JobStore) -> None:
     force(store, add(store), JobStatus.SUCCEEDED)
     with pytest.raises(IllegalTransition) as error:
         store.cancel("job-1")
-    assert str(error.value) == ("Job job-1 is succeeded and cannot be cancelled; only a queued, running, paused "
-                                "or interrupted job can be cancelled.")
+    assert str(error.value) == (
+        "Job job-1 is succeeded and cannot be cancelled; only a queued, running, paused "
+        "or interrupted job can be cancelled."
+    )
 
 
 def test_every_transition_is_recorded_as_an_event_in_order(store: JobStore) -> None:
@@ -106,8 +110,9 @@ def test_delete_only_finished_jobs(store: JobStore) -> None:
 
 def test_queue_limit_and_idempotency_keys(store: JobStore) -> None:
     add(store, "job-1", idempotency_key="k", request_sha256="a", max_queued=2)
-    job, created = store.create_job(job_id="job-2", name="n", spec_text="", spec={}, idempotency_key="k",
-                                    request_sha256="a", max_queued=2)
+    job, created = store.create_job(
+        job_id="job-2", name="n", spec_text="", spec={}, idempotency_key="k", request_sha256="a", max_queued=2
+    )
     assert (job.id, created) == ("job-1", False)
     with pytest.raises(IdempotencyConflict):
         add(store, "job-3", idempotency_key="k", request_sha256="b")

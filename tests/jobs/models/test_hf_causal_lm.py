@@ -25,8 +25,15 @@ TINY_HF = {
 def save_tiny_llama(directory: Path) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
@@ -39,8 +46,12 @@ def test_lora_adapter_trains_and_reloads_with_peft(tmp_path: Path, roots: PathRo
     model_dir = save_tiny_llama(roots.model_roots[0] / "tiny-llama")
     outcome = run_job(spec_from(TINY_HF, roots), output_dir=tmp_path / "out")
     checkpoint = Path(outcome.checkpoint)
-    assert {p.name for p in checkpoint.iterdir()} == {"adapter_model.safetensors", "adapter_config.json",
-                                                       "training_state.pt", "manifest.json"}
+    assert {p.name for p in checkpoint.iterdir()} == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "training_state.pt",
+        "manifest.json",
+    }
     config = json.loads((checkpoint / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(model_dir) and config["r"] == 4
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["task_type"] == "CAUSAL_LM"
@@ -62,8 +73,12 @@ def test_lora_adapter_trains_and_reloads_with_peft(tmp_path: Path, roots: PathRo
 
 def test_full_fine_tuning_of_an_hf_model_without_offload(tmp_path: Path, roots: PathRoots) -> None:
     save_tiny_llama(roots.model_roots[0] / "tiny-llama")
-    data = merged(TINY_HF, lora=None, offload={"enable_model_cpu_offload": False},
-                  training={"gradient_checkpointing": False, "steps": 2})
+    data = merged(
+        TINY_HF,
+        lora=None,
+        offload={"enable_model_cpu_offload": False},
+        training={"gradient_checkpointing": False, "steps": 2},
+    )
     data.pop("lora")
     outcome = run_job(spec_from(data, roots), output_dir=tmp_path)
     weights = load_file(str(Path(outcome.checkpoint) / "model.safetensors"))

@@ -13,8 +13,9 @@ from jobs.models.names import builtin_module_names
 from jobs.spec import TransformerLMSpec
 from tests.jobs.helpers import TINY_LM, merged, spec_from
 
-SPEC = TransformerLMSpec(kind="transformer_lm", vocab_size=260, hidden_size=16, num_layers=2, num_heads=2,
-                         max_seq_len=8)
+SPEC = TransformerLMSpec(
+    kind="transformer_lm", vocab_size=260, hidden_size=16, num_layers=2, num_heads=2, max_seq_len=8
+)
 
 
 def test_loss_and_logits() -> None:
@@ -54,7 +55,11 @@ def test_module_names_follow_the_seed_lora_targets() -> None:
 def test_weights_from_a_safetensors_file(tmp_path: Path, roots: PathRoots) -> None:
     source, _ = build_model(SPEC, seed=3)
     save_file(source.state_dict(), str(roots.model_roots[0] / "lm.safetensors"))
-    spec = spec_from(merged(TINY_LM, model={**SPEC.model_dump(exclude={"weights"}), "weights": "lm.safetensors"},
-                            data={"seq_len": 8}), roots)
+    spec = spec_from(
+        merged(
+            TINY_LM, model={**SPEC.model_dump(exclude={"weights"}), "weights": "lm.safetensors"}, data={"seq_len": 8}
+        ),
+        roots,
+    )
     loaded, _ = build_model(spec.model, seed=0)
     assert torch.equal(loaded.lm_head.weight, source.lm_head.weight)
