@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jobs.spec import JobSpec
+from offload import parse_bytes
 
 
 def oom_advice(spec: JobSpec) -> str:
@@ -28,6 +29,17 @@ def oom_advice(spec: JobSpec) -> str:
 
 
 def oom_message(spec: JobSpec, step: int, error: BaseException) -> str:
-    """The message of the OutOfMemoryHint raised in place of a CUDA out-of-memory error."""
+    """The message of the OutOfMemoryHint raised in place of a CUDA out-of-memory error.
+
+    Under ``offload.gpu_memory_limit`` the message says so first: the card may have room, the limit did not,
+    so raising the limit is one of the ways out.
+    """
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"device out of memory at step {step + 1}: {first_line}. To fit: {oom_advice(spec)}."
+    limit = spec.offload.gpu_memory_limit
+    if limit is None:
+        return f"device out of memory at step {step + 1}: {first_line}. To fit: {oom_advice(spec)}."
+    return (
+        f"device out of memory at step {step + 1} under offload.gpu_memory_limit={limit} "
+        f"({parse_bytes(limit) / 2**30:.2f} GiB for this process): {first_line}. To fit: {oom_advice(spec)}, "
+        f"or raise offload.gpu_memory_limit."
+    )

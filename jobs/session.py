@@ -20,7 +20,7 @@ from jobs.optim import build_optimizer, build_scheduler
 from jobs.spec import JobSpec
 from jobs.training_state import load_training_state, restore_rng
 from jobs.weights import load_trainable
-from offload import OffloadOptions, OffloadTrainingManager
+from offload import OffloadOptions, OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,11 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     device = resolve_device(spec.device)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=training.mixed_precision)
     device = accelerator.device
+    # Before anything is allocated on the device, with or without offload: the job behaves as on a card of
+    # this size (the engine re-applies the same limit, so a manager used alone enforces it too).
+    limit = parse_bytes(spec.offload.gpu_memory_limit, name="offload.gpu_memory_limit")
+    if limit is not None:
+        set_gpu_memory_limit(device, limit, name="offload.gpu_memory_limit")
     torch.manual_seed(training.seed)
     random.seed(training.seed)
 
@@ -98,6 +103,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
                 prefetch=spec.offload.prefetch,
                 granularity=spec.offload.granularity,
                 gpu_memory_budget=spec.offload.gpu_memory_budget,
+                gpu_memory_limit=limit,
             ),
         )
     else:
@@ -160,3 +166,5 @@ def close_session(session: TrainingSession | None) -> None:
     if torch.cuda.is_available():
         gc.collect()  # hooks and closures form reference cycles that can hold device tensors
         torch.cuda.empty_cache()
+        if session is not None:
+            set_gpu_memory_limit(session.device, None)  # the job's limit ends with the job

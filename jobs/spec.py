@@ -191,13 +191,31 @@ class OffloadSpec(Section):
     prefetch: int = Field(1, ge=0, description="units copied ahead; 0 = the seed's serialized behaviour")
     granularity: Literal["leaf", "block"] = "leaf"
     gpu_memory_budget: int | str | None = Field(None, description="bytes or e.g. '8GiB'; null = stream all")
+    gpu_memory_limit: int | str | None = Field(
+        None, description="bytes or e.g. '24GiB': the job's process may use no more device memory; null = the GPU"
+    )
 
-    @field_validator("gpu_memory_budget")
+    @field_validator("gpu_memory_budget", "gpu_memory_limit")
     @classmethod
-    def _check_budget(cls, value: int | str | None) -> int | str | None:
-        if value is not None and not parse_bytes(value, name="offload.gpu_memory_budget"):
+    def _check_size(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
+        if value is not None and not parse_bytes(value, name=f"offload.{info.field_name}"):
             raise ValueError("must be a positive size, e.g. '8GiB'")
         return value
+
+    @model_validator(mode="after")
+    def _check_budget_below_limit(self) -> OffloadSpec:
+        budget, limit = parse_bytes(self.gpu_memory_budget), parse_bytes(self.gpu_memory_limit)
+        if budget and limit and budget >= limit:
+            raise broken_rules(
+                [
+                    (
+                        "gpu_memory_budget",
+                        f"must be below offload.gpu_memory_limit ({self.gpu_memory_limit}): the resident "
+                        f"weights count against the limit; got {self.gpu_memory_budget}",
+                    )
+                ]
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_optimizer_offload_needs_model_offload(self) -> OffloadSpec:

@@ -7,6 +7,7 @@ Example:
 """
 
 from offload.arena import PinnedArenaPool
+from offload.devices import set_gpu_memory_limit
 from offload.manager import OffloadTrainingManager
 from offload.offloaders import (
     AlwaysOnGPUParamOffloader,
@@ -32,4 +33,5 @@ __all__ = [
     "TrainableParamOffloader",
     "discover_units",
     "parse_bytes",
+    "set_gpu_memory_limit",
 ]

@@ -49,3 +49,38 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type != "cpu":
         getattr(torch, device.type).synchronize()
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes; ``None`` for the CPU (no separate device memory)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def set_gpu_memory_limit(
+    device: torch.device, limit_bytes: int | None, *, name: str = "gpu_memory_limit"
+) -> int | None:
+    """Hold this process to ``limit_bytes`` of ``device`` memory, as if the card were that small.
+
+    Enforced by the CUDA caching allocator (``torch.cuda.set_per_process_memory_fraction``): an allocation
+    that would take the process's reserved memory past the limit fails with an out-of-memory error, even
+    when the card has room. The CUDA context itself (~0.5 GiB) is outside the allocator and not counted.
+    ``None`` lifts the limit. Returns the limit in force (``None`` on the CPU, where it means nothing).
+
+    Raises:
+        ValueError: when ``limit_bytes`` exceeds the device's memory (naming both and the fix).
+    """
+    total = device_memory_bytes(device)
+    if total is None:
+        return None
+    if limit_bytes is None:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return None
+    if limit_bytes > total:
+        raise ValueError(
+            f"{name} ({limit_bytes / 2**30:.2f} GiB) exceeds {device}'s memory "
+            f"({total / 2**30:.2f} GiB); lower it or leave it unset to use the whole device"
+        )
+    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, device)
+    return limit_bytes

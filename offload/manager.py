@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from offload.arena import PinnedArenaPool
-from offload.devices import can_pin_memory, resolve_target_device, synchronize
+from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.flat import FlatGroup
 from offload.offloaders import (
     AlwaysOnGPUParamOffloader,
@@ -66,6 +66,10 @@ class OffloadTrainingManager:
         self.options = options if options is not None else OffloadOptions()
         self.enable_optimizer_cpu_offload = enable_optimizer_cpu_offload
         _check_model(model)
+        # Before the first device allocation, so nothing the engine holds is ever above the limit.
+        self._previous_limit = _memory_fraction(self.device)
+        if self.options.gpu_memory_limit is not None:
+            set_gpu_memory_limit(self.device, self.options.gpu_memory_limit)
         threshold = _threshold_bytes(cpu_offload_split_threshold)
         self.model = model
         self._stats = StatsCounter()
@@ -233,6 +237,8 @@ class OffloadTrainingManager:
             offloader.detach()
         self._offloaders.clear()
         self.units = []
+        if self._previous_limit is not None:
+            torch.cuda.set_per_process_memory_fraction(self._previous_limit, self.device)
         return self.model
 
     def __repr__(self) -> str:
@@ -256,6 +262,14 @@ def _check_model(model: nn.Module) -> None:
                 f"model tensor {name!r} is on {tensor.device}; the manager expects the model on the CPU "
                 "(call model.to('cpu') before creating OffloadTrainingManager)"
             )
+
+
+def _memory_fraction(device: torch.device) -> float | None:
+    """The process's current memory fraction on ``device`` (restored by ``remove``); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return getter(device) if getter is not None else 1.0
 
 
 def _threshold_bytes(threshold_mb: float | None) -> int | None:

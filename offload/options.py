@@ -50,6 +50,10 @@ class OffloadOptions:
             ``"block"`` groups each repeated block (e.g. a transformer layer) into one unit and one copy.
         gpu_memory_budget: device bytes the engine may keep resident (``int`` or ``"8GiB"``). Units that
             fit stay on the device and are never copied again; ``None`` streams everything.
+        gpu_memory_limit: device bytes this process may use in all (``int`` or ``"24GiB"``), enforced through
+            the CUDA caching allocator, so training behaves as on a smaller card or leaves room for other
+            processes on a shared one. The engine checks its device memory plan against it at setup.
+            ``None``: the whole device.
         pin_memory: keep host copies in page-locked memory (fast, asynchronous copies). Falls back to
             ordinary memory when no accelerator exists.
     """
@@ -57,6 +61,7 @@ class OffloadOptions:
     prefetch: int = 1
     granularity: str = "leaf"
     gpu_memory_budget: int | str | None = None
+    gpu_memory_limit: int | str | None = None
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -65,3 +70,11 @@ class OffloadOptions:
         if self.granularity not in ("leaf", "block"):
             raise ValueError(f"granularity must be 'leaf' or 'block'; got {self.granularity!r}")
         self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
+        self.gpu_memory_limit = parse_bytes(self.gpu_memory_limit, name="gpu_memory_limit")
+        if self.gpu_memory_limit == 0:
+            raise ValueError("gpu_memory_limit must be a positive size such as '24GiB' (or None for the whole device)")
+        if self.gpu_memory_limit and self.gpu_memory_budget and self.gpu_memory_budget >= self.gpu_memory_limit:
+            raise ValueError(
+                f"gpu_memory_budget ({self.gpu_memory_budget} bytes) must be below gpu_memory_limit "
+                f"({self.gpu_memory_limit} bytes): the budget's resident weights are part of the limit"
+            )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import psutil
 
 from jobs import JobSpec, estimate_memory, line_of
+from offload import parse_bytes
 
 from .devices import GpuInfo, Slot
 from .errors import ApiError
@@ -14,9 +15,14 @@ GIB = 2**30
 
 
 def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEstimate:
-    """Does the job fit every worker it could be given? On CPU workers device and pinned memory are host RAM."""
+    """Does the job fit every worker it could be given? On CPU workers device and pinned memory are host RAM.
+
+    A GPU's usable memory is the smaller of its size and ``offload.gpu_memory_limit`` (the job's process is
+    held to the limit however large the card is).
+    """
     estimate = estimate_memory(spec)
     host_free = psutil.virtual_memory().available
+    limit = parse_bytes(spec.offload.gpu_memory_limit)
     by_index = {gpu.index: gpu for gpu in gpus}
     devices = []
     for slot in slots:
@@ -25,8 +31,11 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
         else:
             gpu = by_index.get(slot.device)
             total = gpu.memory_total_bytes if gpu else None
-            fits = None if total is None else estimate.peak_device_bytes <= total
-        devices.append(DeviceFit(worker=slot.id, device=slot.device, memory_total_bytes=total, fits=fits))
+            usable = limit if total is None else min(total, limit or total)
+            fits = None if total is None else estimate.peak_device_bytes <= usable
+        devices.append(
+            DeviceFit(worker=slot.id, device=slot.device, memory_total_bytes=total, memory_limit_bytes=limit, fits=fits)
+        )
     host_fits = estimate.pinned_host_bytes <= host_free
     verdicts = [d.fits for d in devices]
     fits = None if None in verdicts else (all(verdicts) and host_fits)
@@ -35,6 +44,7 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
         pinned_host_bytes=estimate.pinned_host_bytes,
         notes=list(estimate.notes),
         host_available_bytes=host_free,
+        host_total_bytes=psutil.virtual_memory().total,
         fits=fits,
         devices=devices,
     )
@@ -48,15 +58,25 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> 
     for the CPU never do, and ``?fit_check=false`` queues it anyway (the estimate can be wrong). Each
     problem carries the line of its setting in ``text`` (the spec as submitted), or of its section.
     """
+    refuse_if_beyond_the_host(spec, fit, text)
     gpu_verdicts = [d.fits for d in fit.devices if d.device is not None]
     if spec.device == "cpu" or not gpu_verdicts or any(v is not False for v in gpu_verdicts):
         return
     largest = max(d.memory_total_bytes or 0 for d in fit.devices if d.device is not None)
-    message = (
-        f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds the largest GPU here "
-        f"({largest / GIB:.1f} GiB)"
-    )
+    limit = parse_bytes(spec.offload.gpu_memory_limit)
+    if limit is not None and limit < largest:
+        message = (
+            f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds offload.gpu_memory_limit "
+            f"({spec.offload.gpu_memory_limit} = {limit / GIB:.1f} GiB; the largest GPU here has {largest / GIB:.1f} GiB)"
+        )
+    else:
+        message = (
+            f"the estimated peak of {fit.peak_device_bytes / GIB:.1f} GiB exceeds the largest GPU here "
+            f"({largest / GIB:.1f} GiB)"
+        )
     fixes = _fixes(spec)
+    if limit is not None and limit < largest:
+        fixes.append(("offload.gpu_memory_limit", f"at least {fit.peak_device_bytes / GIB:.1f}GiB", "or unset it"))
     problems = [
         {
             "path": path,
@@ -73,6 +93,35 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> 
         + " ".join(f"Set {path}: {value} ({why})." for path, value, why in fixes)
         + " Submit with ?fit_check=false to queue it anyway.",
         problems=problems,
+    )
+
+
+def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str = "") -> None:
+    """Raise 422 ``does_not_fit`` when the pinned host copies alone exceed this machine's memory.
+
+    Page-locked memory cannot be swapped out: such a job would die building its arena (or take the host
+    down with it), whatever GPU it gets.
+    """
+    if fit.pinned_host_bytes <= fit.host_total_bytes:
+        return
+    message = (
+        f"the offload engine's pinned host copies need {fit.pinned_host_bytes / GIB:.1f} GiB but this machine "
+        f"has {fit.host_total_bytes / GIB:.1f} GiB of memory"
+    )
+    path = "model"
+    raise ApiError(
+        422,
+        "does_not_fit",
+        f"The job cannot fit in this host's memory: {message}. Use a smaller model or a host with more "
+        "memory. Submit with ?fit_check=false to queue it anyway.",
+        problems=[
+            {
+                "path": path,
+                "message": f"{message}; use a smaller model or a host with more memory",
+                "line": line_of(text, path) if text else None,
+                "suggestion": None,
+            }
+        ],
     )
 
 

@@ -197,6 +197,7 @@ class DeviceFit(BaseModel):
     worker: str
     device: str | None
     memory_total_bytes: int | None
+    memory_limit_bytes: int | None = None  # offload.gpu_memory_limit: the job may use no more of the GPU
     fits: bool | None
 
 
@@ -205,6 +206,7 @@ class FitEstimate(BaseModel):
     pinned_host_bytes: int
     notes: list[str]
     host_available_bytes: int
+    host_total_bytes: int = 0
     fits: bool | None  # None when the service cannot tell (GPU sizes unknown)
     devices: list[DeviceFit]
 

@@ -97,8 +97,10 @@ def create_job(
 
 
 def _check_fit(spec: JobSpec, text: str, slots: list[Slot], gpus: list[GpuInfo]) -> None:
-    if spec.device == "cpu" or all(slot.device is None for slot in slots):
-        return  # only a GPU job on GPU workers can be refused: spare the estimate (it builds the model on meta)
+    gpu_job = spec.device != "cpu" and any(slot.device is not None for slot in slots)
+    if not gpu_job and not spec.offload.enable_model_cpu_offload:
+        # Only a GPU job on GPU workers, or one that pins its weights, can be refused: spare the estimate.
+        return
     try:
         fit = estimate_fit(spec, slots, gpus)
     except Exception:

@@ -151,3 +151,15 @@ def test_schema_is_json_and_forbids_extra_keys() -> None:
 def test_jobs_never_imports_fastapi() -> None:
     code = "import sys, jobs, jobs.cli; assert 'fastapi' not in sys.modules, 'fastapi imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gpu_memory_limit_sizes() -> None:
+    data = {**TOY, "offload": {"enable_model_cpu_offload": True, "gpu_memory_limit": "24GiB"}}
+    assert spec_from(data).offload.gpu_memory_limit == "24GiB"
+    for bad in ("lots", 0):
+        data["offload"]["gpu_memory_limit"] = bad
+        with pytest.raises(JobSpecError, match="offload.gpu_memory_limit"):
+            spec_from(data)
+    data["offload"].update(gpu_memory_limit="8GiB", gpu_memory_budget="8GiB")
+    with pytest.raises(JobSpecError, match=r"offload.gpu_memory_budget.*must be below offload.gpu_memory_limit"):
+        spec_from(data)

@@ -27,3 +27,13 @@ def test_message_quotes_the_error() -> None:
     assert message.startswith(
         "device out of memory at step 5: CUDA out of memory. Tried to allocate 1 GiB. To fit: set"
     )
+
+
+def test_message_under_a_limit_names_it() -> None:
+    spec = spec_from(merged(TOY, offload={"enable_model_cpu_offload": True, "gpu_memory_limit": "24GiB"}))
+    message = oom_message(spec, 0, RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert message.startswith(
+        "device out of memory at step 1 under offload.gpu_memory_limit=24GiB (24.00 GiB for this process)"
+    )
+    assert message.endswith("or raise offload.gpu_memory_limit.")
+    assert "set offload.enable_optimizer_cpu_offload: true" in message

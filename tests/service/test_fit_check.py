@@ -107,3 +107,46 @@ def test_submit_refuses_a_job_that_fits_no_gpu_and_queues_it_when_told(
         )
         assert forced.status_code == 201, forced.text
         client.post(f"/v1/jobs/{forced.json()['id']}/cancel")
+
+
+def test_the_limit_not_the_card_decides() -> None:
+    text = TOY_ON_GPU + "offload: {gpu_memory_limit: 1GiB}\n"
+    spec = load_job_spec(text)
+    fit = estimate_fit(spec, *one_gpu(140 * GIB))
+    assert fit.devices[0].memory_limit_bytes == GIB and fit.fits is False
+    with pytest.raises(ApiError) as refused:
+        refuse_if_it_cannot_fit(spec, fit, text)
+    assert "exceeds offload.gpu_memory_limit (1GiB = 1.0 GiB; the largest GPU here has 140.0 GiB)" in (
+        refused.value.message
+    )
+    assert refused.value.problems[-1]["path"] == "offload.gpu_memory_limit"
+    assert refused.value.problems[-1]["line"] == 6
+    # the same job on the whole card fits
+    assert estimate_fit(load_job_spec(TOY_ON_GPU), *one_gpu(140 * GIB)).fits is True
+
+
+def test_pinned_copies_beyond_the_host_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from jobs import PathRoots
+    from service import fit as fit_module
+
+    class SmallHost:
+        total = available = 2 * GIB
+
+    monkeypatch.setattr(fit_module.psutil, "virtual_memory", lambda: SmallHost())
+    (tmp_path / "data.txt").write_text("hello")
+    text = """name: big
+device: cuda
+model: {kind: transformer_lm, hidden_size: 4096, num_layers: 8, num_heads: 32, dtype: bfloat16}
+data: {kind: text, path: data.txt}
+training: {steps: 1}
+offload: {enable_model_cpu_offload: true, enable_optimizer_cpu_offload: true}
+"""
+    spec = load_job_spec(text, roots=PathRoots(model_roots=[tmp_path], data_roots=[tmp_path]))
+    fit = estimate_fit(spec, *one_gpu(140 * GIB))
+    assert fit.pinned_host_bytes > 2 * GIB
+    with pytest.raises(ApiError) as refused:
+        refuse_if_it_cannot_fit(spec, fit, text)
+    assert refused.value.code == "does_not_fit"
+    assert f"pinned host copies need {fit.pinned_host_bytes / GIB:.1f} GiB" in refused.value.message
+    assert "this machine has 2.0 GiB of memory" in refused.value.message
+    assert refused.value.problems[0]["path"] == "model" and refused.value.problems[0]["line"] == 3
