@@ -1,8 +1,8 @@
 """A fit check before queueing: peak device memory and pinned host memory, without loading any weight.
 
 The model is built on the meta device (shapes only) and the offload engine's own unit discovery cuts it
-into units, so the streaming window is the engine's, not a guess. Activations follow per-layer formulas
-for the built-in models (and Llama-style blocks for Hugging Face models). The device number is what
+into units, so the streaming window is the engine's, not a guess. Activations follow the model family's
+own formula (``ModelFamily.activation_bytes``, e.g. per-layer terms for decoder LMs). The device number is what
 ``torch.cuda.max_memory_allocated`` should report; the CUDA context (~0.5 GiB) and allocator slack come on
 top of it in ``nvidia-smi``.
 """
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from jobs.models.names import lora_target_matches, meta_model
+from jobs.models.names import lora_target_matches
+from jobs.models.registry import family_of
 from jobs.spec import JobSpec
 from offload import discover_units, parse_bytes
 from offload.arena import _align, plan_chunk_size
@@ -54,7 +55,7 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
     optimizer_state = _OPTIMIZER_STATES[spec.training.optimizer] * trainable
     # torch's foreach Adam(W) step allocates one temporary the size of the trainable weights.
     step_temp = trainable if spec.training.optimizer != "sgd" else 0
-    activations = _activation_bytes(spec, model)
+    activations = family_of(spec.model).activation_bytes(spec, model)
     notes = [f"weights {_gib(total)}, trainable {_gib(trainable)}, activations {_gib(activations)}"]
 
     if not offload.enable_model_cpu_offload:
@@ -92,14 +93,7 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
 
 
 def _shapes_only_model(spec: JobSpec) -> nn.Module:
-    dtype = getattr(torch, spec.model.dtype)
-    if spec.model.kind != "hf_causal_lm":
-        return meta_model(spec.model).to(dtype)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(spec.model.path), local_files_only=True, trust_remote_code=False)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config).to(dtype)
+    return family_of(spec.model).meta_model(spec.model).to(getattr(torch, spec.model.dtype))
 
 
 def _tensor_bytes(tensors: object) -> int:
@@ -150,38 +144,6 @@ def _streaming_window(model: nn.Module, spec: JobSpec, streamed: set[int]) -> in
     # Under full fine-tuning with optimizer offload a unit's gradients sit on the device until copied out.
     grads = max(units) if spec.lora is None and spec.offload.enable_optimizer_cpu_offload else 0
     return window + kept + grads
-
-
-def _activation_bytes(spec: JobSpec, model: nn.Module) -> int:
-    training = spec.training
-    half = training.mixed_precision != "no" or spec.model.dtype != "float32"
-    e = 2 if half else 4
-    if spec.model.kind == "toy_mlp":
-        n, h, layers = training.batch_size, spec.model.hidden_size, spec.model.num_layers
-        # Saved per layer: the norm's input and output (the Linear's input); the residual sum is the next
-        # layer's input. Then the prediction, target and difference of the float32 loss.
-        return n * h * (e * (2 * layers + 1) + 4 * 3)
-    h, i, layers, vocab, per_layer = _lm_dims(spec, model)
-    n = training.batch_size * spec.data.seq_len
-    layer = n * (per_layer[0] * h + per_layer[1] * i) * e
-    if training.gradient_checkpointing:  # each block's input is kept; its recompute and backward come one at a time
-        kept, block_backward = layers * n * h * e, 2 * layer
-    else:
-        kept, block_backward = layers * layer, layer
-    # The loss: logits, their float32 copy and log-softmax. They are gone before the blocks' backward starts,
-    # so the peak is the larger of the two phases on top of what is kept (measured on an H200 for the 6.7B
-    # LoRA config: 4.12 GB against 4.60 estimated; adding both phases gave 5.73).
-    logits = n * vocab * (e + 8)
-    return kept + max(logits, block_backward) + 4 * n * h * e  # + embeddings and final norm
-
-
-def _lm_dims(spec: JobSpec, model: nn.Module) -> tuple[int, int, int, int, tuple[int, int]]:
-    if spec.model.kind == "transformer_lm":
-        m = spec.model
-        return m.hidden_size, m.intermediate_size or 4 * m.hidden_size, m.num_layers, m.vocab_size, (9, 2)
-    config = model.config
-    h = config.hidden_size
-    return h, getattr(config, "intermediate_size", 4 * h), config.num_hidden_layers, config.vocab_size, (10, 4)
 
 
 def _pinned_bytes(model: nn.Module, spec: JobSpec, streamed: set[int]) -> int:

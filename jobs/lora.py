@@ -14,20 +14,21 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, *, causal_lm: bool) -> PeftModel:
+def apply_lora(model: nn.Module, spec: LoraSpec, *, task_type: str | None) -> PeftModel:
     """Freeze ``model`` and wrap it with LoRA adapters on ``spec.target_modules``.
 
     Args:
         model: The CPU base model.
         spec: The lora section.
-        causal_lm: A Hugging Face causal LM (records ``task_type`` so AutoPeftModelForCausalLM loads it).
+        task_type: peft's task type from the model family (``CAUSAL_LM`` lets AutoPeftModelForCausalLM
+            load the adapter), or None.
     """
     config = LoraConfig(
         r=spec.rank,
         lora_alpha=spec.alpha or spec.rank,
         lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules),
-        task_type="CAUSAL_LM" if causal_lm else None,
+        task_type=task_type,
     )
     return get_peft_model(model, config)
 

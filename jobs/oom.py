@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jobs.models.registry import family_of
 from jobs.spec import JobSpec
 from offload import parse_bytes
 
@@ -9,14 +10,14 @@ from offload import parse_bytes
 def oom_advice(spec: JobSpec) -> str:
     """The first setting, in order of expected saving, that is not yet used."""
     offload, training = spec.offload, spec.training
-    lm = spec.model.kind != "toy_mlp"
+    family = family_of(spec.model)
     if not offload.enable_model_cpu_offload:
         return "set offload.enable_model_cpu_offload: true to keep the weights on the CPU and stream them"
     if offload.gpu_memory_budget is not None:
         return f"lower offload.gpu_memory_budget (now {offload.gpu_memory_budget}) or remove it to stream every unit"
     if spec.lora is None and not offload.enable_optimizer_cpu_offload:
         return "set offload.enable_optimizer_cpu_offload: true to keep trainable weights and optimizer state on the CPU"
-    if lm and not training.gradient_checkpointing:
+    if family.enable_gradient_checkpointing is not None and not training.gradient_checkpointing:
         return "set training.gradient_checkpointing: true to recompute activations instead of keeping them"
     if not offload.enable_optimizer_cpu_offload:
         return "set offload.enable_optimizer_cpu_offload: true to keep trainable weights and optimizer state on the CPU"
@@ -24,8 +25,7 @@ def oom_advice(spec: JobSpec) -> str:
         return f"lower offload.prefetch (now {offload.prefetch}) so fewer units are on the device at once"
     if training.batch_size > 1:
         return f"lower training.batch_size (now {training.batch_size})"
-    what = "data.seq_len" if lm else "model.hidden_size"
-    return f"every offload setting is on and the batch is 1; lower {what}"
+    return f"every offload setting is on and the batch is 1; lower {family.shrink_hint}"
 
 
 def oom_message(spec: JobSpec, step: int, error: BaseException) -> str:

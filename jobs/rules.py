@@ -1,23 +1,30 @@
-"""Rules that span spec sections. Each returns the problems it finds so all are reported together."""
+"""Rules that span spec sections. Each returns the problems it finds so all are reported together.
+
+Per-family knowledge (which data a model trains on, its LoRA names, gradient checkpointing, extra rules)
+comes from the model's registry entry (jobs/models/registry.py), never from a ``kind ==`` branch here.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobs.models.names import builtin_module_names, lora_target_matches
+from jobs.models.family import Problem
+from jobs.models.names import lora_target_matches
+from jobs.models.registry import family_of
 
 if TYPE_CHECKING:
     from jobs.spec import JobSpec
 
-Problem = tuple[str, str]  # (dotted path, message)
-BYTE_VOCAB = 257
-_DATA_FOR_MODEL = {"toy_mlp": "synthetic_regression", "transformer_lm": "text", "hf_causal_lm": "text"}
-
 
 def _check_data_fits_model(spec: JobSpec) -> list[Problem]:
-    wanted = _DATA_FOR_MODEL[spec.model.kind]
-    if spec.data.kind != wanted:
-        return [("data.kind", f"model.kind={spec.model.kind} trains on data.kind={wanted}; got {spec.data.kind}")]
+    wanted = family_of(spec.model).data_kinds
+    if spec.data.kind not in wanted:
+        return [
+            (
+                "data.kind",
+                f"model.kind={spec.model.kind} trains on data.kind={' or '.join(wanted)}; got {spec.data.kind}",
+            )
+        ]
     return []
 
 
@@ -27,25 +34,12 @@ def _check_epochs_need_finite_data(spec: JobSpec) -> list[Problem]:
     return []
 
 
-def _check_tokenizer_fits_vocab(spec: JobSpec) -> list[Problem]:
-    if spec.model.kind != "transformer_lm" or spec.data.kind != "text":
-        return []
-    problems = []
-    if spec.data.tokenizer.kind == "byte" and spec.model.vocab_size < BYTE_VOCAB:
-        problems.append(
-            ("model.vocab_size", f"the byte tokenizer needs vocab_size >= {BYTE_VOCAB}; got {spec.model.vocab_size}")
-        )
-    if spec.data.seq_len > spec.model.max_seq_len:
-        problems.append(
-            ("data.seq_len", f"must be <= model.max_seq_len ({spec.model.max_seq_len}); got {spec.data.seq_len}")
-        )
-    return problems
-
-
 def _check_lora_targets_exist(spec: JobSpec) -> list[Problem]:
-    if spec.lora is None or spec.model.kind == "hf_causal_lm":  # an HF model's names are known only on load
+    if spec.lora is None:
         return []
-    names = builtin_module_names(spec.model)
+    names = family_of(spec.model).lora_target_names(spec.model)
+    if names is None:  # e.g. a Hugging Face model: its names are known only once loaded
+        return []
     missing = [t for t in spec.lora.target_modules if not any(lora_target_matches(n, t) for n in names)]
     if missing:
         examples = ", ".join(sorted({_without_block_index(n) for n in names})[:12])
@@ -65,8 +59,8 @@ def _without_block_index(name: str) -> str:
 
 
 def _check_checkpointing_supported(spec: JobSpec) -> list[Problem]:
-    if spec.training.gradient_checkpointing and spec.model.kind == "toy_mlp":
-        return [("training.gradient_checkpointing", "toy_mlp does not support it; set it to false")]
+    if spec.training.gradient_checkpointing and family_of(spec.model).enable_gradient_checkpointing is None:
+        return [("training.gradient_checkpointing", f"{spec.model.kind} does not support it; set it to false")]
     return []
 
 
@@ -86,7 +80,6 @@ def _check_warmup_fits_steps(spec: JobSpec) -> list[Problem]:
 RULES = (
     _check_data_fits_model,
     _check_epochs_need_finite_data,
-    _check_tokenizer_fits_vocab,
     _check_lora_targets_exist,
     _check_checkpointing_supported,
     _check_precision_fits_device,
@@ -96,4 +89,5 @@ RULES = (
 
 def cross_section_problems(spec: JobSpec) -> list[Problem]:
     """Every cross-section problem of ``spec``; empty when the combination is valid."""
-    return [problem for rule in RULES for problem in rule(spec)]
+    family_rules = family_of(spec.model).rules
+    return [problem for rule in (*RULES, *family_rules) for problem in rule(spec)]

@@ -20,7 +20,6 @@ from jobs.session import TrainingSession, close_session, open_session
 from jobs.spec import JobSpec
 from jobs.telemetry import StepClock, device_identity, step_event
 from jobs.training_state import save_training_state
-from jobs.weights import save_trainable
 from offload import OffloadTrainingManager
 
 log = logging.getLogger(__name__)
@@ -198,7 +197,7 @@ def _save(
     session: TrainingSession, resolved: dict[str, Any], output_dir: Path, step: int, accumulation: int, keep_last: int
 ) -> CheckpointInfo:
     def write(directory: Path) -> None:
-        save_trainable(session.model, directory)
+        session.family.weights_format.save(session.model, directory)
         save_training_state(
             directory,
             step=step,

@@ -15,11 +15,10 @@ from torch import nn
 
 from jobs.checkpoint import CheckpointInfo, latest_valid_checkpoint
 from jobs.data import BatchSource, build_data
-from jobs.models import LossFn, build_model, enable_gradient_checkpointing
+from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.optim import build_optimizer, build_scheduler
 from jobs.spec import JobSpec
 from jobs.training_state import load_training_state, restore_rng
-from jobs.weights import load_trainable
 from offload import OffloadOptions, OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
@@ -41,6 +40,7 @@ class TrainingSession:
     total_steps: int
     start_step: int
     resumed_from: CheckpointInfo | None
+    family: ModelFamily  # the model's registry entry: how its weights are checkpointed
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -76,18 +76,22 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     torch.manual_seed(training.seed)
     random.seed(training.seed)
 
+    family = family_of(spec.model)
     model, loss_fn = build_model(spec.model, training.seed)
     if training.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, spec.model)
     if spec.lora is not None:
         from jobs.lora import apply_lora  # peft is slow to import; only LoRA jobs need it
 
-        model = apply_lora(model, spec.lora, causal_lm=spec.model.kind == "hf_causal_lm")
+        model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
-        load_trainable(model, Path(checkpoint.path))  # before the engine takes the weights over
+        family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
     data, vocab = build_data(
-        spec.data, batch_size=training.batch_size, seed=training.seed, width=getattr(spec.model, "hidden_size", None)
+        spec.data,
+        batch_size=training.batch_size,
+        seed=training.seed,
+        width=family.synthetic_width(spec.model) if family.synthetic_width else None,
     )
     _check_vocab_fits(model, vocab)
     model.train()
@@ -140,6 +144,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         steps,
         start_step,
         checkpoint,
+        family,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -46,3 +48,22 @@ def load_trainable(model: nn.Module, directory: Path) -> None:
             f"{sorted(trainable - set(state))[:5]}, unexpected {sorted(set(state) - trainable)[:5]}"
         )
     model.load_state_dict(state, strict=False)
+
+
+@dataclass(frozen=True)
+class WeightsFormat:
+    """How a model family writes its trainable weights into a checkpoint directory and reads them back.
+
+    Attributes:
+        name: Shown in docs and logs, e.g. ``trainable_safetensors``.
+        save: ``save(model, directory)``; runs while the engine may hold the weights (copy to the CPU).
+        load: ``load(model, directory)`` into a freshly built CPU model, before the engine attaches.
+    """
+
+    name: str
+    save: Callable[[nn.Module, Path], None]
+    load: Callable[[nn.Module, Path], None]
+
+
+# LoRA adapters in peft's layout, else every trainable tensor in one model.safetensors.
+TRAINABLE_SAFETENSORS = WeightsFormat("trainable_safetensors", save_trainable, load_trainable)

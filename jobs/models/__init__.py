@@ -1,42 +1,39 @@
-"""Models chosen by ``model.kind``. Each builder returns a CPU model; the runner decides where it goes."""
+"""Models chosen by ``model.kind``, one `ModelFamily` each (jobs/models/registry.py lists them).
+
+Each builder returns a CPU model; the runner decides where it goes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
 from torch import nn
 
-from jobs.models.hf_causal_lm import build_hf_causal_lm
-from jobs.models.toy_mlp import ToyMLP, build_toy_mlp, toy_loss
-from jobs.models.transformer_lm import TransformerLM, build_transformer_lm, lm_loss
-
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
-
-# kind -> (builder(spec, seed) -> CPU model, loss(model, batch) -> scalar)
-MODELS: dict[str, tuple[Callable[..., nn.Module], LossFn]] = {
-    "toy_mlp": (build_toy_mlp, toy_loss),
-    "transformer_lm": (build_transformer_lm, lm_loss),
-    "hf_causal_lm": (build_hf_causal_lm, lm_loss),
-}
+from jobs.models.family import LossFn, ModelFamily
+from jobs.models.registry import FAMILIES, family_of
+from jobs.models.toy_mlp import ToyMLP
+from jobs.models.transformer_lm import TransformerLM
 
 
 def build_model(spec: object, seed: int) -> tuple[nn.Module, LossFn]:
     """Build ``spec`` (a model section) on the CPU; return it with its loss function."""
-    builder, loss_fn = MODELS[spec.kind]
-    return builder(spec, seed), loss_fn
+    family = family_of(spec)
+    return family.build(spec, seed), family.loss
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Turn on activation checkpointing (non-reentrant, which LoRA's frozen inputs need)."""
-    if isinstance(model, TransformerLM):
-        model.gradient_checkpointing = True
-    elif hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        raise ValueError(f"training.gradient_checkpointing is not supported for {type(model).__name__}")
+def enable_gradient_checkpointing(model: nn.Module, spec: object) -> None:
+    """Turn on activation checkpointing for ``model`` built from the model section ``spec``."""
+    enable = family_of(spec).enable_gradient_checkpointing
+    if enable is None:  # refused at submit time by rules.py; a programmatic caller gets the same words
+        raise ValueError(f"training.gradient_checkpointing is not supported for model.kind={family_of(spec).kind}")
+    enable(model)
 
 
-__all__ = ["MODELS", "LossFn", "ToyMLP", "TransformerLM", "build_model", "enable_gradient_checkpointing"]
+__all__ = [
+    "FAMILIES",
+    "LossFn",
+    "ModelFamily",
+    "ToyMLP",
+    "TransformerLM",
+    "build_model",
+    "enable_gradient_checkpointing",
+    "family_of",
+]

@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
 import torch
+from pydantic import ValidationInfo, field_validator
 from torch import nn
 
-from jobs.spec import HFCausalLMSpec
+from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
+from jobs.models.family import ModelFamily
+from jobs.models.transformer_lm import lm_loss
+from jobs.sections import Dtype, Section, confined_path
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
+
+
+class HFCausalLMSpec(Section):
+    """A Hugging Face causal LM from a local directory (``config.json`` + safetensors); no remote code."""
+
+    kind: Literal["hf_causal_lm"]
+    path: Path
+    dtype: Dtype = "bfloat16"
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "model")
 
 
 def build_hf_causal_lm(spec: HFCausalLMSpec, seed: int) -> nn.Module:
@@ -18,3 +41,49 @@ def build_hf_causal_lm(spec: HFCausalLMSpec, seed: int) -> nn.Module:
     )
     model.config.use_cache = False  # a KV cache is useless in training and costs memory
     return model
+
+
+def meta_hf_causal_lm(spec: HFCausalLMSpec) -> nn.Module:
+    """The model's shapes on the meta device, from its ``config.json`` alone (no weight is read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
+    """Llama-style blocks (gated MLP, RMSNorm, rotary embeddings), sized from the model's config."""
+    config: Any = model.config
+    h = config.hidden_size
+    dims = DecoderDims(
+        h, getattr(config, "intermediate_size", 4 * h), config.num_hidden_layers, config.vocab_size, (10, 4)
+    )
+    return decoder_activation_bytes(spec, dims)
+
+
+def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing (LoRA's frozen inputs need it), under either transformers name."""
+    enable: Any
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        enable = model.activation_checkpointing_enable
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        enable = model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError(f"training.gradient_checkpointing is not supported for {type(model).__name__}")
+
+
+FAMILY = ModelFamily(
+    kind="hf_causal_lm",
+    spec=HFCausalLMSpec,
+    build=build_hf_causal_lm,
+    loss=lm_loss,
+    data_kinds=("text",),
+    meta_model=meta_hf_causal_lm,
+    activation_bytes=hf_activation_bytes,
+    lora_target_names=lambda spec: None,  # a Hugging Face model's module names are known only once loaded
+    peft_task_type="CAUSAL_LM",
+    enable_gradient_checkpointing=enable_hf_gradient_checkpointing,
+)

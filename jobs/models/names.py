@@ -1,30 +1,20 @@
-"""Module names of the built-in models, known without allocating weights (for spec checks and estimates)."""
+"""Module names of a model family, known without allocating weights (for spec checks and estimates)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from jobs.spec import ToyMLPSpec, TransformerLMSpec
+from jobs.models.registry import family_of
 
 
-def meta_model(spec: ToyMLPSpec | TransformerLMSpec) -> nn.Module:
-    """The built-in model on the meta device: shapes and names, no memory."""
-    from jobs.models.toy_mlp import ToyMLP
-    from jobs.models.transformer_lm import TransformerLM
-
-    with torch.device("meta"):
-        if spec.kind == "toy_mlp":
-            return ToyMLP(spec.hidden_size, spec.num_layers)
-        return TransformerLM(spec)
+def meta_model(spec: object) -> nn.Module:
+    """The model of a ``model:`` section on the meta device: shapes and names, no memory."""
+    return family_of(spec).meta_model(spec)
 
 
-def builtin_module_names(spec: ToyMLPSpec | TransformerLMSpec) -> list[str]:
-    """Names of the Linear modules of a built-in model (the ones LoRA can target)."""
-    return [name for name, module in meta_model(spec).named_modules() if isinstance(module, nn.Linear)]
+def builtin_module_names(spec: object) -> list[str]:
+    """Names of the Linear modules LoRA can target (empty when known only once the model is loaded)."""
+    return family_of(spec).lora_target_names(spec) or []
 
 
 def lora_target_matches(module_name: str, target: str) -> bool:

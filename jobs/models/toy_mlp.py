@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
-from jobs.spec import ToyMLPSpec
+from jobs.models.family import ModelFamily, activation_element_size, linear_module_names
+from jobs.sections import Dtype, Section
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
+
+
+class ToyMLPSpec(Section):
+    """The seed's toy model: ``num_layers`` residual blocks of LayerNorm + Linear(hidden, hidden)."""
+
+    kind: Literal["toy_mlp"]
+    hidden_size: int = Field(4096, gt=0)
+    num_layers: int = Field(10, gt=0)
+    dtype: Dtype = "float32"
 
 
 class ToyMLP(nn.Module):
@@ -32,3 +48,31 @@ def toy_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean squared error of the prediction against ``y`` (computed in float32)."""
     prediction = model(batch["x"])
     return nn.functional.mse_loss(prediction.float(), batch["y"].float())
+
+
+def meta_toy_mlp(spec: ToyMLPSpec) -> ToyMLP:
+    """The model's shapes on the meta device."""
+    with torch.device("meta"):
+        return ToyMLP(spec.hidden_size, spec.num_layers)
+
+
+def toy_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
+    """Saved per layer: the norm's input and output (the Linear's input); the residual sum is the next
+    layer's input. Then the prediction, target and difference of the float32 loss."""
+    assert isinstance(spec.model, ToyMLPSpec)
+    n, h, layers = spec.training.batch_size, spec.model.hidden_size, spec.model.num_layers
+    return n * h * (activation_element_size(spec) * (2 * layers + 1) + 4 * 3)
+
+
+FAMILY = ModelFamily(
+    kind="toy_mlp",
+    spec=ToyMLPSpec,
+    build=build_toy_mlp,
+    loss=toy_loss,
+    data_kinds=("synthetic_regression",),
+    meta_model=meta_toy_mlp,
+    activation_bytes=toy_activation_bytes,
+    lora_target_names=lambda spec: linear_module_names(meta_toy_mlp(spec)),
+    shrink_hint="model.hidden_size",
+    synthetic_width=lambda spec: spec.hidden_size,
+)

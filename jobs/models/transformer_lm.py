@@ -8,14 +8,50 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from jobs.spec import TransformerLMSpec
+from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
+from jobs.models.family import ModelFamily, Problem, linear_module_names
+from jobs.sections import Dtype, Section, broken_rules, confined_path
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
+
+BYTE_VOCAB = 257  # the built-in byte tokenizer's vocabulary (jobs/data/tokenizers.py)
+
+
+class TransformerLMSpec(Section):
+    """A GPT-style decoder built in; from a few thousand to several billion parameters."""
+
+    kind: Literal["transformer_lm"]
+    vocab_size: int = Field(32000, gt=0)
+    hidden_size: int = Field(768, gt=0)
+    num_layers: int = Field(12, gt=0)
+    num_heads: int = Field(12, gt=0)
+    intermediate_size: int | None = Field(None, gt=0, description="default: 4 * hidden_size")
+    max_seq_len: int = Field(1024, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    weights: Path | None = Field(None, description="safetensors file under a model root; random init if null")
+    dtype: Dtype = "float32"
+
+    @field_validator("weights")
+    @classmethod
+    def _confine_weights(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "model")
+
+    @model_validator(mode="after")
+    def _check_heads_divide_hidden(self) -> TransformerLMSpec:
+        if self.hidden_size % self.num_heads:
+            raise broken_rules([("num_heads", f"must divide hidden_size ({self.hidden_size}); got {self.num_heads}")])
+        return self
 
 
 class Attention(nn.Module):
@@ -137,3 +173,52 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Next-token loss; works for TransformerLM and Hugging Face causal LMs (with or without peft)."""
     output = model(input_ids=batch["input_ids"], labels=batch["labels"])
     return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def meta_transformer_lm(spec: TransformerLMSpec) -> TransformerLM:
+    """The model's shapes on the meta device."""
+    with torch.device("meta"):
+        return TransformerLM(spec)
+
+
+def transformer_lm_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
+    """The built-in GPT-style block keeps 9 hidden-wide and 2 intermediate-wide tensors per token."""
+    m = spec.model
+    assert isinstance(m, TransformerLMSpec)
+    dims = DecoderDims(m.hidden_size, m.intermediate_size or 4 * m.hidden_size, m.num_layers, m.vocab_size, (9, 2))
+    return decoder_activation_bytes(spec, dims)
+
+
+def _check_tokenizer_fits_vocab(spec: JobSpec) -> list[Problem]:
+    model, data = spec.model, spec.data
+    if not isinstance(model, TransformerLMSpec) or data.kind != "text":
+        return []
+    problems = []
+    if data.tokenizer.kind == "byte" and model.vocab_size < BYTE_VOCAB:
+        problems.append(
+            ("model.vocab_size", f"the byte tokenizer needs vocab_size >= {BYTE_VOCAB}; got {model.vocab_size}")
+        )
+    if data.seq_len > model.max_seq_len:
+        problems.append(("data.seq_len", f"must be <= model.max_seq_len ({model.max_seq_len}); got {data.seq_len}"))
+    return problems
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    # Under LoRA the TransformerLM sits inside peft's wrappers.
+    for module in model.modules():
+        if isinstance(module, TransformerLM):
+            module.gradient_checkpointing = True
+
+
+FAMILY = ModelFamily(
+    kind="transformer_lm",
+    spec=TransformerLMSpec,
+    build=build_transformer_lm,
+    loss=lm_loss,
+    data_kinds=("text",),
+    meta_model=meta_transformer_lm,
+    activation_bytes=transformer_lm_activation_bytes,
+    lora_target_names=lambda spec: linear_module_names(meta_transformer_lm(spec)),
+    enable_gradient_checkpointing=_enable_gradient_checkpointing,
+    rules=(_check_tokenizer_fits_vocab,),
+)

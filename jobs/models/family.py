@@ -1,0 +1,81 @@
+"""`ModelFamily`: everything Ferry knows about one kind of model, in one registry entry.
+
+Like torchtitan's ``TrainSpec``, an entry bundles what the rest of the code would otherwise learn through
+``if kind == ...`` branches: the spec section, how to build the model and its loss, which data it trains
+on, how the fit check sizes it (shapes-only model, activation formula), which names LoRA can target, how
+gradient checkpointing is switched on, and how its trainable weights are written into a checkpoint.
+Entries are listed in jobs/models/registry.py; docs/model-families.md shows how to add one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from jobs.sections import Section
+from jobs.weights import TRAINABLE_SAFETENSORS, WeightsFormat
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
+
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+Problem = tuple[str, str]  # (dotted path in the job spec, message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """One model family: its spec section and every per-family decision the jobs package makes.
+
+    Attributes:
+        kind: The ``model.kind`` value that selects it; equal to ``spec``'s ``kind`` literal.
+        spec: The pydantic section of ``model:`` (a `Section` with ``kind: Literal[<kind>]``).
+        build: ``build(model_spec, seed) -> nn.Module`` on the CPU in the spec's dtype.
+        loss: ``loss(model, batch) -> scalar tensor`` for one micro-batch.
+        data_kinds: The ``data.kind`` values it trains on (the first is named in the error).
+        meta_model: ``meta_model(model_spec) -> nn.Module`` on the meta device (shapes and names, no
+            memory): what the fit check and LoRA target check look at. May read a config file.
+        activation_bytes: ``activation_bytes(job_spec, meta_model) -> int``: bytes of activations kept
+            for backward at the peak of one micro-batch (the fit check's only per-family formula).
+        lora_target_names: ``names(model_spec) -> list[str] | None``: the Linear modules LoRA may
+            target, checked at submit time; None when they are known only once the model is loaded.
+        peft_task_type: peft's ``task_type`` for LoRA (``"CAUSAL_LM"`` lets peft's Auto classes load it).
+        enable_gradient_checkpointing: Turns activation checkpointing on for a built model; None when
+            the family does not support it (``training.gradient_checkpointing: true`` is then refused).
+        weights_format: How a checkpoint stores and reloads the trainable weights.
+        rules: Extra cross-section checks for this family, each returning its (path, message) problems.
+        shrink_hint: The setting the out-of-memory advice names when every offload setting is on.
+        synthetic_width: ``width(model_spec)`` of synthetic regression inputs, for families trained on it.
+    """
+
+    kind: str
+    spec: type[Section]
+    build: Callable[[Any, int], nn.Module]
+    loss: LossFn
+    data_kinds: tuple[str, ...]
+    meta_model: Callable[[Any], nn.Module]
+    activation_bytes: Callable[[JobSpec, nn.Module], int]
+    lora_target_names: Callable[[Any], list[str] | None]
+    peft_task_type: str | None = None
+    enable_gradient_checkpointing: Callable[[nn.Module], None] | None = None
+    weights_format: WeightsFormat = TRAINABLE_SAFETENSORS
+    rules: tuple[Callable[[JobSpec], list[Problem]], ...] = ()
+    shrink_hint: str = "data.seq_len"
+    synthetic_width: Callable[[Any], int] | None = None
+
+    def __post_init__(self) -> None:
+        declared = self.spec.model_fields["kind"].annotation
+        assert getattr(declared, "__args__", (None,))[0] == self.kind, f"{self.spec.__name__}.kind != {self.kind!r}"
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Names of the Linear modules of ``model`` (the ones LoRA can target)."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def activation_element_size(spec: JobSpec) -> int:
+    """Bytes per activation element: 2 under mixed precision or a half-precision model, else 4."""
+    return 2 if spec.training.mixed_precision != "no" or getattr(spec.model, "dtype", "float32") != "float32" else 4

@@ -1,0 +1,45 @@
+"""The registry of model families: ``model.kind`` → `ModelFamily` (see jobs/models/family.py).
+
+Adding a family is one new file and one line here:
+
+1. ``jobs/models/my_family.py`` defines the spec section (``class MyFamilySpec(Section)`` with
+   ``kind: Literal["my_family"]``), the builder, loss and fit-check formula, and ``FAMILY = ModelFamily(...)``.
+2. Import it below and add ``my_family.FAMILY`` to ``FAMILIES``.
+
+Nothing else changes: ``model:`` in the job spec accepts the new kind (the union is built from this list),
+the submit-time rules, the fit check, LoRA, gradient checkpointing and checkpoints all look the family up.
+docs/model-families.md walks through an example.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+from pydantic import Field
+
+from jobs.models import hf_causal_lm, toy_mlp, transformer_lm
+from jobs.models.family import ModelFamily
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.kind: family
+    for family in (
+        toy_mlp.FAMILY,
+        transformer_lm.FAMILY,
+        hf_causal_lm.FAMILY,
+    )
+}
+
+
+def family_of(model: Any) -> ModelFamily:
+    """The family of a ``model:`` section (or of its ``kind`` string)."""
+    kind = model if isinstance(model, str) else model.kind
+    try:
+        return FAMILIES[kind]
+    except KeyError:
+        raise ValueError(f"model.kind '{kind}' is not a registered family (one of: {', '.join(FAMILIES)})") from None
+
+
+def model_spec_annotation() -> Any:
+    """``model:``'s type: the union of every family's spec section, told apart by ``kind``."""
+    specs = tuple(family.spec for family in FAMILIES.values())
+    return Annotated[Union[specs], Field(discriminator="kind")]  # noqa: UP007 (a runtime-built union)
