@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from offload.arena import ALIGNMENT, PinnedArenaPool
+from offload.layout import shaped_like
 from offload.offloaders import StaticParamOffloader
 from offload.transfers import CopyEngine, PendingCopy
 
@@ -40,7 +41,7 @@ class FlatGroup:
 
     def host_view(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """The slot for the ``index``-th tensor inside the span."""
-        return _view(self.span, self.offsets[index], tensor.shape, tensor.dtype)
+        return shaped_like(_view(self.span, self.offsets[index], (tensor.numel(),), tensor.dtype), tensor)
 
     def add(self, member: StaticParamOffloader) -> None:
         self.members.append(member)
@@ -55,7 +56,8 @@ class FlatGroup:
         for index, member in enumerate(self.members):
             wanted = member is requester or member.holds > 0 or member.live_tokens > 0
             if member.pending is None and wanted:
-                view = _view(self._device_span, self.offsets[index], member.host.shape, member.host.dtype)
+                flat = _view(self._device_span, self.offsets[index], (member.host.numel(),), member.host.dtype)
+                view = shaped_like(flat, member.host)
                 member.attach(PendingCopy(view, self._event))
                 self._attached += 1
 
@@ -66,6 +68,6 @@ class FlatGroup:
             self._device_span = self._event = None
 
 
-def _view(span: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+def _view(span: torch.Tensor, offset: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     return span[offset : offset + max(nbytes, 0)].view(dtype).view(shape)

@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from offload.arena import PinnedArenaPool
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.flat import FlatGroup
+from offload.layout import shaped_like
 from offload.offloaders import (
     AlwaysOnGPUParamOffloader,
     BufferOffloader,
@@ -126,20 +127,22 @@ class OffloadTrainingManager:
         if existing is not None:  # shared (tied) tensor: one offloader, one host copy
             return existing
         if host is None and self._wants_host_copy(tensor):
-            host = self.arena.allocate(tensor.shape, tensor.dtype)
+            host = self._host_like(tensor)
         if not isinstance(tensor, nn.Parameter):
             offloader = BufferOffloader(name, tensor, self._copies, host)
         elif not tensor.requires_grad:
             offloader = StaticParamOffloader(name, tensor, self._copies, host)
         elif self.enable_optimizer_cpu_offload:
-            offloader = TrainableParamOffloader(
-                name, tensor, self._copies, host, self.arena.allocate(tensor.shape, tensor.dtype)
-            )
+            offloader = TrainableParamOffloader(name, tensor, self._copies, host, self._host_like(tensor))
         else:
             offloader = AlwaysOnGPUParamOffloader(name, tensor, self._copies)
         offloader.on_backward_use = self._schedule.weight_unpacked
         self._offloaders[id(tensor)] = offloader
         return offloader
+
+    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Arena memory for ``tensor`` with its layout (a transposed weight stays transposed)."""
+        return shaped_like(self.arena.allocate((tensor.numel(),), tensor.dtype), tensor)
 
     def _mark_statistics_buffers(self, model: nn.Module) -> None:
         for module in model.modules():

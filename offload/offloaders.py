@@ -169,13 +169,17 @@ class TrainableParamOffloader(StaticParamOffloader):
         self, name: str, tensor: torch.Tensor, copies: CopyEngine, host: torch.Tensor, grad_host: torch.Tensor
     ) -> None:
         existing_grad = tensor.grad
+        tensor.grad = None  # the data moves into the arena; a gradient set before is the user's, kept below
         super().__init__(name, tensor, copies, host)
         self.grad_host = grad_host
         self._grad_valid = existing_grad is not None
+        # The user holds ``param.grad`` from hand-over until the next forward that uses the parameter takes
+        # it back; a step that never uses the parameter leaves it exactly as the user left it.
+        self._handed_over = False
         if existing_grad is not None:
             grad_host.copy_(existing_grad)
-            tensor.grad = None
-        self._handed_over = False
+            tensor.grad = grad_host
+            self._handed_over = True
         self._staging: torch.Tensor | None = None
         self._staged = False
         self._grad_event: torch.cuda.Event | None = None
@@ -224,15 +228,25 @@ class TrainableParamOffloader(StaticParamOffloader):
             self._staged = False
 
     def hand_over_grad(self) -> None:
-        """After backward: the accumulated host gradient becomes ``param.grad`` for the optimizer."""
+        """After backward: the accumulated host gradient becomes ``param.grad`` for the optimizer.
+
+        A parameter no forward used since the last hand-over keeps whatever ``param.grad`` the user left
+        (``None`` after ``zero_grad()``): it gets no gradient, stale or zero, as without offload."""
         self.settle_grad()
+        if self._handed_over:
+            return
         if self._grad_valid and self.pending is None:
             self.tensor.grad = self.grad_host
             self._handed_over = True
 
     def detach(self) -> None:
         self.settle_grad()
-        grad = self.grad_host.clone() if self._grad_valid else None
+        if self._handed_over:  # the user's gradient (None after zero_grad), out of the arena
+            grad = self.tensor.grad
+            grad = grad.clone() if grad is self.grad_host else grad
+        else:  # a gradient still accumulating (between micro-batches)
+            grad = self.grad_host.clone() if self._grad_valid else None
+        self.tensor.grad = None
         super().detach()
         self.tensor.grad = grad
 

@@ -53,6 +53,7 @@ class StepDuringBackward:
         self.accumulation_steps = accumulation_steps
         self._group_of: dict[int, dict[str, Any]] = {}
         self._single: dict[int, torch.optim.Optimizer] = {}
+        self._standin: dict[int, torch.nn.Parameter] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) not in offloaders:
@@ -61,7 +62,8 @@ class StepDuringBackward:
                         "manager keeps on the CPU (enable_optimizer_cpu_offload=True); one is not"
                     )
                 self._group_of[id(param)] = group
-                self._single[id(param)] = _one_parameter_view(optimizer, group, param)
+                self._standin[id(param)] = standin = torch.nn.Parameter(offloaders[id(param)].host)
+                self._single[id(param)] = _one_parameter_view(optimizer, group, standin)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-optimizer")
         self._pending: list[Future] = []
         self._backwards = 0
@@ -90,10 +92,16 @@ class StepDuringBackward:
     def _step_one(self, offloader: TrainableParamOffloader) -> None:
         offloader.settle_grad()  # waits for this gradient's copy (the GIL is released while waiting)
         param = offloader.tensor
-        param.grad = offloader.grad_host
+        # The update goes to the host master through a stand-in over it, never through ``param``: the
+        # parameter may still point at a device copy (a prefetch, a held unit) while backward continues,
+        # and the main thread may swap its ``.data`` meanwhile. The stand-in shares the user's state entry.
+        standin = self._standin[id(param)]
         single = self._single[id(param)]
+        single.state = {standin: self.optimizer.state[param]}
         single.param_groups[0].update({k: v for k, v in self._group_of[id(param)].items() if k != "params"})
+        standin.grad = offloader.grad_host
         single.step()
+        standin.grad = None
 
     def end_backward(self) -> None:
         """Called by ``after_backward``: count the micro-batch."""

@@ -49,18 +49,18 @@ class CopyEngine:
 
     # ------------------------------------------------------------------ host -> device
     def to_device(self, host: torch.Tensor, *, prefetch: bool = False) -> PendingCopy:
-        """A device copy of ``host``. With ``prefetch`` (and a side stream) it is queued on the copy stream
+        """A device copy of ``host`` with its strides (dense hosts only: see layout.py). With ``prefetch`` (and a side stream) it is queued on the copy stream
         and the caller must ``wait`` before use; otherwise it is queued on the current stream, which the
         compute that uses it runs on, so no wait is needed."""
         nbytes = host.numel() * host.element_size()
         self.stats.record_h2d(nbytes)
         stream = self.h2d_stream if prefetch else None
         if stream is None:
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
             self._copy(tensor, host, "h2d", torch.cuda.current_stream(self.device) if self._cuda else None)
             return PendingCopy(tensor, None)
         with torch.cuda.stream(stream):
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
             self._copy(tensor, host, "h2d", stream)
             event = torch.cuda.Event()
             event.record(stream)
