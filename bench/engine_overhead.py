@@ -21,6 +21,7 @@ import torch
 from gpu_e2e import spec_from, write_corpus
 
 from jobs import PathRoots, load_job_spec, run_job
+from jobs.events import JobEvent, StepEvent
 
 MODES = {
     "no offload": {"enable_model_cpu_offload": False},
@@ -39,14 +40,14 @@ def median_step_ms(config: str, offload: dict, steps: int, root: Path) -> float:
         offload=offload,
         checkpoint={"save_final": False},
     )
-    events: list[dict] = []
+    events: list[JobEvent] = []
     out = Path(tempfile.mkdtemp(dir=root))
     run_job(
         load_job_spec(text, roots=PathRoots(model_roots=[root], data_roots=[root])),
         output_dir=out,
         report=events.append,
     )
-    elapsed = [e["elapsed_s"] for e in events if e["type"] == "step"]
+    elapsed = [e.elapsed_s for e in events if isinstance(e, StepEvent)]
     return 1000 * statistics.median([b - a for a, b in itertools.pairwise(elapsed)][1:])
 
 

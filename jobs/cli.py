@@ -7,12 +7,21 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
 from jobs.errors import JobSpecError, OutOfMemoryHint
 from jobs.estimate import estimate_memory
+from jobs.events import (
+    CheckpointEvent,
+    EvalEvent,
+    FailedEvent,
+    JobEvent,
+    LogEvent,
+    SampleEvent,
+    StartedEvent,
+    StepEvent,
+)
 from jobs.loading import job_spec_schema, load_job_spec
 from jobs.paths import PathRoots
 from jobs.runner import run_job
@@ -115,13 +124,22 @@ class _ProgressBar:
         if self.bar is not None:
             self.bar.close()
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        kind = event["type"]
-        if kind == "started":
-            self.bar = tqdm(total=event["total_steps"], initial=event["resumed_from_step"] or 0, unit="step")
-        elif kind == "step" and self.bar is not None:
-            self.bar.update(event["step"] - self.bar.n)
-            self.bar.set_postfix(loss=f"{event['loss']:.4f}", lr=f"{event['lr']:.2e}")
-        elif kind in ("checkpoint", "log", "failed"):
-            text = event.get("path") or event.get("message")
-            (self.bar.write if self.bar is not None else print)(f"[{kind}] {text}")
+    def __call__(self, event: JobEvent) -> None:
+        if isinstance(event, StartedEvent):
+            self.bar = tqdm(total=event.total_steps, initial=event.resumed_from_step or 0, unit="step")
+        elif isinstance(event, StepEvent) and self.bar is not None:
+            self.bar.update(event.step - self.bar.n)
+            self.bar.set_postfix(loss=f"{event.loss:.4f}", lr=f"{event.lr:.2e}")
+        elif isinstance(event, CheckpointEvent | LogEvent | FailedEvent | EvalEvent | SampleEvent):
+            text = _describe(event)
+            (self.bar.write if self.bar is not None else print)(f"[{event.type}] {text}")
+
+
+def _describe(event: CheckpointEvent | LogEvent | FailedEvent | EvalEvent | SampleEvent) -> str:
+    if isinstance(event, CheckpointEvent):
+        return event.path
+    if isinstance(event, EvalEvent):
+        return f"step {event.step}: eval loss {event.eval_loss:.4f}"
+    if isinstance(event, SampleEvent):
+        return f"step {event.step}: {event.text if event.text is not None else event.artifact_path}"
+    return event.message

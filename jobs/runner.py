@@ -14,6 +14,7 @@ from torch import nn
 
 from jobs.checkpoint import CheckpointInfo, save_checkpoint
 from jobs.errors import OutOfMemoryHint
+from jobs.events import CheckpointEvent, FileDigest, FinishedEvent, JobEvent, LogEvent, StartedEvent, failed_event
 from jobs.models import LossFn
 from jobs.oom import oom_message
 from jobs.session import TrainingSession, close_session, open_session
@@ -23,7 +24,7 @@ from jobs.training_state import save_training_state
 from offload import OffloadTrainingManager
 
 log = logging.getLogger(__name__)
-Report = Callable[[dict[str, Any]], None]
+Report = Callable[[JobEvent], None]  # receives the typed events of jobs/events.py
 StopPoll = Callable[[], Literal["pause", "cancel"] | None]
 
 
@@ -82,7 +83,7 @@ def run_job(
     Args:
         spec: A spec from `load_job_spec`.
         output_dir: Where checkpoints go; an existing checkpoint there is resumed from when ``resume``.
-        report: Receives the JSON-able events of docs/interfaces.md (started, step, checkpoint, ...).
+        report: Receives the typed events of jobs/events.py (started, step, checkpoint, ...).
         resume: Continue from the newest valid checkpoint in ``output_dir``.
         should_stop: Polled before every step; ``"pause"`` checkpoints and returns, ``"cancel"`` returns.
 
@@ -106,23 +107,22 @@ def run_job(
         session = open_session(spec, output_dir, resume=resume)
         step = session.start_step
         report(
-            {
-                "type": "started",
-                "total_steps": session.total_steps,
-                "spec": resolved,
-                "resumed_from_step": session.start_step if session.resumed_from else None,
-                "device": device_identity(session.device),
-            }
+            StartedEvent(
+                total_steps=session.total_steps,
+                spec=resolved,
+                resumed_from_step=session.start_step if session.resumed_from else None,
+                device=device_identity(session.device),
+            )
         )
         outcome = _train(session, spec, resolved, output_dir, report, should_stop)
-        report({"type": "finished", "status": outcome.status, "step": outcome.step})
+        report(FinishedEvent(status=outcome.status, step=outcome.step))
         return outcome
     except torch.OutOfMemoryError as error:
         hint = OutOfMemoryHint(oom_message(spec, step, error))
-        report({"type": "failed", "error": "OutOfMemoryHint", "message": str(hint)})
+        report(failed_event(hint))  # error code out_of_memory
         raise hint from error
     except BaseException as error:
-        report({"type": "failed", "error": type(error).__name__, "message": str(error)})
+        report(failed_event(error))
         raise
     finally:
         close_session(session)
@@ -146,7 +146,8 @@ def _train(
         if saved is not None and saved.step == step:
             return saved  # nothing trained since the last save
         info = _save(session, resolved, output_dir, step, accumulation, spec.checkpoint.keep_last)
-        report({"type": "checkpoint", "step": step, "name": info.name, "path": info.path, "files": info.files})
+        files = [FileDigest(**entry) for entry in info.files]
+        report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
         return info
 
     while step < total:
@@ -183,7 +184,7 @@ def _train(
                 tokens=tokens,
                 timing=clock.tick(step),
                 device=session.device,
-                offload=session.manager.stats().as_dict() if session.manager else None,
+                offload=session.manager.stats() if session.manager else None,
             )
         )
         if every is not None and step % every == 0 and step < total:
@@ -217,4 +218,4 @@ def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:
     if ignored and not spec.offload.enable_model_cpu_offload:
         message = f"offload.{', offload.'.join(ignored)} ignored: offload.enable_model_cpu_offload is false"
         log.warning(message)
-        report({"type": "log", "level": "warning", "message": message})
+        report(LogEvent(level="warning", message=message))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import psutil
 import torch
+
+from jobs.events import DeviceInfo, StepEvent
+from offload import OffloadStats
 
 
 class StepClock:
@@ -26,24 +28,24 @@ class StepClock:
         return {"step_s": step_seconds, "elapsed_s": elapsed, "eta_s": per_step * (self.total_steps - step)}
 
 
-def device_identity(device: torch.device) -> dict[str, Any]:
+def device_identity(device: torch.device) -> DeviceInfo:
     """Which device this process trains on, as the job itself sees it (the ``started`` event's ``device``).
 
     ``visible_devices`` and ``uuid`` let a service check that a job saw only the GPU it was given: the
     UUID is the one ``nvidia-smi --query-gpu=uuid`` prints for that GPU.
     """
     if device.type != "cuda":
-        return {"type": device.type}
+        return DeviceInfo(type=device.type)
     props = torch.cuda.get_device_properties(device)
     uuid = str(getattr(props, "uuid", "") or "")
-    return {
-        "type": "cuda",
-        "name": props.name,
-        "uuid": f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid,
-        "visible_devices": torch.cuda.device_count(),
-        "memory_total_bytes": props.total_memory,
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
+    return DeviceInfo(
+        type="cuda",
+        name=props.name,
+        uuid=f"GPU-{uuid}" if uuid and not uuid.startswith("GPU-") else uuid,
+        visible_devices=torch.cuda.device_count(),
+        memory_total_bytes=props.total_memory,
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
 
 
 def memory_snapshot(device: torch.device) -> dict[str, int]:
@@ -67,21 +69,20 @@ def step_event(
     tokens: int | None,
     timing: dict[str, float],
     device: torch.device,
-    offload: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The ``step`` event of docs/interfaces.md."""
+    offload: OffloadStats | None,
+) -> StepEvent:
+    """The ``step`` event (jobs/events.py)."""
     seconds = max(timing["step_s"], 1e-9)
-    return {
-        "type": "step",
-        "step": step,
-        "total_steps": total_steps,
-        "loss": loss,
-        "lr": lr,
-        "samples_per_s": samples / seconds,
-        "tokens_per_s": tokens / seconds if tokens is not None else None,
-        "elapsed_s": timing["elapsed_s"],
-        "eta_s": timing["eta_s"],
+    return StepEvent(
+        step=step,
+        total_steps=total_steps,
+        loss=loss,
+        lr=lr,
+        samples_per_s=samples / seconds,
+        tokens_per_s=tokens / seconds if tokens is not None else None,
+        elapsed_s=timing["elapsed_s"],
+        eta_s=timing["eta_s"],
         **memory_snapshot(device),
-        "pinned_bytes": int(offload["pinned_reserved_bytes"]) if offload else 0,
-        "offload": offload,
-    }
+        pinned_bytes=int(offload.pinned_reserved_bytes) if offload else 0,
+        offload=offload,
+    )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from jobs.events import StepEvent
+
 from .scheduler import Scheduler
 from .status import JobStatus
 from .store import JobStore
 
-# (metric, key in the latest step event, help)
+# (metric, field of the latest StepEvent, help)
 _JOB_GAUGES = (
     ("ferry_job_step", "step", "Latest step of a running job."),
     ("ferry_job_loss", "loss", "Latest training loss of a running job."),
@@ -28,10 +30,18 @@ def render_metrics(store: JobStore, scheduler: Scheduler) -> str:
         f'ferry_workers{{state="idle"}} {len(scheduler.slots) - busy}',
     ]
     running = store.jobs_with_status(JobStatus.RUNNING)
+    latest = {job.id: _latest_step(job.progress) for job in running}
     for metric, key, help_text in _JOB_GAUGES:
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
         for job in running:
-            value = (job.progress or {}).get(key)
+            value = getattr(latest[job.id], key, None)
             if isinstance(value, (int, float)):
                 lines.append(f'{metric}{{job_id="{job.id}",worker="{job.worker}"}} {value}')
     return "\n".join(lines) + "\n"
+
+
+def _latest_step(progress: dict | None) -> StepEvent | None:
+    """The job's latest step event, typed (the store adds when it arrived, which the event does not declare)."""
+    if not progress:
+        return None
+    return StepEvent.model_validate({k: v for k, v in progress.items() if k != "reported_at"})

@@ -9,6 +9,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from jobs.events import ErrorCode, FailedEvent, FinishedEvent
+
 from .devices import Slot, threads_for
 from .executor import Executor, LaunchRequest, RunHandle
 from .records import JobRecord
@@ -106,7 +108,7 @@ class Scheduler:
                 job.id,
                 JobStatus.FAILED,
                 reason="launch failed",
-                error_code="launch_failed",
+                error_code=ErrorCode.LAUNCH_FAILED,
                 error_message=f"Could not start the job: {error}",
             )
             return True
@@ -154,7 +156,7 @@ class Scheduler:
         if job.status is not JobStatus.RUNNING or job.attempt != run.attempt:
             return
         outcome = self.store.last_outcome(job.id, run.attempt)
-        target, reason, error = self._judge(job, run, code, outcome.data if outcome else None)
+        target, reason, error = self._judge(job, run, code, outcome)
         try:
             self.store.transition(job.id, target, reason=reason, **error)
         except IllegalTransition:
@@ -167,16 +169,18 @@ class Scheduler:
         log.info("%s attempt %d ended: %s (%s)", job.id, run.attempt, target.value, reason)
 
     @staticmethod
-    def _judge(job: JobRecord, run: Running, code: int, outcome: dict | None) -> tuple[JobStatus, str, dict]:
-        if outcome and outcome.get("type") == "failed":
+    def _judge(
+        job: JobRecord, run: Running, code: int, outcome: FinishedEvent | FailedEvent | None
+    ) -> tuple[JobStatus, str, dict]:
+        if isinstance(outcome, FailedEvent):
             return (
                 JobStatus.FAILED,
                 "the job raised an error",
-                {"error_code": str(outcome.get("error") or "error"), "error_message": str(outcome.get("message"))},
+                {"error_code": outcome.error, "error_message": outcome.message},
             )
-        if outcome and outcome.get("status") in ("succeeded", "cancelled"):
-            return JobStatus(outcome["status"]), f"the job {outcome['status']}", {}
-        if outcome and outcome.get("status") == "paused":
+        if isinstance(outcome, FinishedEvent) and outcome.status in ("succeeded", "cancelled"):
+            return JobStatus(outcome.status), f"the job {outcome.status}", {}
+        if isinstance(outcome, FinishedEvent) and outcome.status == "paused":
             if run.shutting_down:
                 return JobStatus.INTERRUPTED, "paused for a server shutdown", {}
             return JobStatus.PAUSED, "checkpointed and paused", {}

@@ -5,10 +5,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from jobs.events import ErrorCode, MemorySnapshot, StepEvent, StepMetrics
+from offload import OffloadStats
+
+from .lifecycle_events import JobError, StoredEvent, parse_stored_event
 from .records import EventRecord, JobRecord
-from .status import JobStatus
+from .status import JobAction, JobStatus, allowed_actions
 
 
 def _time(ts: float | None) -> datetime | None:
@@ -43,9 +47,11 @@ class Progress(BaseModel):
     estimated_finish: datetime | None
 
 
-class JobError(BaseModel):
-    code: str | None
-    message: str | None
+class CheckpointSummary(BaseModel):
+    """The job's newest checkpoint (``GET /v1/jobs/{id}/checkpoints`` lists them with their files)."""
+
+    name: str
+    step: int
 
 
 class JobPublic(BaseModel):
@@ -64,11 +70,12 @@ class JobPublic(BaseModel):
     worker: str | None
     device: str | None
     progress: Progress | None
-    metrics: dict[str, Any] | None  # the latest step: loss, lr, throughput
-    memory: dict[str, Any] | None  # device allocated/reserved/peak, host RSS, pinned bytes
-    offload: dict[str, Any] | None  # the offload engine's figures for the latest step
-    last_checkpoint: dict[str, Any] | None
+    metrics: StepMetrics | None = Field(description="the latest step: loss, lr, throughput")
+    memory: MemorySnapshot | None = Field(description="after the latest step: device, host RSS, pinned bytes")
+    offload: OffloadStats | None = Field(description="the offload engine's counters after the latest step")
+    last_checkpoint: CheckpointSummary | None
     error: JobError | None
+    allowed_actions: list[JobAction] = Field(description="what the service accepts for this job now")
     spec: dict[str, Any]
     spec_text: str
 
@@ -89,29 +96,28 @@ class JobPublic(BaseModel):
             worker=job.worker,
             device=job.device,
             progress=_progress(job),
-            metrics=_pick(step, _METRIC_KEYS),
-            memory=_pick(step, _MEMORY_KEYS),
-            offload=step.get("offload"),
-            last_checkpoint=_checkpoint_summary(job.checkpoint),
-            error=JobError(code=job.error_code, message=job.error_message) if job.error_message else None,
+            metrics=_section(StepMetrics, step),
+            memory=_section(MemorySnapshot, step),
+            offload=OffloadStats(**step["offload"]) if step.get("offload") else None,
+            last_checkpoint=CheckpointSummary(name=job.checkpoint["name"], step=job.checkpoint["step"])
+            if job.checkpoint
+            else None,
+            error=_error(job),
+            allowed_actions=allowed_actions(job.status),
             spec=job.spec,
             spec_text=job.spec_text,
         )
 
 
-_METRIC_KEYS = ("loss", "lr", "samples_per_s", "tokens_per_s")
-_MEMORY_KEYS = (
-    "device_allocated_bytes",
-    "device_reserved_bytes",
-    "device_peak_bytes",
-    "host_rss_bytes",
-    "pinned_bytes",
-)
+def _section(model: type[StepMetrics] | type[MemorySnapshot], step: dict[str, Any]) -> Any:
+    """The part of the latest step event that ``model`` declares (None before the first step)."""
+    return model.model_validate({k: step[k] for k in model.model_fields if k in step}) if step else None
 
 
-def _pick(step: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any] | None:
-    picked = {k: step[k] for k in keys if k in step}
-    return picked or None
+def _error(job: JobRecord) -> JobError | None:
+    if not job.error_message:
+        return None
+    return JobError(code=ErrorCode.from_stored(job.error_code or ""), message=job.error_message)
 
 
 def _progress(job: JobRecord) -> Progress | None:
@@ -132,10 +138,6 @@ def _progress(job: JobRecord) -> Progress | None:
     )
 
 
-def _checkpoint_summary(event: dict[str, Any] | None) -> dict[str, Any] | None:
-    return None if event is None else {"name": event.get("name"), "step": event.get("step")}
-
-
 class JobsPublic(BaseModel):
     data: list[JobPublic]
     next_cursor: str | None  # pass as ?cursor= for the next (older) page; None on the last page
@@ -147,7 +149,7 @@ class EventPublic(BaseModel):
     attempt: int
     type: str
     created_at: datetime
-    data: dict[str, Any]
+    data: StoredEvent
 
     @classmethod
     def from_record(cls, event: EventRecord) -> EventPublic:
@@ -157,7 +159,7 @@ class EventPublic(BaseModel):
             attempt=event.attempt,
             type=event.type,
             created_at=_time(event.created_at),
-            data=event.data,
+            data=parse_stored_event(event.data),
         )
 
 
@@ -167,10 +169,17 @@ class EventsPublic(BaseModel):
     has_more: bool  # more events exist now beyond this page
 
 
+class MetricPoint(StepEvent):
+    """One ``step`` event of the series, with its event id and the time it was stored (seconds since 1970)."""
+
+    event_id: int
+    time: float
+
+
 class MetricsPublic(BaseModel):
     """The per-step series: one point per ``step`` event."""
 
-    data: list[dict[str, Any]]
+    data: list[MetricPoint]
     next_cursor: int
     has_more: bool
 

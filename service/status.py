@@ -36,12 +36,30 @@ ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.CANCELLED: frozenset(),
 }
 
-# What a user asked for, in words, for the 409 sentence.
-_ACTIONS = {
-    JobStatus.QUEUED: "resumed",
-    JobStatus.PAUSED: "paused",
-    JobStatus.CANCELLED: "cancelled",
+
+class JobAction(str, Enum):
+    """What a user may ask of a job (``POST /v1/jobs/{id}/<action>``, ``DELETE`` for delete)."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    CANCEL = "cancel"
+    DELETE = "delete"
+
+
+# The status each action moves a job to, and the word for the 409 sentence. With ALLOWED, the only table of
+# what can be done from where: the API's ``allowed_actions`` and the dashboard's buttons are read from it.
+ACTION_TARGETS: dict[JobAction, tuple[JobStatus, str]] = {
+    JobAction.PAUSE: (JobStatus.PAUSED, "paused"),
+    JobAction.RESUME: (JobStatus.QUEUED, "resumed"),
+    JobAction.CANCEL: (JobStatus.CANCELLED, "cancelled"),
 }
+_ACTIONS = {target: word for target, word in ACTION_TARGETS.values()}
+
+
+def allowed_actions(status: JobStatus) -> list[JobAction]:
+    """The actions the service accepts for a job in ``status`` (a running job pauses and cancels by request)."""
+    actions = [action for action, (target, _) in ACTION_TARGETS.items() if target in ALLOWED[status]]
+    return [*actions, JobAction.DELETE] if status in FINISHED else actions
 
 
 class IllegalTransition(Exception):

@@ -9,7 +9,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from jobs.events import (
+    CheckpointEvent,
+    ErrorCode,
+    FailedEvent,
+    FinishedEvent,
+    JobEvent,
+    StartedEvent,
+    StepEvent,
+    event_to_wire,
+    parse_job_event,
+)
+
 from .db import Database, create_schema
+from .lifecycle_events import JobError, StatusEvent, StopRequestedEvent, parse_stored_event
 from .records import EventRecord, JobRecord
 from .status import FINISHED, IllegalTransition, JobStatus, check_transition, deletion_refused_message
 
@@ -92,7 +105,7 @@ class JobStore:
                 ),
             )
             self._insert_event(
-                conn, job_id, 0, {"type": "status", "status": "queued", "previous": None, "reason": "submitted"}, now
+                conn, job_id, 0, StatusEvent(status=JobStatus.QUEUED, previous=None, reason="submitted"), now
             )
             return self._get(conn, job_id), True
 
@@ -184,7 +197,7 @@ class JobStore:
                     job_id,
                     JobStatus.FAILED,
                     reason="interrupted too often",
-                    error_code="interrupted",
+                    error_code=ErrorCode.INTERRUPTED,
                     error_message=f"The job was interrupted {job.retries + 1} times; the limit is "
                     f"{max_retries} automatic retries (FERRY_MAX_RETRIES). Resume it by hand.",
                 )
@@ -204,7 +217,7 @@ class JobStore:
                 conn.execute(
                     "UPDATE jobs SET stop_request = ?, updated_at = ? WHERE id = ?", (kind, time.time(), job_id)
                 )
-                self._insert_event(conn, job_id, job.attempt, {"type": "stop_requested", "kind": kind})
+                self._insert_event(conn, job_id, job.attempt, StopRequestedEvent(kind=kind))  # type: ignore[arg-type]
             return self._get(conn, job_id)
 
     def _transition(
@@ -212,6 +225,8 @@ class JobStore:
     ) -> JobRecord:
         """The only code that writes ``jobs.status``. Call inside a transaction."""
         assert set(fields) <= _TRANSITION_FIELDS, f"unexpected transition fields {set(fields)}"
+        if fields.get("error_code") is not None:
+            fields["error_code"] = ErrorCode(fields["error_code"]).value  # only a declared code is stored
         job = self._get(conn, job_id)
         check_transition(job_id, job.status, target)
         now = time.time()
@@ -232,26 +247,29 @@ class JobStore:
             changes.update(worker=None, device=None, finished_at=None, error_code=None, error_message=None)
         assignments = ", ".join(f"{column} = ?" for column in changes)
         conn.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*changes.values(), job_id))
-        event = {"type": "status", "status": target.value, "previous": job.status.value, "reason": reason}
+        error = None
         if fields.get("error_message"):
-            event["error"] = {"code": fields.get("error_code"), "message": fields["error_message"]}
+            code = ErrorCode(fields.get("error_code") or ErrorCode.TRAINING_ERROR)
+            error = JobError(code=code, message=fields["error_message"])
+        event = StatusEvent(status=target, previous=job.status, reason=reason, error=error)
         self._insert_event(conn, job_id, changes.get("attempt", job.attempt), event, now)
         return self._get(conn, job_id)
 
     # -- events ----------------------------------------------------------------------------------------
 
-    def append_event(self, job_id: str, attempt: int, event: dict[str, Any]) -> int:
-        """Store a progress event from the job's process and keep the job's latest step/checkpoint."""
+    def append_event(self, job_id: str, attempt: int, event: JobEvent | dict[str, Any]) -> int:
+        """Store a job's event (typed, or its wire form from a child process) and keep its latest step,
+        checkpoint and length on the job. An event jobs/events.py does not declare is refused."""
+        typed = event if isinstance(event, JobEvent) else parse_job_event(event)
         with self.db.transaction() as conn:
-            event_id = self._insert_event(conn, job_id, attempt, event)
-            kind = event.get("type")
-            if kind == "step":
-                latest = json.dumps({**event, "reported_at": time.time()})  # for the estimated finish time
+            event_id = self._insert_event(conn, job_id, attempt, typed)
+            if isinstance(typed, StepEvent):
+                latest = json.dumps({**event_to_wire(typed), "reported_at": time.time()})  # for the estimated finish
                 conn.execute("UPDATE jobs SET progress_json = ? WHERE id = ?", (latest, job_id))
-            elif kind == "checkpoint":
-                conn.execute("UPDATE jobs SET checkpoint_json = ? WHERE id = ?", (json.dumps(event), job_id))
-            elif kind == "started" and event.get("total_steps") is not None:
-                conn.execute("UPDATE jobs SET total_steps = ? WHERE id = ?", (event["total_steps"], job_id))
+            elif isinstance(typed, CheckpointEvent):
+                conn.execute("UPDATE jobs SET checkpoint_json = ? WHERE id = ?", (typed.model_dump_json(), job_id))
+            elif isinstance(typed, StartedEvent):
+                conn.execute("UPDATE jobs SET total_steps = ? WHERE id = ?", (typed.total_steps, job_id))
             return event_id
 
     def list_events(
@@ -266,14 +284,18 @@ class JobStore:
         rows = self.db.conn.execute(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
         return [EventRecord.from_row(r) for r in rows]
 
-    def last_outcome(self, job_id: str, attempt: int) -> EventRecord | None:
+    def last_outcome(self, job_id: str, attempt: int) -> FinishedEvent | FailedEvent | None:
         """The ``finished`` or ``failed`` event the job's process sent in ``attempt``, if any."""
         row = self.db.conn.execute(
             "SELECT * FROM events WHERE job_id = ? AND attempt = ? AND type IN ('finished', 'failed')"
             " ORDER BY id DESC LIMIT 1",
             (job_id, attempt),
         ).fetchone()
-        return None if row is None else EventRecord.from_row(row)
+        if row is None:
+            return None
+        outcome = parse_stored_event(json.loads(row["data"]))  # reads codes stored before the contract too
+        assert isinstance(outcome, FinishedEvent | FailedEvent)
+        return outcome
 
     # -- helpers ---------------------------------------------------------------------------------------
 
@@ -290,10 +312,15 @@ class JobStore:
 
     @staticmethod
     def _insert_event(
-        conn: sqlite3.Connection, job_id: str, attempt: int, event: dict[str, Any], now: float | None = None
+        conn: sqlite3.Connection,
+        job_id: str,
+        attempt: int,
+        event: JobEvent | StatusEvent | StopRequestedEvent,
+        now: float | None = None,
     ) -> int:
+        data = event.model_dump(mode="json")
         cursor = conn.execute(
             "INSERT INTO events (job_id, attempt, type, created_at, data) VALUES (?, ?, ?, ?, ?)",
-            (job_id, attempt, str(event.get("type", "log")), now or time.time(), json.dumps(event)),
+            (job_id, attempt, data["type"], now or time.time(), json.dumps(data)),
         )
         return int(cursor.lastrowid)

@@ -116,36 +116,32 @@ def _run(request: LaunchRequest, reporter: _Reporter, should_stop: Any) -> Any:
 
 
 class _Reporter:
-    """The ``report`` callback: every event goes straight into the store, so a crash loses nothing sent."""
+    """The ``report`` callback: each typed event is serialized and goes straight into the sink (the store),
+    so a crash loses nothing sent. An event jobs/events.py does not declare is refused here."""
 
     def __init__(self, store: Any, request: LaunchRequest) -> None:
         self._store, self._request = store, request
         self._ended = False
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        if event.get("type") in ("finished", "failed"):
+    def __call__(self, event: Any) -> None:
+        from jobs.events import event_to_wire
+
+        wire = event_to_wire(event)
+        if wire["type"] in ("finished", "failed"):
             self._ended = True
-        self._store.append_event(self._request.job_id, self._request.attempt, event)
+        self._store.append_event(self._request.job_id, self._request.attempt, wire)
 
     def finished(self, status: str, step: int) -> None:
+        from jobs.events import FinishedEvent
+
         if not self._ended:
-            self({"type": "finished", "status": status, "step": step})
+            self(FinishedEvent(status=status, step=step))  # type: ignore[arg-type]
 
     def failed(self, error: BaseException) -> None:
-        if not self._ended:
-            self({"type": "failed", "error": _error_code(error), "message": str(error) or type(error).__name__})
+        from jobs.events import failed_event
 
-
-def _error_code(error: BaseException) -> str:
-    try:
-        from jobs import JobSpecError, OutOfMemoryHint
-    except ImportError:
-        return type(error).__name__
-    if isinstance(error, OutOfMemoryHint):
-        return "out_of_memory"
-    if isinstance(error, JobSpecError):
-        return "invalid_spec"
-    return type(error).__name__
+        if not self._ended:  # e.g. the spec was refused before run_job started
+            self(failed_event(error))
 
 
 def _log_to_file(request: LaunchRequest, *, capture_stdio: bool = True) -> None:

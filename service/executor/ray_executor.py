@@ -16,6 +16,8 @@ import ray
 import yaml
 from ray.exceptions import GetTimeoutError, RayError
 
+from jobs.events import LogEvent
+
 from ..store import JobStore
 from .base import LaunchRequest, StopKind
 from .remote_job import RemoteJob
@@ -101,9 +103,7 @@ class RayRunHandle:
             f"attempt {self._request.attempt} runs on Ray node {where['host']} in pid {where['pid']} "
             f"(CUDA_VISIBLE_DEVICES={where['cuda_visible_devices']!r})"
         )
-        store.append_event(
-            self._request.job_id, self._request.attempt, {"type": "log", "level": "info", "message": message}
-        )
+        store.append_event(self._request.job_id, self._request.attempt, LogEvent(level="info", message=message))
 
     def _get(self, ref: Any) -> Any:
         while True:

@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..deps import SettingsDep, StoreDep
-from ..schemas import EventPublic, EventsPublic, MetricsPublic
+from ..schemas import EventPublic, EventsPublic, MetricPoint, MetricsPublic
 from ..store import JobNotFound, JobStore
 
 router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
@@ -95,9 +95,7 @@ def read_metrics(
     store.get_job(job_id)
     events = store.list_events(job_id, after=after, limit=limit + 1, types=["step"])
     page = events[:limit]
-    points = [{**e.data, "event_id": e.id, "time": e.created_at} for e in page]
-    for point in points:
-        point.pop("type", None)
+    points = [MetricPoint(**e.data, event_id=e.id, time=e.created_at) for e in page]
     return MetricsPublic(data=points, next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
 
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from jobs import PathRoots, load_job_spec, run_job
+from jobs.events import JobEvent, StepEvent
 from tests.jobs.helpers import write_corpus
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
@@ -55,8 +56,8 @@ def test_config_loads_and_is_documented(path: Path, tmp_path: Path) -> None:
 def test_cpu_config_runs(path: Path, tmp_path: Path) -> None:
     text = path.read_text()
     spec = load_job_spec(text, roots=roots_for(yaml.safe_load(text), tmp_path))
-    events: list[dict] = []
+    events: list[JobEvent] = []
     outcome = run_job(spec, output_dir=tmp_path / "out", report=events.append)
     assert outcome.status == "succeeded" and outcome.step == spec.training.steps
-    losses = [e["loss"] for e in events if e["type"] == "step"]
+    losses = [e.loss for e in events if isinstance(e, StepEvent)]
     assert losses[-1] < losses[0]

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from jobs import PathRoots, estimate_memory, load_job_spec, run_job
+from jobs.events import JobEvent, StepEvent
 from tests.jobs.helpers import TOY, merged, spec_from, write_corpus
 
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -54,10 +55,10 @@ def _meta_lm(data: dict[str, Any]) -> torch.nn.Module:
 
 
 def test_pinned_estimate_matches_the_engine_arena(tmp_path: Path) -> None:
-    events: list[dict] = []
+    events: list[JobEvent] = []
     data = merged(BIG_TOY, offload=BOTH, training={"steps": 1})
     run_job(spec_from(data), output_dir=tmp_path, report=events.append)
-    measured = next(e for e in events if e["type"] == "step")["pinned_bytes"]
+    measured = next(e for e in events if isinstance(e, StepEvent)).pinned_bytes
     assert estimate_memory(spec_from(data)).pinned_host_bytes == measured
 
 
@@ -150,7 +151,7 @@ def test_pinned_estimate_matches_the_engine_arena_for_other_cuts(
     }
     if offload.get("enable_optimizer_cpu_offload") is None:
         lm["lora"] = {"target_modules": ["to_q"], "rank": 2}
-    events: list[dict] = []
+    events: list[JobEvent] = []
     run_job(spec_from(merged(lm, offload=offload), roots), output_dir=tmp_path, report=events.append)
-    measured = next(e for e in events if e["type"] == "step")["pinned_bytes"]
+    measured = next(e for e in events if isinstance(e, StepEvent)).pinned_bytes
     assert estimate_memory(spec_from(merged(lm, offload=offload), roots)).pinned_host_bytes == measured

@@ -15,6 +15,7 @@ import torch
 import jobs.runner
 from jobs import JobOutcome, OutOfMemoryHint, PathRoots, list_checkpoints, run_job
 from jobs.data import build_data
+from jobs.events import event_to_wire
 from tests.jobs.helpers import TINY_LM, TOY, assert_same_weights, final_weights, merged, spec_from
 
 STEP_KEYS = {
@@ -42,8 +43,11 @@ class Killed(Exception):
 
 
 def run(data: dict[str, Any], out: Path, roots: PathRoots | None = None, **kwargs: Any) -> tuple[JobOutcome, list]:
+    """Run ``data``; return the outcome and the events in their wire form (which refuses undeclared ones)."""
     events: list[dict[str, Any]] = []
-    outcome = run_job(spec_from(data, roots), output_dir=out, report=events.append, **kwargs)
+    outcome = run_job(
+        spec_from(data, roots), output_dir=out, report=lambda e: events.append(event_to_wire(e)), **kwargs
+    )
     return outcome, events
 
 
@@ -54,7 +58,7 @@ def test_events_match_the_interface(tmp_path: Path) -> None:
     kinds = [e["type"] for e in events]
     assert kinds[0] == "started" and kinds[-1] == "finished"
     assert set(events[0]) == {"type", "total_steps", "resumed_from_step", "spec", "device"}
-    assert events[0]["device"] == {"type": "cpu"}
+    assert events[0]["device"]["type"] == "cpu" and events[0]["device"]["uuid"] is None
     assert events[0]["resumed_from_step"] is None and events[0]["spec"]["name"] == "toy"
     steps = [e for e in events if e["type"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 11))
@@ -125,8 +129,8 @@ def test_bf16_mixed_precision_on_cpu(tmp_path: Path) -> None:
 def interrupted_then_resumed(data: dict[str, Any], out: Path, roots: PathRoots | None = None) -> list:
     """Run until the step-5 checkpoint, die, then resume to the end; return the resumed run's events."""
 
-    def die_after_step_5(event: dict[str, Any]) -> None:
-        if event["type"] == "checkpoint" and event["step"] == 5:
+    def die_after_step_5(event: Any) -> None:
+        if event.type == "checkpoint" and event.step == 5:
             raise Killed
 
     with pytest.raises(Killed):
@@ -171,7 +175,7 @@ import os, signal, torch
 torch.set_num_threads(1)
 from jobs import load_job_spec, run_job
 def report(event):
-    if event["type"] == "checkpoint" and event["step"] == 5:
+    if event.type == "checkpoint" and event.step == 5:
         os.kill(os.getpid(), signal.SIGKILL)
 run_job(load_job_spec({json.dumps(json.dumps(data))}), output_dir={str(tmp_path / "resumed")!r}, report=report)
 """
@@ -215,9 +219,14 @@ def test_out_of_memory_names_the_setting_that_helps(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(jobs.runner, "train_step", no_memory)
     events: list[dict] = []
     with pytest.raises(OutOfMemoryHint, match="set offload.enable_model_cpu_offload: true") as caught:
-        run_job(spec_from(TOY), output_dir=tmp_path, report=events.append)
+        run_job(spec_from(TOY), output_dir=tmp_path, report=lambda e: events.append(event_to_wire(e)))
     assert isinstance(caught.value, RuntimeError)
-    assert events[-1] == {"type": "failed", "error": "OutOfMemoryHint", "message": str(caught.value)}
+    assert events[-1] == {
+        "type": "failed",
+        "error": "out_of_memory",
+        "message": str(caught.value),
+        "exception": "OutOfMemoryHint",
+    }
     assert "at step 1: CUDA out of memory. Tried to allocate 2.00 GiB" in str(caught.value)
 
 
@@ -226,8 +235,12 @@ def test_errors_are_reported_then_raised(tmp_path: Path, roots: PathRoots) -> No
     events: list[dict] = []
     small = merged(data, data={"seq_len": 32}, training={"batch_size": 4096})
     with pytest.raises(ValueError, match="fewer than training.batch_size=4096"):
-        run_job(spec_from(small, roots), output_dir=tmp_path, report=events.append)
-    assert events[-1]["type"] == "failed" and events[-1]["error"] == "ValueError"
+        run_job(spec_from(small, roots), output_dir=tmp_path, report=lambda e: events.append(event_to_wire(e)))
+    assert (events[-1]["type"], events[-1]["error"], events[-1]["exception"]) == (
+        "failed",
+        "training_error",
+        "ValueError",
+    )
 
 
 def test_settings_ignored_without_model_offload_are_logged(tmp_path: Path) -> None:

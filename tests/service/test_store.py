@@ -140,3 +140,41 @@ def test_only_the_store_writes_status(store: JobStore) -> None:
     other = sqlite3.connect(store.db.path)
     assert other.execute("SELECT status, attempt FROM jobs").fetchone() == ("running", 1)
     other.close()
+
+
+def test_an_undeclared_event_is_refused_and_not_stored(store: JobStore) -> None:
+    from pydantic import ValidationError
+
+    add(store)
+    before = store.list_events("job-1")
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        store.append_event("job-1", 1, {"type": "progress", "step": 1})
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        store.append_event("job-1", 1, {"type": "finished", "status": "succeeded", "step": 1, "extra": 1})
+    assert store.list_events("job-1") == before
+
+
+def test_an_undeclared_error_code_is_refused(store: JobStore) -> None:
+    force(store, add(store), JobStatus.RUNNING)
+    with pytest.raises(ValueError, match="'OutOfMemoryHint' is not a valid ErrorCode"):
+        store.transition("job-1", JobStatus.FAILED, reason="x", error_code="OutOfMemoryHint", error_message="m")
+    assert store.get_job("job-1").status is JobStatus.RUNNING
+    store.transition("job-1", JobStatus.FAILED, reason="x", error_code="out_of_memory", error_message="m")
+    assert store.get_job("job-1").error_code == "out_of_memory"
+
+
+@pytest.mark.parametrize("status", list(JobStatus))
+def test_allowed_actions_are_exactly_what_the_store_accepts(tmp_path: Path, status: JobStatus) -> None:
+    from service.status import JobAction, allowed_actions
+
+    accepted = []
+    for action in JobAction:
+        store = JobStore(tmp_path / f"{action.value}.sqlite3")
+        force(store, add(store), status)
+        try:
+            getattr(store, {"delete": "delete_job"}.get(action.value, action.value))("job-1")
+            accepted.append(action)
+        except IllegalTransition:
+            pass
+        store.close()
+    assert allowed_actions(status) == accepted

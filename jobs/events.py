@@ -1,0 +1,217 @@
+"""The job event contract: every event a training job reports, typed, and the codes a failure may carry.
+
+The runner (and anything it calls) emits these models through its ``report`` callback; the service's child
+process serializes them with `event_to_wire` into the store; the store and scheduler read them back with
+`parse_job_event` and act on their types; the API publishes the same models, so ``/openapi.json`` describes
+every field. An event or error code not declared here cannot be produced: the models refuse unknown types,
+fields and codes.
+
+Example:
+    >>> event = StepEvent(step=1, total_steps=10, loss=0.5, lr=1e-4, samples_per_s=8.0, elapsed_s=0.1, eta_s=0.9)
+    >>> parse_job_event(event_to_wire(event)) == event
+    True
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from jobs.errors import JobSpecError, OutOfMemoryHint
+from offload import OffloadStats
+
+
+class ErrorCode(str, Enum):
+    """Every value a job's ``error.code`` takes (the failed event's ``error`` and the API's ``error.code``)."""
+
+    OUT_OF_MEMORY = "out_of_memory"  # the device ran out of memory; the message names the setting that helps
+    INVALID_SPEC = "invalid_spec"  # the spec was refused when the job's process loaded it
+    TRAINING_ERROR = "training_error"  # any other exception in the job (its class is the event's ``exception``)
+    INTERRUPTED = "interrupted"  # the process vanished more often than the service retries (set by the service)
+    LAUNCH_FAILED = "launch_failed"  # the service could not start the job's process (set by the service)
+
+    @classmethod
+    def from_stored(cls, value: str) -> ErrorCode:
+        """Read a code a store may hold from before this contract (a class name such as ``ValueError``)."""
+        if value in cls._value2member_map_:
+            return cls(value)
+        return cls.OUT_OF_MEMORY if value == "OutOfMemoryHint" else cls.TRAINING_ERROR
+
+
+def error_code_for(error: BaseException) -> ErrorCode:
+    """The code for an exception a job raised."""
+    if isinstance(error, OutOfMemoryHint):
+        return ErrorCode.OUT_OF_MEMORY
+    if isinstance(error, JobSpecError):
+        return ErrorCode.INVALID_SPEC
+    return ErrorCode.TRAINING_ERROR
+
+
+class JobEvent(BaseModel):
+    """Base of every job event: immutable, no undeclared field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeviceInfo(BaseModel):
+    """The device a job trains on, as its own process sees it (``nvidia-smi --query-gpu=uuid`` for uuid)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: str = Field(description="'cpu' or 'cuda'")
+    name: str | None = None
+    uuid: str | None = None
+    visible_devices: int | None = None
+    memory_total_bytes: int | None = None
+    cuda_visible_devices: str | None = None
+
+
+class StartedEvent(JobEvent):
+    """The attempt has set up and is about to train."""
+
+    type: Literal["started"] = "started"
+    total_steps: int
+    resumed_from_step: int | None = Field(None, description="the checkpoint's step when resuming")
+    spec: dict[str, Any] = Field(description="the resolved job spec")
+    device: DeviceInfo
+
+
+class StepMetrics(BaseModel):
+    """Training figures of one optimizer step."""
+
+    loss: float
+    lr: float
+    samples_per_s: float
+    tokens_per_s: float | None = None
+
+
+class MemorySnapshot(BaseModel):
+    """Memory after a step: PyTorch's device allocator (0 on the CPU), the process RSS, the pinned arena."""
+
+    device_allocated_bytes: int = 0
+    device_reserved_bytes: int = 0
+    device_peak_bytes: int = 0
+    host_rss_bytes: int = 0
+    pinned_bytes: int = 0
+
+
+class StepEvent(JobEvent, StepMetrics, MemorySnapshot):
+    """One optimizer step finished. Flat on the wire: metrics, memory, then the engine's own figures."""
+
+    type: Literal["step"] = "step"
+    step: int
+    total_steps: int
+    elapsed_s: float
+    eta_s: float
+    offload: OffloadStats | None = Field(None, description="the offload engine's counters; null without offload")
+
+
+class EvalEvent(JobEvent):
+    """An evaluation pass finished."""
+
+    type: Literal["eval"] = "eval"
+    step: int
+    eval_loss: float
+    perplexity: float | None = None
+    metrics: dict[str, float] = Field(default_factory=dict, description="further named figures, e.g. accuracy")
+
+
+class FileDigest(BaseModel):
+    """One file of a checkpoint, as its manifest records it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    bytes: int
+    sha256: str
+
+
+class CheckpointEvent(JobEvent):
+    """A checkpoint was written (atomically) under the job's output directory."""
+
+    type: Literal["checkpoint"] = "checkpoint"
+    step: int
+    name: str
+    path: str
+    files: list[FileDigest]
+
+
+class SampleEvent(JobEvent):
+    """A sample the model produced: generated text, or a file (an image, audio) under the output directory."""
+
+    type: Literal["sample"] = "sample"
+    step: int
+    prompt: str | None = None
+    text: str | None = None
+    artifact_path: str | None = Field(None, description="relative to the job's output directory")
+    media_type: str | None = Field(None, description="of the artifact, e.g. image/png")
+
+    @model_validator(mode="after")
+    def _check_text_or_artifact(self) -> SampleEvent:
+        if self.text is None and self.artifact_path is None:
+            raise ValueError("a sample event carries text or an artifact_path")
+        return self
+
+
+class LogEvent(JobEvent):
+    """A message for the user, e.g. a setting that is skipped."""
+
+    type: Literal["log"] = "log"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    message: str
+
+
+class FinishedEvent(JobEvent):
+    """The attempt ended by itself: trained to the end, paused (after a checkpoint) or cancelled."""
+
+    type: Literal["finished"] = "finished"
+    status: Literal["succeeded", "paused", "cancelled"]
+    step: int
+
+
+class FailedEvent(JobEvent):
+    """The attempt raised; ``error`` is the code, ``message`` a sentence naming the fix where there is one."""
+
+    type: Literal["failed"] = "failed"
+    error: ErrorCode
+    message: str
+    exception: str | None = Field(None, description="the exception's class, e.g. ValueError")
+
+
+JOB_EVENTS: tuple[type[JobEvent], ...] = (
+    StartedEvent,
+    StepEvent,
+    EvalEvent,
+    CheckpointEvent,
+    SampleEvent,
+    LogEvent,
+    FinishedEvent,
+    FailedEvent,
+)
+EVENT_TYPES: dict[str, type[JobEvent]] = {cls.model_fields["type"].default: cls for cls in JOB_EVENTS}
+AnyJobEvent = Annotated[
+    StartedEvent | StepEvent | EvalEvent | CheckpointEvent | SampleEvent | LogEvent | FinishedEvent | FailedEvent,
+    Field(discriminator="type"),
+]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyJobEvent)
+
+
+def event_to_wire(event: JobEvent) -> dict[str, Any]:
+    """The JSON-able form of a declared event (what the store keeps). Anything else is refused."""
+    if type(event) not in JOB_EVENTS:
+        raise TypeError(f"not a declared job event: {event!r} (jobs/events.py lists them)")
+    return event.model_dump(mode="json")
+
+
+def parse_job_event(data: dict[str, Any]) -> JobEvent:
+    """The typed event of a wire dict; raises pydantic's ValidationError for an undeclared type or field."""
+    return _ADAPTER.validate_python(data)
+
+
+def failed_event(error: BaseException) -> FailedEvent:
+    """The failed event for an exception a job raised."""
+    return FailedEvent(
+        error=error_code_for(error), message=str(error) or type(error).__name__, exception=type(error).__name__
+    )
