@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from jobs.errors import JobSpecError, SpecProblem
 from jobs.paths import PathRoots
 from jobs.spec import JobSpec
+from jobs.spec_values import PATTERN_RULES, SYNONYMS, bad_numbers, bad_strings
 
 Loc = tuple[str | int, ...]
 
@@ -41,21 +42,32 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise JobSpecError([SpecProblem("", f"not valid YAML: {exc}", mark.line + 1 if mark else None)]) from exc
+    except RecursionError:
+        raise JobSpecError([SpecProblem("", "nests too deep to read; flatten it")]) from None
+    except ValueError as exc:  # Python refuses to read an integer of over 4300 digits
+        raise JobSpecError([SpecProblem("", f"holds a number no field can take ({exc})")]) from None
     if not isinstance(data, dict):
         raise JobSpecError([SpecProblem("", f"a job spec is a YAML mapping; got {type(data).__name__}", 1)])
     lines = _key_lines(node)
+    # Checked before pydantic, whose messages echo the input: a lone surrogate in an answer cannot be encoded.
+    unreadable = [SpecProblem(".".join(path), message, _line(path, lines)) for path, message in bad_strings(data)]
+    if unreadable:
+        raise JobSpecError(unreadable)
     # YAML keeps the last of two equal keys without a word; a spec that says a thing twice is refused.
     duplicates = [
         SpecProblem(".".join(path), f"duplicate key (first on line {lines[path]})", line)
         for path, line in _duplicate_keys(node)
     ]
+    # Pydantic's lax mode takes `true` for 1 and any integer for an int field; these are refused beside it.
+    numbers = [SpecProblem(".".join(path), message, _line(path, lines)) for path, message in bad_numbers(data, JobSpec)]
     try:
         spec = JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
     except ValidationError as exc:
-        problems = duplicates + _problems(exc, data, lines)
+        flagged = {p.path for p in numbers}
+        problems = duplicates + numbers + [p for p in _problems(exc, data, lines) if p.path not in flagged]
         raise JobSpecError(sorted(problems, key=lambda p: (p.line or 0, p.path))) from None
-    if duplicates:
-        raise JobSpecError(duplicates)
+    if duplicates or numbers:
+        raise JobSpecError(sorted(duplicates + numbers, key=lambda p: (p.line or 0, p.path)))
     return spec
 
 
@@ -120,6 +132,21 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
             problems.append(
                 SpecProblem(".".join((*path, "kind")), message, _line((*path, "kind"), lines), _closest(tag, expected))
             )
+        elif error["type"] == "literal_error":
+            expected = [t.strip(" '") for t in error["ctx"]["expected"].replace(" or ", ", ").split(",")]
+            given = str(error["input"])
+            suggestion = SYNONYMS.get(given.lower()) if SYNONYMS.get(given.lower()) in expected else None
+            problems.append(
+                SpecProblem(
+                    ".".join(path),
+                    f"must be one of {', '.join(expected)}; got {given!r}",
+                    _line(path, lines),
+                    suggestion or _closest(given, expected),
+                )
+            )
+        elif error["type"] == "string_pattern_mismatch" and error["ctx"]["pattern"] in PATTERN_RULES:
+            rule = PATTERN_RULES[error["ctx"]["pattern"]]
+            problems.append(SpecProblem(".".join(path), f"{rule}; got {error['input']!r}", _line(path, lines)))
         else:
             message = error["msg"].removeprefix("Value error, ")
             problems.append(SpecProblem(".".join(path), message, _line(path, lines)))

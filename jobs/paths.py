@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Example data shipped in a source checkout (configs/data): a data root by default, so the example
+# configs that name it run as shipped, from the command line and through the service.
+BUNDLED_DATA = Path(__file__).resolve().parents[1] / "configs" / "data"
 
 
 @dataclass(frozen=True)
 class PathRoots:
     """Directories that model and data paths in a spec must stay inside.
 
-    Relative paths in a spec are resolved against the first root of their kind. Symlinks are resolved
+    Relative paths in a spec are looked up under each root of their kind in turn. Symlinks are resolved
     before the check, so a link pointing out of a root is refused too.
 
     Example:
@@ -27,11 +34,20 @@ class PathRoots:
     @classmethod
     def here(cls) -> PathRoots:
         """Both roots at the current directory: the default for local command-line use."""
-        return cls(model_roots=[Path.cwd()], data_roots=[Path.cwd()])
+        return cls(model_roots=[Path.cwd()], data_roots=[Path.cwd(), *bundled_data_roots()])
+
+
+def bundled_data_roots() -> list[Path]:
+    """``[configs/data]`` in a source checkout, else nothing."""
+    return [BUNDLED_DATA] if BUNDLED_DATA.is_dir() else []
 
 
 def confine(raw: str | Path, roots: list[Path], kind: str) -> Path:
     """Resolve ``raw`` and check that it exists inside one of ``roots``.
+
+    A relative path is looked up under each root in turn (the first root when none holds it). A data path
+    must be a regular file or a directory whose files and links all stay inside it (`data_files`): no FIFO
+    that would hang a worker, no link that reads outside the roots.
 
     Args:
         raw: The path as written in the spec.
@@ -42,15 +58,72 @@ def confine(raw: str | Path, roots: list[Path], kind: str) -> Path:
         The resolved absolute path.
 
     Raises:
-        ValueError: The path escapes every root, no root is configured, or the path does not exist.
+        ValueError: The path escapes every root, no root is configured, does not exist, is a link loop,
+            has a name the filesystem refuses, or (data) is not a regular file or a clean directory.
     """
     if not roots:
         raise ValueError(f"no {kind} roots are configured, so no {kind} path is allowed")
     path = Path(raw).expanduser()
-    resolved = (path if path.is_absolute() else roots[0] / path).resolve()
+    try:
+        candidates = [path] if path.is_absolute() else [root / path for root in roots]
+        chosen = next((c for c in candidates if c.exists()), candidates[0])
+        resolved = chosen.resolve()
+        exists = resolved.exists()
+    except (OSError, RuntimeError) as error:  # a link loop, a name over 255 bytes, a path over PATH_MAX
+        raise ValueError(f"'{raw}' cannot be used: {_reason(error)}") from None
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
         allowed = ", ".join(str(r) for r in roots)
         raise ValueError(f"'{raw}' resolves to {resolved}, outside the allowed {kind} roots ({allowed})")
-    if not resolved.exists():
+    if not exists:
         raise ValueError(f"'{raw}' does not exist (looked at {resolved})")
+    if kind == "data":
+        if resolved.is_dir():
+            data_files(resolved)  # raises on a link out of the directory
+        elif not resolved.is_file():
+            raise ValueError(f"'{raw}' is not a regular file or a directory (a FIFO, socket or device is never read)")
     return resolved
+
+
+def data_files(directory: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
+    """The regular files under ``directory`` (sorted), never following a link out of it.
+
+    Links that stay inside are followed; one that leads outside is refused (it would read a file the roots
+    exclude). FIFOs, sockets and devices are skipped: reading one hangs or never ends.
+
+    Raises:
+        ValueError: A link under ``directory`` leads outside it, or loops.
+    """
+    directory = directory.resolve()
+    found = []
+    for parent, dirs, files in os.walk(directory, followlinks=False):
+        for name in [*dirs, *files]:
+            entry = Path(parent) / name
+            if entry.is_symlink():
+                try:
+                    target = entry.resolve(strict=True)
+                except (OSError, RuntimeError) as error:
+                    raise ValueError(f"{entry} is a broken link or a link loop ({_reason(error)})") from None
+                if not target.is_relative_to(directory):
+                    raise ValueError(
+                        f"{entry} links to {target}, outside {directory}; copy the file in instead of linking to it"
+                    )
+                if target.is_dir():
+                    continue  # its files are under `directory` already, or will be walked there
+            if name in files and _is_regular(entry) and (suffixes is None or entry.suffix in suffixes):
+                found.append(entry)
+    return sorted(found)
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno == errno.ENAMETOOLONG:
+        return "a name in it is longer than the filesystem allows (255 bytes per name)"
+    if isinstance(error, RuntimeError) or (isinstance(error, OSError) and error.errno == errno.ELOOP):
+        return "it is a symbolic link loop"
+    return error.strerror if isinstance(error, OSError) and error.strerror else str(error)

@@ -17,9 +17,13 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class Section(BaseModel):
-    """Base of every spec section: unknown keys are refused and specs are immutable."""
+    """Base of every spec section: unknown keys are refused, specs are immutable, floats are finite.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    ``allow_inf_nan=False``: ``.inf``, ``1e400`` and ``.nan`` would train a NaN model that "succeeds".
+    Booleans read as numbers and integers beyond int64 are refused by ``jobs.spec_values``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def broken_rules(problems: list[tuple[str, str]]) -> PydanticCustomError:

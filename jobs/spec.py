@@ -22,6 +22,10 @@ from jobs.sections import Dtype as Dtype
 from jobs.sections import Section, broken_rules, confined_path
 from offload import parse_bytes
 
+# Bounds a run can hold: a step counter and a sample count (steps x batch) stay far inside int64.
+MAX_STEPS = 1_000_000_000
+MAX_BATCH = 1_048_576
+
 # ---- model -------------------------------------------------------------------------------------------
 # Each model family defines its own section next to its builder (jobs/models/<kind>.py); ``model:`` accepts
 # any registered family's (jobs/models/registry.py). The type checker sees the sections' common base.
@@ -92,22 +96,22 @@ class SchedulerSpec(Section):
     """Learning-rate schedule after a linear warmup from 0."""
 
     kind: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
 
 
 class TrainingSpec(Section):
     """How long and how to optimize. Give exactly one of ``steps`` and ``epochs``."""
 
-    steps: int | None = Field(None, gt=0, description="optimizer steps")
-    epochs: int | None = Field(None, gt=0, description="passes over a finite dataset")
-    batch_size: int = Field(1, gt=0)
-    gradient_accumulation_steps: int = Field(1, gt=0)
+    steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps")
+    epochs: int | None = Field(None, gt=0, le=1_000_000, description="passes over a finite dataset")
+    batch_size: int = Field(1, gt=0, le=MAX_BATCH)
+    gradient_accumulation_steps: int = Field(1, gt=0, le=MAX_BATCH)
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     scheduler: SchedulerSpec = SchedulerSpec()
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm; null = no clipping")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="0 to 2**32 - 1")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
 
@@ -124,7 +128,7 @@ class OffloadSpec(Section):
     enable_model_cpu_offload: bool = False
     enable_optimizer_cpu_offload: bool = False
     cpu_offload_split_threshold: float | None = Field(None, gt=0, description="MB; split modules above this")
-    prefetch: int = Field(1, ge=0, description="units copied ahead; 0 = the seed's serialized behaviour")
+    prefetch: int = Field(1, ge=0, le=1024, description="units copied ahead; 0 = the seed's serialized behaviour")
     granularity: Literal["leaf", "block"] = "leaf"
     gpu_memory_budget: int | str | None = Field(None, description="bytes or e.g. '8GiB'; null = stream all")
     gpu_memory_limit: int | str | None = Field(
@@ -170,8 +174,10 @@ class OffloadSpec(Section):
 class CheckpointSpec(Section):
     """When to save and how many to keep."""
 
-    every_steps: int | None = Field(None, gt=0, description="save every N optimizer steps; null = only at the end")
-    keep_last: int = Field(3, gt=0, description="delete older checkpoints beyond this many")
+    every_steps: int | None = Field(
+        None, gt=0, le=MAX_STEPS, description="save every N optimizer steps; null = only at the end"
+    )
+    keep_last: int = Field(3, gt=0, le=1_000_000, description="delete older checkpoints beyond this many")
     save_final: bool = True
 
 

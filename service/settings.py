@@ -10,6 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# jobs.paths.BUNDLED_DATA, computed here so that reading the settings does not import jobs (and torch).
+_BUNDLED_DATA = Path(__file__).resolve().parents[1] / "configs" / "data"
+
 
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1)."""
@@ -125,5 +128,6 @@ class Settings(BaseSettings):
 
     @property
     def effective_data_roots(self) -> list[Path]:
-        """The configured data roots, or ``<storage_dir>/datasets`` when none is."""
-        return self.data_roots or [self.storage_dir / "datasets"]
+        """The configured data roots, or ``<storage_dir>/datasets`` and the example data shipped in a source
+        checkout (``configs/data``, so the example configs submit as shipped) when none is."""
+        return self.data_roots or [self.storage_dir / "datasets", *([_BUNDLED_DATA] if _BUNDLED_DATA.is_dir() else [])]

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import yaml
 
+MAX_DIGITS = 64  # a plain integer longer than this is refused before Python spends time converting it
+
 
 @dataclass(frozen=True)
 class YamlShapeError(ValueError):
@@ -46,6 +48,12 @@ def check_yaml_shape(text: str, *, max_depth: int, max_nodes: int) -> None:
                     anchor_sizes[anchor] = size
                 open_counts[-1] += size
             elif isinstance(event, yaml.ScalarEvent):
+                if event.style is None and len(event.value) > MAX_DIGITS and event.value.lstrip("+-").isdigit():
+                    raise YamlShapeError(
+                        f"a number of {len(event.value)} digits; no field takes more than {MAX_DIGITS} "
+                        "(2**63 - 1 has 19)",
+                        _line(event),
+                    )
                 if event.anchor:
                     anchor_sizes[event.anchor] = 1
                 open_counts[-1] += 1

@@ -8,13 +8,15 @@ from pathlib import Path
 import torch
 
 from jobs.data.tokenizers import Tokenizer
+from jobs.paths import data_files
 
 _SUFFIXES = (".jsonl", ".txt", ".text", ".md")
 
 
 def read_documents(path: Path, fmt: str, text_field: str) -> list[str]:
     """Documents from a file or from every ``*.jsonl``/``*.txt`` file under a directory (sorted, so stable)."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES) if path.is_dir() else [path]
+    # Only regular files, and no link out of the directory (a FIFO would hang the job, a link read outside).
+    files = data_files(path, _SUFFIXES) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"data.path {path} holds no {'/'.join(_SUFFIXES)} files")
     documents: list[str] = []

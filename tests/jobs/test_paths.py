@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from jobs.paths import PathRoots, confine
+from jobs.paths import PathRoots, confine, data_files
 
 
 def test_relative_paths_resolve_against_the_first_root(tmp_path: Path) -> None:
@@ -43,3 +44,40 @@ def test_roots_are_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     roots = PathRoots(model_roots=["."], data_roots=[tmp_path / "d" / ".."])
     assert roots.model_roots == [tmp_path] and roots.data_roots == [tmp_path]
     assert PathRoots.here().model_roots == [tmp_path]
+
+
+def test_a_relative_path_is_looked_up_under_each_root(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    (second / "corpus.txt").write_text("x")
+    assert confine("corpus.txt", [first, second], "data") == second / "corpus.txt"
+
+
+def test_a_link_inside_a_data_directory_may_not_lead_out(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "secret.txt"
+    (root / "corpus").mkdir(parents=True)
+    outside.write_text("not for training")
+    (root / "corpus" / "a.txt").write_text("fine")
+    (root / "corpus" / "b.txt").symlink_to(outside)
+    with pytest.raises(ValueError, match=r"b.txt links to .*secret.txt, outside .*corpus; copy the file in"):
+        confine("corpus", [root], "data")
+    with pytest.raises(ValueError, match="outside"):
+        confine(".", [root], "data")
+
+
+def test_data_files_follow_links_inside_and_skip_fifos(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "sub" / "b.txt").symlink_to(tmp_path / "a.txt")
+    os.mkfifo(tmp_path / "pipe.txt")  # reading it would block the job for ever
+    assert data_files(tmp_path, (".txt",)) == [tmp_path / "a.txt", tmp_path / "sub" / "b.txt"]
+    with pytest.raises(ValueError, match="not a regular file or a directory"):
+        confine("pipe.txt", [tmp_path], "data")
+
+
+def test_link_loops_and_overlong_names_are_problems_not_crashes(tmp_path: Path) -> None:
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ValueError, match="'loop' cannot be used: it is a symbolic link loop"):
+        confine("loop", [tmp_path], "data")
+    with pytest.raises(ValueError, match="longer than the filesystem allows"):
+        confine("a" * 300, [tmp_path], "data")

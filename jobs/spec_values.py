@@ -1,0 +1,120 @@
+"""Values a spec may not hold although pydantic's lax mode would take them, and words for readable errors.
+
+Checked on the parsed YAML, next to pydantic (loading.py), so that each is reported with its path and line
+together with every other problem:
+
+- a lone surrogate or a control character in any key or string: neither belongs in a name, a path or a
+  field name, and a lone surrogate cannot even be written out as UTF-8 (stored, it broke every answer
+  that showed the job);
+- ``true``/``false`` given for a number (lax mode reads ``steps: true`` as one step);
+- an integer beyond int64, which the store (SQLite INTEGER) and torch cannot hold.
+
+Infinite and NaN floats are refused by the sections themselves (``allow_inf_nan=False``).
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+import unicodedata
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+INT64_MAX = 2**63 - 1
+Path_ = tuple[str, ...]
+
+# Words users write for a value the spec spells otherwise; difflib alone would offer `cpu` for `gpu`.
+SYNONYMS = {"gpu": "cuda", "cuda:0": "cuda", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "none": "no"}
+# Patterns a reader should not have to decode.
+PATTERN_RULES = {
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*$": "must start with a letter or digit and hold only letters, digits, '.', '_' and '-'"
+}
+
+
+def bad_strings(value: Any, path: Path_ = ()) -> list[tuple[Path_, str]]:
+    """(path, problem) for every key or string holding a lone surrogate or a control character."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            key_path = (*path, _printable(key))
+            found += [(key_path, f"key {problem}") for problem in _string_problems(key)]
+            found += bad_strings(item, key_path)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += bad_strings(item, (*path, str(index)))
+    else:
+        found += [(path, problem) for problem in _string_problems(value)]
+    return found
+
+
+def bad_numbers(data: Any, model: type[BaseModel], path: Path_ = ()) -> list[tuple[Path_, str]]:
+    """(path, problem) for each boolean given for a number and each integer beyond int64, walking ``data``
+    along ``model``'s fields (a discriminated section is picked by its ``kind``)."""
+    if not isinstance(data, dict):
+        return []
+    found = []
+    for name, value in data.items():
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            continue
+        where = (*path, name)
+        if isinstance(value, bool):
+            if not _takes_bool(field.annotation):
+                found.append((where, f"must be a number, not {str(value).lower()}"))
+        elif isinstance(value, int) and abs(value) > INT64_MAX:
+            found.append(
+                (where, f"must be within ±(2**63 - 1), what the store holds; got a {value.bit_length()}-bit number")
+            )
+        elif isinstance(value, dict):
+            section = _section_for(field.annotation, value)
+            if section is not None:
+                found += bad_numbers(value, section, where)
+    return found
+
+
+def _section_for(annotation: Any, value: dict) -> type[BaseModel] | None:
+    """The section type a mapping is validated as: the only one, or the one whose ``kind`` it names."""
+    models = [t for t in _flatten(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+    if len(models) == 1:
+        return models[0]
+    for candidate in models:
+        kind = candidate.model_fields.get("kind")
+        if kind is not None and value.get("kind") in typing.get_args(kind.annotation):
+            return candidate
+    return None
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field's type admits ``True``/``False`` (``bool``, ``bool | None``, ``Literal[True, ...]``)."""
+    return any(
+        t is bool
+        or t is Any
+        or (typing.get_origin(t) is Literal and any(isinstance(a, bool) for a in typing.get_args(t)))
+        for t in _flatten(annotation)
+    )
+
+
+def _flatten(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _flatten(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _flatten(arg)]
+    return [annotation]
+
+
+def _string_problems(value: Any) -> list[str]:
+    if not isinstance(value, str):
+        return []
+    for index, char in enumerate(value):
+        if "\ud800" <= char <= "\udfff":
+            return [f"holds a lone surrogate ({ascii(char)[1:-1]}) at character {index + 1}; send valid Unicode text"]
+        if unicodedata.category(char) == "Cc" and char not in "\t\n\r":
+            return [f"holds the control character {ascii(char)[1:-1]} at character {index + 1}; remove it"]
+    return []
+
+
+def _printable(key: Any) -> str:
+    """A key as a path part; one with a surrogate or control character is shown escaped."""
+    text = str(key)
+    return ascii(text)[1:-1] if _string_problems(text) else text
