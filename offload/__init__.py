@@ -17,12 +17,14 @@ from offload.offloaders import (
     TrainableParamOffloader,
 )
 from offload.options import OffloadOptions, parse_bytes
+from offload.plan import MemoryPlan, plan_memory
 from offload.stats import OffloadStats
 from offload.units import OffloadUnit, discover_units
 
 __all__ = [
     "AlwaysOnGPUParamOffloader",
     "BufferOffloader",
+    "MemoryPlan",
     "OffloadOptions",
     "OffloadStats",
     "OffloadTrainingManager",
@@ -33,5 +35,6 @@ __all__ = [
     "TrainableParamOffloader",
     "discover_units",
     "parse_bytes",
+    "plan_memory",
     "set_gpu_memory_limit",
 ]

@@ -18,8 +18,12 @@ MIN_CHUNK_BYTES = 1 << 16
 MAX_CHUNK_BYTES = 1 << 31
 
 
-def _align(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the arena's (and the device plan's) 64-byte alignment."""
     return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+_align = aligned
 
 
 def _next_pow2(n: int) -> int:
@@ -45,17 +49,18 @@ def plan_chunk_size(needed: int, remaining: int) -> int:
 
 
 class _Chunk:
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    def __init__(self, nbytes: int, pin: bool, materialize: bool = True) -> None:
+        # A dry-run chunk (materialize=False) only counts: the planner replays the arena with it.
+        self.storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) if materialize else None
         self.capacity = nbytes
         self.used = 0
 
-    def take(self, nbytes: int) -> torch.Tensor | None:
+    def take(self, nbytes: int) -> torch.Tensor | int | None:
         if self.capacity - self.used < nbytes:
             return None
-        view = self.storage[self.used : self.used + nbytes]
+        start = self.used
         self.used += _align(nbytes)
-        return view
+        return start if self.storage is None else self.storage[start : start + nbytes]
 
 
 class PinnedArenaPool:
@@ -65,14 +70,17 @@ class PinnedArenaPool:
         expected_bytes: the total the caller will allocate; chunks are planned from it so the reserve stays
             within one chunk of the request. More can be allocated later: the pool grows.
         pin: page-lock the chunks. ``False`` (no accelerator) uses ordinary memory.
+        dry_run: allocate nothing, only count what would be reserved (``offload.plan_memory`` replays the
+            engine's allocations with it, so the estimate and the engine share one arena implementation).
 
     Example:
         >>> pool = PinnedArenaPool(expected_bytes=4096, pin=False)
         >>> t = pool.allocate((16, 16), torch.float32)
     """
 
-    def __init__(self, expected_bytes: int = 0, *, pin: bool = True) -> None:
+    def __init__(self, expected_bytes: int = 0, *, pin: bool = True, dry_run: bool = False) -> None:
         self.pin = pin
+        self.dry_run = dry_run
         self._chunks: list[_Chunk] = []
         self._remaining = expected_bytes
         self.requested_bytes = 0
@@ -93,12 +101,14 @@ class PinnedArenaPool:
         nbytes = max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         self.requested_bytes += nbytes
         raw = self._take(nbytes)
+        if self.dry_run:
+            return torch.empty(shape, dtype=dtype, device="meta")
         if raw is None:
             return self._allocate_fallback(shape, dtype, nbytes)
         numel = torch.Size(shape).numel()
         return raw[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
 
-    def _take(self, nbytes: int) -> torch.Tensor | None:
+    def _take(self, nbytes: int) -> torch.Tensor | int | None:
         for chunk in self._chunks:
             view = chunk.take(nbytes)
             if view is not None:
@@ -106,7 +116,7 @@ class PinnedArenaPool:
                 return view
         size = plan_chunk_size(_align(nbytes), max(self._remaining, 0))
         try:
-            chunk = _Chunk(size, self.pin)
+            chunk = _Chunk(size, self.pin, materialize=not self.dry_run)
         except RuntimeError as error:  # page-locking can fail when the OS limit is reached
             log.warning("could not reserve a %d-byte pinned chunk (%s); pinning tensors one by one", size, error)
             return None

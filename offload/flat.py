@@ -8,16 +8,17 @@ while a member is held, and a trainable host master updated by the CPU optimizer
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from offload.arena import ALIGNMENT, PinnedArenaPool
+from offload.arena import PinnedArenaPool, aligned
 from offload.layout import shaped_like
-from offload.offloaders import StaticParamOffloader
+from offload.offloaders import StaticParamOffloader, copy_into_ring
 from offload.transfers import CopyEngine, PendingCopy
 
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+if TYPE_CHECKING:
+    from offload.ring import Placement
 
 
 class FlatGroup:
@@ -29,7 +30,7 @@ class FlatGroup:
         total = 0
         for tensor in tensors:
             self.offsets.append(total)
-            total += _aligned(tensor.numel() * tensor.element_size())
+            total += aligned(tensor.numel() * tensor.element_size())
         self.span = arena.allocate((total,), torch.uint8)
         self.members: list[StaticParamOffloader] = []
         # The device copy of the span, held while any member is attached to a view of it. A strong
@@ -38,6 +39,8 @@ class FlatGroup:
         self._device_span: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._attached = 0
+        self.placement: Placement | None = None  # the span's place in the device ring (offset 0 of the slot)
+        self._in_ring: Placement | None = None
 
     def host_view(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """The slot for the ``index``-th tensor inside the span."""
@@ -51,14 +54,14 @@ class FlatGroup:
         """Copy the span (unless a copy is still alive) and hand views to the members that need one now:
         the requester and any member a running forward holds or a pending backward will unpack."""
         if self._device_span is None:
-            pending = self.copies.to_device(self.span, prefetch=prefetch)
+            pending, self._in_ring = copy_into_ring(self.copies, self.span, self.placement, 0, prefetch)
             self._device_span, self._event = pending.tensor, pending.event
         for index, member in enumerate(self.members):
             wanted = member is requester or member.holds > 0 or member.live_tokens > 0
             if member.pending is None and wanted:
                 flat = _view(self._device_span, self.offsets[index], (member.host.numel(),), member.host.dtype)
                 view = shaped_like(flat, member.host)
-                member.attach(PendingCopy(view, self._event))
+                member.attach(PendingCopy(view, self._event, planned=self._in_ring is not None))
                 self._attached += 1
 
     def detached(self, member: StaticParamOffloader) -> None:
@@ -66,6 +69,9 @@ class FlatGroup:
         self._attached -= 1
         if self._attached == 0:
             self._device_span = self._event = None
+            if self._in_ring is not None:
+                self._in_ring.release(self.copies.device)
+                self._in_ring = None
 
 
 def _view(span: torch.Tensor, offset: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from offload.arena import PinnedArenaPool
+from offload.arena import PinnedArenaPool, aligned
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.flat import FlatGroup
 from offload.layout import shaped_like
@@ -23,11 +24,15 @@ from offload.offloaders import (
 )
 from offload.optimizer_step import StepDuringBackward
 from offload.options import OffloadOptions
+from offload.plan import UnitLayout, plan_memory
+from offload.ring import DeviceRing
 from offload.saved_tensors import SavedTensorRouter
 from offload.schedule import PrefetchSchedule
 from offload.stats import OffloadStats, StatsCounter
 from offload.transfers import CopyEngine, in_backward
-from offload.units import OffloadUnit, UnitPlan, discover_units
+from offload.units import OffloadUnit, UnitPlan
+
+Initializer = Callable[[str, torch.Tensor, torch.Tensor], None]  # (name, meta tensor, pinned host copy to fill)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,10 @@ class OffloadTrainingManager:
         enable_optimizer_cpu_offload: keep trainable weights, gradients and optimizer state on the CPU.
         cpu_offload_split_threshold: in MB; modules at or under it are one unit, larger ones are split.
         options: engine tuning (:class:`OffloadOptions`).
+        initialize: for a model built on the meta device (no memory): called as
+            ``initialize(name, tensor, host)`` for each meta tensor with its pinned host copy to fill (from a
+            checkpoint, or random values); the tensor then *is* that host copy. Nothing is materialized in
+            ordinary memory first. Trainable tensors without optimizer offload must be real CPU tensors.
 
     Example:
         >>> model = ToyModel()                                  # stays on the CPU
@@ -62,64 +71,79 @@ class OffloadTrainingManager:
         enable_optimizer_cpu_offload: bool = False,
         cpu_offload_split_threshold: float | None = None,
         options: OffloadOptions | None = None,
+        *,
+        initialize: Initializer | None = None,
     ) -> None:
         self.device = resolve_target_device(target_device)
         self.options = options if options is not None else OffloadOptions()
         self.enable_optimizer_cpu_offload = enable_optimizer_cpu_offload
-        _check_model(model)
+        _check_model(model, allow_meta=initialize is not None)
+        self.model = model
+        self._initialize = initialize
         # Before the first device allocation, so nothing the engine holds is ever above the limit.
         self._previous_limit = _memory_fraction(self.device)
         if self.options.gpu_memory_limit is not None:
             set_gpu_memory_limit(self.device, self.options.gpu_memory_limit)
-        threshold = _threshold_bytes(cpu_offload_split_threshold)
-        self.model = model
+        # Host and device memory are planned before anything is allocated (plan.py); the estimate a job
+        # gets at submit reads the same plan.
+        self.plan = plan_memory(
+            model,
+            enable_optimizer_cpu_offload=enable_optimizer_cpu_offload,
+            cpu_offload_split_threshold=cpu_offload_split_threshold,
+            options=self.options,
+        )
+        self._check_plan_fits()
         self._stats = StatsCounter()
         self._copies = CopyEngine(self.device, self._stats, side_streams=self.options.prefetch > 0)
         # The forward and backward orders are recorded during the first step; prefetching and the budget
         # follow them after.
         self._schedule = PrefetchSchedule(self.options.prefetch)
-        plans = discover_units(model, threshold, self.options.granularity if threshold is None else "leaf")
-        self.arena = self._make_arena(plans)
+        pin = self.options.pin_memory and can_pin_memory()
+        self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes), pin=pin)
+        self.ring = DeviceRing(self.plan, self.device)
+        self._stats.planned_device_bytes = self.ring.nbytes
         self._offloaders: dict[int, TensorOffloader] = {}
-        self.units = [self._make_unit(plan) for plan in plans]
+        self.units = [self._make_unit(u, layout) for u, layout in zip(self.plan.units, self.plan.layouts, strict=True)]
         self._mark_statistics_buffers(model)
         self._router = SavedTensorRouter(self._offloaders)
         self._handles: list[RemovableHandle] = []
-        self._attach(plans)
+        self._attach(self.plan.units)
         self._stepper: StepDuringBackward | None = None
         self._stats.start_step()
-        log.info("offloading %s", self)
+        log.info("offloading %s; %s", self, self.plan.describe())
 
     # ----------------------------------------------------------------- setup
+    def _check_plan_fits(self) -> None:
+        limit = self.options.gpu_memory_limit
+        if limit is not None and self.plan.ring_bytes > limit:
+            raise ValueError(
+                f"the device ring for streamed weights needs {self.plan.ring_bytes / 2**30:.2f} GiB "
+                f"(prefetch={self.options.prefetch}; largest unit {self.plan.largest_unit_bytes / 2**30:.2f} GiB) "
+                f"but gpu_memory_limit is {limit / 2**30:.2f} GiB; lower prefetch, use granularity='leaf' or "
+                "cpu_offload_split_threshold for smaller units, or raise the limit"
+            )
+
     def _wants_host_copy(self, tensor: torch.Tensor) -> bool:
         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
         return not trainable or self.enable_optimizer_cpu_offload
 
-    def _make_arena(self, plans: list[UnitPlan]) -> PinnedArenaPool:
-        unique = {id(t): t for plan in plans for _, t in plan.tensors if self._wants_host_copy(t)}
-        tensors = list(unique.values())
-        # Trainable tensors kept on the host also need a host gradient buffer of the same size.
-        tensors += [t for t in tensors if isinstance(t, nn.Parameter) and t.requires_grad]
-        pin = self.options.pin_memory and can_pin_memory()
-        return PinnedArenaPool.for_tensors(tensors, pin=pin)
-
-    def _make_unit(self, plan: UnitPlan) -> OffloadUnit:
-        # Largest first: the arena packs tightly when big tensors are placed before small ones.
+    def _make_unit(self, plan: UnitPlan, layout: UnitLayout) -> OffloadUnit:
+        by_id = {id(t): (name, t) for name, t in plan.tensors}
+        placement = self.ring.placement(layout.ring_class, layout.slot)
+        group = None
+        hosts: dict[int, torch.Tensor] = {}
+        if layout.span:
+            span = [by_id[i][1] for i in layout.span]
+            group = FlatGroup(span, self.arena, self._copies)
+            group.placement = placement
+            hosts = {id(t): group.host_view(i, t) for i, t in enumerate(span)}
         ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
-        new = [
-            t
-            for _, t in ordered
-            if id(t) not in self._offloaders
-            and self._wants_host_copy(t)
-            and not (isinstance(t, nn.Parameter) and t.requires_grad)
-        ]  # spans hold what never changes
-        group = FlatGroup(new, self.arena, self._copies) if plan.flat and len(new) > 1 else None
-        hosts = {id(t): group.host_view(i, t) for i, t in enumerate(new)} if group else {}
         offloaders = [self._offloader_for(name, tensor, hosts.get(id(tensor))) for name, tensor in ordered]
-        if group is not None:
-            for offloader in offloaders:
-                if id(offloader.tensor) in hosts:
-                    group.add(offloader)
+        for offloader in offloaders:
+            if group is not None and id(offloader.tensor) in hosts and offloader.group is None:
+                group.add(offloader)
+            elif id(offloader.tensor) in layout.offsets and offloader.placement is None:
+                offloader.placement, offloader.slot_offset = placement, layout.offsets[id(offloader.tensor)]
         return OffloadUnit(plan.name, offloaders)
 
     def _offloader_for(self, name: str, tensor: torch.Tensor, host: torch.Tensor | None) -> TensorOffloader:
@@ -128,6 +152,8 @@ class OffloadTrainingManager:
             return existing
         if host is None and self._wants_host_copy(tensor):
             host = self._host_like(tensor)
+        if tensor.is_meta:
+            self._materialize(name, tensor, host)
         if not isinstance(tensor, nn.Parameter):
             offloader = BufferOffloader(name, tensor, self._copies, host)
         elif not tensor.requires_grad:
@@ -143,6 +169,20 @@ class OffloadTrainingManager:
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """Arena memory for ``tensor`` with its layout (a transposed weight stays transposed)."""
         return shaped_like(self.arena.allocate((tensor.numel(),), tensor.dtype), tensor)
+
+    def _materialize(self, name: str, tensor: torch.Tensor, host: torch.Tensor | None) -> None:
+        """A tensor built on the meta device: ``initialize`` fills its pinned host copy, then the tensor object
+        itself (which modules, tied weights and optimizers refer to) becomes that host copy."""
+        if host is None or self._initialize is None:
+            raise ValueError(
+                f"{name!r} is on the meta device but is trainable without optimizer offload (it lives on the "
+                "device, not in the pinned arena); materialize trainable tensors on the CPU before attaching"
+            )
+        self._initialize(name, tensor, host)
+        alias = (
+            nn.Parameter(host, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else host[...]
+        )
+        torch.utils.swap_tensors(tensor, alias)
 
     def _mark_statistics_buffers(self, model: nn.Module) -> None:
         for module in model.modules():
@@ -254,13 +294,13 @@ class OffloadTrainingManager:
         )
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: nn.Module, allow_meta: bool = False) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     if next(model.parameters(), None) is None:
         raise ValueError("model has no parameters; there is nothing to offload or train")
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.device.type != "cpu":
+        if tensor.device.type != "cpu" and not (allow_meta and tensor.is_meta):
             raise ValueError(
                 f"model tensor {name!r} is on {tensor.device}; the manager expects the model on the CPU "
                 "(call model.to('cpu') before creating OffloadTrainingManager)"
@@ -273,11 +313,3 @@ def _memory_fraction(device: torch.device) -> float | None:
         return None
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     return getter(device) if getter is not None else 1.0
-
-
-def _threshold_bytes(threshold_mb: float | None) -> int | None:
-    if threshold_mb is None:
-        return None
-    if isinstance(threshold_mb, bool) or not isinstance(threshold_mb, (int, float)) or threshold_mb <= 0:
-        raise ValueError(f"cpu_offload_split_threshold must be a positive number of MB (or None); got {threshold_mb!r}")
-    return int(threshold_mb * 2**20)

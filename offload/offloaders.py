@@ -20,6 +20,7 @@ from offload.transfers import CopyEngine, PendingCopy, in_backward
 
 if TYPE_CHECKING:
     from offload.flat import FlatGroup
+    from offload.ring import Placement
 
 
 class TensorOffloader:
@@ -37,6 +38,11 @@ class TensorOffloader:
         self.pending: PendingCopy | None = None
         self.group: FlatGroup | None = None
         self.on_backward_use: Callable[[TensorOffloader], None] | None = None
+        # Where the device copy lands: a slot of the device ring at ``slot_offset`` (plan.py), or None for
+        # memory from the allocator (no ring, or a unit kept resident for good by the memory budget).
+        self.placement: Placement | None = None
+        self.slot_offset = 0
+        self._in_ring: Placement | None = None
 
     @property
     def resident(self) -> bool:
@@ -88,9 +94,32 @@ class TensorOffloader:
         """Leave the tensor as an ordinary CPU tensor holding its current value."""
         raise NotImplementedError
 
+    def leave_ring(self) -> None:
+        """From now on copy into memory of its own (a unit the budget keeps resident for good must not hold
+        a ring slot that the other units of its class take turns in)."""
+        self.offload()
+        self.placement = None
+        if self.group is not None:
+            self.group.placement = None
+
     def __repr__(self) -> str:
         where = self.device_copy.device if self.device_copy is not None else "cpu"
         return f"{type(self).__name__}({self.name!r}, {self.nbytes} bytes, on {where})"
+
+
+def copy_into_ring(
+    copies: CopyEngine, host: torch.Tensor, placement: Placement | None, offset: int, prefetch: bool
+) -> tuple[PendingCopy, Placement | None]:
+    """Copy ``host`` to the device: into its planned ring slot when the slot is free for its unit, else into
+    allocator memory (counted as a ring overflow). Returns the copy and the placement it holds, if any."""
+    if placement is not None and placement.claim():
+        out = placement.region(offset, host)
+        pending = copies.to_device(host, prefetch=prefetch, out=out, after=placement.free_event)
+        placement.hold(pending.event)
+        return pending, placement
+    if placement is not None:
+        copies.stats.ring_overflows += 1
+    return copies.to_device(host, prefetch=prefetch), None
 
 
 class StaticParamOffloader(TensorOffloader):
@@ -101,15 +130,17 @@ class StaticParamOffloader(TensorOffloader):
 
     def __init__(self, name: str, tensor: torch.Tensor, copies: CopyEngine, host: torch.Tensor) -> None:
         super().__init__(name, tensor, copies)
-        host.copy_(tensor.data)
+        if tensor.data.data_ptr() != host.data_ptr():  # else it was filled in place (loaded from meta)
+            host.copy_(tensor.data)
         self.host = host
         tensor.data = host
 
     def onload(self, prefetch: bool = False) -> None:
         if self.group is not None:
             self.group.onload(self, prefetch)  # one copy for the whole block; it calls attach()
-        else:
-            self.attach(self.copies.to_device(self.host, prefetch=prefetch))
+            return
+        pending, self._in_ring = copy_into_ring(self.copies, self.host, self.placement, self.slot_offset, prefetch)
+        self.attach(pending)
 
     def attach(self, pending: PendingCopy) -> None:
         """Point the tensor at a device copy (possibly still in flight)."""
@@ -125,6 +156,9 @@ class StaticParamOffloader(TensorOffloader):
         self.copies.stats.drop(self.nbytes)
         if self.group is not None:
             self.group.detached(self)
+        elif self._in_ring is not None:
+            self._in_ring.release(self.copies.device)
+            self._in_ring = None
 
     def detach(self) -> None:
         self.offload()

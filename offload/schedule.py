@@ -105,6 +105,7 @@ class PrefetchSchedule:
             if used + size > budget:
                 break
             for offloader in frozen:
+                offloader.leave_ring()
                 offloader.acquire()
             used += size
         log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device", budget, used)

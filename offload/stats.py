@@ -21,6 +21,8 @@ class OffloadStats:
         last_step_h2d_bytes / last_step_d2h_bytes: bytes moved during the last step.
         last_step_h2d_gbps / last_step_d2h_gbps: achieved copy bandwidth in the last step (GB/s of copy time).
         copy_wait_seconds: total time the compute stream waited for copies.
+        planned_device_bytes: the device ring for streamed weights, allocated once at setup (plan.py).
+        ring_overflows: copies that found their ring slot held by another unit and took allocator memory.
     """
 
     h2d_bytes: int = 0
@@ -36,6 +38,8 @@ class OffloadStats:
     last_step_h2d_gbps: float = 0.0
     last_step_d2h_gbps: float = 0.0
     copy_wait_seconds: float = 0.0
+    planned_device_bytes: int = 0
+    ring_overflows: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         """JSON-able numbers, for progress reports."""
@@ -53,6 +57,8 @@ class StatsCounter:
         self.peak_device_bytes = 0
         self.steps = 0
         self.copy_wait_seconds = 0.0
+        self.planned_device_bytes = 0
+        self.ring_overflows = 0
         self._step_start = (0, 0)
         self.last_step = (0, 0)
         self.last_step_gbps = (0.0, 0.0)
@@ -102,4 +108,6 @@ class StatsCounter:
             last_step_h2d_gbps=self.last_step_gbps[0],
             last_step_d2h_gbps=self.last_step_gbps[1],
             copy_wait_seconds=self.copy_wait_seconds,
+            planned_device_bytes=self.planned_device_bytes,
+            ring_overflows=self.ring_overflows,
         )

@@ -17,13 +17,15 @@ def in_backward() -> bool:
 
 
 class PendingCopy:
-    """A device copy that may still be in flight on the copy stream."""
+    """A device copy that may still be in flight on the copy stream. ``planned``: it lives in the device ring
+    (never freed, so the allocator needs no stream bookkeeping for it)."""
 
-    __slots__ = ("event", "tensor")
+    __slots__ = ("event", "planned", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event | None) -> None:
+    def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event | None, planned: bool = False) -> None:
         self.tensor = tensor
         self.event = event
+        self.planned = planned
 
 
 class CopyEngine:
@@ -48,23 +50,40 @@ class CopyEngine:
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     # ------------------------------------------------------------------ host -> device
-    def to_device(self, host: torch.Tensor, *, prefetch: bool = False) -> PendingCopy:
+    def to_device(
+        self,
+        host: torch.Tensor,
+        *,
+        prefetch: bool = False,
+        out: torch.Tensor | None = None,
+        after: torch.cuda.Event | None = None,
+    ) -> PendingCopy:
         """A device copy of ``host`` with its strides (dense hosts only: see layout.py). With ``prefetch`` (and a side stream) it is queued on the copy stream
         and the caller must ``wait`` before use; otherwise it is queued on the current stream, which the
-        compute that uses it runs on, so no wait is needed."""
+        compute that uses it runs on, so no wait is needed.
+
+        ``out``: planned device memory (a ring slot's view) to copy into instead of a new allocation;
+        ``after``: the event that frees it (the copy waits for it on the device, the host never blocks).
+        """
         nbytes = host.numel() * host.element_size()
         self.stats.record_h2d(nbytes)
         stream = self.h2d_stream if prefetch else None
         if stream is None:
-            tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+            # On the compute stream, which recorded ``after`` itself: stream order already covers it.
+            tensor = out if out is not None else self._empty_like(host)
             self._copy(tensor, host, "h2d", torch.cuda.current_stream(self.device) if self._cuda else None)
-            return PendingCopy(tensor, None)
+            return PendingCopy(tensor, None, planned=out is not None)
         with torch.cuda.stream(stream):
-            tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+            if after is not None:
+                stream.wait_event(after)  # the slot's previous unit is done on the compute stream
+            tensor = out if out is not None else self._empty_like(host)
             self._copy(tensor, host, "h2d", stream)
             event = torch.cuda.Event()
             event.record(stream)
-        return PendingCopy(tensor, event)
+        return PendingCopy(tensor, event, planned=out is not None)
+
+    def _empty_like(self, host: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
 
     def wait(self, pending: PendingCopy) -> torch.Tensor:
         """Make the current stream wait for ``pending`` (a GPU-side wait, not a host sync)."""
@@ -75,9 +94,11 @@ class CopyEngine:
             stream.wait_event(pending.event)
             after.record(stream)
             self._timed.append(("wait", before, after))
-            # The copy was allocated on the copy stream; tell the allocator the compute stream uses it too,
-            # so its memory is not handed out again before the compute stream is done with it.
-            pending.tensor.record_stream(stream)
+            # A copy allocated on the copy stream: tell the allocator the compute stream uses it too, so its
+            # memory is not handed out again before the compute stream is done with it. Ring memory is
+            # never handed back, so it needs none of this.
+            if not pending.planned:
+                pending.tensor.record_stream(stream)
             pending.event = None
         return pending.tensor
 

@@ -155,3 +155,12 @@ def test_pinned_estimate_matches_the_engine_arena_for_other_cuts(
     run_job(spec_from(merged(lm, offload=offload), roots), output_dir=tmp_path, report=events.append)
     measured = next(e for e in events if isinstance(e, StepEvent)).pinned_bytes
     assert estimate_memory(spec_from(merged(lm, offload=offload), roots)).pinned_host_bytes == measured
+
+
+@pytest.mark.parametrize("granularity", ["leaf", "block"])
+def test_estimate_uses_the_engines_device_plan(tmp_path: Path, granularity: str) -> None:
+    events: list[JobEvent] = []
+    data = merged(BIG_TOY, offload={**BOTH, "granularity": granularity}, training={"steps": 1})
+    run_job(spec_from(data), output_dir=tmp_path, report=events.append)
+    planned = next(e for e in events if isinstance(e, StepEvent)).offload.planned_device_bytes
+    assert planned > 0 and estimate_memory(spec_from(data)).device_ring_bytes == planned

@@ -1,0 +1,233 @@
+"""The memory plan: where every streamed byte lives, on the host and on the device, decided before the first step.
+
+Host side: the order and sizes of the pinned arena's allocations (a block's span, then each other host copy,
+a trainable master's gradient buffer right after it), replayed on a dry-run arena for the bytes it reserves.
+
+Device side: a ring of device buffers that copies write into and compute reads from, instead of memory the
+caching allocator hands out per stream (which reserved 1.5-3x what was allocated with side-stream copies).
+Units at the same place in the repeated blocks (``layers.3`` and ``layers.4``; or ``layers.3.attn.q`` and
+``layers.4.attn.q``) with the same layout form a ring class of ``prefetch + 1`` slots of that layout's size;
+the n-th unit of a class lands in slot ``n % depth``. Every other unit is a class of its own with one slot.
+Classes follow places, not sizes: with gradient checkpointing a block's leaves are all resident during its
+recompute, so two same-sized leaves of one block must never take turns in one slot. So the device memory for weights is ``sum over classes of depth x slot size`` and is known
+before the first step, and block units never need more than leaf units at the same prefetch depth: a block
+slot is the sum of its leaves' slots.
+
+The engine builds itself from this plan and ``jobs``' estimate reads it (``offload.plan_memory``), so the two
+never disagree. Sizes are the bytes that cross the link (``link_bytes``): a unit whose host copy is stored in
+another form (quantized frozen weights) plans with its stored bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from offload.arena import PinnedArenaPool, aligned
+from offload.options import OffloadOptions
+from offload.units import UnitPlan, discover_units
+
+SLOT_ALIGNMENT = 512  # slot starts: generous for vectorized kernels reading the weights in place
+LinkBytes = Callable[[str, torch.Tensor], int]
+
+
+def tensor_bytes(name: str, tensor: torch.Tensor) -> int:
+    """The default ``link_bytes``: the tensor as it is (``numel x element_size``, at least one element)."""
+    return max(1, tensor.numel()) * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One unit's place in the plan.
+
+    Attributes:
+        name: the unit's name (as discovered).
+        span: ids of the tensors copied together as one span (block granularity), largest first.
+        solo: ids of the other tensors this unit streams, each copied on its own, largest first.
+        offsets: each placed item's byte offset in the unit's device slot; the span's key is ``0``.
+        slot_bytes: the bytes of one slot of the unit's ring class (0: the unit streams nothing of its own).
+        ring_class: index into ``MemoryPlan.ring_classes`` (``None`` with ``slot_bytes == 0``).
+        slot: which slot of its class the unit lands in.
+    """
+
+    name: str
+    span: tuple[int, ...]
+    solo: tuple[int, ...]
+    offsets: dict[int, int]
+    slot_bytes: int
+    ring_class: int | None
+    slot: int
+
+
+@dataclass(frozen=True)
+class RingClass:
+    """Slots for units of one layout: ``depth`` slots of ``slot_bytes`` at ``offset`` in the ring buffer."""
+
+    slot_bytes: int
+    depth: int
+    members: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.depth * _slot_stride(self.slot_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The engine's memory plan for a model (see the module docstring).
+
+    Attributes:
+        units: the units as discovered, in order.
+        layouts: one per unit, same order.
+        ring_classes: the device ring's classes; ``ring_bytes`` is their total.
+        ring_bytes: device bytes the engine allocates for streamed weights, once, at setup.
+        host_sizes: the pinned arena's allocations in the order the engine makes them.
+        pinned_reserved_bytes / pinned_requested_bytes: what the arena reserves / what the tensors need.
+        streamed_bytes: bytes of every streamed tensor once (one pass of the model over the link).
+        largest_unit_bytes: the largest slot.
+    """
+
+    units: list[UnitPlan]
+    layouts: list[UnitLayout]
+    ring_classes: list[RingClass]
+    ring_bytes: int
+    host_sizes: list[int] = field(repr=False)
+    pinned_reserved_bytes: int
+    pinned_requested_bytes: int
+    streamed_bytes: int
+    largest_unit_bytes: int
+
+    def describe(self) -> str:
+        """One line for logs and estimate notes."""
+        return (
+            f"device ring {self.ring_bytes / 2**30:.2f} GiB in {len(self.ring_classes)} class(es), largest unit "
+            f"{self.largest_unit_bytes / 2**30:.2f} GiB; pinned arena {self.pinned_reserved_bytes / 2**30:.2f} GiB "
+            f"for {self.pinned_requested_bytes / 2**30:.2f} GiB of host copies"
+        )
+
+
+def split_threshold_bytes(threshold_mb: float | None) -> int | None:
+    """``cpu_offload_split_threshold`` (MB) in bytes, validated."""
+    if threshold_mb is None:
+        return None
+    if isinstance(threshold_mb, bool) or not isinstance(threshold_mb, (int, float)) or threshold_mb <= 0:
+        raise ValueError(f"cpu_offload_split_threshold must be a positive number of MB (or None); got {threshold_mb!r}")
+    return int(threshold_mb * 2**20)
+
+
+def plan_memory(
+    model: nn.Module,
+    *,
+    enable_optimizer_cpu_offload: bool = False,
+    cpu_offload_split_threshold: float | None = None,
+    options: OffloadOptions | None = None,
+    link_bytes: LinkBytes = tensor_bytes,
+) -> MemoryPlan:
+    """The engine's plan for ``model``: the same arguments as ``OffloadTrainingManager``; nothing is allocated.
+
+    Works on a model built on the meta device (shapes only), which is how a job's memory is estimated
+    before it is queued.
+
+    Example:
+        >>> plan = plan_memory(model, options=OffloadOptions(granularity="block"))
+        >>> plan.ring_bytes  # device bytes for streamed weights, whatever the step does
+    """
+    options = options if options is not None else OffloadOptions()
+    threshold = split_threshold_bytes(cpu_offload_split_threshold)
+    units = discover_units(model, threshold, options.granularity if threshold is None else "leaf")
+    names = {id(t): name for unit in units for name, t in unit.tensors}
+
+    def size(tensor: torch.Tensor) -> int:
+        return max(1, link_bytes(names[id(tensor)], tensor))
+
+    def trainable(tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, nn.Parameter) and tensor.requires_grad
+
+    def hosted(tensor: torch.Tensor) -> bool:
+        return not trainable(tensor) or enable_optimizer_cpu_offload
+
+    placed: set[int] = set()
+    host_sizes: list[int] = []
+    drafts = []
+    for unit in units:
+        ordered = [t for _, t in sorted(unit.tensors, key=lambda nt: -size(nt[1]))]
+        new = [t for t in dict.fromkeys(ordered) if id(t) not in placed and hosted(t)]
+        frozen = [t for t in new if not trainable(t)]  # spans hold what never changes
+        span = frozen if unit.flat and len(frozen) > 1 else []
+        solo = [t for t in new if not any(t is s for s in span)]
+        if span:
+            host_sizes.append(sum(aligned(size(t)) for t in span))
+        for tensor in solo:
+            host_sizes.append(size(tensor))
+            if trainable(tensor):
+                host_sizes.append(size(tensor))  # the host gradient buffer, allocated right after its master
+        placed.update(id(t) for t in new)
+        items = ([sum(aligned(size(t)) for t in span)] if span else []) + [aligned(size(t)) for t in solo]
+        drafts.append((unit.name, tuple(id(t) for t in span), tuple(id(t) for t in solo), items))
+
+    classes, layouts = _ring(drafts, options.prefetch)
+    arena = PinnedArenaPool(sum(aligned(n) for n in host_sizes), pin=False, dry_run=True)
+    for nbytes in host_sizes:
+        arena.allocate((nbytes,), torch.uint8)
+    streamed = sum(n for draft in drafts for n in draft[3])
+    return MemoryPlan(
+        units=units,
+        layouts=layouts,
+        ring_classes=classes,
+        ring_bytes=sum(c.nbytes for c in classes),
+        host_sizes=host_sizes,
+        pinned_reserved_bytes=arena.reserved_bytes,
+        pinned_requested_bytes=arena.requested_bytes,
+        streamed_bytes=streamed,
+        largest_unit_bytes=max((c.slot_bytes for c in classes), default=0),
+    )
+
+
+def _ring(
+    drafts: list[tuple[str, tuple[int, ...], tuple[int, ...], list[int]]], prefetch: int
+) -> tuple[list[RingClass], list[UnitLayout]]:
+    """Group units by layout into ring classes; give each unit its class and slot (round-robin in order)."""
+    by_shape: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for index, (name, _, _, items) in enumerate(drafts):
+        if items:
+            by_shape.setdefault((_place(name), tuple(items)), []).append(index)
+    classes: list[RingClass] = []
+    class_of: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for shape, members in by_shape.items():
+        # prefetch=0 copies on demand: one slot per class. Otherwise the unit computing plus ``prefetch``
+        # ahead; a class never needs more slots than it has members.
+        depth = min(len(members), prefetch + 1) if prefetch > 0 else 1
+        klass = RingClass(slot_bytes=sum(shape[1]), depth=depth, members=len(members), offset=offset)
+        offset += klass.nbytes
+        for position, index in enumerate(members):
+            class_of[index] = (len(classes), position % depth)
+        classes.append(klass)
+    layouts = []
+    for index, (name, span, solo, items) in enumerate(drafts):
+        keys = ((0,) if span else ()) + solo
+        offsets, at = {}, 0
+        for key, nbytes in zip(keys, items, strict=True):
+            offsets[key] = at
+            at += nbytes
+        klass, slot = class_of.get(index, (None, 0))
+        layouts.append(UnitLayout(name, span, solo, offsets, sum(items), klass, slot))
+    return classes, layouts
+
+
+def _place(name: str) -> str:
+    """A unit's place in the repeated structure: its name with the first index (the layer's) wildcarded."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            parts[i] = "*"
+            break
+    return ".".join(parts)
+
+
+def _slot_stride(slot_bytes: int) -> int:
+    return (slot_bytes + SLOT_ALIGNMENT - 1) // SLOT_ALIGNMENT * SLOT_ALIGNMENT

@@ -1,0 +1,101 @@
+"""The device ring: the planned memory that streamed weights land in (see plan.py for how it is sized).
+
+One device allocation, made at setup. A unit's copy writes into its slot and compute reads its weights there;
+when the unit is offloaded the slot is free again. Reuse is ordered on the device, never by the host: the
+copy into a slot waits (on the copy stream) for the event recorded when its previous unit was released on
+the compute stream. If a slot is still held by another unit when a copy wants it (a schedule the plan did
+not foresee: a module called out of order, a hold the user keeps), that copy takes ordinary device memory
+instead and is counted in ``stats().ring_overflows``: correct, only not planned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.plan import MemoryPlan, _slot_stride
+
+
+class RingSlot:
+    """One slot: a device byte range, the unit holding it, and the events that order its reuse."""
+
+    __slots__ = ("buffer", "free_event", "owner", "users", "write_event")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.owner: object | None = None
+        self.users = 0
+        self.free_event: torch.cuda.Event | None = None  # recorded when the last user let go
+        self.write_event: torch.cuda.Event | None = None  # the last copy into the slot
+
+
+class Placement:
+    """A unit's claim on its slot: its tensors' device copies are views at fixed offsets inside it."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: RingSlot) -> None:
+        self.slot = slot
+
+    def claim(self) -> bool:
+        """Take the slot for this unit; False while another unit still holds it."""
+        if self.slot.owner is None or self.slot.owner is self:
+            self.slot.owner = self
+            return True
+        return False
+
+    def region(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """A device view at ``offset`` with the shape, dtype and (dense) strides of host tensor ``like``."""
+        nbytes = like.numel() * like.element_size()
+        return self.slot.buffer[offset : offset + nbytes].view(like.dtype).as_strided(like.shape, like.stride())
+
+    @property
+    def free_event(self) -> torch.cuda.Event | None:
+        return self.slot.free_event
+
+    def hold(self, write_event: torch.cuda.Event | None) -> None:
+        """A copy into the slot was queued (``write_event`` marks its end on the copy stream)."""
+        self.slot.users += 1
+        if write_event is not None:
+            self.slot.write_event = write_event
+
+    def release(self, device: torch.device) -> None:
+        """One user let go; with the last one the slot is free after the compute queued so far."""
+        slot = self.slot
+        slot.users -= 1
+        if slot.users > 0:
+            return
+        slot.owner = None
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            if slot.write_event is not None:
+                # A prefetched copy nobody waited for: the next copy must not overtake it.
+                stream.wait_event(slot.write_event)
+                slot.write_event = None
+            slot.free_event = torch.cuda.Event()
+            slot.free_event.record(stream)
+
+
+class DeviceRing:
+    """The ring's one allocation and its slots, built from a :class:`MemoryPlan`."""
+
+    def __init__(self, plan: MemoryPlan, device: torch.device) -> None:
+        self.nbytes = plan.ring_bytes
+        self.buffer = torch.empty(max(self.nbytes, 1), dtype=torch.uint8, device=device)
+        self.slots: list[list[RingSlot]] = []
+        for klass in plan.ring_classes:
+            stride = _slot_stride(klass.slot_bytes)
+            self.slots.append(
+                [
+                    RingSlot(self.buffer[klass.offset + i * stride : klass.offset + i * stride + klass.slot_bytes])
+                    for i in range(klass.depth)
+                ]
+            )
+
+    def placement(self, ring_class: int | None, slot: int) -> Placement | None:
+        """The placement of a unit of ``ring_class`` in ``slot`` (None for a unit that streams nothing)."""
+        if ring_class is None:
+            return None
+        return Placement(self.slots[ring_class][slot])
+
+    def __repr__(self) -> str:
+        return f"DeviceRing({self.nbytes} bytes, classes={[len(s) for s in self.slots]})"
