@@ -74,11 +74,12 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         write(tmp)
-        files = [_describe(p) for p in sorted(tmp.iterdir()) if p.is_file()]
+        # Files in subfolders too (a full fine-tune's transformer/), named by their relative path.
+        files = [_describe(p, tmp) for p in sorted(tmp.rglob("*")) if p.is_file()]
         created = datetime.now(UTC).isoformat(timespec="seconds")
         manifest = {"step": step, "created": created, "spec": spec, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        for path in tmp.iterdir():
+        for path in tmp.rglob("*"):
             _fsync(path)
         final = root / checkpoint_name(step)
         _replace_dir(tmp, final)
@@ -155,8 +156,8 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.rename(src, dst)  # atomic on POSIX: readers see no directory or a complete one
 
 
-def _describe(path: Path) -> dict[str, Any]:
-    return {"name": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+def _describe(path: Path, root: Path) -> dict[str, Any]:
+    return {"name": path.relative_to(root).as_posix(), "bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _sha256(path: Path) -> str:

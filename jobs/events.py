@@ -155,6 +155,19 @@ class SampleEvent(JobEvent):
         return self
 
 
+class CacheProgressEvent(JobEvent, MemorySnapshot):
+    """A ``task: cache`` job encoded another sample (``step`` of ``total_steps`` samples)."""
+
+    type: Literal["cache_progress"] = "cache_progress"
+    step: int
+    total_steps: int
+    samples_per_s: float
+    elapsed_s: float
+    eta_s: float
+    text_encoder_s: float = Field(description="seconds in the text encoder so far")
+    vae_s: float = Field(description="seconds in the VAE so far")
+
+
 class LogEvent(JobEvent):
     """A message for the user, e.g. a setting that is skipped."""
 
@@ -186,13 +199,22 @@ JOB_EVENTS: tuple[type[JobEvent], ...] = (
     EvalEvent,
     CheckpointEvent,
     SampleEvent,
+    CacheProgressEvent,
     LogEvent,
     FinishedEvent,
     FailedEvent,
 )
 EVENT_TYPES: dict[str, type[JobEvent]] = {cls.model_fields["type"].default: cls for cls in JOB_EVENTS}
 AnyJobEvent = Annotated[
-    StartedEvent | StepEvent | EvalEvent | CheckpointEvent | SampleEvent | LogEvent | FinishedEvent | FailedEvent,
+    StartedEvent
+    | StepEvent
+    | EvalEvent
+    | CheckpointEvent
+    | SampleEvent
+    | CacheProgressEvent
+    | LogEvent
+    | FinishedEvent
+    | FailedEvent,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(AnyJobEvent)

@@ -77,7 +77,24 @@ def _check_warmup_fits_steps(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _check_task_supported(spec: JobSpec) -> list[Problem]:
+    family = family_of(spec.model)
+    problems = []
+    if spec.task == "train" and spec.training.steps is None and spec.training.epochs is None:
+        problems.append(("training.steps", "give exactly one of training.steps and training.epochs"))
+    if spec.task != "train" and spec.task not in family.tasks:
+        problems.append(("task", f"model.kind={spec.model.kind} has no task {spec.task!r}; use task: train"))
+    if spec.task == "cache" and spec.cache is None:
+        problems.append(("cache", "task: cache needs a cache section: cache: {path: <directory under a data root>}"))
+    if spec.task != "cache" and spec.cache is not None:
+        problems.append(("cache", "only task: cache writes a cache; to train from one use data.kind: diffusion_cache"))
+    if spec.sample is not None and family.make_sampler is None:
+        problems.append(("sample", f"model.kind={spec.model.kind} does not generate samples; remove the section"))
+    return problems
+
+
 RULES = (
+    _check_task_supported,
     _check_data_fits_model,
     _check_epochs_need_finite_data,
     _check_lora_targets_exist,

@@ -15,13 +15,14 @@ from torch import nn
 from jobs.checkpoint import CheckpointInfo, save_checkpoint
 from jobs.errors import OutOfMemoryHint
 from jobs.events import CheckpointEvent, FileDigest, FinishedEvent, JobEvent, LogEvent, StartedEvent, failed_event
-from jobs.models import LossFn
+from jobs.models import LossFn, family_of
 from jobs.oom import oom_message
-from jobs.session import TrainingSession, close_session, open_session
+from jobs.sample_artifacts import keep_samples
+from jobs.session import TrainingSession, close_session, open_session, resolve_device
 from jobs.spec import JobSpec
 from jobs.telemetry import StepClock, device_identity, step_event
 from jobs.training_state import save_training_state
-from offload import OffloadTrainingManager
+from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
 Report = Callable[[JobEvent], None]  # receives the typed events of jobs/events.py
@@ -104,6 +105,10 @@ def run_job(
     step = 0
     try:
         _warn_skipped_settings(spec, report)
+        if spec.task != "train":
+            outcome = _run_task(spec, report, should_stop)
+            report(FinishedEvent(status=outcome.status, step=outcome.step))
+            return outcome
         session = open_session(spec, output_dir, resume=resume)
         step = session.start_step
         report(
@@ -128,6 +133,22 @@ def run_job(
         close_session(session)
 
 
+def _run_task(spec: JobSpec, report: Report, should_stop: StopPoll | None) -> JobOutcome:
+    """A job other than training (e.g. ``task: cache``), run by the model family; it reports its own start."""
+    device = resolve_device(spec.device)
+    limit = parse_bytes(spec.offload.gpu_memory_limit, name="offload.gpu_memory_limit")
+    if limit is not None:
+        set_gpu_memory_limit(device, limit, name="offload.gpu_memory_limit")
+    try:
+        status, step = family_of(spec.model).tasks[spec.task](
+            spec, device=device, report=report, should_stop=should_stop
+        )
+    finally:
+        if limit is not None:
+            set_gpu_memory_limit(device, None)
+    return JobOutcome(status, step, None)
+
+
 def _train(
     session: TrainingSession,
     spec: JobSpec,
@@ -148,6 +169,9 @@ def _train(
         info = _save(session, resolved, output_dir, step, accumulation, spec.checkpoint.keep_last)
         files = [FileDigest(**entry) for entry in info.files]
         report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
+        if session.sampler is not None:
+            for event in keep_samples(info, output_dir, spec.sample.prompts):
+                report(event)
         return info
 
     while step < total:
@@ -187,7 +211,9 @@ def _train(
                 offload=session.manager.stats() if session.manager else None,
             )
         )
-        if every is not None and step % every == 0 and step < total:
+        sample_every = spec.sample.every_steps if spec.sample is not None else None
+        due = [n for n in (every, sample_every) if n is not None and step % n == 0]
+        if due and step < total:
             saved = checkpoint_now()
     if spec.checkpoint.save_final:
         saved = checkpoint_now()
@@ -206,6 +232,8 @@ def _save(
             optimizer=session.optimizer,
             scheduler=session.scheduler,
         )
+        if session.sampler is not None:
+            session.sampler.write(session.forward_model, directory)
 
     return save_checkpoint(output_dir, step, resolved, write, keep_last=keep_last)
 

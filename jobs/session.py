@@ -41,6 +41,7 @@ class TrainingSession:
     start_step: int
     resumed_from: CheckpointInfo | None
     family: ModelFamily  # the model's registry entry: how its weights are checkpointed
+    sampler: Any = None  # writes samples into each checkpoint (family.make_sampler), or None
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -80,19 +81,25 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     model, loss_fn = build_model(spec.model, training.seed)
     if training.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.model)
-    if spec.lora is not None:
+    if spec.lora is not None and family.apply_lora is not None:
+        model = family.apply_lora(model, spec.lora)
+    elif spec.lora is not None:
         from jobs.lora import apply_lora  # peft is slow to import; only LoRA jobs need it
 
         model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
-    data, vocab = build_data(
-        spec.data,
-        batch_size=training.batch_size,
-        seed=training.seed,
-        width=family.synthetic_width(spec.model) if family.synthetic_width else None,
-    )
+    if family.build_data is not None:
+        data, vocab = family.build_data(spec, device), None
+    else:
+        data, vocab = build_data(
+            spec.data,
+            batch_size=training.batch_size,
+            seed=training.seed,
+            width=family.synthetic_width(spec.model) if family.synthetic_width else None,
+        )
+    sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
     _check_vocab_fits(model, vocab)
     model.train()
 
@@ -145,6 +152,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         start_step,
         checkpoint,
         family,
+        sampler,
     )
 
 
@@ -163,6 +171,8 @@ def close_session(session: TrainingSession | None) -> None:
     """Detach the engine and free device memory, so the next job in this process starts clean."""
     if session is not None and session.manager is not None:
         session.manager.remove()
+    if session is not None and session.sampler is not None:
+        session.sampler.close()
     from accelerate.state import AcceleratorState, GradientState
 
     # Accelerate keeps process-wide state; a later job may ask for a different mixed precision.

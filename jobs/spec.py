@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 # The built-in families' sections, importable from here as before (``X as X``: an explicit re-export).
+from jobs.diffusion.spec import CacheSpec, DiffusionCacheDataSpec, ImageCaptionDataSpec, SampleSpec, TimestepRange
 from jobs.models.hf_causal_lm import HFCausalLMSpec as HFCausalLMSpec
 from jobs.models.registry import model_spec_annotation
 from jobs.models.toy_mlp import ToyMLPSpec as ToyMLPSpec
@@ -79,7 +80,9 @@ class TextDataSpec(Section):
         return confined_path(value, info, "data")
 
 
-DataSpec = Annotated[SyntheticRegressionSpec | TextDataSpec, Field(discriminator="kind")]
+DataSpec = Annotated[
+    SyntheticRegressionSpec | TextDataSpec | ImageCaptionDataSpec | DiffusionCacheDataSpec, Field(discriminator="kind")
+]
 
 
 # ---- lora, training, offload, checkpoint -------------------------------------------------------------
@@ -114,10 +117,14 @@ class TrainingSpec(Section):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="0 to 2**32 - 1")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
+    # Flow matching (diffusion models; jobs/diffusion/flow_match.py documents both).
+    timestep_range: TimestepRange = Field(TimestepRange(), description="part of the noise schedule to train on")
+    timestep_weighting: Literal["bell", "none"] = Field("bell", description="loss weight per timestep")
 
     @model_validator(mode="after")
     def _check_steps_or_epochs(self) -> TrainingSpec:
-        if (self.steps is None) == (self.epochs is None):
+        # Neither is refused by rules.py for training jobs only: a task: cache job needs no length.
+        if self.steps is not None and self.epochs is not None:
             raise broken_rules([("steps", "give exactly one of training.steps and training.epochs")])
         return self
 
@@ -194,10 +201,13 @@ class JobSpec(Section):
     model: ModelSpec
     data: DataSpec
     lora: LoraSpec | None = None
-    training: TrainingSpec
+    training: TrainingSpec = Field(TrainingSpec(), description="required for task: train (steps or epochs)")
     offload: OffloadSpec = OffloadSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: CUDA when present, else the CPU")
+    task: Literal["train", "cache"] = Field("train", description="cache: encode data.kind image_caption once")
+    cache: CacheSpec | None = Field(None, description="where task: cache writes")
+    sample: SampleSpec | None = Field(None, description="images from fixed prompts with each checkpoint")
 
     @model_validator(mode="after")
     def _check_all_rules(self) -> JobSpec:

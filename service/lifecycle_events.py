@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from jobs.events import (
+    CacheProgressEvent,
     CheckpointEvent,
     ErrorCode,
     EvalEvent,
@@ -60,6 +61,7 @@ StoredEvent = Annotated[
     | EvalEvent
     | CheckpointEvent
     | SampleEvent
+    | CacheProgressEvent
     | LogEvent
     | FinishedEvent
     | FailedEvent

@@ -9,8 +9,8 @@ Entries are listed in jobs/models/registry.py; docs/model-families.md shows how 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +49,13 @@ class ModelFamily:
         rules: Extra cross-section checks for this family, each returning its (path, message) problems.
         shrink_hint: The setting the out-of-memory advice names when every offload setting is on.
         synthetic_width: ``width(model_spec)`` of synthetic regression inputs, for families trained on it.
+        apply_lora: ``apply_lora(model, lora_spec) -> nn.Module``; None: peft's ``get_peft_model`` (jobs/lora.py).
+        build_data: ``build_data(job_spec, device) -> BatchSource`` for data only this family reads (its
+            batches may need the family's own encoders); None: jobs.data.build_data.
+        make_sampler: ``make_sampler(job_spec, device) -> Sampler | None``: what writes samples into each
+            checkpoint (``sampler.write(model, directory) -> [file names]``, ``sampler.close()``).
+        tasks: Jobs other than training this family runs, by ``task:`` name:
+            ``run(job_spec, device=, report=, should_stop=) -> (status, step)``.
     """
 
     kind: str
@@ -65,6 +72,10 @@ class ModelFamily:
     rules: tuple[Callable[[JobSpec], list[Problem]], ...] = ()
     shrink_hint: str = "data.seq_len"
     synthetic_width: Callable[[Any], int] | None = None
+    apply_lora: Callable[[nn.Module, Any], nn.Module] | None = None
+    build_data: Callable[[JobSpec, torch.device], Any] | None = None
+    make_sampler: Callable[[JobSpec, torch.device], Any] | None = None
+    tasks: Mapping[str, Callable[..., tuple[str, int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation

@@ -1,0 +1,80 @@
+"""Samples while training: fixed prompts, fixed seed, a few Euler steps with the current (offloaded) DiT.
+
+The prompts are encoded once when the job starts; the VAE decodes the latents. Each prompt gives one PNG
+(one per frame for video), named ``sample-<prompt>.png`` or ``sample-<prompt>-f<frame>.png``, written
+into the checkpoint directory of the same step, so samples are checkpoint artifacts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobs.diffusion.batches import pad_prompts
+from jobs.diffusion.flow_match import euler_sample
+from jobs.diffusion.model import compute_dtype, family_of_model
+
+
+class Sampler:
+    """Generates the ``sample`` section's images with a DiT; owns the prompt embeddings and the VAE."""
+
+    def __init__(self, sample_spec: Any, prompt_embeds: list[torch.Tensor], encoders: Any) -> None:
+        self.spec, self.prompt_embeds, self.encoders = sample_spec, prompt_embeds, encoders
+
+    def write(self, model: nn.Module, directory: Path) -> list[str]:
+        """Generate with ``model`` and write the PNGs into ``directory`` (a checkpoint being written)."""
+        return write_pngs(self.generate(model, self.encoders.device), directory)
+
+    def close(self) -> None:
+        self.encoders.close()
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """The latents that decode to the sample's size, from the VAE's own down-sampling (8x in the
+        released models; 2 per stage, in time 2 per stage marked in ``temperal_downsample``)."""
+        vae = self.encoders.vae
+        spatial, temporal = 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
+        frames = (self.spec.num_frames - 1) // temporal + 1
+        return (vae.config.z_dim, frames, self.spec.height // spatial, self.spec.width // spatial)
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, device: torch.device) -> list[torch.Tensor]:
+        """One ``[3, F, H, W]`` image tensor in [-1, 1] per prompt (CPU). ``model`` is left as it was found."""
+        family = family_of_model(model)
+        dtype = compute_dtype(model)
+        was_training = model.training
+        model.eval()
+        try:
+            images = []
+            for index, embeds in enumerate(self.prompt_embeds):
+                # Each prompt's noise from its own generator: adding a prompt does not change the others.
+                generator = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + index)
+                noise = torch.randn((1, *self.latent_shape()), generator=generator).to(device)
+                padded, mask = pad_prompts([embeds], family, family.max_sequence_length)
+                padded, mask = padded.to(device, dtype), mask.to(device)
+
+                def velocity(x: torch.Tensor, sigma: torch.Tensor, padded=padded, mask=mask) -> torch.Tensor:
+                    return family.predict(model, x.to(dtype), sigma, padded, mask).float()
+
+                latents = euler_sample(velocity, noise, family.name, self.spec.num_inference_steps)
+                images.append(self.encoders.decode(latents)[0])
+            return images
+        finally:
+            model.train(was_training)
+
+
+def write_pngs(images: list[torch.Tensor], directory: Path) -> list[str]:
+    """Save each ``[3, F, H, W]`` tensor as PNG(s) in ``directory``; returns the file names."""
+    from PIL import Image
+
+    names = []
+    for index, image in enumerate(images):
+        frames = image.shape[1]
+        for frame in range(frames):
+            pixels = ((image[:, frame] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            name = f"sample-{index:02d}.png" if frames == 1 else f"sample-{index:02d}-f{frame:03d}.png"
+            Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy()).save(directory / name)
+            names.append(name)
+    return names
