@@ -15,7 +15,7 @@ from .test_yaml_guard import BOMB
 UNKNOWN_KEY_HINT = (
     "unknown key (valid keys: steps, epochs, batch_size, gradient_accumulation_steps, optimizer, "
     "learning_rate, weight_decay, scheduler, max_grad_norm, seed, mixed_precision, "
-    "gradient_checkpointing)"
+    "gradient_checkpointing, timestep_range, timestep_weighting)"
 )
 
 
