@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+
 from jobs.checkpoint import CheckpointInfo
 from jobs.events import SampleEvent
 
