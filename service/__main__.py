@@ -32,12 +32,23 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(f"ferry: {problem}", file=sys.stderr)
             return 2
+    from .data_dir import holder_pid, in_use_message
+
+    holder = holder_pid(settings.data_dir)
+    if holder is not None:  # the lifespan would refuse too; say it before importing the app
+        print(f"ferry: {in_use_message(settings.data_dir, holder)}", file=sys.stderr)
+        return 2
     from .app import create_app  # after the settings check: a refused start should be instant
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Open event streams never end by themselves; give them a few seconds on shutdown, then close them.
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=5,
     )
     return 0
 

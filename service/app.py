@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -11,10 +12,12 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from .body_limit import BodyLimitMiddleware
 from .dashboard import mount_dashboard
+from .data_dir import DataDirLock, make_private
 from .deps import require_token
 from .devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
 from .errors import install_error_handlers
 from .executor import Executor, LocalProcessExecutor
+from .peer_guard import LoopbackOnlyMiddleware
 from .routes import checkpoints, events, health, jobs, workers
 from .scheduler import Scheduler
 from .settings import Settings
@@ -37,7 +40,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = JobStore(settings.db_path)  # creates the data dir and schema on a fresh start
+        make_private(settings.data_dir, settings.storage_dir)
+        lock = DataDirLock.acquire(settings.data_dir)  # a second server on this directory stops here
+        store = JobStore(settings.db_path)  # creates the schema on a fresh start
         if executor is None and settings.executor == "ray":
             runner, slots = _ray_executor(settings)
         else:
@@ -48,12 +53,18 @@ def create_app(
         app.state.gpu_monitor = gpu_monitor
         scheduler.start()
         log.info("Ferry ready: data in %s, workers %s", settings.data_dir.resolve(), [s.id for s in slots])
+        # What start-up built (modules, routes, pydantic's validators) lives as long as the server: out of
+        # the collector's sight, a full collection no longer walks it (a pause on every request it hits).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
             scheduler.stop()  # running jobs checkpoint and go back to the queue
             runner.close()
             store.close()
+            lock.release()
+            gc.unfreeze()
 
     app = FastAPI(
         title="Ferry",
@@ -62,6 +73,8 @@ def create_app(
         description="Submit YAML training jobs; follow their progress; download checkpoints.",
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    token = settings.api_token.get_secret_value() if settings.api_token else None
+    app.add_middleware(LoopbackOnlyMiddleware, token=token)  # outermost: before anything reads the request
     install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])

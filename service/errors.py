@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -14,6 +15,15 @@ from .status import IllegalTransition
 from .store import JobNotFound
 
 log = logging.getLogger("ferry.api")
+INT64_MAX = 2**63 - 1  # the largest id, cursor or count the store (SQLite INTEGER) holds
+
+
+class _EnvelopeResponse(JSONResponse):
+    """An error answer that always encodes: non-ASCII is escaped (``\\u00b2``), so even a lone surrogate
+    echoed from a request cannot turn an error into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class ApiError(Exception):
@@ -43,7 +53,7 @@ def error_response(
     body: dict[str, Any] = {"code": code, "message": message}
     if problems is not None:
         body["problems"] = problems
-    return JSONResponse({"error": body}, status_code=status_code, headers=headers)
+    return _EnvelopeResponse({"error": body}, status_code=status_code, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

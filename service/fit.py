@@ -5,6 +5,7 @@ from __future__ import annotations
 import psutil
 
 from jobs import JobSpec, estimate_memory, line_of
+from jobs.estimate import human_bytes
 from offload import parse_bytes
 
 from .devices import GpuInfo, Slot
@@ -97,17 +98,26 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> 
 
 
 def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str = "") -> None:
-    """Raise 422 ``does_not_fit`` when the pinned host copies alone exceed this machine's memory.
+    """Raise 422 ``does_not_fit`` when the job needs more host memory than this machine has.
 
-    Page-locked memory cannot be swapped out: such a job would die building its arena (or take the host
-    down with it), whatever GPU it gets.
+    A job on a CPU worker holds its whole peak in host memory; pinned (page-locked) copies cannot be
+    swapped out either. Such a job would die building its model or arena (or take the host down with it).
     """
-    if fit.pinned_host_bytes <= fit.host_total_bytes:
+    on_host = spec.device == "cpu" or all(d.device is None for d in fit.devices)
+    needed = fit.pinned_host_bytes + (fit.peak_device_bytes if on_host else 0)
+    if needed <= fit.host_total_bytes:
         return
-    message = (
-        f"the offload engine's pinned host copies need {fit.pinned_host_bytes / GIB:.1f} GiB but this machine "
-        f"has {fit.host_total_bytes / GIB:.1f} GiB of memory"
-    )
+    if on_host:
+        message = (
+            f"the job needs an estimated {human_bytes(needed)} of host memory (peak {human_bytes(fit.peak_device_bytes)}"
+            f" + pinned copies {human_bytes(fit.pinned_host_bytes)}) but this machine has "
+            f"{human_bytes(fit.host_total_bytes)}"
+        )
+    else:
+        message = (
+            f"the offload engine's pinned host copies need {fit.pinned_host_bytes / GIB:.1f} GiB but this machine "
+            f"has {fit.host_total_bytes / GIB:.1f} GiB of memory"
+        )
     path = "model"
     raise ApiError(
         422,
@@ -119,6 +129,33 @@ def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str = "") -
                 "path": path,
                 "message": f"{message}; use a smaller model or a host with more memory",
                 "line": line_of(text, path) if text else None,
+                "suggestion": None,
+            }
+        ],
+    )
+
+
+def refuse_if_no_worker_has_the_device(spec: JobSpec, slots: list[Slot], text: str = "") -> None:
+    """Raise 422 ``device_unavailable`` for a ``device: cuda`` job on a service without a GPU worker.
+
+    It would wait in the queue for ever (or run on no GPU); ``?queue_anyway=true`` queues it still, for a
+    server about to gain a GPU worker.
+    """
+    if spec.device != "cuda" or any(slot.device is not None for slot in slots):
+        return
+    message = (
+        f"device: cuda, but this service has no GPU worker (its workers: {', '.join(s.id for s in slots)}); "
+        "set device: cpu or auto, or run the service on a machine with a GPU"
+    )
+    raise ApiError(
+        422,
+        "device_unavailable",
+        f"The job cannot run here: {message}. Submit with ?queue_anyway=true to queue it anyway.",
+        problems=[
+            {
+                "path": "device",
+                "message": message,
+                "line": line_of(text, "device") if text else None,
                 "suggestion": None,
             }
         ],

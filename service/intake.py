@@ -57,6 +57,10 @@ def load_checked_spec(text: str, settings: Settings) -> JobSpec:
 def _check_json(text: str) -> None:
     try:
         json.loads(text)
+    except RecursionError:
+        raise _spec_error(
+            [{"path": "", "message": "the JSON body nests too deep; flatten it", "line": None, "suggestion": None}]
+        ) from None
     except json.JSONDecodeError as error:
         raise _spec_error(
             [
@@ -64,6 +68,17 @@ def _check_json(text: str) -> None:
                     "path": "",
                     "message": f"the body is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}",
                     "line": error.lineno,
+                    "suggestion": None,
+                }
+            ]
+        ) from None
+    except ValueError as error:  # an integer of over 4300 digits
+        raise _spec_error(
+            [
+                {
+                    "path": "",
+                    "message": f"the JSON body holds a number no field can take ({error})",
+                    "line": None,
                     "suggestion": None,
                 }
             ]

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+MIN_TOKEN_LENGTH = 16  # for a token that serves other machines (service/peer_guard.py enforces it per request)
 # jobs.paths.BUNDLED_DATA, computed here so that reading the settings does not import jobs (and torch).
 _BUNDLED_DATA = Path(__file__).resolve().parents[1] / "configs" / "data"
 
@@ -74,6 +75,8 @@ class Settings(BaseSettings):
     cancel_grace_s: float = Field(3.0, ge=0)  # a cancelled job gets this long to stop before SIGKILL
     shutdown_grace_s: float = Field(15.0, ge=0)  # running jobs get this long to checkpoint on shutdown
     poll_interval_s: float = Field(0.2, gt=0)  # scheduler tick
+    # One line per request costs CPU on every poll of every dashboard; errors are logged either way.
+    access_log: bool = False
 
     @field_validator("model_roots", "data_roots", mode="before")
     @classmethod
@@ -88,6 +91,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"FERRY_HOST={self.host} is not a loopback address and no FERRY_API_TOKEN is set; "
                 "set FERRY_API_TOKEN to a long random string, or bind FERRY_HOST=127.0.0.1"
+            )
+        if not is_loopback(self.host) and len(self.api_token.get_secret_value()) < MIN_TOKEN_LENGTH:
+            raise ValueError(
+                f"FERRY_HOST={self.host} is not a loopback address and FERRY_API_TOKEN is shorter than "
+                f"{MIN_TOKEN_LENGTH} characters; set a long random one (openssl rand -hex 32)"
             )
         return self
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import base64
+import os
 from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
+from starlette.datastructures import Headers
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
+from starlette.types import Receive, Scope, Send
 
 from jobs import CheckpointInfo, list_checkpoints
 
 from ..deps import SettingsDep, StoreDep
-from ..errors import ApiError
+from ..errors import ApiError, error_response
 from ..schemas import CheckpointFile, CheckpointPublic, CheckpointsPublic
 
 router = APIRouter(prefix="/jobs/{job_id}/checkpoints", tags=["checkpoints"])
@@ -24,8 +28,9 @@ def list_job_checkpoints(job_id: str, store: StoreDep, settings: SettingsDep) ->
     return CheckpointsPublic(data=[_public(job_id, c) for c in _checkpoints(settings.job_dir(job_id))])
 
 
-@router.get(
+@router.api_route(
     "/{checkpoint}/files/{name:path}",
+    methods=["GET", "HEAD"],  # HEAD: size and checksum before a long download
     response_class=FileResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
@@ -51,9 +56,34 @@ def download_checkpoint_file(
         "Repr-Digest": f"sha-256=:{base64.b64encode(digest).decode()}:",  # RFC 9530
         "Cache-Control": "private, no-store",
     }
-    return FileResponse(
+    return DownloadResponse(
         Path(found.path) / name, filename=Path(name).name, headers=headers, media_type="application/octet-stream"
     )
+
+
+class DownloadResponse(FileResponse):
+    """A checkpoint file, whose refused ``Range`` headers answer in the JSON error envelope.
+
+    Starlette answers a malformed or unsatisfiable range in plain text; the range is checked here first
+    with its own parser, so the answer a client gets is the one every other error has.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        http_range = Headers(scope=scope).get("range")
+        if http_range is not None and Headers(scope=scope).get("if-range") is None:
+            size = os.stat(self.path).st_size
+            try:
+                self._parse_range_header(http_range, size)
+            except MalformedRangeHeader as error:
+                message = f"The Range header {http_range!r} is malformed ({error.content}); send e.g. 'bytes=0-1023'."
+                return await error_response(400, "malformed_range", message)(scope, receive, send)
+            except RangeNotSatisfiable:
+                message = f"The Range header {http_range!r} lies outside the file's {size} bytes."
+                headers = {"Content-Range": f"bytes */{size}"}
+                return await error_response(416, "range_not_satisfiable", message, headers=headers)(
+                    scope, receive, send
+                )
+        await super().__call__(scope, receive, send)
 
 
 def _checkpoints(job_dir: Path) -> list[CheckpointInfo]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -13,6 +14,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..deps import SettingsDep, StoreDep
+from ..errors import INT64_MAX, ApiError
 from ..schemas import EventPublic, EventsPublic, MetricPoint, MetricsPublic
 from ..store import JobNotFound, JobStore
 
@@ -26,7 +28,7 @@ POLL_S = 0.25
 def list_events(
     job_id: str,
     store: StoreDep,
-    after: Annotated[int, Query(ge=0, description="the last event id you have")] = 0,
+    after: Annotated[int, Query(ge=0, le=INT64_MAX, description="the last event id you have")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> EventsPublic:
     """Stored events, oldest first, from after the cursor."""
@@ -45,16 +47,27 @@ async def stream_events(
     job_id: str,
     request: Request,
     store: StoreDep,
-    after: Annotated[int, Query(ge=0)] = 0,
-    last_event_id: Annotated[str | None, Header()] = None,
+    after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
+    last_event_id: Annotated[str | None, Header(description="the id of the last event received")] = None,
 ) -> StreamingResponse:
     """Server-sent events; a reconnecting client sends ``Last-Event-ID`` and misses nothing."""
     await run_in_threadpool(store.get_job, job_id)
-    start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+    start = after if last_event_id is None else _event_id(last_event_id)
     return StreamingResponse(
         _sse(store, job_id, start, request),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
+
+
+def _event_id(header: str) -> int:
+    """``Last-Event-ID`` as an event id; anything but one the stream sent is the client's mistake."""
+    if re.fullmatch(r"[0-9]{1,19}", header.strip()) and int(header) <= INT64_MAX:
+        return int(header)
+    raise ApiError(
+        422,
+        "invalid_request",
+        f"The request is invalid: header.last-event-id: must be the id of an event this stream sent; got {header!r}.",
     )
 
 
@@ -88,7 +101,7 @@ async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> As
 def read_metrics(
     job_id: str,
     store: StoreDep,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 2_000,
 ) -> MetricsPublic:
     """One point per step: loss, learning rate, throughput, GPU/host/pinned memory, offload figures."""

@@ -14,8 +14,8 @@ from jobs import JobSpec
 
 from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, StoreDep
 from ..devices import GpuInfo, Slot
-from ..errors import ApiError
-from ..fit import estimate_fit, refuse_if_it_cannot_fit
+from ..errors import INT64_MAX, ApiError
+from ..fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
 from ..intake import load_checked_spec, spec_text_from_body
 from ..schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
 from ..status import JobStatus
@@ -23,6 +23,7 @@ from ..store import IdempotencyConflict, QueueFull
 
 log = logging.getLogger("ferry.api")
 router = APIRouter(prefix="/jobs", tags=["jobs"])
+RETRY_AFTER_S = 10  # a full queue: about when a job may have started and freed a place
 
 _SPEC_BODY = {
     "requestBody": {
@@ -57,11 +58,16 @@ def create_job(
     gpus: GpuMonitorDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
     fit_check: Annotated[bool, Query(description="false: queue even a job estimated not to fit any GPU")] = True,
+    queue_anyway: Annotated[
+        bool, Query(description="true: queue even a device: cuda job without a GPU worker")
+    ] = False,
 ) -> JobPublic:
     """Queue a job from a YAML (or JSON) spec. Every problem in the spec is reported at once, and a GPU job
     estimated to exceed every GPU's memory is refused (422 ``does_not_fit``) unless ``fit_check=false``."""
     text = spec_text_from_body(body, request.headers.get("content-type"))
     spec = load_checked_spec(text, settings)
+    if not queue_anyway and settings.executor == "local":  # a Ray cluster's GPUs are not this machine's
+        refuse_if_no_worker_has_the_device(spec, scheduler.slots, text)
     if fit_check:
         _check_fit(spec, text, scheduler.slots, gpus.gpus())
     try:
@@ -80,6 +86,7 @@ def create_job(
             "queue_full",
             f"The queue already holds {settings.max_queued_jobs} jobs "
             "(FERRY_MAX_QUEUED_JOBS); wait for some to start or cancel queued ones.",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None
     except IdempotencyConflict:
         raise ApiError(
@@ -97,10 +104,7 @@ def create_job(
 
 
 def _check_fit(spec: JobSpec, text: str, slots: list[Slot], gpus: list[GpuInfo]) -> None:
-    gpu_job = spec.device != "cpu" and any(slot.device is not None for slot in slots)
-    if not gpu_job and not spec.offload.enable_model_cpu_offload:
-        # Only a GPU job on GPU workers, or one that pins its weights, can be refused: spare the estimate.
-        return
+    # Every job can be refused: a GPU job by the GPUs' memory, a CPU job or pinned copies by the host's.
     try:
         fit = estimate_fit(spec, slots, gpus)
     except Exception:
@@ -116,9 +120,13 @@ def validate_job(
     settings: SettingsDep,
     scheduler: SchedulerDep,
     gpus: GpuMonitorDep,
+    queue_anyway: Annotated[bool, Query(description="true: accept a device: cuda job without a GPU worker")] = False,
 ) -> ValidationPublic:
     """The same checks as submitting, plus whether the job fits this service's GPUs; queues nothing."""
-    spec = load_checked_spec(spec_text_from_body(body, request.headers.get("content-type")), settings)
+    text = spec_text_from_body(body, request.headers.get("content-type"))
+    spec = load_checked_spec(text, settings)
+    if not queue_anyway and settings.executor == "local":
+        refuse_if_no_worker_has_the_device(spec, scheduler.slots, text)
     try:
         estimate, problem = estimate_fit(spec, scheduler.slots, gpus.gpus()), None
     except Exception as error:
@@ -133,11 +141,16 @@ def validate_job(
 async def list_jobs(
     store: StoreDep,
     status: Annotated[list[JobStatus] | None, Query(description="repeat to match several")] = None,
-    cursor: Annotated[str | None, Query(pattern=r"^\d+$")] = None,
+    cursor: Annotated[
+        str | None, Query(pattern=r"^[0-9]{1,19}$", description="next_cursor of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> JobsPublic:
     """Jobs, newest first, one page at a time (read in the event loop, as ``read_job``)."""
-    jobs, next_cursor = store.list_jobs(statuses=status, before=int(cursor) if cursor else None, limit=limit)
+    before = None if cursor is None else int(cursor)
+    if before is not None and before > INT64_MAX:
+        raise ApiError(422, "invalid_request", f"The request is invalid: query.cursor: must be at most {INT64_MAX}.")
+    jobs, next_cursor = store.list_jobs(statuses=status, before=before, limit=limit)
     return JobsPublic(
         data=[JobPublic.from_record(j) for j in jobs], next_cursor=None if next_cursor is None else str(next_cursor)
     )

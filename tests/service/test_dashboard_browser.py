@@ -1,7 +1,10 @@
 """The dashboard end to end in real headless Chromium (Debian's `chromium`, driven by Playwright for
 Python) against a real Ferry server on 127.0.0.1: token gate, a typo shown at its line, the CPU smoke job
 submitted, watched to `succeeded` without a reload, its charts, events and a checkpoint download.
-Each test saves a screenshot of its page to docs/ for the README.
+Each test saves a screenshot of its page, outside the repository: tests never rewrite tracked files. To
+refresh the README's screenshots in docs/, run them with the target named:
+
+    FERRY_SCREENSHOTS=docs python -m pytest -q tests/service/test_dashboard_browser.py
 
 CI (CI=true) runs `.ci/install-browser` first and these tests must run there; elsewhere they skip,
 saying why, when chromium or Playwright is absent.
@@ -15,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +27,6 @@ import pytest
 from tests.service.conftest import TOKEN, Server
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = REPO / "docs"
 SMOKE_SPEC = REPO / "configs" / "cpu_smoke.yaml"
 CHROMIUM = os.environ.get("FERRY_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -109,9 +112,16 @@ def smoke_spec() -> str:
     return SMOKE_SPEC.read_text()
 
 
+def screenshot_dir() -> Path:
+    """``FERRY_SCREENSHOTS`` (relative to the repository: ``docs`` refreshes the README's), else a temp dir."""
+    named = os.environ.get("FERRY_SCREENSHOTS")
+    return REPO / named if named else Path(tempfile.gettempdir()) / "ferry-screenshots"
+
+
 def shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
-    DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / f"dashboard-{name}.png"), full_page=True)
+    directory = screenshot_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(directory / f"dashboard-{name}.png"), full_page=True)
 
 
 def test_with_a_token_set_nothing_loads_until_it_is_given(browser, server: Server, failing_job: str) -> None:  # type: ignore[no-untyped-def]
