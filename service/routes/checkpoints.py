@@ -28,9 +28,8 @@ def list_job_checkpoints(job_id: str, store: StoreDep, settings: SettingsDep) ->
     return CheckpointsPublic(data=[_public(job_id, c) for c in _checkpoints(settings.job_dir(job_id))])
 
 
-@router.api_route(
+@router.get(
     "/{checkpoint}/files/{name:path}",
-    methods=["GET", "HEAD"],  # HEAD: size and checksum before a long download
     response_class=FileResponse,
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
@@ -59,6 +58,17 @@ def download_checkpoint_file(
     return DownloadResponse(
         Path(found.path) / name, filename=Path(name).name, headers=headers, media_type="application/octet-stream"
     )
+
+
+# HEAD: the size and checksum before a long download (its own operation id in the OpenAPI).
+router.add_api_route(
+    "/{checkpoint}/files/{name:path}",
+    download_checkpoint_file,
+    methods=["HEAD"],
+    operation_id="head_checkpoint_file",
+    response_class=FileResponse,
+    summary="Download Checkpoint File's Headers",
+)
 
 
 class DownloadResponse(FileResponse):
