@@ -228,14 +228,26 @@ class OffloadTrainingManager:
             self._stepper.grad_ready(offloader)
 
     # ----------------------------------------------------------------- public API
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, accumulation_steps: int = 1) -> None:
-        """Step ``optimizer`` for each parameter while backward continues (optimizer offload only).
+    def attach_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        accumulation_steps: int = 1,
+        delayed_update: bool = False,
+        warmup_steps: int = 10,
+    ) -> None:
+        """Step ``optimizer`` per parameter in the background, overlapped with the GPU (optimizer offload).
 
         Each parameter is updated on a CPU worker thread as soon as its gradient reaches the host, during
         the backward of the last of ``accumulation_steps`` micro-batches (call ``after_backward`` after
-        each one); ``optimizer.step()`` then only waits for those updates. Do not combine with global-norm
-        gradient clipping, which needs every gradient before any update. Attach after creating LR schedulers
-        and after ``optimizer.load_state_dict`` (both replace what the per-parameter steps refer to).
+        each one). ``optimizer.step()`` returns at once; the next forward waits for each update just before
+        it reads that parameter. ``optimizer.zero_grad()`` always sets gradients to None.
+
+        ``delayed_update=True`` (after ``warmup_steps`` exact steps): step t's update runs during step t+1,
+        which still reads the weights from before it, so the GPU does not wait for the CPU; gradients are
+        one step stale (docs/offload.md). Do not combine with global-norm gradient clipping, which needs
+        every gradient before any update. Attach after creating LR schedulers and after
+        ``optimizer.load_state_dict`` (both replace what the per-parameter steps refer to).
         """
         if not self.enable_optimizer_cpu_offload:
             raise ValueError(
@@ -243,7 +255,31 @@ class OffloadTrainingManager:
                 "on the CPU for its steps to overlap with the GPU's backward"
             )
         trainable = {k: o for k, o in self._offloaders.items() if isinstance(o, TrainableParamOffloader)}
-        self._stepper = StepDuringBackward(optimizer, trainable, accumulation_steps)
+
+        def priority(offloader: TrainableParamOffloader) -> int | None:
+            unit = self._schedule.unit_of.get(id(offloader))
+            return unit.index if unit is not None else None
+
+        self._stepper = StepDuringBackward(
+            optimizer,
+            trainable,
+            accumulation_steps,
+            priority=priority,
+            delayed_update=delayed_update,
+            warmup_steps=warmup_steps,
+        )
+        for offloader in trainable.values():
+            offloader.before_read = self._stepper.before_read
+        # Reading the weights or the optimizer state (a checkpoint) first finishes the background updates.
+        stepper = self._stepper
+        self._handles.append(self.model.register_state_dict_pre_hook(lambda *args: stepper.wait()))
+        self._handles.append(optimizer.register_state_dict_pre_hook(lambda *args: stepper.wait()))
+
+    def wait_for_optimizer(self) -> None:
+        """Finish the background optimizer updates (``attach_optimizer``) before reading the weights directly;
+        ``state_dict()`` of the model or the optimizer does this itself."""
+        if self._stepper is not None:
+            self._stepper.wait()
 
     def after_backward(self) -> None:
         """Call between ``backward()`` and ``optimizer.step()``: waits for gradient copies, makes sure no
@@ -253,8 +289,6 @@ class OffloadTrainingManager:
         for offloader in self._offloaders.values():
             if offloader.holds == 0:
                 offloader.offload()
-        if self._stepper is not None:
-            self._stepper.wait()  # the worker also settles gradients; never both at once
         for offloader in self._offloaders.values():
             if isinstance(offloader, TrainableParamOffloader):
                 offloader.hand_over_grad()
@@ -271,6 +305,9 @@ class OffloadTrainingManager:
         """Detach every hook and leave ``model`` an ordinary CPU model holding the trained values."""
         if self._stepper is not None:
             self._stepper.detach()
+            for offloader in self._offloaders.values():
+                if isinstance(offloader, TrainableParamOffloader):
+                    offloader.before_read = None
             self._stepper = None
         synchronize(self.device)
         for handle in self._handles:

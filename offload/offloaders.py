@@ -11,6 +11,7 @@ swaps its ``.data`` between a host copy and a device copy. Residency is referenc
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -217,11 +218,49 @@ class TrainableParamOffloader(StaticParamOffloader):
         self._staging: torch.Tensor | None = None
         self._staged = False
         self._grad_event: torch.cuda.Event | None = None
+        self._grad_lock = threading.Lock()  # the optimizer's worker thread settles gradients too
+        self.fresh_grad = False  # a gradient arrived that no update has taken yet
+        self.before_read: Callable[[TrainableParamOffloader], None] | None = None  # waits for pending updates
+        self._spare_host: torch.Tensor | None = None  # delayed update: the copy the next update writes
+        self._spare_grad: torch.Tensor | None = None  # delayed update: the next step's gradient buffer
 
     def acquire(self) -> None:
+        if self.before_read is not None:
+            self.before_read(self)  # before the gradient buffer or the host weights are touched
         if torch.is_grad_enabled():
             self._adopt_user_grad()
         super().acquire()
+
+    def onload(self, prefetch: bool = False) -> None:
+        if self.before_read is not None:
+            self.before_read(self)  # the copy must read the updated weights, never half-written ones
+        super().onload(prefetch)
+
+    # ----------------------------------------------------------------- delayed update's second copies
+    def spare(self) -> torch.Tensor:
+        """The host copy the next delayed update writes while the device reads ``host``."""
+        if self._spare_host is None:
+            self._spare_host = torch.empty_like(self.host, pin_memory=self.host.is_pinned())
+        return self._spare_host
+
+    def publish(self, updated: torch.Tensor) -> None:
+        """A delayed update finished writing ``updated`` (the spare copy): it becomes the host master."""
+        self._spare_host, self.host = self.host, updated
+        if self.pending is None:
+            self.tensor.data = self.host
+
+    def take_grad_for_update(self) -> torch.Tensor:
+        """Hand the step's gradient buffer to a delayed update; the next step accumulates into the other."""
+        if self._spare_grad is None:
+            self._spare_grad = torch.empty_like(self.grad_host, pin_memory=self.grad_host.is_pinned())
+        taken, self.grad_host, self._spare_grad = self.grad_host, self._spare_grad, self.grad_host
+        self._grad_valid = False
+        return taken
+
+    def grad_landed(self) -> bool:
+        """The gradient's device->host copy has finished (no host wait)."""
+        event = self._grad_event
+        return event is None or event.query()
 
     def _adopt_user_grad(self) -> None:
         """Before a forward that will produce gradients, take ``param.grad`` back from the user so autograd
@@ -251,15 +290,17 @@ class TrainableParamOffloader(StaticParamOffloader):
             self._grad_event = self.copies.to_host_async(grad, self.grad_host)
             self._grad_valid = True
         self.tensor.grad = None
+        self.fresh_grad = True
 
     def settle_grad(self) -> None:
         """Wait for this gradient's copy and fold a staged one into the buffer (a host sync for this copy)."""
-        if self._grad_event is not None:
-            self._grad_event.synchronize()
-            self._grad_event = None
-        if self._staged:
-            self.grad_host.add_(self._staging)
-            self._staged = False
+        with self._grad_lock:
+            if self._grad_event is not None:
+                self._grad_event.synchronize()
+                self._grad_event = None
+            if self._staged:
+                self.grad_host.add_(self._staging)
+                self._staged = False
 
     def hand_over_grad(self) -> None:
         """After backward: the accumulated host gradient becomes ``param.grad`` for the optimizer.

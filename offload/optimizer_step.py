@@ -1,16 +1,31 @@
-"""Step the CPU optimizer for each parameter as soon as its gradient reaches the host, while backward
-continues on the GPU (optimizer offload only).
+"""Step the CPU optimizer per parameter in the background, overlapped with the GPU (optimizer offload only).
 
-The user's optimizer keeps its state; a one-parameter copy of it (same class, same hyperparameters read from
-the user's param group at each step, the user's ``state`` dict shared) runs the update on a worker thread.
-The user's ``optimizer.step()`` then only waits for that work. Global-norm gradient clipping needs every
+Each parameter's update runs on one worker thread as soon as its gradient has reached the host, while the
+GPU continues backward. ``optimizer.step()`` returns at once; the next forward waits, parameter by
+parameter, only for the updates it is about to read (``before_read``). The worker takes the landed
+gradient whose parameter the next forward needs first: backward produces the last layer's gradient first,
+and the forward needs the first layer first, so in arrival order the forward would wait for every update.
+
+``delayed_update`` (ZeRO-Offload's delayed parameter update): after ``warmup_steps`` exact steps, step t's
+update runs during step t+1's forward and backward, which read the weights from before it; its result is
+published when step t+2 first reads the parameter. The GPU then waits for the CPU only when one update
+takes longer than a whole step. Gradients are one step stale: step t+1's gradient is computed at weights
+that do not include step t's update. The update writes a second host copy (``TrainableParamOffloader``
+keeps two) so a copy to the device never reads a half-updated weight.
+
+The user's optimizer keeps its state; a one-parameter copy of it (same class, hyperparameters re-read from
+the user's group at each step, the same per-parameter state) steps a stand-in over the host copy, never the
+parameter itself, whose ``.data`` the main thread swaps meanwhile. Global-norm gradient clipping needs every
 gradient before any step, so it cannot be combined with this.
 """
 
 from __future__ import annotations
 
 import copy
-from concurrent.futures import Future, ThreadPoolExecutor
+import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,27 +33,49 @@ import torch
 if TYPE_CHECKING:
     from offload.offloaders import TrainableParamOffloader
 
+log = logging.getLogger(__name__)
+
 
 def _one_parameter_view(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
 ) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` that steps only ``param``: it shares the state dict and hooks, and
-    has one group holding that parameter (its hyperparameters are refreshed before each step)."""
+    """A shallow copy of ``optimizer`` that steps only ``param`` (one group; hyperparameters refreshed before
+    each step)."""
     single = copy.copy(optimizer)
     single.__dict__.pop("step", None)  # a scheduler's wrapper of step() is bound to the original optimizer
+    single.__dict__.pop("zero_grad", None)
     single.param_groups = [{**group, "params": [param]}]
     return single
 
 
-class StepDuringBackward:
-    """Runs ``optimizer``'s update per parameter on a worker thread during the last micro-batch's backward.
+class _Update:
+    """One parameter's pending update: which gradient buffer it reads and which host copy it writes."""
 
-    Attach after creating any LR scheduler (schedulers wrap ``optimizer.step`` when they are made).
+    __slots__ = ("copy_from", "done", "grad", "hyper", "offloader", "target")
+
+    def __init__(
+        self, offloader: TrainableParamOffloader, grad: torch.Tensor, target: torch.Tensor, hyper: dict[str, Any]
+    ) -> None:
+        self.offloader = offloader
+        self.grad = grad
+        self.target = target
+        # The group's hyperparameters when the step's gradient was made: an LR scheduler steps the group
+        # before this update runs.
+        self.hyper = hyper
+        self.copy_from: torch.Tensor | None = None  # delayed: the published weights the update starts from
+        self.done = threading.Event()
+
+
+class StepDuringBackward:
+    """Runs ``optimizer``'s update per parameter on a worker thread, overlapped with the GPU.
 
     Args:
         optimizer: the user's optimizer over trainable parameters that the manager keeps on the host.
         offloaders: the manager's offloaders of those parameters, by ``id(param)``.
         accumulation_steps: backward passes per optimizer step; the update runs during the last one.
+        priority: the forward position of a parameter's first use (lower runs first); ``None`` if unknown.
+        delayed_update: switch to the delayed parameter update after ``warmup_steps`` exact steps.
+        warmup_steps: exact optimizer steps before ``delayed_update`` takes effect.
     """
 
     def __init__(
@@ -46,11 +83,20 @@ class StepDuringBackward:
         optimizer: torch.optim.Optimizer,
         offloaders: dict[int, TrainableParamOffloader],
         accumulation_steps: int = 1,
+        *,
+        priority: Callable[[TrainableParamOffloader], int | None] | None = None,
+        delayed_update: bool = False,
+        warmup_steps: int = 10,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1; got {accumulation_steps}")
+        if warmup_steps < 0:
+            raise ValueError(f"delayed_update warmup_steps must be >= 0; got {warmup_steps}")
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
+        self.delayed_update = delayed_update
+        self.warmup_steps = warmup_steps
+        self._priority = priority or (lambda offloader: None)
         self._group_of: dict[int, dict[str, Any]] = {}
         self._single: dict[int, torch.optim.Optimizer] = {}
         self._standin: dict[int, torch.nn.Parameter] = {}
@@ -62,68 +108,182 @@ class StepDuringBackward:
                         "manager keeps on the CPU (enable_optimizer_cpu_offload=True); one is not"
                     )
                 self._group_of[id(param)] = group
-                self._standin[id(param)] = standin = torch.nn.Parameter(offloaders[id(param)].host)
+                self._standin[id(param)] = standin = torch.nn.Parameter(torch.empty(0))
                 self._single[id(param)] = _one_parameter_view(optimizer, group, standin)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-optimizer")
-        self._pending: list[Future] = []
+        self._offloaders = [offloaders[key] for key in self._group_of]
+        self._latest: dict[int, _Update] = {}  # id(offloader) -> its newest queued update
+        self._queue: list[_Update] = []
+        self._held: list[_Update] = []  # delayed mode: gradients waiting for the next step's first read
+        self._read: set[int] = set()  # parameters read since the last optimizer step
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._closing = False
         self._backwards = 0
-        self._stepped_this_cycle = False
-        self._original_step = optimizer.step
+        self.optimizer_steps = 0
+        self.busy_seconds = 0.0  # the worker's time in updates (reported by the benchmark)
+        self.wait_seconds = 0.0  # the main thread's time waiting for updates before reading weights
+        self._worker = threading.Thread(target=self._work, name="ferry-optimizer", daemon=True)
+        self._worker.start()
+        self._wrap_optimizer()
+
+    # ----------------------------------------------------------------- the user's optimizer
+    def _wrap_optimizer(self) -> None:
+        self._original_step = optimizer_step = self.optimizer.step
+        self._original_zero_grad = self.optimizer.zero_grad
 
         def step(closure: Any = None) -> Any:
             return self._step(closure)
 
+        def zero_grad(set_to_none: bool = True) -> None:
+            # The gradient buffers belong to the background updates until they finish: gradients are always
+            # released (set to None), never zeroed in place.
+            for offloader in self._offloaders:
+                offloader.tensor.grad = None
+
         # An LR scheduler checks that its own wrapper of step() is still in place; ours keeps its promise
         # (it sets ``_opt_called`` as that wrapper does).
-        step._wrapped_by_lr_sched = getattr(self._original_step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
-        optimizer.step = step  # type: ignore[method-assign]
+        step._wrapped_by_lr_sched = getattr(optimizer_step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
+        self.optimizer.step = step  # type: ignore[method-assign]
+        self.optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
+    def _step(self, closure: Any = None) -> Any:
+        """The user's ``optimizer.step()``: the updates are already queued; only a closure (which
+        re-evaluates the loss) makes it a normal, synchronous step."""
+        if closure is not None:
+            self.wait()
+            return self._original_step(closure)
+        self.optimizer._opt_called = True  # what an LR scheduler's wrapper of step() would have set
+        return None
+
+    # ----------------------------------------------------------------- what the manager tells us
     @property
     def stepping_now(self) -> bool:
         """True during the backward of the last micro-batch of an optimizer step."""
         return self._backwards % self.accumulation_steps == self.accumulation_steps - 1
 
-    def grad_ready(self, offloader: TrainableParamOffloader) -> None:
-        """A gradient's host copy is queued; step its parameter once the copy lands."""
-        if self.stepping_now:
-            self._stepped_this_cycle = True
-            self._pending.append(self._worker.submit(self._step_one, offloader))
+    @property
+    def delaying(self) -> bool:
+        """The delayed parameter update is in effect (after the warm-up steps)."""
+        return self.delayed_update and self.optimizer_steps >= self.warmup_steps
 
-    def _step_one(self, offloader: TrainableParamOffloader) -> None:
-        offloader.settle_grad()  # waits for this gradient's copy (the GIL is released while waiting)
-        param = offloader.tensor
-        # The update goes to the host master through a stand-in over it, never through ``param``: the
-        # parameter may still point at a device copy (a prefetch, a held unit) while backward continues,
-        # and the main thread may swap its ``.data`` meanwhile. The stand-in shares the user's state entry.
+    def grad_ready(self, offloader: TrainableParamOffloader) -> None:
+        """A gradient's last device->host copy is queued (post-accumulate-grad hook)."""
+        if self.stepping_now and not self.delaying:
+            offloader.fresh_grad = False
+            self._enqueue(self._update(offloader, offloader.grad_host))
+        # Delayed: the update is queued when the next step first reads the parameter (end_backward holds it).
+
+    def end_backward(self) -> None:
+        """Called by ``after_backward`` (every micro-batch), after the gradients are settled."""
+        if self.stepping_now:
+            fresh = [o for o in self._offloaders if o.fresh_grad]  # gradients not yet queued for an update
+            for offloader in fresh:
+                offloader.fresh_grad = False
+            if self.delaying:
+                # Kept until the parameter's next read; a step that skips the parameter keeps it waiting.
+                self._held += [self._update(o, o.take_grad_for_update()) for o in fresh]
+            else:  # used only in an earlier micro-batch of this step
+                for offloader in fresh:
+                    self._enqueue(self._update(offloader, offloader.grad_host))
+            self.optimizer_steps += 1
+            self._read.clear()
+        self._backwards += 1
+
+    def before_read(self, offloader: TrainableParamOffloader) -> None:
+        """Before the first copy of ``offloader``'s host weights to the device in a step: wait for its
+        pending update; in delayed mode publish the finished one and queue the held gradient's update."""
+        if id(offloader) not in self._read:
+            self._read.add(id(offloader))
+            self._settle(offloader)
+
+    def _settle(self, offloader: TrainableParamOffloader) -> None:
+        update = self._latest.pop(id(offloader), None)
+        if update is not None:
+            self._wait_for(update)
+            if update.target is not offloader.host:
+                offloader.publish(update.target)  # delayed: the update wrote the spare copy
+        held = next((u for u in self._held if u.offloader is offloader), None)
+        if held is not None:
+            self._held.remove(held)
+            held.copy_from, held.target = offloader.host, offloader.spare()  # continue from the published weights
+            self._enqueue(held)
+
+    def wait(self) -> None:
+        """Finish every update, queued and held, and publish the results (before a checkpoint, at remove).
+        In delayed mode this applies the held gradients now: the next step reads the newest weights."""
+        while self._latest or self._held:
+            pending = next(iter(self._latest.values())) if self._latest else self._held[0]
+            self._settle(pending.offloader)
+
+    # ----------------------------------------------------------------- the worker
+    def _update(self, offloader: TrainableParamOffloader, grad: torch.Tensor) -> _Update:
+        group = self._group_of[id(offloader.tensor)]
+        return _Update(offloader, grad, offloader.host, {k: v for k, v in group.items() if k != "params"})
+
+    def _enqueue(self, update: _Update) -> None:
+        self._latest[id(update.offloader)] = update
+        with self._cond:
+            self._queue.append(update)
+            self._cond.notify()
+
+    def _wait_for(self, update: _Update) -> None:
+        if not update.done.is_set():
+            start = time.perf_counter()
+            update.done.wait()
+            self.wait_seconds += time.perf_counter() - start
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the CPU optimizer step failed on its worker thread") from error
+
+    def _next(self) -> _Update | None:
+        """The landed gradient whose parameter the next forward reads first; else the oldest (whose copy
+        lands first: the device->host stream runs in order)."""
+        with self._cond:
+            while not self._queue and not self._closing:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            landed = [u for u in self._queue if u.offloader.grad_landed()]
+            ranked = [u for u in landed if self._priority(u.offloader) is not None]
+            if ranked:
+                choice = min(ranked, key=lambda u: self._priority(u.offloader))  # type: ignore[arg-type, return-value]
+            else:
+                choice = landed[0] if landed else self._queue[0]
+            self._queue.remove(choice)
+            return choice
+
+    def _work(self) -> None:
+        while (update := self._next()) is not None:
+            start = time.perf_counter()
+            try:
+                update.offloader.settle_grad()  # waits for this gradient's copy if it is still in flight
+                self._step_one(update)
+            except BaseException as error:  # re-raised on the main thread by the next wait
+                log.exception("CPU optimizer step failed")
+                self._error = error
+            finally:
+                self.busy_seconds += time.perf_counter() - start
+                update.done.set()
+
+    def _step_one(self, update: _Update) -> None:
+        param = update.offloader.tensor
         standin = self._standin[id(param)]
+        if update.copy_from is not None:
+            update.target.copy_(update.copy_from)
+        standin.data = update.target
         single = self._single[id(param)]
-        single.state = {standin: self.optimizer.state[param]}
-        single.param_groups[0].update({k: v for k, v in self._group_of[id(param)].items() if k != "params"})
-        standin.grad = offloader.grad_host
+        single.state = {standin: self.optimizer.state[param]}  # the user's state entry, shared
+        single.param_groups[0].update(update.hyper)
+        standin.grad = update.grad
         single.step()
         standin.grad = None
 
-    def end_backward(self) -> None:
-        """Called by ``after_backward``: count the micro-batch."""
-        self._backwards += 1
-
-    def wait(self) -> None:
-        """Block until every queued update is done (re-raising an error from the worker)."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
-
-    def _step(self, closure: Any = None) -> Any:
-        """The user's ``optimizer.step()``: wait for the updates made during backward (or step normally
-        when none ran, or with a closure, which re-evaluates the loss)."""
-        self.wait()
-        if self._stepped_this_cycle and closure is None:
-            self._stepped_this_cycle = False
-            self.optimizer._opt_called = True  # what an LR scheduler's wrapper of step() would have set
-            return None
-        return self._original_step() if closure is None else self._original_step(closure)
-
     def detach(self) -> None:
+        """Finish and publish every update, stop the worker, give the optimizer its own methods back."""
         self.wait()
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._worker.join()
         self.optimizer.step = self._original_step  # type: ignore[method-assign]
-        self._worker.shutdown(wait=True)
+        self.optimizer.zero_grad = self._original_zero_grad  # type: ignore[method-assign]
