@@ -93,6 +93,18 @@ def _check_task_supported(spec: JobSpec) -> list[Problem]:
     return problems
 
 
+def _check_delayed_update_without_clipping(spec: JobSpec) -> list[Problem]:
+    if spec.offload.delayed_update and spec.training.max_grad_norm is not None:
+        return [
+            (
+                "offload.delayed_update",
+                "cannot be combined with training.max_grad_norm (a global norm needs every gradient before "
+                "any update); set one of them off",
+            )
+        ]
+    return []
+
+
 RULES = (
     _check_task_supported,
     _check_data_fits_model,
@@ -101,6 +113,7 @@ RULES = (
     _check_checkpointing_supported,
     _check_precision_fits_device,
     _check_warmup_fits_steps,
+    _check_delayed_update_without_clipping,
 )
 
 

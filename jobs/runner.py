@@ -224,6 +224,8 @@ def _save(
     session: TrainingSession, resolved: dict[str, Any], output_dir: Path, step: int, accumulation: int, keep_last: int
 ) -> CheckpointInfo:
     def write(directory: Path) -> None:
+        if session.manager is not None:
+            session.manager.wait_for_optimizer()  # background CPU updates finish before the weights are read
         session.family.weights_format.save(session.model, directory)
         save_training_state(
             directory,

@@ -137,7 +137,12 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     if manager is not None and spec.offload.enable_optimizer_cpu_offload and training.max_grad_norm is None:
         # Each parameter's CPU update runs while the GPU's backward continues. Not with clipping: a global
         # norm needs every gradient first. After load_state_dict, which replaces the optimizer's state.
-        manager.attach_optimizer(raw_optimizer, accumulation_steps=training.gradient_accumulation_steps)
+        manager.attach_optimizer(
+            raw_optimizer,
+            accumulation_steps=training.gradient_accumulation_steps,
+            delayed_update=spec.offload.delayed_update,
+            warmup_steps=spec.offload.delayed_update_warmup_steps,
+        )
     return TrainingSession(
         accelerator,
         device,

@@ -141,6 +141,10 @@ class OffloadSpec(Section):
     gpu_memory_limit: int | str | None = Field(
         None, description="bytes or e.g. '24GiB': the job's process may use no more device memory; null = the GPU"
     )
+    delayed_update: bool = Field(
+        False, description="step t's CPU optimizer update runs during step t+1 (gradients one step stale)"
+    )
+    delayed_update_warmup_steps: int = Field(10, ge=0, description="exact optimizer steps before delayed_update")
 
     @field_validator("gpu_memory_budget", "gpu_memory_limit")
     @classmethod
@@ -161,6 +165,14 @@ class OffloadSpec(Section):
                         f"weights count against the limit; got {self.gpu_memory_budget}",
                     )
                 ]
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_delayed_update_needs_optimizer_offload(self) -> OffloadSpec:
+        if self.delayed_update and not self.enable_optimizer_cpu_offload:
+            raise broken_rules(
+                [("delayed_update", "needs offload.enable_optimizer_cpu_offload: true (it delays the CPU optimizer)")]
             )
         return self
 

@@ -163,3 +163,14 @@ def test_gpu_memory_limit_sizes() -> None:
     data["offload"].update(gpu_memory_limit="8GiB", gpu_memory_budget="8GiB")
     with pytest.raises(JobSpecError, match=r"offload.gpu_memory_budget.*must be below offload.gpu_memory_limit"):
         spec_from(data)
+
+
+def test_delayed_update_needs_optimizer_offload_and_no_clipping() -> None:
+    data = {**TOY, "offload": {"enable_model_cpu_offload": True, "delayed_update": True}}
+    with pytest.raises(JobSpecError, match=r"offload.delayed_update.*needs offload.enable_optimizer_cpu_offload"):
+        spec_from(data)
+    data["offload"]["enable_optimizer_cpu_offload"] = True
+    assert spec_from(data).offload.delayed_update_warmup_steps == 10
+    data["training"] = {**TOY["training"], "max_grad_norm": 1.0}
+    with pytest.raises(JobSpecError, match=r"offload.delayed_update.*cannot be combined with training.max_grad_norm"):
+        spec_from(data)

@@ -308,3 +308,14 @@ def test_real_cuda_out_of_memory_becomes_a_hint(tmp_path: Path) -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_delayed_update_is_exact_through_its_warmup_and_then_trains(tmp_path: Path) -> None:
+    steps = TOY["training"]["steps"]
+    delayed = {**OFFLOAD_BOTH, "delayed_update": True, "delayed_update_warmup_steps": steps}
+    run(TOY, tmp_path / "plain")
+    run(merged(TOY, offload=delayed), tmp_path / "warmup-only")
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "warmup-only"))
+    _, events = run(merged(TOY, offload={**delayed, "delayed_update_warmup_steps": 2}), tmp_path / "delayed")
+    losses = [e["loss"] for e in events if e["type"] == "step"]
+    assert len(losses) == steps and losses[-1] < losses[0]
