@@ -33,6 +33,7 @@ class CheckpointInfo:
         path: Absolute path of the directory.
         created: ISO-8601 UTC time of saving.
         files: ``[{name, bytes, sha256}]`` for every file except the manifest.
+        eval_loss: The eval loss measured at this step, when the job evaluates.
     """
 
     name: str
@@ -40,6 +41,7 @@ class CheckpointInfo:
     path: str
     created: str
     files: list[dict[str, Any]] = field(default_factory=list)
+    eval_loss: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,7 +56,13 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(
-    output_dir: Path, step: int, spec: dict[str, Any], write: Callable[[Path], None], *, keep_last: int | None = None
+    output_dir: Path,
+    step: int,
+    spec: dict[str, Any],
+    write: Callable[[Path], None],
+    *,
+    keep_last: int | None = None,
+    eval_loss: float | None = None,
 ) -> CheckpointInfo:
     """Save a checkpoint atomically and prune old ones.
 
@@ -63,7 +71,8 @@ def save_checkpoint(
         step: Optimizer steps completed.
         spec: The resolved job spec (JSON-able), stored in the manifest.
         write: Writes the checkpoint's files into the directory it is given.
-        keep_last: Keep only this many newest checkpoints (None keeps all).
+        keep_last: Keep only this many newest checkpoints (None keeps all), and the best one.
+        eval_loss: The eval loss at this step, recorded so the best checkpoint can be found and kept.
 
     Returns:
         The new checkpoint.
@@ -77,7 +86,7 @@ def save_checkpoint(
         # Files in subfolders too (a full fine-tune's transformer/), named by their relative path.
         files = [_describe(p, tmp) for p in sorted(tmp.rglob("*")) if p.is_file()]
         created = datetime.now(UTC).isoformat(timespec="seconds")
-        manifest = {"step": step, "created": created, "spec": spec, "files": files}
+        manifest = {"step": step, "created": created, "spec": spec, "files": files, "eval_loss": eval_loss}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         for path in tmp.rglob("*"):
             _fsync(path)
@@ -89,7 +98,7 @@ def save_checkpoint(
     _fsync(root)
     if keep_last is not None:
         prune_checkpoints(output_dir, keep_last)
-    return CheckpointInfo(final.name, step, str(final), created, files)
+    return CheckpointInfo(final.name, step, str(final), created, files, eval_loss)
 
 
 def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
@@ -103,7 +112,12 @@ def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
             continue  # incomplete or foreign directory
         infos.append(
             CheckpointInfo(
-                directory.name, int(manifest["step"]), str(directory.resolve()), manifest["created"], manifest["files"]
+                directory.name,
+                int(manifest["step"]),
+                str(directory.resolve()),
+                manifest["created"],
+                manifest["files"],
+                manifest.get("eval_loss"),
             )
         )
     return sorted(infos, key=lambda info: info.step)
@@ -131,10 +145,19 @@ def latest_valid_checkpoint(output_dir: Path) -> CheckpointInfo | None:
     return None
 
 
+def best_checkpoint(checkpoints: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """The checkpoint with the lowest eval loss (the earliest among equals); None when none was evaluated."""
+    evaluated = [c for c in checkpoints if c.eval_loss is not None]
+    return min(evaluated, key=lambda c: (c.eval_loss, c.step)) if evaluated else None
+
+
 def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints, and leftovers of interrupted saves."""
-    for info in list_checkpoints(output_dir)[:-keep_last]:
-        shutil.rmtree(info.path, ignore_errors=True)
+    """Delete all but the newest ``keep_last`` checkpoints and the best one, and leftovers of interrupted saves."""
+    checkpoints = list_checkpoints(output_dir)
+    best = best_checkpoint(checkpoints)
+    for info in checkpoints[:-keep_last]:
+        if best is None or info.name != best.name:
+            shutil.rmtree(info.path, ignore_errors=True)
     for leftover in checkpoints_dir(output_dir).glob(".tmp-*"):
         if leftover.is_dir() and not _written_by_live_save(leftover):
             shutil.rmtree(leftover, ignore_errors=True)

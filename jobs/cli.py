@@ -1,4 +1,5 @@
-"""Command line: ``python -m jobs run FILE [--output DIR]``, ``validate FILE``, ``estimate FILE``, ``schema``."""
+"""Command line: ``python -m jobs run FILE [--output DIR]``, ``validate FILE``, ``estimate FILE``, ``schema``,
+``merge CHECKPOINT [--output DIR]``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from jobs.events import (
 )
 from jobs.loading import job_spec_schema, load_job_spec
 from jobs.paths import PathRoots
+from jobs.preflight import preflight_problems
 from jobs.runner import run_job
 from jobs.spec import JobSpec
 
@@ -38,12 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "schema":
         print(json.dumps(job_spec_schema(), indent=2))
         return 0
+    if args.command == "merge":
+        return _merge(args)
     try:
         spec = _load(args)
     except (JobSpecError, OSError) as error:
         print(error, file=sys.stderr)
         return 2
     if args.command == "validate":
+        problems = preflight_problems(spec)  # the data's first rows and the model's module names
+        if problems:
+            print(JobSpecError(problems), file=sys.stderr)
+            return 2
         print(f"ok: {spec.name} ({_length(spec)}, model {spec.model.kind}, device {spec.device})")
         return 0
     if args.command == "estimate":
@@ -98,7 +106,23 @@ def _parser() -> argparse.ArgumentParser:
             command.add_argument("--output", type=Path, help="output directory (default: out/<name>)")
             command.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     commands.add_parser("schema", help="print the JSON Schema of a job spec")
+    merge = commands.add_parser("merge", help="merge a LoRA checkpoint into its base model (a full model directory)")
+    merge.add_argument("checkpoint", type=Path, help="a checkpoint directory of a LoRA job")
+    merge.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-merged")
+    merge.add_argument("--no-archive", action="store_true", help="do not also write <output>.tar")
     return parser
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from jobs.export import merge_lora_checkpoint  # peft and transformers: only this command needs them
+
+    try:
+        merged = merge_lora_checkpoint(args.checkpoint, args.output, archive=not args.no_archive)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"merged into {merged}" + ("" if args.no_archive else f" (archive: {merged}.tar)"))
+    return 0
 
 
 def _load(args: argparse.Namespace) -> JobSpec:

@@ -28,6 +28,10 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, task_type: str | None) -> Pe
         lora_alpha=spec.alpha or spec.rank,
         lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules),
+        use_dora=spec.use_dora,
+        use_rslora=spec.use_rslora,
+        modules_to_save=list(spec.modules_to_save) or None,
+        init_lora_weights=spec.init_lora_weights,
         task_type=task_type,
     )
     return get_peft_model(model, config)

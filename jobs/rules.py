@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from jobs.models.family import Problem
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
+from jobs.rules_llm import RULES as LLM_RULES
 
 if TYPE_CHECKING:
     from jobs.spec import JobSpec
@@ -114,6 +115,7 @@ RULES = (
     _check_precision_fits_device,
     _check_warmup_fits_steps,
     _check_delayed_update_without_clipping,
+    *LLM_RULES,
 )
 
 

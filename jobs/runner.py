@@ -14,13 +14,16 @@ from torch import nn
 
 from jobs.checkpoint import CheckpointInfo, save_checkpoint
 from jobs.errors import OutOfMemoryHint
+from jobs.eval_and_samples import EvalAndSamples
 from jobs.events import CheckpointEvent, FileDigest, FinishedEvent, JobEvent, LogEvent, StartedEvent, failed_event
 from jobs.models import LossFn, family_of
 from jobs.oom import oom_message
+from jobs.export import save_tokenizer
 from jobs.sample_artifacts import keep_samples
 from jobs.session import TrainingSession, close_session, open_session, resolve_device
 from jobs.spec import JobSpec
 from jobs.telemetry import StepClock, device_identity, step_event
+from jobs.tracking import Tracking
 from jobs.training_state import save_training_state
 from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 
@@ -102,6 +105,7 @@ def run_job(
     resolved = spec.model_dump(mode="json")
     log.info("job %s: resolved spec %s", spec.name, json.dumps(resolved))
     session: TrainingSession | None = None
+    tracking: Tracking | None = None
     step = 0
     try:
         _warn_skipped_settings(spec, report)
@@ -109,6 +113,7 @@ def run_job(
             outcome = _run_task(spec, report, should_stop)
             report(FinishedEvent(status=outcome.status, step=outcome.step))
             return outcome
+        tracking = report = Tracking(spec, output_dir, report)  # TensorBoard (MLflow, W&B) see every event too
         session = open_session(spec, output_dir, resume=resume)
         step = session.start_step
         report(
@@ -119,6 +124,8 @@ def run_job(
                 device=device_identity(session.device),
             )
         )
+        if session.text is not None:
+            report(LogEvent(level="info", message=session.text.summary))  # truncated and skipped examples
         outcome = _train(session, spec, resolved, output_dir, report, should_stop)
         report(FinishedEvent(status=outcome.status, step=outcome.step))
         return outcome
@@ -131,6 +138,8 @@ def run_job(
         raise
     finally:
         close_session(session)
+        if tracking is not None:
+            tracking.close()
 
 
 def _run_task(spec: JobSpec, report: Report, should_stop: StopPoll | None) -> JobOutcome:
@@ -162,11 +171,13 @@ def _train(
     step, total = session.start_step, session.total_steps
     saved = session.resumed_from
     clock = StepClock(step, total)
+    between = EvalAndSamples(session, spec, report, session.resumed_extra.get("eval"))
 
     def checkpoint_now() -> CheckpointInfo:
         if saved is not None and saved.step == step:
             return saved  # nothing trained since the last save
-        info = _save(session, resolved, output_dir, step, accumulation, spec.checkpoint.keep_last)
+        eval_loss = between.eval_loss_at(step)  # recorded in the manifest: the best checkpoint is kept and marked
+        info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict())
         files = [FileDigest(**entry) for entry in info.files]
         report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
         if session.sampler is not None:
@@ -211,33 +222,46 @@ def _train(
                 offload=session.manager.stats() if session.manager else None,
             )
         )
+        stop_early = between.after_step(step)
         sample_every = spec.sample.every_steps if spec.sample is not None else None
         due = [n for n in (every, sample_every) if n is not None and step % n == 0]
         if due and step < total:
             saved = checkpoint_now()
+        if stop_early:
+            break
+    between.at_end(step)
     if spec.checkpoint.save_final:
         saved = checkpoint_now()
     return JobOutcome("succeeded", step, saved.path if saved else None)
 
 
 def _save(
-    session: TrainingSession, resolved: dict[str, Any], output_dir: Path, step: int, accumulation: int, keep_last: int
+    session: TrainingSession,
+    resolved: dict[str, Any],
+    output_dir: Path,
+    step: int,
+    spec: JobSpec,
+    eval_loss: float | None,
+    eval_state: dict[str, Any],
 ) -> CheckpointInfo:
     def write(directory: Path) -> None:
         if session.manager is not None:
             session.manager.wait_for_optimizer()  # background CPU updates finish before the weights are read
         session.family.weights_format.save(session.model, directory)
+        if session.text is not None:
+            save_tokenizer(session.text.tokenizer, directory)  # beside the weights: the checkpoint loads alone
         save_training_state(
             directory,
             step=step,
-            data_position=step * accumulation,
+            data_position=step * spec.training.gradient_accumulation_steps,
             optimizer=session.optimizer,
             scheduler=session.scheduler,
+            extra={"eval": eval_state},
         )
         if session.sampler is not None:
             session.sampler.write(session.forward_model, directory)
 
-    return save_checkpoint(output_dir, step, resolved, write, keep_last=keep_last)
+    return save_checkpoint(output_dir, step, resolved, write, keep_last=spec.checkpoint.keep_last, eval_loss=eval_loss)
 
 
 def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from jobs.checkpoint import CheckpointInfo, latest_valid_checkpoint
-from jobs.data import BatchSource, build_data
+from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_apart, prepare_text_data
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.optim import build_optimizer, build_scheduler
 from jobs.spec import JobSpec
@@ -42,6 +42,8 @@ class TrainingSession:
     resumed_from: CheckpointInfo | None
     family: ModelFamily  # the model's registry entry: how its weights are checkpointed
     sampler: Any = None  # writes samples into each checkpoint (family.make_sampler), or None
+    text: TextData | None = None  # text jobs: the tokenizer and the eval set
+    resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -87,20 +89,17 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         from jobs.lora import apply_lora  # peft is slow to import; only LoRA jobs need it
 
         model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
+    if training.mixed_precision != "no":
+        keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
     if family.build_data is not None:
-        data, vocab = family.build_data(spec, device), None
+        data, text = family.build_data(spec, device), None
     else:
-        data, vocab = build_data(
-            spec.data,
-            batch_size=training.batch_size,
-            seed=training.seed,
-            width=family.synthetic_width(spec.model) if family.synthetic_width else None,
-        )
+        data, text = _build_data(spec, family)
     sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
-    _check_vocab_fits(model, vocab)
+    _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
     model.train()
 
     manager, forward_model = None, model
@@ -124,7 +123,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     raw_optimizer = build_optimizer(trainable, training)
     optimizer, scheduler = accelerator.prepare(raw_optimizer, build_scheduler(raw_optimizer, training, steps))
 
-    start_step = 0
+    start_step, extra = 0, {}
     if checkpoint is not None:
         state = load_training_state(Path(checkpoint.path))
         # Into the raw optimizer: torch puts each state tensor on its parameter's device (the CPU under
@@ -132,7 +131,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         raw_optimizer.load_state_dict(state["optimizer"])
         scheduler.scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
-        start_step = state["step"]
+        start_step, extra = state["step"], state.get("extra", {})
         log.info("resuming from %s at step %d", checkpoint.path, start_step)
     if manager is not None and spec.offload.enable_optimizer_cpu_offload and training.max_grad_norm is None:
         # Each parameter's CPU update runs while the GPU's backward continues. Not with clipping: a global
@@ -158,7 +157,33 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         checkpoint,
         family,
         sampler,
+        text,
+        extra,
     )
+
+
+def _build_data(spec: JobSpec, family: ModelFamily) -> tuple[BatchSource, TextData | None]:
+    training = spec.training
+    if spec.data.kind != "text":
+        width = family.synthetic_width(spec.model) if family.synthetic_width else None
+        source, _ = build_data(spec.data, batch_size=training.batch_size, seed=training.seed, width=width)
+        return source, None
+    packed_path = spec.model.kind == "hf_causal_lm" and model_keeps_documents_apart()
+    text = prepare_text_data(
+        spec.data, batch_size=training.batch_size, seed=training.seed, packed_path=packed_path, eval_spec=spec.eval
+    )
+    return text.train, text
+
+
+def keep_trainable_in_float32(model: nn.Module) -> None:
+    """Mixed precision: float32 master copies of the trainable weights; autocast computes in bf16/fp16.
+
+    A bf16 weight cannot hold an update smaller than 1/256 of itself, so at low learning rates pure bf16
+    training loses progress. Frozen weights keep the model's dtype (they never change).
+    """
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
 
 
 def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:

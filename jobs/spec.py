@@ -21,6 +21,7 @@ from jobs.models.toy_mlp import ToyMLPSpec as ToyMLPSpec
 from jobs.models.transformer_lm import TransformerLMSpec as TransformerLMSpec
 from jobs.sections import Dtype as Dtype
 from jobs.sections import Section, broken_rules, confined_path
+from jobs.spec_llm import EvalSpec, InstructionFields, TextSamplesSpec, TrackingSpec
 from offload import parse_bytes
 
 # Bounds a run can hold: a step counter and a sample count (steps x batch) stay far inside int64.
@@ -63,16 +64,43 @@ class HFTokenizerSpec(Section):
 
 
 class TextDataSpec(Section):
-    """JSONL or plain-text files, tokenized and packed into fixed-length sequences."""
+    """Records read through ``datasets`` (JSONL, JSON, CSV, Parquet, text files, a ``save_to_disk`` directory),
+    tokenized as ``format`` says and packed or padded into sequences of at most ``seq_len`` tokens."""
 
     kind: Literal["text"]
-    path: Path = Field(description="a file or a directory of *.jsonl / *.txt files under a data root")
-    format: Literal["auto", "jsonl", "text"] = "auto"
+    path: Path = Field(description="a file or a directory of data files under a data root")
+    format: Literal["text", "instruction", "chat"] = Field(
+        "text", description="text: every token trains; instruction/chat: only responses unless train_on_prompt"
+    )
+    file_type: Literal["auto", "jsonl", "json", "csv", "parquet", "txt", "saved"] = Field(
+        "auto", description="auto: from the suffix (a directory saved by datasets.save_to_disk is 'saved')"
+    )
     text_field: str = "text"
+    fields: InstructionFields = InstructionFields()
+    prompt_template: str | None = Field(
+        None, description="instruction prompt with {instruction} and {input}; default: alpaca's"
+    )
+    messages_field: str = "messages"
+    chat_template: str | None = Field(None, description="a Jinja chat template, or 'chatml'; default: the tokenizer's")
+    train_on_prompt: bool = False
+    packing: Literal["auto", "packed", "padded"] = Field(
+        "auto", description="auto: packed where the model keeps documents apart, else length-grouped padding"
+    )
     seq_len: int = Field(512, gt=1)
     tokenizer: Annotated[ByteTokenizerSpec | HFTokenizerSpec, Field(discriminator="kind")] = ByteTokenizerSpec(
         kind="byte"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_old_format_names(cls, data: Any) -> Any:
+        # Before chat and instruction data, ``format`` named the file type (auto | jsonl | text).
+        if isinstance(data, dict) and data.get("format") in ("auto", "jsonl"):
+            old = data["format"]
+            data = {**data, "format": "text"}
+            if old == "jsonl":
+                data.setdefault("file_type", "jsonl")
+        return data
 
     @field_validator("path")
     @classmethod
@@ -93,6 +121,10 @@ class LoraSpec(Section):
     rank: int = Field(32, gt=0)
     alpha: float | None = Field(None, gt=0, description="default: equal to rank")
     dropout: float = Field(0.0, ge=0, lt=1)
+    use_dora: bool = False
+    use_rslora: bool = Field(False, description="scale by alpha/sqrt(rank) instead of alpha/rank")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full, e.g. lm_head")
+    init_lora_weights: bool | Literal["gaussian"] = True
 
 
 class SchedulerSpec(Section):
@@ -115,7 +147,9 @@ class TrainingSpec(Section):
     scheduler: SchedulerSpec = SchedulerSpec()
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm; null = no clipping")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="0 to 2**32 - 1")
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
+    )
     gradient_checkpointing: bool = False
     # Flow matching (diffusion models; jobs/diffusion/flow_match.py documents both).
     timestep_range: TimestepRange = Field(TimestepRange(), description="part of the noise schedule to train on")
@@ -216,6 +250,9 @@ class JobSpec(Section):
     training: TrainingSpec = Field(TrainingSpec(), description="required for task: train (steps or epochs)")
     offload: OffloadSpec = OffloadSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    eval: EvalSpec | None = None
+    text_samples: TextSamplesSpec | None = Field(None, description="text from fixed prompts (language models)")
+    tracking: TrackingSpec = TrackingSpec()
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: CUDA when present, else the CPU")
     task: Literal["train", "cache"] = Field("train", description="cache: encode data.kind image_caption once")
     cache: CacheSpec | None = Field(None, description="where task: cache writes")

@@ -27,7 +27,13 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def save_training_state(
-    directory: Path, *, step: int, data_position: int, optimizer: torch.optim.Optimizer, scheduler: Any
+    directory: Path,
+    *,
+    step: int,
+    data_position: int,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Write ``training_state.pt`` (tensors and plain containers only, so it loads with weights_only)."""
     torch.save(
@@ -37,6 +43,7 @@ def save_training_state(
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": capture_rng(),
+            "extra": extra or {},  # the runner's own state, e.g. the eval history early stopping needs
         },
         directory / TRAINING_STATE,
     )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from jobs.data.padded import PaddedBatches
+from jobs.data.prepare import TextData, model_keeps_documents_apart, prepare_text_data
 from jobs.data.synthetic import SyntheticRegression
-from jobs.data.text import PackedText, pack, read_documents
+from jobs.data.text import PackedText
 from jobs.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 
@@ -21,20 +23,29 @@ class BatchSource(Protocol):
     def batch(self, index: int) -> dict[str, torch.Tensor]: ...
 
 
-def build_data(spec: object, *, batch_size: int, seed: int, width: int | None = None) -> tuple[BatchSource, int | None]:
-    """The batch source for a ``data`` section, and the tokenizer's vocabulary size (None without one).
+def build_data(
+    spec: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    width: int | None = None,
+    packed_path: bool = False,
+    eval_spec: Any = None,
+) -> tuple[BatchSource, int | None]:
+    """The training batch source for a ``data`` section, and the tokenizer's vocabulary size (None without one).
 
     Args:
         spec: The data section.
         batch_size: Micro-batch size.
         seed: Shuffling / generation seed.
         width: The model's input width (synthetic regression only).
+        packed_path: The model keeps packed documents apart (see `prepare_text_data`).
+        eval_spec: The ``eval`` section, whose held-out records the training source leaves out.
     """
     if spec.kind == "synthetic_regression":
         return SyntheticRegression(width, batch_size, spec.offset, seed), None
-    tokenizer = build_tokenizer(spec.tokenizer)
-    sequences = pack(read_documents(spec.path, spec.format, spec.text_field), tokenizer, spec.seq_len)
-    return PackedText(sequences, batch_size, seed), tokenizer.vocab_size
+    text = prepare_text_data(spec, batch_size=batch_size, seed=seed, packed_path=packed_path, eval_spec=eval_spec)
+    return text.train, text.tokenizer.vocab_size
 
 
 __all__ = [
@@ -42,7 +53,12 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "PackedText",
+    "PaddedBatches",
     "SyntheticRegression",
+    "TextData",
     "Tokenizer",
     "build_data",
+    "build_tokenizer",
+    "model_keeps_documents_apart",
+    "prepare_text_data",
 ]

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+# ChatML (Qwen's, OpenAI's): ``data.chat_template: chatml`` for a tokenizer that ships no template.
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 class Tokenizer(Protocol):
-    """What packing needs from a tokenizer."""
+    """What data preparation and sampling need from a tokenizer."""
 
     vocab_size: int
     eos_id: int | None
+    pad_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -20,25 +29,49 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    pad_id = 256  # padded positions never train (label -100), so any valid id serves
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
-    """A Hugging Face tokenizer loaded from a local directory (never downloaded)."""
+    """A Hugging Face tokenizer loaded from a local directory (never downloaded).
 
-    def __init__(self, path: Path) -> None:
+    Args:
+        path: The tokenizer's directory.
+        chat_template: A Jinja template (or ``"chatml"``) replacing the tokenizer's own, if any.
+    """
+
+    def __init__(self, path: Path, chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer  # slow import; only this tokenizer needs it
 
-        self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-        self.vocab_size = len(self._tokenizer)
-        self.eos_id = self._tokenizer.eos_token_id
+        self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        if chat_template is not None:
+            self.hf.chat_template = CHATML if chat_template == "chatml" else chat_template
+        self.vocab_size = len(self.hf)
+        self.eos_id = self.hf.eos_token_id
+        pad = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+        self.pad_id = int(pad) if pad is not None else 0
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        """The conversation as text through the chat template (``apply_chat_template``, untokenized)."""
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def build_tokenizer(spec: object) -> Tokenizer:
+def build_tokenizer(spec: Any, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer a ``data.tokenizer`` section names."""
-    return ByteTokenizer() if spec.kind == "byte" else HFTokenizer(spec.path)
+    return ByteTokenizer() if spec.kind == "byte" else HFTokenizer(spec.path, chat_template)

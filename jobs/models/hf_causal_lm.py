@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationInfo, field_validator
 from torch import nn
 
+from jobs.export import HF_PRETRAINED
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily
 from jobs.models.transformer_lm import lm_loss
@@ -86,4 +87,5 @@ FAMILY = ModelFamily(
     lora_target_names=lambda spec: None,  # a Hugging Face model's module names are known only once loaded
     peft_task_type="CAUSAL_LM",
     enable_gradient_checkpointing=enable_hf_gradient_checkpointing,
+    weights_format=HF_PRETRAINED,  # a full fine-tune loads with AutoModelForCausalLM.from_pretrained
 )

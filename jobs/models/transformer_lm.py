@@ -117,7 +117,11 @@ class TransformerLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # ``attention_mask`` comes with right-padded batches; causal attention already keeps real tokens from
+        # seeing the padding after them, and padded labels are -100, so it changes nothing here.
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)
         for block in self.blocks:
@@ -171,7 +175,9 @@ def build_transformer_lm(spec: TransformerLMSpec, seed: int) -> TransformerLM:
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Next-token loss; works for TransformerLM and Hugging Face causal LMs (with or without peft)."""
-    output = model(input_ids=batch["input_ids"], labels=batch["labels"])
+    # Packed rows bring position_ids (restarting per document), padded batches an attention_mask.
+    extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
+    output = model(input_ids=batch["input_ids"], labels=batch["labels"], **extra)
     return output if isinstance(output, torch.Tensor) else output.loss
 
 

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from jobs.data import build_data
-from jobs.data.text import PackedText, pack, read_documents
+from jobs.data.formats import Example
+from jobs.data.packing import concatenate
+from jobs.data.records import iter_records
+from jobs.data.text import PackedText
 from jobs.data.tokenizers import ByteTokenizer, HFTokenizer
 from jobs.spec import TextDataSpec
 
@@ -17,27 +20,34 @@ def test_reads_jsonl_and_text(tmp_path: Path) -> None:
     (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
     (tmp_path / "b.txt").write_text("three")
     (tmp_path / "ignored.bin").write_bytes(b"\0")
-    assert read_documents(tmp_path, "auto", "text") == ["one", "two", "three"]
-    with pytest.raises(ValueError, match="a.jsonl:1: expected an object with a string 'body'"):
-        read_documents(tmp_path / "a.jsonl", "auto", "body")
+    assert [r.fields["text"] for r in iter_records(tmp_path)] == ["one", "two", "three"]
+    assert [(Path(r.file).name, r.row) for r in iter_records(tmp_path)] == [
+        ("a.jsonl", 1),
+        ("a.jsonl", 2),
+        ("b.txt", 1),
+    ]
 
 
 def test_byte_tokenizer_and_packing() -> None:
     tokenizer = ByteTokenizer()
     assert tokenizer.encode("hé") == [104, 195, 169]
-    rows = pack(["ab", "cd"], tokenizer, seq_len=3)
-    assert rows.tolist() == [[97, 98, 256], [99, 100, 256]]
+    documents = [Example([97, 98, 256], [97, 98, 256]), Example([99, 100, 256], [99, 100, 256])]
+    tensors, counts = concatenate(documents, seq_len=4, pad_id=256, restart_positions=False)
+    # The tail is padded (labels -100), not dropped.
+    assert tensors["input_ids"].tolist() == [[97, 98, 256, 99], [100, 256, 256, 256]]
+    assert tensors["labels"].tolist() == [[97, 98, 256, 99], [100, 256, -100, -100]]
+    assert counts.padding_tokens == 2 and counts.sequences == 2
 
 
 def test_order_is_a_function_of_seed_and_position() -> None:
     source = PackedText(torch.arange(20).view(10, 2), batch_size=3, seed=7)
-    assert source.batches_per_epoch == 3
+    assert source.batches_per_epoch == 4  # the last batch of an epoch holds the one row left: none dropped
     first = [source.batch(i)["input_ids"] for i in range(7)]
     again = PackedText(torch.arange(20).view(10, 2), batch_size=3, seed=7)
     assert torch.equal(again.batch(5)["input_ids"], first[5])  # random access, as on resume
-    epoch0 = torch.cat([b[:, 0] for b in first[:3]]).tolist()
-    assert len(set(epoch0)) == 9  # no repeats within an epoch
-    assert not torch.equal(first[0], first[3])  # reshuffled next epoch
+    epoch0 = torch.cat([b[:, 0] for b in first[:4]]).tolist()
+    assert sorted(epoch0) == list(range(0, 20, 2))  # every row once per epoch
+    assert not torch.equal(first[0], first[4])  # reshuffled next epoch
 
 
 def test_too_little_text_is_an_error() -> None:

@@ -1,0 +1,100 @@
+"""From a record to training tokens, by ``data.format``: text, instruction (alpaca-style) or chat.
+
+Labels are the token ids where the loss applies and -100 (PyTorch's and Hugging Face's ignore index)
+where it does not: prompts, unless ``train_on_prompt``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jobs.data.tokenizers import HFTokenizer, Tokenizer
+
+IGNORE = -100
+ALPACA = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+@dataclass
+class Example:
+    """One tokenized record: ids and their labels (same length)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(1 for label in self.labels if label != IGNORE)
+
+
+class RecordError(ValueError):
+    """A record does not fit ``data.format``; ``field`` names the offending field (``messages[1].role``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"field '{field}': {message}")
+        self.field, self.message = field, message
+
+
+def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> Example:
+    """The tokens and labels of one record of a ``data`` section (``spec``).
+
+    Raises:
+        RecordError: a field is missing or of the wrong type, or the chat template fails.
+    """
+    if spec.format == "text":
+        ids = tokenizer.encode(_string(fields, spec.text_field, "data.text_field")) + _eos(tokenizer)
+        return Example(ids, list(ids))
+    if spec.format == "instruction":
+        prompt, response = instruction_texts(fields, spec)
+        return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
+    from jobs.data.chat import chat_example, check_messages
+
+    assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
+    messages = check_messages(fields.get(spec.messages_field), spec.messages_field)
+    return chat_example(messages, tokenizer, train_on_prompt=spec.train_on_prompt)
+
+
+def instruction_texts(fields: dict[str, Any], spec: Any) -> tuple[str, str]:
+    """(prompt, response) of an instruction record."""
+    names = spec.fields
+    instruction = _string(fields, names.instruction, "data.fields.instruction")
+    extra = fields.get(names.input)
+    if extra is not None and not isinstance(extra, str):
+        raise RecordError(names.input, f"must be a string when present; got {type(extra).__name__}")
+    return instruction_prompt(instruction, extra or "", spec), _string(fields, names.output, "data.fields.output")
+
+
+def instruction_prompt(instruction: str, extra: str, spec: Any) -> str:
+    """The prompt text: ``data.prompt_template`` or alpaca's, with ``{instruction}`` and ``{input}`` filled."""
+    template = spec.prompt_template or (ALPACA if extra else ALPACA_NO_INPUT)
+    # str.replace, not str.format: a template's other braces (JSON examples, code) stay as written.
+    return template.replace("{instruction}", instruction).replace("{input}", extra)
+
+
+def _prompt_and_response(tokenizer: Tokenizer, prompt: str, response: str, train_on_prompt: bool) -> Example:
+    prompt_ids = tokenizer.encode(prompt)
+    response_ids = tokenizer.encode(response) + _eos(tokenizer)  # the model learns to stop
+    labels = (prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)) + response_ids
+    return Example(prompt_ids + response_ids, labels)
+
+
+def _string(fields: dict[str, Any], name: str, setting: str) -> str:
+    value = fields.get(name)
+    if value is None:
+        present = ", ".join(sorted(fields)) or "none"
+        raise RecordError(name, f"is missing (the record has: {present}); set {setting} to the right field name")
+    if not isinstance(value, str):
+        raise RecordError(name, f"must be a string; got {type(value).__name__}")
+    return value
+
+
+def _eos(tokenizer: Tokenizer) -> list[int]:
+    return [tokenizer.eos_id] if tokenizer.eos_id is not None else []

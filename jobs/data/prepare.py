@@ -1,0 +1,137 @@
+"""A ``data: {kind: text}`` section end to end: records, examples, then packed rows or padded batches.
+
+How sequences are laid out (``data.packing``):
+- ``packed`` (``auto`` on models that keep packed documents apart: Hugging Face causal LMs): whole
+  examples share rows, each document's position ids restart; plain text runs on across rows.
+- ``padded`` (``auto`` elsewhere for instruction and chat data): length-grouped padded batches.
+- plain text on a model without the packed path (``auto``): documents back to back as before, with EOS
+  between them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jobs.data.formats import Example, RecordError, record_example
+from jobs.data.packing import PackingCounts, concatenate, fit_examples, pack
+from jobs.data.padded import PaddedBatches
+from jobs.data.records import Record, iter_records
+from jobs.data.text import PackedText
+from jobs.data.tokenizers import Tokenizer, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TextData:
+    """What a text job trains and evaluates on."""
+
+    train: PackedText | PaddedBatches
+    eval: PackedText | PaddedBatches | None
+    tokenizer: Tokenizer
+    layout: str  # "packed", "padded" or "concatenated"
+    counts: PackingCounts
+    summary: str  # one line for the job's log: records, examples, truncated, skipped, sequences
+
+
+def model_keeps_documents_apart() -> bool:
+    """Whether this transformers derives a block-diagonal mask from packed position ids (>= 4.47)."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layout_for(spec: Any, *, packed_path: bool) -> str:
+    """``packed``, ``padded`` or ``concatenated`` for a data section on a model with or without the packed path."""
+    if spec.packing != "auto":
+        return spec.packing
+    if packed_path:
+        return "packed"
+    return "concatenated" if spec.format == "text" else "padded"
+
+
+def prepare_text_data(spec: Any, *, batch_size: int, seed: int, packed_path: bool, eval_spec: Any = None) -> TextData:
+    """Read, tokenize and lay out ``spec`` (a text data section), holding out ``eval_spec``'s records.
+
+    Raises:
+        ValueError: a record does not fit the format (naming its file, row and field), or too little data.
+    """
+    tokenizer = build_tokenizer(spec.tokenizer, spec.chat_template)
+    records = list(iter_records(spec.path, spec.file_type))
+    held_out: list[Record] = []
+    if eval_spec is not None and eval_spec.split is not None:
+        records, held_out = _split(records, eval_spec.split, seed)
+    elif eval_spec is not None:
+        held_out = list(iter_records(eval_spec.path, spec.file_type))
+    layout = layout_for(spec, packed_path=packed_path)
+    train, counts = _lay_out(_examples(records, spec, tokenizer), spec, tokenizer, layout, batch_size, seed)
+    evaluation = None
+    if held_out:
+        examples = _examples(held_out, spec, tokenizer)
+        evaluation, _ = _lay_out(examples, spec, tokenizer, layout, batch_size, seed, at_least_one_batch=True)
+    summary = (
+        f"data: {len(records)} record(s) -> {counts.examples} example(s) in {counts.sequences} {layout} "
+        f"sequence(s) of <= {spec.seq_len} tokens; {counts.truncated} truncated to data.seq_len, "
+        f"{counts.skipped} skipped (no response token left), {counts.padding_tokens} padding token(s)"
+        + (f"; {len(held_out)} record(s) held out for eval" if held_out else "")
+    )
+    log.info(summary)
+    return TextData(train, evaluation, tokenizer, layout, counts, summary)
+
+
+def _split(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
+    if len(records) < 2:
+        raise ValueError(f"eval.split needs at least 2 records; data.path has {len(records)}")
+    count = min(len(records) - 1, max(1, round(fraction * len(records))))
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(order[:count])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def _examples(records: list[Record], spec: Any, tokenizer: Tokenizer) -> list[Example]:
+    examples = []
+    for record in records:
+        try:
+            examples.append(record_example(record.fields, spec, tokenizer))
+        except RecordError as error:
+            raise ValueError(f"{record.file} row {record.row}: {error} (data.format={spec.format})") from None
+    return examples
+
+
+def _lay_out(
+    examples: list[Example],
+    spec: Any,
+    tokenizer: Tokenizer,
+    layout: str,
+    batch_size: int,
+    seed: int,
+    *,
+    at_least_one_batch: bool = False,
+) -> tuple[PackedText | PaddedBatches, PackingCounts]:
+    """Training needs a full batch; an eval set smaller than one batch is one smaller batch."""
+    if layout == "padded":
+        fitted, counts = fit_examples(examples, spec.seq_len)
+        _check_some_left(counts, len(examples), spec.seq_len)
+        size = min(batch_size, max(1, len(fitted))) if at_least_one_batch else batch_size
+        return PaddedBatches(fitted, size, seed, tokenizer.pad_id), counts
+    if layout == "packed" and spec.format != "text":
+        tensors, counts = pack(examples, spec.seq_len, tokenizer.pad_id)
+        _check_some_left(counts, len(examples), spec.seq_len)
+    else:
+        tensors, counts = concatenate(examples, spec.seq_len, tokenizer.pad_id, restart_positions=layout == "packed")
+    size = min(batch_size, max(1, counts.sequences)) if at_least_one_batch else batch_size
+    return PackedText(tensors, size, seed), counts
+
+
+def _check_some_left(counts: PackingCounts, total: int, seq_len: int) -> None:
+    if total and counts.examples == 0:
+        raise ValueError(
+            f"all {total} example(s) were skipped: none has a response token within the first {seq_len} "
+            f"tokens ({counts.truncated} truncated); raise data.seq_len (now {seq_len}) or shorten the prompts"
+        )

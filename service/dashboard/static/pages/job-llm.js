@@ -1,0 +1,67 @@
+// The job page's language-model cards: the eval loss chart and the samples the model generated.
+
+import { api } from "../api.js";
+import { lineChart } from "../charts.js";
+import { h, isNum, num } from "../format.js";
+
+/** Eval loss by step (from `/metrics`' `eval` and live `eval` events); hidden while there is none. */
+export function evalChart() {
+  const byStep = new Map();
+  const chart = lineChart({ title: "Eval loss", xLabel: "step", yLabel: "eval loss", testId: "eval-loss",
+    series: [{ label: "eval loss", color: "#e8590c" }] });
+  chart.element.hidden = true;
+  return {
+    element: chart.element,
+    add(points) {
+      for (const point of points || []) {
+        if (isNum(point.step) && isNum(point.eval_loss)) byStep.set(point.step, point);  // a resumed step: newer wins
+      }
+      const rows = [...byStep.values()].sort((a, b) => a.step - b.step);
+      chart.element.hidden = rows.length === 0;
+      chart.setData(rows.map((r) => r.step), rows.map((r) => r.eval_loss));
+    },
+    last() {
+      const steps = [...byStep.keys()];
+      return steps.length ? byStep.get(Math.max(...steps)) : null;
+    },
+  };
+}
+
+/** The samples card: each step's prompts and greedy completions, newest step first. */
+export function samplesCard(path) {
+  const seen = new Map();  // event id -> sample
+  const body = h("div", { class: "samples", id: "samples" });
+  const element = h("section", { class: "card", hidden: true },
+    h("h3", { class: "card-title" }, "Samples"), body);
+
+  function draw() {
+    const byStep = new Map();
+    for (const sample of seen.values()) {
+      if (!byStep.has(sample.step)) byStep.set(sample.step, []);
+      byStep.get(sample.step).push(sample);
+    }
+    const steps = [...byStep.keys()].sort((a, b) => b - a);
+    element.hidden = steps.length === 0;
+    body.replaceChildren(...steps.map((step) => h("div", { class: "sample-step", "data-step": String(step) },
+      h("div", { class: "muted small" }, `step ${step}`),
+      ...byStep.get(step).map((s) => h("div", { class: "sample" },
+        h("div", { class: "sample-prompt" }, h("strong", {}, s.prompt ?? "")),
+        h("pre", { class: "sample-text" }, s.text ?? ""))))));
+  }
+
+  return {
+    element,
+    add(samples, id = null) {
+      for (const sample of samples || []) seen.set(sample.event_id ?? id ?? `${sample.step}:${sample.prompt}`, sample);
+      draw();
+    },
+    async load() {
+      const answer = await api(`${path}/samples?limit=1000`);
+      this.add(answer?.data || []);
+    },
+  };
+}
+
+export function evalStat(point) {
+  return point ? `${num(point.eval_loss)} (ppl ${num(point.perplexity, 3)})` : null;
+}

@@ -1,0 +1,111 @@
+"""Record formats: which tokens train (labels) for text, instruction and chat data, and the field errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobs.data.formats import IGNORE, RecordError, record_example
+from jobs.data.tokenizers import HFTokenizer
+from jobs.spec import TextDataSpec
+from tests.jobs.llm_helpers import save_bpe_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    return HFTokenizer(save_bpe_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def data_spec(tmp_path: Path, **fields: object) -> TextDataSpec:
+    return TextDataSpec(kind="text", path=tmp_path, tokenizer={"kind": "hf", "path": tmp_path}, **fields)
+
+
+def trained_text(example, tokenizer: HFTokenizer) -> str:
+    return tokenizer.hf.decode(
+        [i for i, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE]
+    )
+
+
+def test_instruction_trains_only_on_the_output(tmp_path: Path, tokenizer: HFTokenizer) -> None:
+    spec = data_spec(tmp_path, format="instruction")
+    record = {"instruction": "name a dog", "input": "", "output": "the lazy dog"}
+    example = record_example(record, spec, tokenizer)
+    prompt = tokenizer.encode("Below is an instruction that describes a task. ")
+    assert example.input_ids[: len(prompt)] == prompt
+    assert trained_text(example, tokenizer) == "the lazy dog<|im_end|>"  # the response and EOS, nothing else
+    assert example.labels.count(IGNORE) == len(example.labels) - len(tokenizer.encode("the lazy dog")) - 1
+
+    everything = record_example(record, data_spec(tmp_path, format="instruction", train_on_prompt=True), tokenizer)
+    assert everything.labels == everything.input_ids
+
+
+def test_instruction_fields_and_template_are_configurable(tmp_path: Path, tokenizer: HFTokenizer) -> None:
+    spec = data_spec(
+        tmp_path,
+        format="instruction",
+        fields={"instruction": "q", "input": "ctx", "output": "a"},
+        prompt_template="Q: {instruction} [{input}] {literal braces}\nA: ",
+    )
+    example = record_example({"q": "fox", "ctx": "dog", "a": "back"}, spec, tokenizer)
+    assert tokenizer.hf.decode(example.input_ids).startswith("Q: fox [dog] {literal braces}\nA: back")
+    with pytest.raises(RecordError, match="field 'q': is missing .*set data.fields.instruction"):
+        record_example({"instruction": "fox", "a": "x"}, spec, tokenizer)
+
+
+def test_chat_masks_everything_but_assistant_turns(tmp_path: Path, tokenizer: HFTokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the fox"},
+        {"role": "assistant", "content": "jumps over"},
+        {"role": "user", "content": "and then"},
+        {"role": "assistant", "content": "the lazy dog"},
+    ]
+    example = record_example({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
+    # The whole conversation is the chat template's rendering, token for token.
+    assert tokenizer.hf.decode(example.input_ids) == tokenizer.render_chat(messages, add_generation_prompt=False)
+    assert trained_text(example, tokenizer) == "jumps over<|im_end|>\nthe lazy dog<|im_end|>\n"
+
+    messages[2]["weight"] = 0  # OpenAI's per-message weight: this turn is context only
+    skipped = record_example({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
+    assert trained_text(skipped, tokenizer) == "the lazy dog<|im_end|>\n"
+    everything = record_example(
+        {"messages": messages}, data_spec(tmp_path, format="chat", train_on_prompt=True), tokenizer
+    )
+    assert "be brief" in trained_text(everything, tokenizer) and "jumps over" not in trained_text(everything, tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("messages", "field", "message"),
+    [
+        ("hello", "messages", "must be a non-empty list"),
+        ([{"role": "bot", "content": "x"}], "messages[0].role", "must be one of system, user, assistant"),
+        ([{"role": "user", "content": 3}], "messages[0].content", "must be a string; got 3"),
+        ([{"role": "user", "content": "x"}], "messages", "has no assistant message"),
+        ([{"role": "assistant", "content": "x", "weight": 2}], "messages[0].weight", "must be 0 or 1"),
+    ],
+)
+def test_chat_record_errors_name_the_field(
+    tmp_path: Path, tokenizer: HFTokenizer, messages: object, field: str, message: str
+) -> None:
+    with pytest.raises(RecordError, match=message) as error:
+        record_example({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
+    assert error.value.field == field
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path) -> None:
+    # Shows only the last assistant turn's content: earlier turns change when a new one arrives.
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[hidden]"
+        "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tokenizer = HFTokenizer(save_bpe_tokenizer(tmp_path / "tok", chat_template=template))
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    with pytest.raises(RecordError, match="does not render the conversation turn by turn"):
+        record_example({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
