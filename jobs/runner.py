@@ -16,9 +16,9 @@ from jobs.checkpoint import CheckpointInfo, save_checkpoint
 from jobs.errors import OutOfMemoryHint
 from jobs.eval_and_samples import EvalAndSamples
 from jobs.events import CheckpointEvent, FileDigest, FinishedEvent, JobEvent, LogEvent, StartedEvent, failed_event
+from jobs.export import save_tokenizer
 from jobs.models import LossFn, family_of
 from jobs.oom import oom_message
-from jobs.export import save_tokenizer
 from jobs.sample_artifacts import keep_samples
 from jobs.session import TrainingSession, close_session, open_session, resolve_device
 from jobs.spec import JobSpec

@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from jobs.sections import Section
-from jobs.sections import broken_rules, confined_path
+from jobs.sections import Section, broken_rules, confined_path
 
 
 class InstructionFields(Section):

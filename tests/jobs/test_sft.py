@@ -44,7 +44,7 @@ def test_chat_lora_job_evaluates_samples_and_marks_the_best_checkpoint(tmp_path:
     evals = [e for e in events if e["type"] == "eval"]
     assert [e["step"] for e in evals] == [2, 4, 6]
     assert all(e["perplexity"] == pytest.approx(2.718281828 ** e["eval_loss"]) for e in evals)
-    assert all(e["metrics"]["tokens"] > 0 and e["metrics"]["batches"] == 2 for e in evals)
+    assert all(e["metrics"]["tokens"] > 0 and e["metrics"]["batches"] >= 1 for e in evals)
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # it learns the held-out replies' shape
     samples = [e for e in events if e["type"] == "sample"]
     assert [(e["step"], e["prompt"]) for e in samples] == [
