@@ -1,0 +1,413 @@
+"""Diffusion transformers on one GPU: a DiT of Qwen-Image's shape LoRA-trained from a cache, and the cache's
+text encoder throughput, under ``offload.gpu_memory_limit`` (24 GiB by default).
+
+Every figure comes from a real job (``jobs.run_job``, what the service's worker runs), with random weights
+(``model.init: random``) of the released shapes: Qwen-Image's 60-layer MMDiT (about 20B parameters) trains
+on a synthetic cache of 1024 x 1024 latents (128 x 128 x 16, 4096 image tokens) and 64-token prompts; the
+text encoder has Qwen2.5-VL 7B's shape. Beside each step time: the copy floor (the streamed bytes twice,
+at the pinned host-to-device rate measured in the same run) and the resident step (no offload, no limit).
+
+Run on a GPU box:  python bench/diffusion_bench.py [--steps 4] [--limit 24GiB] [--budget 10GiB] [--service]
+Check on a CPU:    python bench/diffusion_bench.py --tiny --no-write
+Writes its section of bench/RESULTS.md (date, GPU, torch, commit, figures) unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import commit
+from jobs import PathRoots, load_job_spec, run_job
+from jobs.diffusion.cache import CacheWriter, model_fingerprint
+from jobs.events import event_to_wire
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+SECTION = "## Diffusion transformers"
+SEED_TARGETS = "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
+QWEN_IMAGE_DIT = {
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
+}  # fmt: skip
+TINY_DIT = {**QWEN_IMAGE_DIT, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+            "joint_attention_dim": 32, "axes_dims_rope": (8, 4, 4)}  # fmt: skip
+QWEN25_VL_7B_TEXT = {
+    "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "vocab_size": 152064, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24], "rope_type": "default"},
+}  # fmt: skip
+TINY_TEXT = {**QWEN25_VL_7B_TEXT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], "rope_type": "default"}}  # fmt: skip
+
+
+def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
+    """Pinned host-to-device copy rate in GB/s, measured now (the copy floor's denominator)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def make_pipeline_dir(root: Path, *, tiny: bool) -> Path:
+    """transformer/, text_encoder/, vae/ (configs only: init random) and tokenizer/ of Qwen-Image's shapes."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig
+
+    from tests.jobs.diffusion.pipelines import byte_tokenizer
+
+    with init_empty_weights():
+        QwenImageTransformer2DModel(**(TINY_DIT if tiny else QWEN_IMAGE_DIT)).save_config(str(root / "transformer"))
+        vae = (
+            AutoencoderKLQwenImage(base_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1)
+            if tiny
+            else AutoencoderKLQwenImage()
+        )
+        vae.save_config(str(root / "vae"))
+    vision = (
+        {"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32} if tiny else {}
+    )
+    text = TINY_TEXT if tiny else QWEN25_VL_7B_TEXT
+    Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, **{k: text[k] for k in ("hidden_size", "vocab_size")}
+    ).save_pretrained(str(root / "text_encoder"))
+    byte_tokenizer().save_pretrained(str(root / "tokenizer"))
+    return root
+
+
+def write_synthetic_cache(
+    directory: Path, pipeline: Path, *, samples: int, side: int, prompt_tokens: int, dim: int
+) -> None:
+    """A complete cache of random 1024 x 1024-image latents whose fingerprint names this pipeline's encoders."""
+    model = SimpleNamespace(
+        path=pipeline, text_encoder_dtype=None, dtype="bfloat16", vae_dtype="bfloat16", init="random"
+    )
+    writer = CacheWriter(directory, {**model_fingerprint(model), "synthetic": True}, shard_samples=samples)
+    generator = torch.Generator().manual_seed(0)
+    for index in range(samples):
+        latents = torch.randn((16, 1, side // 8, side // 8), generator=generator)
+        embeds = torch.randn((prompt_tokens, dim), generator=generator).to(torch.bfloat16)
+        writer.add(latents, embeds, {"source_row": index, "media": f"synthetic-{index}", "prompt": "synthetic"})
+    writer.finish()
+
+
+def run(spec_data: dict[str, Any], roots: PathRoots, output: Path) -> list[dict[str, Any]]:
+    """Run one job; returns its events as dicts (raises with the job's own message when it fails)."""
+    events: list[dict[str, Any]] = []
+    run_job(
+        load_job_spec(yaml.safe_dump(spec_data), roots),
+        output_dir=output,
+        report=lambda e: events.append(event_to_wire(e)),
+    )
+    return events
+
+
+def run_through_service(spec_data: dict[str, Any], work: Path, models: Path, data: Path, timeout: float) -> list[dict]:
+    """POST the job to a local ``python -m service`` and follow it over REST; returns its events' data."""
+    import httpx
+
+    from bench.local_server import start_server
+
+    token = "bench-token"
+    settings = {
+        "FERRY_API_TOKEN": token,
+        "FERRY_DATA_DIR": str(work / "service"),
+        "FERRY_MODEL_ROOTS": str(models),
+        "FERRY_DATA_ROOTS": str(data),
+    }
+    (work / "service").mkdir(exist_ok=True)
+    process, url = start_server(work, settings)
+    try:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+            posted = client.post(
+                "/v1/jobs", content=yaml.safe_dump(spec_data), headers={"Content-Type": "application/yaml"}
+            )
+            if posted.status_code != 201 and posted.status_code != 200:
+                raise RuntimeError(f"POST /v1/jobs: {posted.status_code} {posted.text[:300]}")
+            job_id = posted.json()["id"]
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                job = client.get(f"/v1/jobs/{job_id}").json()
+                if job["status"] in ("succeeded", "failed", "cancelled"):
+                    break
+                time.sleep(1)
+            events, after = [], 0
+            while True:
+                page = client.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000}).json()
+                events += [{"type": e["type"], **e["data"]} for e in page["data"]]
+                if not page["has_more"]:
+                    break
+                after = page["next_cursor"]
+            if job["status"] != "succeeded":
+                raise RuntimeError(f"job {job_id} {job['status']}: {job.get('error')}")
+            return events
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def step_figures(events: list[dict[str, Any]], batch: int) -> dict[str, float]:
+    """Median step seconds (first step excluded: warm-up) and peak device memory of a training job."""
+    steps = [e for e in events if e["type"] == "step"]
+    seconds = [batch / e["samples_per_s"] for e in steps[1:]] or [batch / steps[0]["samples_per_s"]]
+    offload = steps[-1].get("offload") or {}
+    return {
+        "step_s": statistics.median(seconds),
+        "peak_alloc_gib": max(e["device_peak_bytes"] for e in steps) / 2**30,
+        "peak_reserved_gib": max(e["device_reserved_bytes"] for e in steps) / 2**30,
+        "pinned_gib": steps[-1]["pinned_bytes"] / 2**30,
+        "h2d_gb": (offload.get("last_step_h2d_bytes") or 0) / 1e9,
+        "loss": steps[-1]["loss"],
+    }
+
+
+def dit_job(name: str, path: str, *, steps: int, device: str, offload: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "device": device,
+        "model": {
+            "kind": "diffusers_transformer",
+            "path": path,
+            "init": "random",
+            "dtype": "bfloat16",
+            "vae_dtype": "bfloat16",
+        },
+        "data": {"kind": "diffusion_cache", "path": "dit-cache"},
+        "lora": {"target_modules": SEED_TARGETS.split(","), "rank": 32},
+        "training": {"steps": steps, "learning_rate": 1e-4, "gradient_checkpointing": True},
+        "offload": offload,
+        "checkpoint": {"save_final": False},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--limit", default="24GiB", help="offload.gpu_memory_limit of the offloaded jobs")
+    parser.add_argument("--budget", default="10GiB", help="offload.gpu_memory_budget of Ferry's schedule")
+    parser.add_argument("--prompts", type=int, default=16, help="samples the cache job encodes")
+    parser.add_argument("--only", default="resident,ferry,seed,encoder")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
+    parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--service", action="store_true", help="submit Ferry's row over HTTP to python -m service")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    side = 64 if args.tiny else 1024
+    work = Path(args.work or tempfile.mkdtemp(prefix="ferry-diffusion-bench-"))
+    models, data = work / "models", work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    pipeline = make_pipeline_dir(models / "qwen-image-shape", tiny=args.tiny)
+    roots = PathRoots(model_roots=[models], data_roots=[data])
+    h2d = pinned_h2d_gbps() if device == "cuda" else float("nan")
+    dim = (TINY_DIT if args.tiny else QWEN_IMAGE_DIT)["joint_attention_dim"]
+    write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=64, dim=dim)
+    from jobs.models.diffusers_transformer import meta_dit
+
+    probe = load_job_spec(
+        yaml.safe_dump(dit_job("probe", "qwen-image-shape", steps=1, device=device, offload={})), roots
+    )
+    weights = sum(p.numel() for p in meta_dit(probe.model).parameters())
+    weight_bytes = 2 * weights
+    limited = {} if args.tiny else {"gpu_memory_limit": args.limit}
+    configs = {
+        "resident": ("no offload, no limit (weights resident)", {}),
+        "ferry": (
+            f"model offload, block units, prefetch 1, budget {args.budget}, limit {args.limit}",
+            {
+                "enable_model_cpu_offload": True,
+                "granularity": "block",
+                "prefetch": 1,
+                "gpu_memory_budget": None if args.tiny else args.budget,
+                **limited,
+            },
+        ),
+        "seed": (
+            f"the seed's schedule: leaf units, prefetch 0, limit {args.limit}",
+            {"enable_model_cpu_offload": True, "granularity": "leaf", "prefetch": 0, **limited},
+        ),
+    }
+    rows, failures = {}, {}
+    for key, (label, offload) in configs.items():
+        if key not in args.only.split(","):
+            continue
+        offload = {k: v for k, v in offload.items() if v is not None}
+        started = time.perf_counter()
+        try:
+            job = dit_job(key, "qwen-image-shape", steps=args.steps, device=device, offload=offload)
+            if key == "ferry" and args.service:
+                events = run_through_service(job, work, models, data, timeout=540)
+                label += " — through the service (POST /v1/jobs)"
+            else:
+                events = run(job, roots, work / f"out-{key}")
+            rows[key] = {"label": label, **step_figures(events, 1), "job_s": time.perf_counter() - started}
+        except Exception as error:  # reported beside the others, not fatal
+            failures[key] = f"{type(error).__name__}: {error}"[:400]
+        print(key, rows.get(key) or failures[key], flush=True)
+        gc.collect()  # the finished job's model and engine hold reference cycles (hooks)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    encoder = None
+    if "encoder" in args.only.split(","):
+        encoder = cache_throughput(roots, data, pipeline, args, device, limited, side)
+        print("encoder", encoder, flush=True)
+    report = render(
+        rows, failures, encoder, h2d=h2d, weights=weights, weight_bytes=weight_bytes, args=args, device=device
+    )
+    print("\n" + report)
+    if not args.no_write:
+        write_section(report)
+    (work / "results.json").write_text(
+        json.dumps({"rows": rows, "failures": failures, "encoder": encoder, "h2d_gbps": h2d}, indent=1)
+    )
+
+
+def cache_throughput(
+    roots: PathRoots, data: Path, pipeline: Path, args: Any, device: str, limited: dict, side: int
+) -> dict:
+    """A task: cache job over ``--prompts`` 1024 x 1024 images: samples/s overall and in the text encoder."""
+    from PIL import Image
+
+    folder = data / "images"
+    folder.mkdir(exist_ok=True)
+    ramp = torch.linspace(0, 255, side).to(torch.uint8)
+    pixels = torch.stack([ramp.expand(side, side), ramp.expand(side, side).T, ramp.flip(0).expand(side, side)], -1)
+    prompt = "a watercolor painting of a lighthouse on a rocky coast at dawn, gulls, soft pink light"
+    lines = ["image,prompt"]
+    for index in range(args.prompts):
+        Image.fromarray(pixels.numpy()).save(folder / f"{index}.png")
+        lines.append(f"{index}.png,{prompt} {index}")
+    (folder / "metadata.csv").write_text("\n".join(lines) + "\n")
+    spec = {
+        "name": "encoder-cache",
+        "device": device,
+        "task": "cache",
+        "model": {
+            "kind": "diffusers_transformer",
+            "path": pipeline.name,
+            "init": "random",
+            "dtype": "bfloat16",
+            "vae_dtype": "bfloat16",
+        },
+        "data": {"kind": "image_caption", "path": "images", "max_pixels": side * side},
+        "cache": {"path": "encoder-cache", "shard_samples": 8},
+        "offload": {
+            "enable_model_cpu_offload": True,
+            "granularity": "block",
+            "prefetch": 1,
+            **({} if args.tiny else {"gpu_memory_budget": args.budget}),
+            **limited,
+        },
+    }
+    started = time.perf_counter()
+    events = run(spec, roots, data.parent / "out-encoder")
+    progress = [e for e in events if e["type"] == "cache_progress"]
+    last = progress[-1]
+    tokens = len(prompt) + 2  # byte-level tokenizer: one token per byte of the prompt
+    return {
+        "samples": last["step"],
+        "samples_per_s": last["samples_per_s"],
+        "text_encoder_samples_per_s": last["step"] / last["text_encoder_s"],
+        "text_encoder_s": last["text_encoder_s"],
+        "vae_s": last["vae_s"],
+        "prompt_tokens": tokens,
+        "peak_alloc_gib": max(e["device_peak_bytes"] for e in progress) / 2**30,
+        "peak_reserved_gib": max(e["device_reserved_bytes"] for e in progress) / 2**30,
+        "job_s": time.perf_counter() - started,
+    }
+
+
+def render(
+    rows: dict,
+    failures: dict,
+    encoder: dict | None,
+    *,
+    h2d: float,
+    weights: int,
+    weight_bytes: int,
+    args: Any,
+    device: str,
+) -> str:
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (--tiny check)"
+    floor_all = 2 * weight_bytes / (h2d * 1e9)
+    from offload import parse_bytes
+
+    budget = parse_bytes(args.budget) or 0
+    floor_budget = 2 * max(weight_bytes - budget, 0) / (h2d * 1e9)
+    resident = rows.get("resident", {}).get("step_s")
+    lines = [
+        f"{SECTION}\n",
+        f"{datetime.date.today()} — {gpu} — torch {torch.__version__} — commit {commit()}\n",
+        f"Reproduce: `python bench/diffusion_bench.py --steps {args.steps} --limit {args.limit} --budget {args.budget}"
+        f"{' --service' if args.service else ''}`\n",
+        f"DiT of Qwen-Image's shape (QwenImageTransformer2DModel, 60 layers, {weights / 1e9:.2f}B parameters, "
+        f"{weight_bytes / 1e9:.1f} GB bf16, random init), LoRA rank 32 on the seed's 12 targets, gradient "
+        "checkpointing, batch 1 from a synthetic cache of 1024 x 1024 latents (4096 image + 64 prompt tokens). "
+        f"Pinned host-to-device copy measured in this run: {h2d:.1f} GB/s. Copy floor = the streamed weights "
+        f"twice / that rate: all weights {floor_all:.2f} s; with {args.budget} kept resident {floor_budget:.2f} s. "
+        "Step = median of the steps after the first. Each row is a real job: the row marked so went through the "
+        "service (POST /v1/jobs, its worker's child process), the others through `jobs.run_job` in the bench's "
+        "process (the function that child calls).\n",
+        "| schedule | step (s) | vs resident | vs copy floor | peak allocated (GiB) | peak reserved (GiB) | pinned host (GiB) | H2D per step (GB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in rows.items():
+        floor = floor_budget if key == "ferry" else floor_all
+        vs_resident = f"{row['step_s'] / resident:.2f}x" if resident and key != "resident" else "—"
+        vs_floor = f"{row['step_s'] / floor:.2f}x" if key != "resident" and floor == floor else "—"
+        lines.append(
+            f"| {row['label']} | {row['step_s']:.2f} | {vs_resident} | {vs_floor} | {row['peak_alloc_gib']:.1f} | "
+            f"{row['peak_reserved_gib']:.1f} | {row['pinned_gib']:.1f} | {row['h2d_gb']:.1f} |"
+        )
+    for key, message in failures.items():
+        lines.append(f"| {key} | failed: {message} | | | | | | |")
+    if "ferry" in rows and resident:
+        bound = max(resident, floor_budget)
+        lines.append(
+            f"\nTarget (issue 16): Ferry's step <= 1.10 x max(resident step, copy floor) = {1.10 * bound:.2f} s; "
+            f"measured {rows['ferry']['step_s']:.2f} s ({rows['ferry']['step_s'] / bound:.2f}x)."
+        )
+    if encoder:
+        lines.append(
+            f"\nCache job (`task: cache`) with a text encoder of Qwen2.5-VL 7B's shape (random init, bf16) under "
+            f"the same limit through the offload engine (block units, budget {args.budget}), {encoder['samples']} "
+            f"1024 x 1024 images, {encoder['prompt_tokens']}-token prompts: {encoder['samples_per_s']:.2f} samples/s "
+            f"overall; text encoder alone {encoder['text_encoder_samples_per_s']:.2f} samples/s "
+            f"({encoder['text_encoder_s']:.1f} s), VAE {encoder['vae_s']:.1f} s; peak allocated "
+            f"{encoder['peak_alloc_gib']:.1f} GiB, reserved {encoder['peak_reserved_gib']:.1f} GiB."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_section(report: str) -> None:
+    """Replace (or add) this benchmark's section of bench/RESULTS.md, leaving the others as they are."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if SECTION in text:
+        start = text.index(SECTION)
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + report + (text[end + 1 :] if end != -1 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + report
+    RESULTS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
