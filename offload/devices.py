@@ -74,13 +74,16 @@ def set_gpu_memory_limit(
     total = device_memory_bytes(device)
     if total is None:
         return None
+    # torch.cuda.set_per_process_memory_fraction refuses a device without an index ("cuda", as
+    # resolve_device and accelerate name it): name the one that "cuda" means.
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if limit_bytes is None:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
         return None
     if limit_bytes > total:
         raise ValueError(
             f"{name} ({limit_bytes / 2**30:.2f} GiB) exceeds {device}'s memory "
             f"({total / 2**30:.2f} GiB); lower it or leave it unset to use the whole device"
         )
-    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, index)
     return limit_bytes

@@ -49,3 +49,15 @@ def test_limit_beyond_the_card_is_refused(fake_card: list[float]) -> None:
     with pytest.raises(ValueError, match=r"offload.gpu_memory_limit \(200.00 GiB\) exceeds cuda:0's memory"):
         set_gpu_memory_limit(torch.device("cuda", 0), 200 * GIB, name="offload.gpu_memory_limit")
     assert fake_card == []
+
+
+def test_a_device_without_an_index_means_the_current_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.set_per_process_memory_fraction refuses torch.device("cuda") (the H200 run of
+    # bench/diffusion_bench.py failed so); resolve_device and accelerate hand out that name.
+    calls: list[tuple[float, object]] = []
+    monkeypatch.setattr(devices_module, "device_memory_bytes", lambda device: 140 * GIB)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append((f, device)))
+    set_gpu_memory_limit(torch.device("cuda"), 28 * GIB)
+    set_gpu_memory_limit(torch.device("cuda"), None)
+    assert calls == [(pytest.approx(0.2), 3), (1.0, 3)]
