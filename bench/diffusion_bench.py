@@ -109,6 +109,29 @@ def write_synthetic_cache(
     writer.finish()
 
 
+def share_one_dit_build() -> None:
+    """Build the DiT once for the in-process jobs: the next job gets the same weights back on the CPU,
+    without the last job's LoRA (a 20B build costs more device-machine time than the steps measured)."""
+    import dataclasses
+
+    from jobs.models import registry
+
+    family = registry.FAMILIES["diffusers_transformer"]
+    built: dict[tuple, Any] = {}
+
+    def build(spec: Any, seed: int) -> Any:
+        key = (str(spec.path), spec.init, spec.dtype, seed)
+        if key not in built:
+            built[key] = family.build(spec, seed)
+            return built[key]
+        model = built[key]
+        model.unload_lora()  # the last job's adapters; the engine was detached when that job ended
+        model.disable_gradient_checkpointing()
+        return model.to("cpu")
+
+    registry.FAMILIES["diffusers_transformer"] = dataclasses.replace(family, build=build)
+
+
 def run(spec_data: dict[str, Any], roots: PathRoots, output: Path) -> list[dict[str, Any]]:
     """Run one job; returns its events as dicts (raises with the job's own message when it fails)."""
     events: list[dict[str, Any]] = []
@@ -206,10 +229,12 @@ def main() -> None:
     parser.add_argument("--limit", default="24GiB", help="offload.gpu_memory_limit of the offloaded jobs")
     parser.add_argument("--budget", default="10GiB", help="offload.gpu_memory_budget of Ferry's schedule")
     parser.add_argument("--prompts", type=int, default=16, help="samples the cache job encodes")
-    parser.add_argument("--only", default="resident,ferry,seed,encoder")
+    parser.add_argument("--only", default="resident,ferry,encoder,seed", help="what to run, in this order")
+    parser.add_argument("--seed-steps", type=int, default=2, help="steps of the (slow) seed schedule")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--service", action="store_true", help="submit Ferry's row over HTTP to python -m service")
+    parser.add_argument("--build-each", action="store_true", help="build the DiT afresh for every job")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -247,30 +272,34 @@ def main() -> None:
             {"enable_model_cpu_offload": True, "granularity": "leaf", "prefetch": 0, **limited},
         ),
     }
-    rows, failures = {}, {}
-    for key, (label, offload) in configs.items():
-        if key not in args.only.split(","):
-            continue
-        offload = {k: v for k, v in offload.items() if v is not None}
-        started = time.perf_counter()
-        try:
-            job = dit_job(key, "qwen-image-shape", steps=args.steps, device=device, offload=offload)
-            if key == "ferry" and args.service:
-                events = run_through_service(job, work, models, data, timeout=540)
-                label += " — through the service (POST /v1/jobs)"
-            else:
-                events = run(job, roots, work / f"out-{key}")
-            rows[key] = {"label": label, **step_figures(events, 1), "job_s": time.perf_counter() - started}
-        except Exception as error:  # reported beside the others, not fatal
-            failures[key] = f"{type(error).__name__}: {error}"[:400]
-        print(key, rows.get(key) or failures[key], flush=True)
+    if not args.build_each:
+        share_one_dit_build()
+    rows, failures, encoder = {}, {}, None
+    for key in args.only.split(","):  # in the order given: a run cut short keeps the first rows
+        if key == "encoder":
+            try:
+                encoder = cache_throughput(roots, data, pipeline, args, device, limited, side)
+            except Exception as error:
+                failures["encoder"] = f"{type(error).__name__}: {error}"[:400]
+            print("encoder", encoder or failures["encoder"], flush=True)
+        else:
+            rows_or_failure(key, configs[key], rows, failures, args, device, work, models, data, roots)
+        if not args.no_write:  # after every row: a run cut short still leaves what it measured
+            write_section(
+                render(
+                    rows,
+                    failures,
+                    encoder,
+                    h2d=h2d,
+                    weights=weights,
+                    weight_bytes=weight_bytes,
+                    args=args,
+                    device=device,
+                )
+            )
         gc.collect()  # the finished job's model and engine hold reference cycles (hooks)
         if device == "cuda":
             torch.cuda.empty_cache()
-    encoder = None
-    if "encoder" in args.only.split(","):
-        encoder = cache_throughput(roots, data, pipeline, args, device, limited, side)
-        print("encoder", encoder, flush=True)
     report = render(
         rows, failures, encoder, h2d=h2d, weights=weights, weight_bytes=weight_bytes, args=args, device=device
     )
@@ -280,6 +309,36 @@ def main() -> None:
     (work / "results.json").write_text(
         json.dumps({"rows": rows, "failures": failures, "encoder": encoder, "h2d_gbps": h2d}, indent=1)
     )
+
+
+def rows_or_failure(
+    key: str,
+    config: tuple,
+    rows: dict,
+    failures: dict,
+    args: Any,
+    device: str,
+    work: Path,
+    models: Path,
+    data: Path,
+    roots: PathRoots,
+) -> None:
+    """Run one DiT schedule and record its figures (or why it failed) under ``key``."""
+    label, offload = config
+    offload = {k: v for k, v in offload.items() if v is not None}
+    started = time.perf_counter()
+    try:
+        steps = args.seed_steps if key == "seed" else args.steps
+        job = dit_job(key, "qwen-image-shape", steps=steps, device=device, offload=offload)
+        if key == "ferry" and args.service:
+            events = run_through_service(job, work, models, data, timeout=540)
+            label += " — through the service (POST /v1/jobs)"
+        else:
+            events = run(job, roots, work / f"out-{key}")
+        rows[key] = {"label": label, **step_figures(events, 1), "job_s": time.perf_counter() - started}
+    except Exception as error:  # reported beside the others, not fatal
+        failures[key] = f"{type(error).__name__}: {error}"[:400]
+    print(key, rows.get(key) or failures[key], flush=True)
 
 
 def cache_throughput(
@@ -365,9 +424,11 @@ def render(
         "checkpointing, batch 1 from a synthetic cache of 1024 x 1024 latents (4096 image + 64 prompt tokens). "
         f"Pinned host-to-device copy measured in this run: {h2d:.1f} GB/s. Copy floor = the streamed weights "
         f"twice / that rate: all weights {floor_all:.2f} s; with {args.budget} kept resident {floor_budget:.2f} s. "
-        "Step = median of the steps after the first. Each row is a real job: the row marked so went through the "
+        "Step = median of the steps after the first. Each row is a real job: a row marked so went through the "
         "service (POST /v1/jobs, its worker's child process), the others through `jobs.run_job` in the bench's "
-        "process (the function that child calls).\n",
+        "process (the function that child calls)"
+        + ("" if args.build_each else ", which build the DiT once and hand it from job to job")
+        + ".\n",
         "| schedule | step (s) | vs resident | vs copy floor | peak allocated (GiB) | peak reserved (GiB) | pinned host (GiB) | H2D per step (GB) |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -81,25 +81,39 @@ def _part(path: Path, name: str) -> Path:
     return folder
 
 
+RANDOM_POOL = 1 << 24  # values drawn once per model; every matrix is a window of them
+
+
 def random_init(model: nn.Module, seed: int) -> nn.Module:
     """Fill every parameter of ``model`` reproducibly: norms' weights 1, other vectors 0, matrices N(0, 0.02).
 
-    Each tensor draws from its own generator seeded by (seed, index), so the result does not depend on
-    thread scheduling; torch releases the GIL, so tensors fill in parallel.
+    The matrices are windows (at an offset per tensor, wrapping around) of one pool of 16M values drawn
+    from N(0, 0.02) with ``seed``: drawing 20B values one by one takes minutes on a CPU, copying them
+    seconds, and a benchmark of the released shapes needs their sizes, not independent values. Tensors are
+    filled in parallel (torch releases the GIL).
     """
+    pool = torch.empty(RANDOM_POOL).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed))
+    pools: dict[torch.dtype, torch.Tensor] = {}
     norm_params = {
         id(p) for m in model.modules() if "norm" in type(m).__name__.lower() for p in m.parameters(recurse=False)
     }
+    for param in model.parameters():
+        pools.setdefault(param.dtype, pool.to(param.dtype))
 
     def fill(index: int, param: torch.Tensor) -> None:
         with torch.no_grad():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed * 100_003 + index))
-            else:
+            if param.dim() < 2:
                 param.fill_(1.0 if id(param) in norm_params else 0.0)
+                return
+            source, flat = pools[param.dtype], param.view(-1)
+            position, offset = 0, (index * 104_729) % RANDOM_POOL
+            while position < flat.numel():
+                take = min(flat.numel() - position, RANDOM_POOL - offset)
+                flat[position : position + take].copy_(source[offset : offset + take])
+                position, offset = position + take, 0
 
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda item: fill(*item), enumerate(model.parameters())))
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool_threads:
+        list(pool_threads.map(lambda item: fill(*item), enumerate(model.parameters())))
     return model
 
 
