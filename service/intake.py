@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
+from jobs import JobSpec, JobSpecError, PathRoots, line_of, load_job_spec
+from jobs.preflight import preflight_problems
 
 from .errors import ApiError
 from .settings import Settings
@@ -49,9 +50,14 @@ def load_checked_spec(text: str, settings: Settings) -> JobSpec:
         raise _spec_error([{"path": "", "message": error.message, "line": error.line, "suggestion": None}]) from None
     roots = PathRoots(model_roots=settings.effective_model_roots, data_roots=settings.effective_data_roots)
     try:
-        return load_job_spec(text, roots=roots)
+        spec = load_job_spec(text, roots=roots)
     except JobSpecError as error:
         raise _spec_error([asdict(p) for p in error.problems]) from None
+    # The files the spec names: the data's first rows (format, fields, chat template), LoRA targets.
+    problems = preflight_problems(spec)
+    if problems:
+        raise _spec_error([{**asdict(p), "line": p.line or line_of(text, p.path)} for p in problems])
+    return spec
 
 
 def _check_json(text: str) -> None:

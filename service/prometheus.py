@@ -37,6 +37,16 @@ def render_metrics(store: JobStore, scheduler: Scheduler) -> str:
             value = getattr(latest[job.id], key, None)
             if isinstance(value, (int, float)):
                 lines.append(f'{metric}{{job_id="{job.id}",worker="{job.worker}"}} {value}')
+    lines += [
+        "# HELP ferry_job_eval_loss Latest eval loss of a running job (jobs with an eval section).",
+        "# TYPE ferry_job_eval_loss gauge",
+    ]
+    for job in running:
+        evals = store.list_events(job.id, limit=100_000, types=["eval"])
+        if evals:
+            lines.append(
+                f'ferry_job_eval_loss{{job_id="{job.id}",worker="{job.worker}"}} {evals[-1].data["eval_loss"]}'
+            )
     return "\n".join(lines) + "\n"
 
 

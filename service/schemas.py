@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from jobs.events import ErrorCode, MemorySnapshot, StepEvent, StepMetrics
+from jobs.events import ErrorCode, EvalEvent, MemorySnapshot, SampleEvent, StepEvent, StepMetrics
 from offload import OffloadStats
 
 from .lifecycle_events import JobError, StoredEvent, parse_stored_event
@@ -176,10 +176,31 @@ class MetricPoint(StepEvent):
     time: float
 
 
+class EvalPoint(EvalEvent):
+    """One ``eval`` event: eval loss and perplexity at a step, with its event id and time stored."""
+
+    event_id: int
+    time: float
+
+
 class MetricsPublic(BaseModel):
-    """The per-step series: one point per ``step`` event."""
+    """The per-step series (one point per ``step`` event) and the evaluations in the same cursor range."""
 
     data: list[MetricPoint]
+    eval: list[EvalPoint] = []
+    next_cursor: int
+    has_more: bool
+
+
+class SamplePoint(SampleEvent):
+    """One ``sample`` event: what the model generated for a prompt at a step."""
+
+    event_id: int
+    time: float
+
+
+class SamplesPublic(BaseModel):
+    data: list[SamplePoint]
     next_cursor: int
     has_more: bool
 
@@ -196,6 +217,15 @@ class CheckpointPublic(BaseModel):
     step: int
     created: datetime | float | str | None
     files: list[CheckpointFile]
+    eval_loss: float | None = None  # measured at this step, when the job evaluates
+    best: bool = False  # the lowest eval loss of the job's checkpoints
+
+
+class MergedPublic(BaseModel):
+    """A LoRA checkpoint merged into its base model, packed as one archive."""
+
+    checkpoint: str
+    archive: CheckpointFile
 
 
 class CheckpointsPublic(BaseModel):

@@ -1,8 +1,10 @@
-"""/v1/jobs/{id}/checkpoints: list them, and download their files with SHA-256 and range support."""
+"""/v1/jobs/{id}/checkpoints: list them (the best marked), download their files with SHA-256 and range
+support, and merge a LoRA checkpoint into a full model downloadable as one archive."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 from pathlib import Path
 
@@ -13,10 +15,13 @@ from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
 from jobs import CheckpointInfo, list_checkpoints
+from jobs.checkpoint import best_checkpoint
+from jobs.export import EXPORTS_DIR, merge_lora_checkpoint
 
 from ..deps import SettingsDep, StoreDep
 from ..errors import ApiError, error_response
-from ..schemas import CheckpointFile, CheckpointPublic, CheckpointsPublic
+from ..schemas import CheckpointFile, CheckpointPublic, CheckpointsPublic, ErrorBody, MergedPublic
+from ..settings import Settings
 
 router = APIRouter(prefix="/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 
@@ -25,7 +30,55 @@ router = APIRouter(prefix="/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 def list_job_checkpoints(job_id: str, store: StoreDep, settings: SettingsDep) -> CheckpointsPublic:
     """Every complete checkpoint of the job, oldest first, with each file's size and SHA-256."""
     store.get_job(job_id)
-    return CheckpointsPublic(data=[_public(job_id, c) for c in _checkpoints(settings.job_dir(job_id))])
+    checkpoints = _checkpoints(settings.job_dir(job_id))
+    best = best_checkpoint(checkpoints)
+    return CheckpointsPublic(data=[_public(job_id, c, best) for c in checkpoints])
+
+
+@router.post("/{checkpoint}/merge", responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
+def merge_checkpoint(job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep) -> MergedPublic:
+    """Merge a LoRA checkpoint into its base model (peft's ``merge_and_unload``), saved with
+    ``save_pretrained`` and packed as one ``.tar``; a second call answers with the archive already made.
+
+    It runs in this request (a thread of the server's pool): a 7B model takes a minute or two and its
+    weights' size in host memory."""
+    store.get_job(job_id)
+    found = _checkpoint(job_id, checkpoint, settings)
+    archive = _merged_archive(settings.job_dir(job_id), checkpoint)
+    if not archive.exists():
+        try:
+            merge_lora_checkpoint(Path(found.path), archive.with_suffix(""), archive=True)
+        except ValueError as error:
+            raise ApiError(422, "not_mergeable", str(error)) from None
+        archive.with_name(archive.name + ".sha256").write_text(_sha256(archive))
+    digest = archive.with_name(archive.name + ".sha256").read_text()
+    url = f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/merged"
+    return MergedPublic(
+        checkpoint=checkpoint,
+        archive=CheckpointFile(name=archive.name, bytes=archive.stat().st_size, sha256=digest, url=url),
+    )
+
+
+@router.get(
+    "/{checkpoint}/merged",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/x-tar": {}}}, 404: {"model": ErrorBody}},
+)
+def download_merged(job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep) -> FileResponse:
+    """The merged model of a checkpoint as one ``.tar`` (``Range`` supported); POST .../merge makes it."""
+    store.get_job(job_id)
+    _checkpoint(job_id, checkpoint, settings)
+    archive = _merged_archive(settings.job_dir(job_id), checkpoint)
+    if not archive.exists():
+        raise ApiError(
+            404,
+            "not_found",
+            f"Checkpoint {checkpoint!r} of job {job_id} has not been merged; POST "
+            f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/merge first.",
+        )
+    digest = archive.with_name(archive.name + ".sha256").read_text()
+    headers = {"X-Checksum-SHA256": digest, "Cache-Control": "private, no-store"}
+    return DownloadResponse(archive, filename=archive.name, headers=headers, media_type="application/x-tar")
 
 
 @router.get(
@@ -38,13 +91,7 @@ def download_checkpoint_file(
 ) -> FileResponse:
     """One file; ``Range: bytes=...`` gives 206 partial content. ``X-Checksum-SHA256`` is of the whole file."""
     store.get_job(job_id)
-    found = {c.name: c for c in _checkpoints(settings.job_dir(job_id))}.get(checkpoint)
-    if found is None:
-        raise ApiError(
-            404,
-            "not_found",
-            f"Job {job_id} has no checkpoint {checkpoint!r}; GET /v1/jobs/{job_id}/checkpoints lists them.",
-        )
+    found = _checkpoint(job_id, checkpoint, settings)
     # Only names the manifest lists are served, so no path in the URL can reach another file.
     entry = next((f for f in found.files if f["name"] == name), None)
     if entry is None:
@@ -96,15 +143,44 @@ class DownloadResponse(FileResponse):
         await super().__call__(scope, receive, send)
 
 
+def _checkpoint(job_id: str, name: str, settings: Settings) -> CheckpointInfo:
+    found = {c.name: c for c in _checkpoints(settings.job_dir(job_id))}.get(name)
+    if found is None:
+        raise ApiError(
+            404, "not_found", f"Job {job_id} has no checkpoint {name!r}; GET /v1/jobs/{job_id}/checkpoints lists them."
+        )
+    return found
+
+
+def _merged_archive(job_dir: Path, checkpoint: str) -> Path:
+    # The name comes from the checkpoint listing (step-NNNNNNNN), never from the URL as typed.
+    return job_dir / "output" / EXPORTS_DIR / f"{checkpoint}-merged.tar"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _checkpoints(job_dir: Path) -> list[CheckpointInfo]:
     output = job_dir / "output"
     return list_checkpoints(output) if output.exists() else []
 
 
-def _public(job_id: str, info: CheckpointInfo) -> CheckpointPublic:
+def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None) -> CheckpointPublic:
     base = f"/v1/jobs/{job_id}/checkpoints/{info.name}/files"
     files = [
         CheckpointFile(name=f["name"], bytes=f["bytes"], sha256=f["sha256"], url=f"{base}/{f['name']}")
         for f in info.files
     ]
-    return CheckpointPublic(name=info.name, step=info.step, created=info.created, files=files)
+    return CheckpointPublic(
+        name=info.name,
+        step=info.step,
+        created=info.created,
+        files=files,
+        eval_loss=info.eval_loss,
+        best=best is not None and best.name == info.name,
+    )

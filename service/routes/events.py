@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..deps import SettingsDep, StoreDep
 from ..errors import INT64_MAX, ApiError
-from ..schemas import EventPublic, EventsPublic, MetricPoint, MetricsPublic
+from ..schemas import EvalPoint, EventPublic, EventsPublic, MetricPoint, MetricsPublic, SamplePoint, SamplesPublic
 from ..store import JobNotFound, JobStore
 
 router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
@@ -104,12 +104,35 @@ def read_metrics(
     after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 2_000,
 ) -> MetricsPublic:
-    """One point per step: loss, learning rate, throughput, GPU/host/pinned memory, offload figures."""
+    """One point per step: loss, learning rate, throughput, GPU/host/pinned memory, offload figures; and
+    ``eval``: each evaluation (eval loss, perplexity) in the same range of event ids."""
     store.get_job(job_id)
     events = store.list_events(job_id, after=after, limit=limit + 1, types=["step"])
-    page = events[:limit]
+    page, has_more = events[:limit], len(events) > limit
     points = [MetricPoint(**e.data, event_id=e.id, time=e.created_at) for e in page]
-    return MetricsPublic(data=points, next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
+    # Evaluations up to the page's last step while more steps follow, else all of them (a final eval comes
+    # after the last step): the cursor then moves past the last eval too, and none is served twice.
+    evals = store.list_events(job_id, after=after, limit=limit, types=["eval"])
+    if has_more:
+        evals = [e for e in evals if e.id <= page[-1].id]
+    eval_points = [EvalPoint(**e.data, event_id=e.id, time=e.created_at) for e in evals]
+    last = max([after, *(e.id for e in page), *(e.id for e in evals)])
+    return MetricsPublic(data=points, eval=eval_points, next_cursor=last, has_more=has_more)
+
+
+@router.get("/samples")
+def read_samples(
+    job_id: str,
+    store: StoreDep,
+    after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> SamplesPublic:
+    """Generated samples, oldest first: the step, the prompt and the model's (greedy) completion."""
+    store.get_job(job_id)
+    events = store.list_events(job_id, after=after, limit=limit + 1, types=["sample"])
+    page = events[:limit]
+    samples = [SamplePoint(**e.data, event_id=e.id, time=e.created_at) for e in page]
+    return SamplesPublic(data=samples, next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
 
 
 @router.get("/logs", response_class=PlainTextResponse)

@@ -1,7 +1,8 @@
-// Checkpoints: each with its step, files, sizes, SHA-256 and an authenticated download.
+// Checkpoints: each with its step, eval loss (the best marked), files, sizes, SHA-256 and an authenticated
+// download; a LoRA checkpoint can be merged into a full model, downloaded as one archive.
 
 import { AuthError, api, download, getToken } from "../api.js";
-import { bytes, dateTime, h } from "../format.js";
+import { bytes, dateTime, h, isNum, num } from "../format.js";
 import { listOf } from "../model.js";
 
 export function checkpointsCard(jobId, ctx) {
@@ -29,9 +30,13 @@ export function checkpointsCard(jobId, ctx) {
     for (const ckpt of checkpoints) {
       const name = ckpt.name || ckpt.id;
       const files = ckpt.files || [];
+      const lora = files.some((f) => f.name === "adapter_config.json");
       rows.push(h("tr", { class: "ckpt-head", "data-checkpoint": name },
         h("td", { colspan: "3" }, h("strong", {}, name), h("span", { class: "muted small" },
-          ` step ${ckpt.step ?? "?"}${ckpt.created || ckpt.created_at ? ` · ${dateTime(ckpt.created || ckpt.created_at)}` : ""}`))));
+          ` step ${ckpt.step ?? "?"}${ckpt.created ? ` · ${dateTime(ckpt.created)}` : ""}`,
+          isNum(ckpt.eval_loss) ? ` · eval loss ${num(ckpt.eval_loss)}` : ""),
+        ckpt.best ? h("span", { class: "badge best", "data-best": "true", title: "lowest eval loss" }, " best") : null,
+        lora ? mergeButton(name) : null)));
       for (const file of files) {
         const url = file.url || `${base}/${encodeURIComponent(name)}/files/${encodeURIComponent(file.name)}`;
         rows.push(h("tr", { class: "ckpt-file" },
@@ -44,6 +49,28 @@ export function checkpointsCard(jobId, ctx) {
     return h("div", { class: "table-scroll" }, h("table", { class: "table compact" },
       h("thead", {}, h("tr", {}, h("th", {}, "File"), h("th", { class: "num" }, "Size"), h("th", {}, "SHA-256"))),
       h("tbody", {}, rows)));
+  }
+
+  /** Merge a LoRA checkpoint into its base model on the server, then offer the archive. */
+  function mergeButton(name) {
+    const slot = h("span", { class: "merge-slot" });
+    const button = h("button", { class: "btn small", type: "button", "data-merge": name,
+      title: "Merge the adapter into its base model (a full model, one .tar)", onclick: async () => {
+        button.disabled = true;
+        button.textContent = "Merging…";
+        try {
+          const merged = await api(`${base}/${encodeURIComponent(name)}/merge`, { method: "POST" });
+          slot.replaceChildren(downloadLink(merged.archive.url, merged.archive.name, ctx),
+            h("span", { class: "muted small" }, ` ${bytes(merged.archive.bytes)}`));
+        } catch (err) {
+          if (err instanceof AuthError) return ctx.needToken(err.message);
+          button.disabled = false;
+          button.textContent = "Merge";
+          ctx.toast(err.message, "error");
+        }
+      } }, "Merge");
+    slot.append(button);
+    return slot;
   }
 
   return { element, refresh };

@@ -7,6 +7,7 @@ import { ACTIONS, TERMINAL, flattenStep, normalizeJob, unwrapEvent } from "../mo
 import { errorState, failureBanner, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
 import { loadMetrics, makeCharts, seriesStore } from "./job-series.js";
+import { evalChart, samplesCard } from "./job-llm.js";
 import { checkpointsCard } from "./checkpoints.js";
 import { specCard } from "./spec.js";
 
@@ -33,7 +34,9 @@ export async function render(root, { params: [jobId], ctx }) {
   const charts = makeCharts();
   const log = eventLog();
   const checkpoints = checkpointsCard(jobId, ctx);
-  const chartGrid = h("div", { class: "chart-grid" }, charts.all.map((c) => c.element));
+  const evals = evalChart();
+  const samples = samplesCard(path);
+  const chartGrid = h("div", { class: "chart-grid" }, charts.all.map((c) => c.element), evals.element);
   const noSteps = h("div", { class: "empty", id: "no-steps", hidden: true },
     h("p", { class: "empty-title" }, "No training steps were recorded."),
     h("p", { class: "muted" }, "The job ended before its first step; its events below say why."));
@@ -41,6 +44,7 @@ export async function render(root, { params: [jobId], ctx }) {
     h("p", {}, h("a", { href: "#/jobs", class: "back" }, "← Jobs")),
     header, errorSlot, banner, stats,
     h("h2", { class: "section-title" }, "Training"), chartGrid, noSteps,
+    samples.element,
     h("div", { class: "two-col" }, log.element, h("div", { class: "stack" }, checkpoints.element, specCard(job))));
 
   function draw() {
@@ -66,7 +70,7 @@ export async function render(root, { params: [jobId], ctx }) {
   draw();
   // Load the stored series first, then let the stream add steps as they come (same step = same point).
   try {
-    await loadMetrics(path, series);
+    await loadMetrics(path, series, (points) => evals.add(points));
   } catch (err) {
     if (err instanceof AuthError) throw err;
     banner.replaceChildren(errorState(describeError(err), { title: "Metrics unavailable." }));
@@ -74,6 +78,7 @@ export async function render(root, { params: [jobId], ctx }) {
   charts.update(series);
   draw();
   checkpoints.refresh();
+  samples.load().catch(() => {});  // the stream below brings new ones
 
   let streamEnded = false;
   const stopStream = streamEvents(jobId, {
@@ -84,6 +89,8 @@ export async function render(root, { params: [jobId], ctx }) {
       log.add(id, kind, event);
       if (kind === "step") { series.addRows([event]); charts.schedule(series, () => drawStats(stats, job, series.last())); }
       if (kind === "checkpoint") checkpoints.refresh();
+      if (kind === "eval") evals.add([event]);
+      if (kind === "sample") samples.add([event], id);
       if (kind === "status" || kind === "finished" || kind === "failed") refreshJob().catch(() => {});
     },
     onState: (state) => log.setState(state),
