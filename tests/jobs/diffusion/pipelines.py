@@ -144,3 +144,52 @@ def image_folder(directory: Path, sizes: list[tuple[int, int]], *, fmt: str = "c
             writer.writeheader()
             writer.writerows(rows)
     return directory
+
+
+def video_folder(directory: Path, frames: int, count: int = 2, side: int = 32) -> Path:
+    """Videos as frame folders with captions (a ``video`` column), in DiffSynth's layout."""
+    from PIL import Image
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = ["video,prompt"]
+    for index in range(count):
+        folder = directory / f"clip_{index}"
+        folder.mkdir()
+        for frame in range(frames):
+            Image.new("RGB", (side, side), (frame * 7 % 256, index * 90, 30)).save(folder / f"{frame:04d}.png")
+        lines.append(f"clip_{index},a moving square number {index}")
+    (directory / "metadata.csv").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def stand_in_roots(data: dict, tmp_path: Path) -> object:
+    """Roots holding tiny stand-ins for what a diffusion config names: its pipeline, its images (or
+    videos), its cache. The configs test loads each shipped config against them."""
+    from types import SimpleNamespace
+
+    from jobs import PathRoots
+    from jobs.diffusion.cache import CacheWriter, model_fingerprint
+
+    models, datasets = tmp_path / "models", tmp_path / "data"
+    model = data["model"]
+    pipeline = models / model["path"]
+    (wan_pipeline if "wan" in model["path"].lower() else qwen_image_pipeline)(pipeline)
+    section = data["data"]
+    if section["kind"] == "image_caption" and section.get("num_frames", 1) > 1:
+        video_folder(datasets / section["path"], section["num_frames"])
+    elif section["kind"] == "image_caption":
+        image_folder(
+            datasets / section["path"],
+            [(64, 48)],
+            fmt="json" if section.get("metadata", "").endswith("json") else "csv",
+        )
+    else:
+        described = SimpleNamespace(
+            **{"text_encoder_dtype": None, "vae_dtype": "float32", "init": "pretrained", **model, "path": pipeline}
+        )
+        writer = CacheWriter(datasets / section["path"], model_fingerprint(described), shard_samples=1)
+        writer.add(torch.zeros(Z_DIM, 1, 8, 8), torch.zeros(3, 16), {"source_row": 0, "media": "x.png", "prompt": "x"})
+        writer.finish()
+    if data.get("cache"):
+        (datasets / data["cache"]["path"]).parent.mkdir(parents=True, exist_ok=True)
+    return PathRoots(model_roots=[models], data_roots=[datasets])
