@@ -25,6 +25,7 @@ from offload.offloaders import (
 from offload.optimizer_step import StepDuringBackward
 from offload.options import OffloadOptions
 from offload.plan import UnitLayout, plan_memory
+from offload.quantized import QuantizedParamOffloader, is_quantized, link_bytes, stored_bytes
 from offload.ring import DeviceRing
 from offload.saved_tensors import SavedTensorRouter
 from offload.schedule import PrefetchSchedule
@@ -91,6 +92,7 @@ class OffloadTrainingManager:
             enable_optimizer_cpu_offload=enable_optimizer_cpu_offload,
             cpu_offload_split_threshold=cpu_offload_split_threshold,
             options=self.options,
+            link_bytes=link_bytes,  # a quantized weight takes its stored bytes in the arena and the ring
         )
         self._check_plan_fits()
         self._stats = StatsCounter()
@@ -150,6 +152,13 @@ class OffloadTrainingManager:
         existing = self._offloaders.get(id(tensor))
         if existing is not None:  # shared (tied) tensor: one offloader, one host copy
             return existing
+        if is_quantized(tensor) and not tensor.requires_grad:
+            offloader = QuantizedParamOffloader(
+                name, tensor, self._copies, self.arena.allocate((stored_bytes(tensor),), torch.uint8)
+            )
+            offloader.on_backward_use = self._schedule.weight_unpacked
+            self._offloaders[id(tensor)] = offloader
+            return offloader
         if host is None and self._wants_host_copy(tensor):
             host = self._host_like(tensor)
         if tensor.is_meta:

@@ -28,6 +28,7 @@ from torch import nn
 
 from offload.arena import PinnedArenaPool, aligned
 from offload.options import OffloadOptions
+from offload.quantized import is_quantized
 from offload.units import UnitPlan, discover_units
 
 SLOT_ALIGNMENT = 512  # slot starts: generous for vectorized kernels reading the weights in place
@@ -156,7 +157,8 @@ def plan_memory(
     for unit in units:
         ordered = [t for _, t in sorted(unit.tensors, key=lambda nt: -size(nt[1]))]
         new = [t for t in dict.fromkeys(ordered) if id(t) not in placed and hosted(t)]
-        frozen = [t for t in new if not trainable(t)]  # spans hold what never changes
+        # Spans hold what never changes; a quantized weight is sent as its own payload (quantized.py).
+        frozen = [t for t in new if not trainable(t) and not is_quantized(t)]
         span = frozen if unit.flat and len(frozen) > 1 else []
         solo = [t for t in new if not any(t is s for s in span)]
         if span:

@@ -1,0 +1,203 @@
+"""Frozen weights stored, streamed and kept quantized (QLoRA style), with torchao's tensors.
+
+``quantize_frozen_weights(model, "nf4" | "int8")`` replaces every frozen ``nn.Linear`` weight with torchao's
+``NF4Tensor`` (4-bit NormalFloat with double-quantized block scales, as QLoRA) or ``Int8Tensor`` (int8 per
+output channel). The model then trains as it would resident on a device: torchao dequantizes the weight
+inside each linear's forward and backward. Nothing here writes its own quantizer.
+
+The engine keeps such a weight quantized everywhere: its inner tensors (codes, scales) are packed into one
+``uint8`` payload in the pinned arena (``QuantizedParamOffloader``), that payload is what crosses the link
+(the memory plan sizes ring slots from ``stored_bytes``), and on the device the parameter becomes the same
+torchao tensor over views of the copied payload, so dequantization happens on the device, inside the layer.
+Since host and device run the same torchao code on the same codes, quantized + offloaded training equals
+quantized resident training (bitwise on the CPU).
+
+torchao is an optional dependency (``pip install ferry[quantize]``); it is imported only when quantizing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.arena import aligned
+from offload.offloaders import StaticParamOffloader, TensorOffloader, copy_into_ring
+from offload.transfers import CopyEngine, PendingCopy
+
+log = logging.getLogger(__name__)
+METHODS = ("nf4", "int8")
+NF4_BLOCK = 64  # QLoRA's block size: one absmax scale per 64 weights
+NF4_SCALER_BLOCK = 256  # the scales are themselves quantized in blocks of 256
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """A torchao quantized tensor (a traceable wrapper subclass whose data lives in inner tensors)."""
+    return type(tensor).__module__.startswith("torchao.") and hasattr(tensor, "__tensor_flatten__")
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The quantized tensor's inner tensors (codes, scales, ...) by attribute name."""
+    names, _ = tensor.__tensor_flatten__()
+    return [(name, getattr(tensor, name)) for name in names]
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor`` as stored and sent: its packed payload when quantized, else ``numel x size``."""
+    if not is_quantized(tensor):
+        return max(1, tensor.numel()) * tensor.element_size()
+    return sum(aligned(t.numel() * t.element_size()) for _, t in inner_tensors(tensor))
+
+
+def link_bytes(name: str, tensor: torch.Tensor) -> int:
+    """``plan_memory``'s size function: a quantized weight takes its stored bytes in the arena and the ring."""
+    return stored_bytes(tensor)
+
+
+def quantizable(module: nn.Module, method: str) -> bool:
+    """A frozen ``nn.Linear`` whose weight torchao can quantize with ``method`` (NF4 needs whole blocks)."""
+    if not isinstance(module, nn.Linear) or is_quantized(module.weight) or module.weight.requires_grad:
+        return False
+    if not module.weight.dtype.is_floating_point or module.weight.is_meta:
+        return False
+    if method == "nf4":
+        return module.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+    return True
+
+
+def quantize_frozen_weights(model: nn.Module, method: str, *, device: str | torch.device | None = None) -> list[str]:
+    """Quantize every frozen ``nn.Linear`` weight of ``model`` in place with torchao; returns their names.
+
+    Args:
+        model: any module; trainable weights (LoRA adapters, a head being trained) stay as they are.
+        method: ``"nf4"`` (4-bit NormalFloat, QLoRA) or ``"int8"`` (int8 weight-only, per output channel).
+        device: where to run the quantization kernels (``"cuda"`` is much faster for billions of weights);
+            the quantized weights come back to the weight's own device.
+
+    Raises:
+        ValueError: for an unknown ``method``, or when torchao is not installed.
+
+    Example:
+        >>> model.requires_grad_(False); add_adapters(model)
+        >>> quantize_frozen_weights(model, "nf4")
+    """
+    if method not in METHODS:
+        raise ValueError(f"quantize must be one of {', '.join(METHODS)}; got {method!r}")
+    quantize = _quantizer(method)
+    names = []
+    for name, module in model.named_modules():
+        if not quantizable(module, method):
+            continue
+        weight = module.weight.detach()
+        home = weight.device
+        work = weight.to(device) if device is not None else weight
+        quantized = quantize(work.contiguous())
+        if quantized.device != home:
+            quantized = quantized.to(home)
+        module.weight = nn.Parameter(quantized, requires_grad=False)
+        names.append(f"{name}.weight" if name else "weight")
+    skipped = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_quantized(m.weight)]
+    log.info("quantized %d frozen linear weights to %s (left as they are: %d)", len(names), method, len(skipped))
+    return names
+
+
+def _quantizer(method: str) -> Any:
+    try:
+        from torchao.quantization import Int8Tensor, to_nf4
+        from torchao.quantization.granularity import PerRow
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            f"quantize: {method} needs torchao (pip install 'ferry[quantize]' or pip install torchao)"
+        ) from error
+    if method == "nf4":
+        return lambda weight: to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK)
+    # Per output channel (one scale per row), symmetric: torchao's int8 weight-only layout.
+    return lambda weight: Int8Tensor.from_hp(weight, PerRow())
+
+
+class QuantizedPayload:
+    """A quantized tensor's inner tensors packed into one ``uint8`` buffer, and views that unpack it.
+
+    Args:
+        tensor: the torchao tensor (its inner tensors are copied in).
+        buffer: ``stored_bytes(tensor)`` bytes (a pinned arena allocation).
+    """
+
+    def __init__(self, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
+        _, self.context = tensor.__tensor_flatten__()
+        self.kind = type(tensor)
+        self.shape, self.stride = tensor.shape, tensor.stride()
+        self.layout: list[tuple[str, int, torch.Size, torch.dtype]] = []
+        offset = 0
+        for name, inner in inner_tensors(tensor):
+            self.layout.append((name, offset, inner.shape, inner.dtype))
+            offset += aligned(inner.numel() * inner.element_size())
+        self.buffer = buffer
+        for (_, inner), view in zip(inner_tensors(tensor), self.views(buffer).values(), strict=True):
+            view.copy_(inner)
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inner tensors as views of ``buffer`` (the host payload or its device copy)."""
+        out = {}
+        for name, offset, shape, dtype in self.layout:
+            nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            out[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
+        return out
+
+    def tensor_over(self, buffer: torch.Tensor, *, clone: bool = False) -> torch.Tensor:
+        """A frozen parameter of the same torchao type over ``buffer``'s bytes (cloned: its own memory)."""
+        inner = {k: v.clone() if clone else v for k, v in self.views(buffer).items()}
+        rebuilt = self.kind.__tensor_unflatten__(inner, self.context, self.shape, self.stride)
+        return nn.Parameter(rebuilt, requires_grad=False)
+
+
+class QuantizedParamOffloader(StaticParamOffloader):
+    """A frozen quantized weight: its packed payload is the pinned host copy and what crosses the link.
+
+    The parameter object stays the same (modules, peft and autograd refer to it); its contents are swapped
+    (``torch.utils.swap_tensors``) between the torchao tensor over the host payload and one over the device
+    copy, because a tensor subclass keeps its data in Python attributes that ``.data`` cannot replace.
+    """
+
+    kind = "static"  # the budget and the schedule treat it as any frozen weight
+
+    def __init__(self, name: str, tensor: torch.Tensor, copies: CopyEngine, buffer: torch.Tensor) -> None:
+        TensorOffloader.__init__(self, name, tensor, copies)
+        self.payload = QuantizedPayload(tensor, buffer)
+        self.host = buffer
+        self.nbytes = buffer.numel()  # stored bytes: what the device holds and the link carries
+        self._holder: torch.Tensor | None = None  # the contents not in the parameter right now
+        torch.utils.swap_tensors(tensor, self.payload.tensor_over(buffer))  # now over the arena payload
+
+    def onload(self, prefetch: bool = False) -> None:
+        pending, self._in_ring = copy_into_ring(self.copies, self.host, self.placement, self.slot_offset, prefetch)
+        self.attach(pending)
+
+    def attach(self, pending: PendingCopy) -> None:
+        self.pending = pending
+        self._holder = self.payload.tensor_over(pending.tensor)
+        torch.utils.swap_tensors(self.tensor, self._holder)  # the parameter is now the device tensor
+        self.copies.stats.hold(self.nbytes)
+
+    def ensure_resident(self) -> torch.Tensor:
+        if self.pending is None:
+            self.onload()
+        self.copies.wait(self.pending)  # the payload's copy; the dequantization after it runs on this stream
+        return self.tensor
+
+    def offload(self) -> None:
+        if self.pending is None:
+            return
+        torch.utils.swap_tensors(self.tensor, self._holder)  # back to the host payload
+        self._holder = None
+        self.pending = None
+        self.copies.stats.drop(self.nbytes)
+        if self._in_ring is not None:
+            self._in_ring.release(self.copies.device)
+            self._in_ring = None
+
+    def detach(self) -> None:
+        self.offload()
+        torch.utils.swap_tensors(self.tensor, self.payload.tensor_over(self.host, clone=True))

@@ -1,0 +1,174 @@
+"""Frozen weights stored and streamed quantized (torchao NF4 / int8): quantized + offloaded training equals
+quantized resident training bitwise on the CPU; the link carries the quantized bytes; peft adapters trained
+on the quantized base load onto it again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+pytest.importorskip("torchao")
+
+from offload import OffloadOptions, OffloadTrainingManager
+from offload.quantized import is_quantized, quantize_frozen_weights, stored_bytes
+
+WIDTH = 128  # NF4 needs numel divisible by 64 x 256
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH, dtype=torch.bfloat16)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH, dtype=torch.bfloat16)
+        self.down = nn.Linear(2 * WIDTH, WIDTH, bias=False, dtype=torch.bfloat16)
+        self.adapter_a = nn.Linear(WIDTH, 4, bias=False, dtype=torch.bfloat16)
+        self.adapter_b = nn.Linear(4, WIDTH, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(F.gelu(self.up(h))) + self.adapter_b(self.adapter_a(h))
+
+
+class QStack(nn.Module):
+    def __init__(self, checkpointing: str | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing == "reentrant":
+            x = x.detach().requires_grad_()
+        for block in self.blocks:
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
+            else:
+                x = block(x)
+        return x
+
+
+def make(method: str, checkpointing: str | None = None) -> QStack:
+    torch.manual_seed(0)
+    model = QStack(checkpointing)
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.adapter_a.requires_grad_(True)
+        block.adapter_b.requires_grad_(True)
+    names = quantize_frozen_weights(model, method)
+    assert len(names) == 6  # up and down of each block; adapters stay trainable, norms are not linears
+    return model
+
+
+def train(model: QStack, offload: dict | None, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
+    manager = OffloadTrainingManager(model, "cpu", **offload) if offload is not None else None
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 8, WIDTH, generator=generator).to(torch.bfloat16)
+        loss = F.mse_loss(model(x).float(), x.float() + 1)
+        loss.backward()
+        if manager is not None:
+            manager.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if manager is not None:
+        manager.remove()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+OFFLOADS = [
+    pytest.param({}, id="default"),
+    pytest.param({"enable_optimizer_cpu_offload": True}, id="optimizer-offload"),
+    pytest.param({"options": OffloadOptions(granularity="block", prefetch=2)}, id="block"),
+    pytest.param({"options": OffloadOptions(prefetch=0)}, id="prefetch0"),
+    pytest.param({"options": OffloadOptions(gpu_memory_budget=40_000)}, id="budget"),
+]
+
+
+CASES = [
+    *[pytest.param("nf4", c, o.values[0], id=f"nf4-{c}-{o.id}") for c in (None, "non_reentrant") for o in OFFLOADS],
+    pytest.param("nf4", "reentrant", {}, id="nf4-reentrant"),
+    pytest.param("int8", None, {}, id="int8"),
+    pytest.param("int8", "non_reentrant", {"enable_optimizer_cpu_offload": True}, id="int8-checkpointed-opt-offload"),
+]
+
+
+@pytest.mark.parametrize(("method", "checkpointing", "offload"), CASES)
+def test_quantized_offloaded_equals_quantized_resident(method: str, checkpointing: str | None, offload: dict) -> None:
+    resident_losses, resident = train(make(method, checkpointing), None)
+    losses, trained = train(make(method, checkpointing), offload)
+    assert losses == resident_losses
+    for name in resident:
+        assert torch.equal(trained[name], resident[name]), name
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_the_link_carries_the_quantized_bytes(method: str) -> None:
+    model = make(method)
+    quantized = [p for p in model.parameters() if is_quantized(p)]
+    stored = sum(stored_bytes(p) for p in quantized)
+    full = sum(p.numel() * 2 for p in quantized)  # as bf16
+    assert stored < full / (3.5 if method == "nf4" else 1.9)
+    manager = OffloadTrainingManager(model, "cpu")
+    other = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad and not is_quantized(p))
+    assert manager.plan.pinned_requested_bytes <= stored + other + 64 * 64
+    for _ in range(2):
+        x = torch.randn(2, WIDTH, dtype=torch.bfloat16)
+        model(x).float().sum().backward()
+        manager.after_backward()
+        # forward + backward: each quantized payload at most twice, plus the small frozen norms
+        assert stored <= manager.stats().last_step_h2d_bytes <= 2 * (stored + other)
+    assert all(is_quantized(p) and p.device.type == "cpu" for p in quantized)
+    manager.remove()
+
+
+def test_remove_leaves_the_quantized_model_as_it_was() -> None:
+    model = make("nf4")
+    before = {n: p.get_original_weight().clone() for n, p in model.named_parameters() if is_quantized(p)}
+    manager = OffloadTrainingManager(model, "cpu")
+    x = torch.randn(2, WIDTH, dtype=torch.bfloat16)
+    expected = model(x)
+    manager.remove()
+    for name, param in model.named_parameters():
+        if name in before:
+            assert is_quantized(param) and not param.quantized_data.is_pinned()
+            assert torch.equal(param.get_original_weight(), before[name])
+    assert torch.equal(model(x), expected)
+
+
+def test_peft_adapters_trained_on_the_quantized_base_load_onto_it(tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+
+    def base() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(WIDTH, WIDTH, dtype=torch.bfloat16), nn.GELU(), nn.Linear(WIDTH, WIDTH, dtype=torch.bfloat16)
+        )
+        return model
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], init_lora_weights=True)
+    model = peft.get_peft_model(base(), config)
+    quantize_frozen_weights(model, "nf4")
+    manager = OffloadTrainingManager(model, "cpu")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
+        F.mse_loss(model(x).float(), x.float()).backward()
+        manager.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    manager.remove()
+    x = torch.randn(4, WIDTH, dtype=torch.bfloat16)
+    expected = model(x)
+    model.save_pretrained(tmp_path)
+
+    fresh = base()
+    fresh.requires_grad_(False)
+    quantize_frozen_weights(fresh, "nf4")
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
+    assert all(is_quantized(loaded.base_model.model[i].base_layer.weight) for i in (0, 2))
+    assert torch.equal(loaded(x), expected)
