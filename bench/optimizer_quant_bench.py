@@ -1,0 +1,235 @@
+"""Issue 18's benchmark on one GPU: the CPU optimizer overlapped (exact and delayed) on the seed's toy model,
+and LoRA on a 3.2B stack with an NF4 base, offloaded and resident; the reference (the seed's serialized
+schedule) and FSDP2 CPU offload beside each row, every mode with the fused AdamW kernel.
+
+Run on a GPU box:  python bench/optimizer_quant_bench.py [--workloads toy,lora4k,lora16k] [--steps 6]
+Prints a table; ``--write`` puts it into bench/RESULTS.md between its markers (the rest of the file stays).
+Models and helpers come from bench/offload_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.offload_bench import ToyModel, commit, fsdp2_wrap, make_lora_model, pinned_h2d_gbps
+from offload import OffloadOptions, OffloadTrainingManager
+from offload.quantized import quantize_frozen_weights, stored_bytes
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+START, END = "<!-- optimizer_quant_bench:start -->", "<!-- optimizer_quant_bench:end -->"
+ROWS: list[str] = []
+
+
+def measure(step: Callable[[], float | None], steps: int, warmup: int = 2) -> tuple[float, float, float]:
+    """Median step ms, peak allocated and peak reserved GiB over ``steps`` timed steps."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    gib = 2**30
+    return statistics.median(times), torch.cuda.max_memory_allocated() / gib, torch.cuda.max_memory_reserved() / gib
+
+
+def row(workload: str, mode: str, ms: float, alloc: float, reserved: float, note: str = "") -> None:
+    line = f"| {workload} | {mode} | {ms:.1f} | {alloc:.2f} | {reserved:.2f} | {note} |"
+    ROWS.append(line)
+    print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- toy
+def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
+    """One toy row (or, with ``losses_for``, the loss curve of that many steps)."""
+    torch.manual_seed(0)
+    model = ToyModel()
+    manager = None
+    if mode == "resident":
+        model.to("cuda")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    elif mode == "fsdp2":
+        model = fsdp2_wrap(model, list(model.layers))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    else:
+        options = OffloadOptions(prefetch=0) if mode == "reference (seed schedule)" else OffloadOptions()
+        manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, options=options)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if mode in ("ferry exact", "ferry delayed_update"):
+            manager.attach_optimizer(optimizer, delayed_update=mode == "ferry delayed_update", warmup_steps=2)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    timings = {"fwd": [], "bwd": []}
+
+    def step(profile: bool = False) -> float:
+        x = torch.randn((512, 4096), device="cuda", generator=generator)
+        start = time.perf_counter()
+        loss = F.mse_loss(model(x), x + 1)
+        if profile:
+            torch.cuda.synchronize()
+            timings["fwd"].append(time.perf_counter() - start)
+        loss.backward()
+        if manager is not None:
+            manager.after_backward()
+        if profile:
+            timings["bwd"].append(time.perf_counter() - start)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    if losses_for:
+        curve = [float(step()) for _ in range(losses_for)]
+        if manager is not None:
+            manager.remove()
+        return curve
+    ms, alloc, reserved = measure(step, steps)
+    note = ""
+    if manager is not None:
+        stepper = manager._stepper
+        busy0, wait0 = (stepper.busy_seconds, stepper.wait_seconds) if stepper else (0.0, 0.0)
+        for _ in range(3):
+            step(profile=True)
+            torch.cuda.synchronize()
+        fwd, bwd = statistics.median(timings["fwd"]) * 1e3, statistics.median(timings["bwd"]) * 1e3
+        note = f"forward {fwd:.1f} ms, forward+backward+after_backward {bwd:.1f} ms"
+        if stepper is not None:
+            note += (
+                f"; CPU optimizer busy {(stepper.busy_seconds - busy0) / 3 * 1e3:.1f} ms/step, "
+                f"forward waited for it {(stepper.wait_seconds - wait0) / 3 * 1e3:.1f} ms/step"
+            )
+        stats = manager.stats()
+        note += f"; h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB, d2h {stats.last_step_d2h_bytes / 1e9:.2f} GB/step"
+        manager.remove()
+    row("toy (optimizer offload)", mode, ms, alloc, reserved, note)
+    return []
+
+
+def toy_losses() -> None:
+    exact = toy("ferry exact", 0, losses_for=100)
+    delayed = toy("ferry delayed_update", 0, losses_for=100)
+    gap = abs(delayed[-1] - exact[-1]) / exact[-1] * 100
+    line = f"loss at step 100: exact {exact[-1]:.5f}, delayed_update {delayed[-1]:.5f} ({gap:.2f}% apart)"
+    ROWS.append(f"\n{line}\n")
+    print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- lora
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def lora_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    if not _MODELS:
+        base = make_lora_model()
+        quantized = copy.deepcopy(base)
+        quantize_frozen_weights(quantized, "nf4", device="cuda")  # torchao's kernels on the GPU: seconds
+        _MODELS.update(bf16=base, nf4=quantized)
+    return _MODELS["bf16"], _MODELS["nf4"]
+
+
+def lora(mode: str, steps: int, tokens: int) -> None:
+    bf16, nf4 = lora_models()
+    model, manager = (nf4 if mode.startswith("nf4") else bf16), None
+    if mode == "nf4 resident":
+        model.to("cuda")
+    elif mode == "fsdp2 (bf16)":
+        model = copy.deepcopy(bf16)  # FSDP2 takes the model over; the other modes keep the original
+        model = fsdp2_wrap(model, list(model.blocks))
+    elif mode == "reference (seed schedule, bf16)":
+        manager = OffloadTrainingManager(model, "cuda", options=OffloadOptions(prefetch=0))
+    else:
+        manager = OffloadTrainingManager(model, "cuda")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    def step() -> None:
+        x = torch.randn(tokens // 4096, 4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        model(x).float().pow(2).mean().backward()
+        if manager is not None:
+            manager.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    ms, alloc, reserved = measure(step, steps)
+    note = ""
+    if manager is not None:
+        stats = manager.stats()
+        note = (
+            f"h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB/step at {stats.last_step_h2d_gbps:.0f} GB/s, "
+            f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB"
+        )
+        manager.remove()
+    if mode == "nf4 resident":
+        model.to("cpu")
+    row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
+
+
+LORA_MODES = ["reference (seed schedule, bf16)", "fsdp2 (bf16)", "nf4 resident", "nf4 offloaded"]
+TOY_MODES = ["resident", "reference (seed schedule)", "fsdp2", "ferry default", "ferry exact", "ferry delayed_update"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workloads", default="toy,lora4k,lora16k")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--write", type=Path, default=None, help="a RESULTS.md to update between the markers")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("optimizer_quant_bench needs a CUDA GPU")
+    h2d = pinned_h2d_gbps()
+    for name in args.workloads.split(","):
+        if name == "toy":
+            runs = [lambda m=m: toy(m, args.steps) for m in TOY_MODES] + [toy_losses]
+        else:
+            tokens = {"lora4k": 4096, "lora16k": 16384}[name]
+            runs = [lambda m=m, t=tokens: lora(m, args.steps, t) for m in LORA_MODES]
+        for run in runs:
+            try:
+                run()
+            except Exception as error:  # a peer that cannot run here is reported, not fatal
+                ROWS.append(f"| {name} | failed | | | | {error!r:.200} |")
+                print(ROWS[-1], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+    nf4_bytes = sum(stored_bytes(p) for p in _MODELS["nf4"].parameters()) if _MODELS else 0
+    text = "\n".join(
+        [
+            f"Issue 18 benchmark — {datetime.date.today()} — {torch.cuda.get_device_name()} — torch "
+            f"{torch.__version__} — commit {commit()}",
+            "",
+            f"Pinned host→device copy {h2d:.1f} GB/s in this run; the lora stack's NF4 weights are "
+            f"{nf4_bytes / 1e9:.2f} GB (bf16: 6.44 GB), so its NF4 copy floor is 2 × {nf4_bytes / 1e9:.2f} GB / H2D = "
+            f"{2 * nf4_bytes / h2d / 1e6:.0f} ms.",
+            "",
+            f"Reproduce: `python bench/optimizer_quant_bench.py --workloads {args.workloads} --steps {args.steps}`",
+            "",
+            "| workload | mode | median step (ms) | peak allocated (GiB) | peak reserved (GiB) | notes |",
+            "|---|---|---|---|---|---|",
+            *ROWS,
+        ]
+    )
+    print("\n" + text)
+    if args.write is not None:
+        old = args.write.read_text() if args.write.exists() else ""
+        block = f"{START}\n## CPU optimizer overlap and quantized frozen weights (issue 18)\n\n{text}\n{END}"
+        if START in old:
+            old = old[: old.index(START)] + block + old[old.index(END) + len(END) :]
+        else:
+            old = old.rstrip() + "\n\n" + block + "\n"
+        args.write.write_text(old)
+
+
+if __name__ == "__main__":
+    main()
