@@ -18,6 +18,7 @@ from offload.offloaders import (
 )
 from offload.options import OffloadOptions, parse_bytes
 from offload.plan import MemoryPlan, plan_memory
+from offload.quantized import QuantizedParamOffloader, quantize_frozen_weights
 from offload.stats import OffloadStats
 from offload.units import OffloadUnit, discover_units
 
@@ -30,11 +31,13 @@ __all__ = [
     "OffloadTrainingManager",
     "OffloadUnit",
     "PinnedArenaPool",
+    "QuantizedParamOffloader",
     "StaticParamOffloader",
     "TensorOffloader",
     "TrainableParamOffloader",
     "discover_units",
     "parse_bytes",
     "plan_memory",
+    "quantize_frozen_weights",
     "set_gpu_memory_limit",
 ]
