@@ -15,6 +15,7 @@ from .dashboard import mount_dashboard
 from .data_dir import DataDirLock, make_private
 from .deps import require_token
 from .devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
+from .disk import ensure_reserve
 from .errors import install_error_handlers
 from .executor import Executor, LocalProcessExecutor
 from .peer_guard import LoopbackOnlyMiddleware
@@ -43,6 +44,7 @@ def create_app(
         make_private(settings.data_dir, settings.storage_dir)
         lock = DataDirLock.acquire(settings.data_dir)  # a second server on this directory stops here
         store = JobStore(settings.db_path)  # creates the schema on a fresh start
+        ensure_reserve(settings.data_dir)  # room for cancel and delete should the disk fill up (disk.py)
         if executor is None and settings.executor == "ray":
             runner, slots = _ray_executor(settings)
         else:

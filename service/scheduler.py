@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -14,11 +15,13 @@ from jobs.events import ErrorCode, FailedEvent, FinishedEvent
 from .devices import Slot, threads_for
 from .executor import Executor, LaunchRequest, RunHandle
 from .records import JobRecord
+from .retention import StepRetention
 from .settings import Settings
 from .status import IllegalTransition, JobStatus
 from .store import JobNotFound, JobStore
 
 log = logging.getLogger("ferry.scheduler")
+_HONOURED = {"cancel": (JobStatus.CANCELLED, "cancelled"), "pause": (JobStatus.PAUSED, "paused")}
 
 
 @dataclass
@@ -31,6 +34,8 @@ class Running:
     stop_sent: str | None = None
     kill_at: float | None = None  # monotonic deadline after a cancel
     shutting_down: bool = False
+    compacted_id: int = 0  # step events up to here are reduced already (retention.py)
+    compacted_at: float = 0.0
 
 
 class Scheduler:
@@ -45,6 +50,10 @@ class Scheduler:
     def __init__(self, store: JobStore, executor: Executor, slots: list[Slot], settings: Settings) -> None:
         self.store, self.executor, self.slots, self.settings = store, executor, slots, settings
         self.running: dict[str, Running] = {}  # by slot id
+        # Ended processes whose outcome could not be written yet (a full disk): retried every tick, so no job
+        # stays `running` without a process.
+        self.unsettled: list[tuple[Running, int]] = []
+        self.retention = StepRetention(settings.events_keep_first_steps, settings.events_step_window)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ferry-scheduler", daemon=True)
@@ -84,7 +93,10 @@ class Scheduler:
         self._shutdown_running()
 
     def tick(self) -> None:
-        """One pass: collect ended jobs, pass on stop requests, start queued jobs on free slots."""
+        """One pass: collect ended jobs, pass on stop requests, compact step events, start queued jobs."""
+        for run, code in self.unsettled[:]:
+            self.unsettled.remove((run, code))
+            self._settle(run, code)
         for slot_id, run in list(self.running.items()):
             code = run.handle.exit_code()
             if code is not None:
@@ -92,6 +104,7 @@ class Scheduler:
                 self._settle(run, code)
             else:
                 self._forward_stop(run)
+                self._compact(run)
         for slot in self.slots:
             if slot.id not in self.running and not self._stopping.is_set() and not self._start_next(slot):
                 break
@@ -148,7 +161,23 @@ class Scheduler:
 
     # -- deciding what an ended process means ----------------------------------------------------------
 
+    def _compact(self, run: Running, every_s: float = 2.0) -> None:
+        if time.monotonic() - run.compacted_at < every_s:
+            return
+        run.compacted_at = time.monotonic()
+        try:
+            run.compacted_id = self.store.compact_steps(run.job_id, run.compacted_id, self.retention)
+        except sqlite3.Error:
+            log.exception("could not compact the step events of %s", run.job_id)
+
     def _settle(self, run: Running, code: int) -> None:
+        try:
+            self._write_outcome(run, code)
+        except sqlite3.Error:  # e.g. the disk is full: keep trying, so the job does not stay `running`
+            log.exception("could not record how %s ended; retrying", run.job_id)
+            self.unsettled.append((run, code))
+
+    def _write_outcome(self, run: Running, code: int) -> None:
         try:
             job = self.store.get_job(run.job_id)
         except JobNotFound:
@@ -166,6 +195,8 @@ class Scheduler:
             self.store.requeue_interrupted(
                 job.id, max_retries=self.settings.max_retries, count_retry=not run.shutting_down
             )
+        run.compacted_at = 0.0
+        self._compact(run)
         log.info("%s attempt %d ended: %s (%s)", job.id, run.attempt, target.value, reason)
 
     @staticmethod
@@ -198,6 +229,12 @@ class Scheduler:
         for job in self.store.jobs_with_status(JobStatus.RUNNING):
             # Its process may outlive the dead server; it must be gone before anyone else writes that output.
             self.executor.stop_orphan(job.pid, job.pid_started_at, grace_s=self.settings.shutdown_grace_s)
+            # A cancel or pause was committed before its process was signalled: it outlives the crash.
+            if job.stop_request in _HONOURED:
+                target, word = _HONOURED[job.stop_request]
+                reason = f"{word} by user (the server restarted before the job's process stopped)"
+                self.store.transition(job.id, target, reason=reason)
+                continue
             self.store.transition(
                 job.id,
                 JobStatus.INTERRUPTED,

@@ -76,11 +76,11 @@ class JobPublic(BaseModel):
     last_checkpoint: CheckpointSummary | None
     error: JobError | None
     allowed_actions: list[JobAction] = Field(description="what the service accepts for this job now")
-    spec: dict[str, Any]
-    spec_text: str
+    spec: dict[str, Any] | None = Field(None, description="the resolved spec; in a listing only with include_spec")
+    spec_text: str | None = Field(None, description="the spec as submitted; in a listing only with include_spec")
 
     @classmethod
-    def from_record(cls, job: JobRecord) -> JobPublic:
+    def from_record(cls, job: JobRecord, *, include_spec: bool = True) -> JobPublic:
         step = job.progress or {}
         return cls(
             id=job.id,
@@ -104,8 +104,8 @@ class JobPublic(BaseModel):
             else None,
             error=_error(job),
             allowed_actions=allowed_actions(job.status),
-            spec=job.spec,
-            spec_text=job.spec_text,
+            spec=job.spec if include_spec else None,
+            spec_text=job.spec_text if include_spec else None,
         )
 
 

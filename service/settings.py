@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     poll_interval_s: float = Field(0.2, gt=0)  # scheduler tick
     # One line per request costs CPU on every poll of every dashboard; errors are logged either way.
     access_log: bool = False
+    # Per-step events: every one of a job's first N steps, then per window of steps its last, lowest-loss and
+    # highest-loss step (service/retention.py), so a long job's database stays small.
+    events_keep_first_steps: int = Field(1000, ge=0)
+    events_step_window: int = Field(100, ge=1)
+    # Below this much free space on the data directory's disk, /ready says so and submits get 507.
+    min_free_disk_bytes: int = Field(256 << 20, ge=0)
 
     @field_validator("model_roots", "data_roots", mode="before")
     @classmethod

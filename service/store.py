@@ -24,10 +24,17 @@ from jobs.events import (
 from .db import Database, create_schema
 from .lifecycle_events import JobError, StatusEvent, StopRequestedEvent, parse_stored_event
 from .records import EventRecord, JobRecord
+from .retention import StepRetention, compact_steps
 from .status import FINISHED, IllegalTransition, JobStatus, check_transition, deletion_refused_message
 
 # Columns a transition may set besides status; everything else is derived in `_transition`.
 _TRANSITION_FIELDS = frozenset({"worker", "device", "error_code", "error_message"})
+
+
+def storable(text: str) -> str:
+    """``text`` as it can be stored and served: a lone surrogate (from an undecodable file name in an error
+    message, say) becomes ``?``. Stored as is, it would make every answer that shows the record a 500."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 class JobNotFound(LookupError):
@@ -95,8 +102,8 @@ class JobStore:
                     job_id,
                     name,
                     JobStatus.QUEUED.value,
-                    spec_text,
-                    json.dumps(spec),
+                    storable(spec_text),
+                    storable(json.dumps(spec, ensure_ascii=False)),
                     total_steps,
                     idempotency_key,
                     request_sha256,
@@ -179,8 +186,15 @@ class JobStore:
         return self._stop_or_transition(job_id, "pause", JobStatus.PAUSED, "paused by user")
 
     def resume(self, job_id: str) -> JobRecord:
-        """Queue a paused, interrupted or failed job again; it continues from its last checkpoint."""
-        return self.transition(job_id, JobStatus.QUEUED, reason="resumed by user")
+        """Queue a paused, interrupted or failed job again; it continues from its last checkpoint.
+
+        A resume by hand starts the automatic retries afresh: the user has looked at the job, and its next
+        crash should not fail it at once for the retries an earlier run used up.
+        """
+        with self.db.transaction() as conn:
+            self._transition(conn, job_id, JobStatus.QUEUED, reason="resumed by user")
+            conn.execute("UPDATE jobs SET retries = 0 WHERE id = ?", (job_id,))
+            return self._get(conn, job_id)
 
     def requeue_interrupted(self, job_id: str, *, max_retries: int, count_retry: bool = True) -> JobRecord:
         """An interrupted job goes back to the queue while retries remain, else it fails.
@@ -227,6 +241,8 @@ class JobStore:
         assert set(fields) <= _TRANSITION_FIELDS, f"unexpected transition fields {set(fields)}"
         if fields.get("error_code") is not None:
             fields["error_code"] = ErrorCode(fields["error_code"]).value  # only a declared code is stored
+        if fields.get("error_message") is not None:
+            fields["error_message"] = storable(fields["error_message"])
         job = self._get(conn, job_id)
         check_transition(job_id, job.status, target)
         now = time.time()
@@ -260,17 +276,30 @@ class JobStore:
     def append_event(self, job_id: str, attempt: int, event: JobEvent | dict[str, Any]) -> int:
         """Store a job's event (typed, or its wire form from a child process) and keep its latest step,
         checkpoint and length on the job. An event jobs/events.py does not declare is refused."""
-        typed = event if isinstance(event, JobEvent) else parse_job_event(event)
+        return self.append_events(job_id, attempt, [event])[-1]
+
+    def append_events(self, job_id: str, attempt: int, events: list[JobEvent | dict[str, Any]]) -> list[int]:
+        """``append_event`` for several events in one transaction (a job's steps arrive in small batches)."""
+        typed = [e if isinstance(e, JobEvent) else parse_job_event(e) for e in events]
         with self.db.transaction() as conn:
-            event_id = self._insert_event(conn, job_id, attempt, typed)
-            if isinstance(typed, StepEvent):
-                latest = json.dumps({**event_to_wire(typed), "reported_at": time.time()})  # for the estimated finish
-                conn.execute("UPDATE jobs SET progress_json = ? WHERE id = ?", (latest, job_id))
-            elif isinstance(typed, CheckpointEvent):
-                conn.execute("UPDATE jobs SET checkpoint_json = ? WHERE id = ?", (typed.model_dump_json(), job_id))
-            elif isinstance(typed, StartedEvent):
-                conn.execute("UPDATE jobs SET total_steps = ? WHERE id = ?", (typed.total_steps, job_id))
-            return event_id
+            ids = [self._insert_event(conn, job_id, attempt, event) for event in typed]
+            steps = [e for e in typed if isinstance(e, StepEvent)]
+            if steps:  # the latest only: the job row shows the newest step
+                latest = json.dumps({**event_to_wire(steps[-1]), "reported_at": time.time()})  # for the finish time
+                conn.execute("UPDATE jobs SET progress_json = ? WHERE id = ?", (storable(latest), job_id))
+            for event in typed:
+                if isinstance(event, CheckpointEvent):
+                    conn.execute(
+                        "UPDATE jobs SET checkpoint_json = ? WHERE id = ?", (storable(event.model_dump_json()), job_id)
+                    )
+                elif isinstance(event, StartedEvent):
+                    conn.execute("UPDATE jobs SET total_steps = ? WHERE id = ?", (event.total_steps, job_id))
+            return ids
+
+    def compact_steps(self, job_id: str, after_id: int, retention: StepRetention) -> int:
+        """Apply the step-event retention to the job's complete windows (retention.py); returns the new mark."""
+        with self.db.transaction() as conn:
+            return compact_steps(conn, job_id, after_id, retention)
 
     def list_events(
         self, job_id: str, *, after: int = 0, limit: int = 100, types: Iterable[str] | None = None
@@ -321,6 +350,6 @@ class JobStore:
         data = event.model_dump(mode="json")
         cursor = conn.execute(
             "INSERT INTO events (job_id, attempt, type, created_at, data) VALUES (?, ?, ?, ?, ?)",
-            (job_id, attempt, data["type"], now or time.time(), json.dumps(data)),
+            (job_id, attempt, data["type"], now or time.time(), storable(json.dumps(data, ensure_ascii=False))),
         )
         return int(cursor.lastrowid)

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -116,32 +117,77 @@ def _run(request: LaunchRequest, reporter: _Reporter, should_stop: Any) -> Any:
 
 
 class _Reporter:
-    """The ``report`` callback: each typed event is serialized and goes straight into the sink (the store),
-    so a crash loses nothing sent. An event jobs/events.py does not declare is refused here."""
+    """The ``report`` callback: each typed event is serialized and written to the sink (the store).
+
+    Step events are written in small batches (one transaction per ``BATCH_S`` or ``BATCH_STEPS`` steps,
+    the first at once); every other event is written at once, after the steps before it. A crash loses at
+    most the last batch of steps, which the resume from the last checkpoint re-runs anyway. Each step (at
+    most one line per ``LOG_STEP_S``), checkpoint and the outcome also go to job.log. An event
+    jobs/events.py does not declare is refused here.
+    """
+
+    BATCH_S, BATCH_STEPS, LOG_STEP_S = 0.25, 64, 2.0
 
     def __init__(self, store: Any, request: LaunchRequest) -> None:
         self._store, self._request = store, request
         self._ended = False
+        self._pending: list[dict[str, Any]] = []
+        self._flushed_at = self._step_logged_at = float("-inf")
 
     def __call__(self, event: Any) -> None:
         from jobs.events import event_to_wire
 
         wire = event_to_wire(event)
+        self._log(wire)
+        self._pending.append(wire)
         if wire["type"] in ("finished", "failed"):
             self._ended = True
-        self._store.append_event(self._request.job_id, self._request.attempt, wire)
+        if (
+            wire["type"] != "step"
+            or len(self._pending) >= self.BATCH_STEPS
+            or time.monotonic() - self._flushed_at >= self.BATCH_S
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        if hasattr(self._store, "append_events"):
+            self._store.append_events(self._request.job_id, self._request.attempt, batch)
+        else:  # a sink that takes one event at a time (the Ray task's buffer)
+            for wire in batch:
+                self._store.append_event(self._request.job_id, self._request.attempt, wire)
+        self._flushed_at = time.monotonic()
 
     def finished(self, status: str, step: int) -> None:
         from jobs.events import FinishedEvent
 
         if not self._ended:
             self(FinishedEvent(status=status, step=step))  # type: ignore[arg-type]
+        self.flush()
 
     def failed(self, error: BaseException) -> None:
         from jobs.events import failed_event
 
         if not self._ended:  # e.g. the spec was refused before run_job started
             self(failed_event(error))
+        self.flush()
+
+    def _log(self, wire: dict[str, Any]) -> None:
+        kind = wire["type"]
+        if kind == "step" and time.monotonic() - self._step_logged_at >= self.LOG_STEP_S:
+            self._step_logged_at = time.monotonic()
+            log.info(
+                "step %d/%d loss %.6g lr %.3g %.1f samples/s",
+                wire["step"], wire["total_steps"], wire["loss"], wire["lr"], wire["samples_per_s"],
+            )  # fmt: skip
+        elif kind == "checkpoint":
+            log.info("checkpoint %s at step %d written to %s", wire["name"], wire["step"], wire["path"])
+        elif kind == "finished":
+            log.info("job %s finished: %s at step %d", self._request.job_id, wire["status"], wire["step"])
+        elif kind == "failed":
+            log.info("job %s failed: %s", self._request.job_id, wire.get("message"))
 
 
 def _log_to_file(request: LaunchRequest, *, capture_stdio: bool = True) -> None:

@@ -105,11 +105,17 @@ def read_metrics(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 2_000,
 ) -> MetricsPublic:
     """One point per step: loss, learning rate, throughput, GPU/host/pinned memory, offload figures; and
-    ``eval``: each evaluation (eval loss, perplexity) in the same range of event ids."""
+    ``eval``: each evaluation (eval loss, perplexity) in the same range of event ids. A step an attempt
+    re-ran (after resuming from an earlier checkpoint) shows the latest attempt's point."""
     store.get_job(job_id)
     events = store.list_events(job_id, after=after, limit=limit + 1, types=["step"])
     page, has_more = events[:limit], len(events) > limit
-    points = [MetricPoint(**e.data, event_id=e.id, time=e.created_at) for e in page]
+    superseded = _superseded_from(store, job_id)
+    points = [
+        MetricPoint(**e.data, event_id=e.id, time=e.created_at)
+        for e in page
+        if e.data["step"] <= superseded.get(e.attempt, e.data["step"])
+    ]
     # Evaluations up to the page's last step while more steps follow, else all of them (a final eval comes
     # after the last step): the cursor then moves past the last eval too, and none is served twice.
     evals = store.list_events(job_id, after=after, limit=limit, types=["eval"])
@@ -133,6 +139,18 @@ def read_samples(
     page = events[:limit]
     samples = [SamplePoint(**e.data, event_id=e.id, time=e.created_at) for e in page]
     return SamplesPublic(data=samples, next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
+
+
+def _superseded_from(store: JobStore, job_id: str) -> dict[int, int]:
+    """For each attempt, the last of its steps no later attempt re-ran: a later attempt that resumed from
+    step k re-ran every step after k (one that started afresh, all of them)."""
+    starts = store.list_events(job_id, limit=100_000, types=["started"])
+    limits: dict[int, int] = {}
+    for earlier in {e.attempt for e in starts}:
+        later = [e.data.get("resumed_from_step") or 0 for e in starts if e.attempt > earlier]
+        if later:
+            limits[earlier] = min(later)
+    return limits
 
 
 @router.get("/logs", response_class=PlainTextResponse)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from ..deps import SchedulerDep, StoreDep, require_token
+from ..deps import SchedulerDep, SettingsDep, StoreDep, require_token
+from ..disk import low_disk_message
 from ..prometheus import render_metrics
 
 router = APIRouter(tags=["health"])
@@ -20,8 +21,8 @@ def health() -> dict[str, str]:
 
 
 @router.get("/ready", responses={503: {"description": "recovering, or the store or queue is down"}})
-def ready(store: StoreDep, scheduler: SchedulerDep) -> JSONResponse:
-    """Readiness: the store answers, start-up recovery is done and the queue thread runs."""
+def ready(store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep) -> JSONResponse:
+    """Readiness: the store answers, start-up recovery is done, the queue thread runs and the disk has room."""
     try:
         store.count_by_status()
     except Exception as error:
@@ -30,6 +31,9 @@ def ready(store: StoreDep, scheduler: SchedulerDep) -> JSONResponse:
         return JSONResponse({"status": "starting", "reason": "recovering interrupted jobs"}, status_code=503)
     if not scheduler.is_alive():
         return JSONResponse({"status": "unavailable", "reason": "the scheduler thread stopped"}, status_code=503)
+    low = low_disk_message(settings.data_dir, settings.min_free_disk_bytes)
+    if low is not None:  # reads, cancels and deletes still work; new jobs are refused (507)
+        return JSONResponse({"status": "disk_low", "reason": low}, status_code=503)
     return JSONResponse({"status": "ready"})
 
 

@@ -14,6 +14,7 @@ from jobs import JobSpec
 
 from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, StoreDep
 from ..devices import GpuInfo, Slot
+from ..disk import refuse_if_disk_low, with_space_to_free
 from ..errors import INT64_MAX, ApiError
 from ..fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
 from ..intake import load_checked_spec, spec_text_from_body
@@ -46,6 +47,7 @@ _ERRORS = {401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": 
         413: {"model": ErrorBody},
         422: {"model": ErrorBody},
         429: {"model": ErrorBody},
+        507: {"model": ErrorBody, "description": "the data directory's disk is short of space"},
     },
 )
 def create_job(
@@ -66,6 +68,7 @@ def create_job(
     estimated to exceed every GPU's memory is refused (422 ``does_not_fit``) unless ``fit_check=false``."""
     text = spec_text_from_body(body, request.headers.get("content-type"))
     spec = load_checked_spec(text, settings)
+    refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
     if not queue_anyway and settings.executor == "local":  # a Ray cluster's GPUs are not this machine's
         refuse_if_no_worker_has_the_device(spec, scheduler.slots, text)
     if fit_check:
@@ -145,6 +148,7 @@ async def list_jobs(
         str | None, Query(pattern=r"^[0-9]{1,19}$", description="next_cursor of the previous page")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    include_spec: Annotated[bool, Query(description="true: each job's spec and spec_text too")] = False,
 ) -> JobsPublic:
     """Jobs, newest first, one page at a time (read in the event loop, as ``read_job``)."""
     before = None if cursor is None else int(cursor)
@@ -152,7 +156,8 @@ async def list_jobs(
         raise ApiError(422, "invalid_request", f"The request is invalid: query.cursor: must be at most {INT64_MAX}.")
     jobs, next_cursor = store.list_jobs(statuses=status, before=before, limit=limit)
     return JobsPublic(
-        data=[JobPublic.from_record(j) for j in jobs], next_cursor=None if next_cursor is None else str(next_cursor)
+        data=[JobPublic.from_record(j, include_spec=include_spec) for j in jobs],
+        next_cursor=None if next_cursor is None else str(next_cursor),
     )
 
 
@@ -165,9 +170,10 @@ async def read_job(job_id: str, store: StoreDep) -> JobPublic:
 
 
 @router.post("/{job_id}/cancel", responses=_ERRORS)
-def cancel_job(job_id: str, store: StoreDep, scheduler: SchedulerDep) -> JobPublic:
-    """Cancel now; a running job is stopped within FERRY_CANCEL_GRACE_S (``stop_requested: cancel``)."""
-    job = store.cancel(job_id)
+def cancel_job(job_id: str, store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep) -> JobPublic:
+    """Cancel now; a running job is stopped within FERRY_CANCEL_GRACE_S (``stop_requested: cancel``).
+    Works on a full disk too (disk.py)."""
+    job = with_space_to_free(settings.data_dir, lambda: store.cancel(job_id))
     scheduler.wake()
     return JobPublic.from_record(job)
 
@@ -181,8 +187,11 @@ def pause_job(job_id: str, store: StoreDep, scheduler: SchedulerDep) -> JobPubli
 
 
 @router.post("/{job_id}/resume", responses=_ERRORS)
-def resume_job(job_id: str, store: StoreDep, scheduler: SchedulerDep) -> JobPublic:
-    """Queue a paused, interrupted or failed job again; it continues from its last checkpoint."""
+def resume_job(job_id: str, store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep) -> JobPublic:
+    """Queue a paused, interrupted or failed job again; it continues from its last checkpoint. A resume by
+    hand starts the automatic retries afresh."""
+    store.get_job(job_id)  # 404 before 507
+    refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
     job = store.resume(job_id)
     scheduler.wake()
     return JobPublic.from_record(job)
@@ -190,7 +199,7 @@ def resume_job(job_id: str, store: StoreDep, scheduler: SchedulerDep) -> JobPubl
 
 @router.delete("/{job_id}", status_code=204, responses=_ERRORS)
 def delete_job(job_id: str, store: StoreDep, settings: SettingsDep) -> Response:
-    """Delete a finished job with its events, checkpoints and logs."""
-    store.delete_job(job_id)
+    """Delete a finished job with its events, checkpoints and logs; works on a full disk too (disk.py)."""
+    with_space_to_free(settings.data_dir, lambda: store.delete_job(job_id))
     shutil.rmtree(settings.job_dir(job_id), ignore_errors=True)
     return Response(status_code=204)

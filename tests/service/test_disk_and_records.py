@@ -1,0 +1,79 @@
+"""A full disk, the listing's weight and the job's log, through the API."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service import disk
+from service.app import create_app
+from service.executor.local import LocalProcessExecutor
+from service.settings import Settings
+
+from .conftest import spec_yaml, submit, wait_status
+
+YAML = {"content-type": "application/yaml"}
+
+
+@pytest.fixture
+def app_client(tmp_path: Path) -> TestClient:
+    settings = Settings(data_dir=tmp_path / "data", devices="cpu", warm_start=False, _env_file=None)
+    with TestClient(create_app(settings, executor=LocalProcessExecutor(warm=[]))) as client:
+        yield client
+
+
+def test_a_full_disk_is_reported_new_work_is_507_and_cancel_still_works(
+    app_client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = app_client.post("/v1/jobs", content=spec_yaml(name="before", steps=100_000), headers=YAML).json()
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 10 << 20)
+    ready = app_client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["status"] == "disk_low"
+    assert "has 10.0 MiB free, under FERRY_MIN_FREE_DISK_BYTES (256.0 MiB)" in ready.json()["reason"]
+    refused = app_client.post("/v1/jobs", content=spec_yaml(name="after"), headers=YAML)
+    assert refused.status_code == 507 and refused.json()["error"]["code"] == "insufficient_storage"
+    assert [j["name"] for j in app_client.get("/v1/jobs").json()["data"]] == ["before"]  # nothing stored
+    assert app_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+
+
+def test_cancel_and_delete_give_back_the_reserve_when_the_disk_is_full(
+    app_client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = app_client.app.state.store
+    reserve = app_client.app.state.settings.data_dir / disk.RESERVE_NAME
+    assert reserve.stat().st_size == disk.RESERVE_BYTES
+    job = app_client.post("/v1/jobs", content=spec_yaml(name="full", steps=100_000), headers=YAML).json()
+    real, calls = store.cancel, []
+
+    def full_until_space_is_freed(job_id: str) -> Any:
+        calls.append(job_id)
+        if reserve.exists():
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(job_id)
+
+    monkeypatch.setattr(store, "cancel", full_until_space_is_freed)
+    assert app_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+    assert len(calls) == 2 and not reserve.exists()
+
+
+def test_the_list_omits_specs_unless_asked(client: httpx.Client) -> None:
+    job = submit(client, spec_yaml(name="listed", steps=1))
+    listed = client.get("/v1/jobs").json()["data"]
+    assert listed and all(j["spec"] is None and j["spec_text"] is None for j in listed)
+    full = client.get("/v1/jobs", params={"include_spec": "true"}).json()["data"]
+    assert next(j for j in full if j["id"] == job["id"])["spec_text"] == spec_yaml(name="listed", steps=1)
+    assert client.get(f"/v1/jobs/{job['id']}").json()["spec"]["name"] == "listed"  # one job: always
+
+
+def test_the_job_log_holds_steps_checkpoints_and_the_outcome(client: httpx.Client) -> None:
+    job = submit(client, spec_yaml(name="logged", steps=3, every=3))
+    wait_status(client, job["id"], "succeeded")
+    log = client.get(f"/v1/jobs/{job['id']}/logs").text
+    assert "step 1/3 loss " in log
+    assert "checkpoint step-00000003 at step 3 written to " in log
+    assert f"job {job['id']} finished: succeeded at step 3" in log
