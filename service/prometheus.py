@@ -1,6 +1,12 @@
-"""The /metrics body in Prometheus text exposition format, written by hand (no extra dependency)."""
+"""The /metrics body: the store's and scheduler's figures through ``prometheus_client`` (exposition format,
+label escaping and content type as Prometheus expects them)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from jobs.events import StepEvent
 
@@ -18,36 +24,48 @@ _JOB_GAUGES = (
 )
 
 
-def render_metrics(store: JobStore, scheduler: Scheduler) -> str:
-    lines = ["# HELP ferry_jobs Jobs in the store by status.", "# TYPE ferry_jobs gauge"]
-    for status, count in store.count_by_status().items():
-        lines.append(f'ferry_jobs{{status="{status.value}"}} {count}')
-    busy = len(scheduler.running)
-    lines += [
-        "# HELP ferry_workers Worker slots by state.",
-        "# TYPE ferry_workers gauge",
-        f'ferry_workers{{state="busy"}} {busy}',
-        f'ferry_workers{{state="idle"}} {len(scheduler.slots) - busy}',
-    ]
-    running = store.jobs_with_status(JobStatus.RUNNING)
-    latest = {job.id: _latest_step(job.progress) for job in running}
-    for metric, key, help_text in _JOB_GAUGES:
-        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+class FerryCollector:
+    """Reads the figures at scrape time: nothing is kept between scrapes, so nothing goes stale."""
+
+    def __init__(self, store: JobStore, scheduler: Scheduler) -> None:
+        self.store, self.scheduler = store, scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily("ferry_jobs", "Jobs in the store by status.", labels=["status"])
+        for status, count in self.store.count_by_status().items():
+            jobs.add_metric([status.value], count)
+        yield jobs
+        busy = len(self.scheduler.running)
+        workers = GaugeMetricFamily("ferry_workers", "Worker slots by state.", labels=["state"])
+        workers.add_metric(["busy"], busy)
+        workers.add_metric(["idle"], len(self.scheduler.slots) - busy)
+        yield workers
+        running = self.store.jobs_with_status(JobStatus.RUNNING)
+        latest = {job.id: _latest_step(job.progress) for job in running}
+        for metric, key, help_text in _JOB_GAUGES:
+            gauge = GaugeMetricFamily(metric, help_text, labels=["job_id", "worker"])
+            for job in running:
+                value = getattr(latest[job.id], key, None)
+                if isinstance(value, int | float):
+                    gauge.add_metric([job.id, job.worker or ""], value)
+            yield gauge
+        eval_loss = GaugeMetricFamily(
+            "ferry_job_eval_loss",
+            "Latest eval loss of a running job (jobs with an eval section).",
+            labels=["job_id", "worker"],
+        )
         for job in running:
-            value = getattr(latest[job.id], key, None)
-            if isinstance(value, (int, float)):
-                lines.append(f'{metric}{{job_id="{job.id}",worker="{job.worker}"}} {value}')
-    lines += [
-        "# HELP ferry_job_eval_loss Latest eval loss of a running job (jobs with an eval section).",
-        "# TYPE ferry_job_eval_loss gauge",
-    ]
-    for job in running:
-        evals = store.list_events(job.id, limit=100_000, types=["eval"])
-        if evals:
-            lines.append(
-                f'ferry_job_eval_loss{{job_id="{job.id}",worker="{job.worker}"}} {evals[-1].data["eval_loss"]}'
-            )
-    return "\n".join(lines) + "\n"
+            evals = self.store.list_events(job.id, limit=100_000, types=["eval"])
+            if evals:
+                eval_loss.add_metric([job.id, job.worker or ""], evals[-1].data["eval_loss"])
+        yield eval_loss
+
+
+def render_metrics(store: JobStore, scheduler: Scheduler) -> bytes:
+    """The Prometheus text exposition of the service's figures now."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FerryCollector(store, scheduler))
+    return generate_latest(registry)
 
 
 def _latest_step(progress: dict | None) -> StepEvent | None:

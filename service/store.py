@@ -302,14 +302,21 @@ class JobStore:
             return compact_steps(conn, job_id, after_id, retention)
 
     def list_events(
-        self, job_id: str, *, after: int = 0, limit: int = 100, types: Iterable[str] | None = None
+        self,
+        job_id: str,
+        *,
+        after: int = 0,
+        limit: int = 100,
+        types: Iterable[str] | None = None,
+        exclude_types: Iterable[str] | None = None,
     ) -> list[EventRecord]:
-        """Events with id > ``after``, oldest first."""
+        """Events with id > ``after``, oldest first; only ``types``, or all but ``exclude_types``."""
         sql, args = "SELECT * FROM events WHERE job_id = ? AND id > ?", [job_id, after]
-        if types:
-            types = list(types)
-            sql += f" AND type IN ({','.join('?' * len(types))})"
-            args += types
+        for names, operator in ((types, "IN"), (exclude_types, "NOT IN")):
+            if names:
+                names = list(names)
+                sql += f" AND type {operator} ({','.join('?' * len(names))})"
+                args += names
         rows = self.db.conn.execute(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
         return [EventRecord.from_row(r) for r in rows]
 

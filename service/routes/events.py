@@ -22,6 +22,7 @@ router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
 
 HEARTBEAT_S = 15.0
 POLL_S = 0.25
+CATCH_UP_BATCH, CATCH_UP_PAUSE_S = 500, 0.02  # a replay runs at most 25k events/s per stream
 
 
 @router.get("/events")
@@ -30,10 +31,11 @@ def list_events(
     store: StoreDep,
     after: Annotated[int, Query(ge=0, le=INT64_MAX, description="the last event id you have")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    exclude: Annotated[list[str] | None, Query(description="event types to leave out, e.g. step; may repeat")] = None,
 ) -> EventsPublic:
     """Stored events, oldest first, from after the cursor."""
     store.get_job(job_id)  # 404 for an unknown id
-    events = store.list_events(job_id, after=after, limit=limit + 1)
+    events = store.list_events(job_id, after=after, limit=limit + 1, exclude_types=exclude)
     page = events[:limit]
     return EventsPublic(
         data=[EventPublic.from_record(e) for e in page],
@@ -75,13 +77,17 @@ async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> As
     yield "retry: 2000\n\n"
     last_sent = time.monotonic()
     while not await request.is_disconnected():
-        events = await run_in_threadpool(store.list_events, job_id, after=after, limit=500)
+        events = await run_in_threadpool(store.list_events, job_id, after=after, limit=CATCH_UP_BATCH)
         for event in events:
             payload = EventPublic.from_record(event).model_dump_json()
             yield f"id: {event.id}\nevent: {event.type}\ndata: {payload}\n\n"
             after = event.id
         if events:
             last_sent = time.monotonic()
+            if len(events) == CATCH_UP_BATCH:
+                # Far behind (a replay from an old id): one stream catching up must not crowd out every
+                # other request's turn in the event loop and the thread pool.
+                await asyncio.sleep(CATCH_UP_PAUSE_S)
             continue
         try:
             job = await run_in_threadpool(store.get_job, job_id)

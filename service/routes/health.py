@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..deps import SchedulerDep, SettingsDep, StoreDep, require_token
 from ..disk import low_disk_message
@@ -38,6 +39,6 @@ def ready(store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep) -> JS
 
 
 @metrics_router.get("/metrics", response_class=PlainTextResponse)
-def metrics(store: StoreDep, scheduler: SchedulerDep) -> PlainTextResponse:
+def metrics(store: StoreDep, scheduler: SchedulerDep) -> Response:
     """Prometheus text format: jobs by status, busy workers, and the latest figures of running jobs."""
-    return PlainTextResponse(render_metrics(store, scheduler), media_type="text/plain; version=0.0.4")
+    return Response(render_metrics(store, scheduler), media_type=CONTENT_TYPE_LATEST)

@@ -15,7 +15,7 @@ from service.app import create_app
 from service.executor.local import LocalProcessExecutor
 from service.settings import Settings
 
-from .conftest import spec_yaml, submit, wait_status
+from .conftest import spec_yaml, submit, wait_for, wait_status
 
 YAML = {"content-type": "application/yaml"}
 
@@ -77,3 +77,25 @@ def test_the_job_log_holds_steps_checkpoints_and_the_outcome(client: httpx.Clien
     assert "step 1/3 loss " in log
     assert "checkpoint step-00000003 at step 3 written to " in log
     assert f"job {job['id']} finished: succeeded at step 3" in log
+
+
+def test_the_job_page_history_leaves_the_steps_out(client: httpx.Client) -> None:
+    job = submit(client, spec_yaml(name="history", steps=3, every=3))
+    wait_status(client, job["id"], "succeeded")
+    every = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    history = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000, "exclude": "step"}).json()["data"]
+    assert [e for e in every if e["type"] != "step"] == history and "step" in {e["type"] for e in every}
+
+
+def test_metrics_for_prometheus(client: httpx.Client) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    job = submit(client, spec_yaml(name="scraped", steps=100_000, every=100_000))
+    wait_for(client, job["id"], lambda j: j["progress"] is not None and j["progress"]["step"] > 0)
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    assert {s.labels["status"] for s in families["ferry_jobs"].samples} >= {"queued", "running", "succeeded"}
+    steps = {s.labels["job_id"]: s.value for s in families["ferry_job_step"].samples}
+    assert steps[job["id"]] > 0
+    client.post(f"/v1/jobs/{job['id']}/cancel")

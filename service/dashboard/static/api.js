@@ -82,9 +82,9 @@ export function errorMessage(payload) {
  * Stream a job's events: `onEvent({id, type, data})` for each one. Reconnects on its own, sending
  * `Last-Event-ID` so nothing is missed or repeated. Returns a function that stops the stream.
  */
-export function streamEvents(jobId, { onEvent, onState = () => {}, onAuthError = () => {}, shouldReconnect = () => true }) {
+export function streamEvents(jobId, { after = 0, onEvent, onState = () => {}, onAuthError = () => {}, shouldReconnect = () => true }) {
   const controller = new AbortController();
-  let lastEventId = null;
+  let lastEventId = after > 0 ? String(after) : null;  // start from the last event the page already has
   let retryMs = 1000;
 
   async function connect() {

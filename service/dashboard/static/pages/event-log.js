@@ -1,5 +1,5 @@
-// The live event log. Events arrive from the stream (replayed from the start on page load, then
-// live), so a reload shows the whole history again and continues from there.
+// The live event log. The stored events arrive first (loaded on page load), then the stream adds new ones
+// live, so a reload shows the whole history again and continues from there.
 
 import { bytes, h, num } from "../format.js";
 

@@ -12,7 +12,20 @@ export async function loadMetrics(path, series, onEval = () => {}) {
     const body = await api(`${path}/metrics?after=${after}&limit=10000`);
     series.addRows(metricRows(body));
     onEval(body?.eval || []);  // the evaluations in the same range of events
-    if (!body?.has_more || body.next_cursor === undefined || body.next_cursor === after) return;
+    const next = isNum(body?.next_cursor) ? body.next_cursor : after;
+    if (!body?.has_more || next === after) return next;
+    after = next;
+  }
+  return after;
+}
+
+/** Every stored event but the steps (the series holds those), oldest first: the event log's history. */
+export async function loadHistory(path, add) {
+  let after = 0;
+  for (let page = 0; page < 20; page += 1) {
+    const body = await api(`${path}/events?after=${after}&limit=1000&exclude=step`);
+    for (const item of body?.data || []) add(item);
+    if (!body?.has_more || body.next_cursor === after) return;
     after = body.next_cursor;
   }
 }

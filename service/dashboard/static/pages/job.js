@@ -6,7 +6,7 @@ import { describeError, poll } from "../live.js";
 import { ACTIONS, TERMINAL, flattenStep, normalizeJob, unwrapEvent } from "../model.js";
 import { errorState, failureBanner, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
-import { loadMetrics, makeCharts, seriesStore } from "./job-series.js";
+import { loadHistory, loadMetrics, makeCharts, seriesStore } from "./job-series.js";
 import { evalChart, samplesCard } from "./job-llm.js";
 import { checkpointsCard } from "./checkpoints.js";
 import { specCard } from "./spec.js";
@@ -68,9 +68,16 @@ export async function render(root, { params: [jobId], ctx }) {
   }
 
   draw();
-  // Load the stored series first, then let the stream add steps as they come (same step = same point).
+  // Load the stored series and the log's other events first, then open the stream from the last event the
+  // page has: it brings only what is new, never a replay of the whole job (same step = same point, an
+  // event seen twice is shown once).
+  let after = 0;
   try {
-    await loadMetrics(path, series, (points) => evals.add(points));
+    after = await loadMetrics(path, series, (points) => evals.add(points));
+    await loadHistory(path, ({ id, type, data }) => {
+      const event = unwrapEvent(data, type);
+      log.add(id, event.type || type, event);
+    });
   } catch (err) {
     if (err instanceof AuthError) throw err;
     banner.replaceChildren(errorState(describeError(err), { title: "Metrics unavailable." }));
@@ -82,6 +89,7 @@ export async function render(root, { params: [jobId], ctx }) {
 
   let streamEnded = false;
   const stopStream = streamEvents(jobId, {
+    after,
     onEvent: ({ id, type, data }) => {
       if (type === "end") { streamEnded = true; return; }  // the job finished and every event is out
       const event = unwrapEvent(data, type);
