@@ -9,6 +9,7 @@ top of it in ``nvidia-smi``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -138,7 +139,7 @@ def _shapes_only_model(spec: JobSpec) -> nn.Module:
     return family_of(spec.model).meta_model(spec.model).to(getattr(torch, spec.model.dtype))
 
 
-def _tensor_bytes(tensors: object) -> int:
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

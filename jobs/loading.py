@@ -187,7 +187,7 @@ def _valid_keys(loc: Loc) -> list[str]:
         candidates = [t for t in _flatten(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
         if len(candidates) > 1 and parts:  # discriminated union: the next location part is the tag
             tag = parts.pop(0)
-            candidates = [c for c in candidates if c.model_fields["kind"].annotation.__args__[0] == tag]
+            candidates = [c for c in candidates if typing.get_args(c.model_fields["kind"].annotation)[:1] == (tag,)]
         if not candidates:
             return []
         model = candidates[0]

@@ -25,7 +25,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, task_type: str | None) -> Pe
     """
     config = LoraConfig(
         r=spec.rank,
-        lora_alpha=spec.alpha or spec.rank,
+        lora_alpha=spec.alpha or spec.rank,  # type: ignore[arg-type]  # peft scales by alpha / r: a float works
         lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules),
         use_dora=spec.use_dora,
@@ -47,5 +47,6 @@ def save_adapter(model: PeftModel, directory: Path) -> None:
 def load_adapter(model: PeftModel, directory: Path) -> None:
     """Load adapter weights saved by `save_adapter` into ``model`` (before the offload engine attaches)."""
     result = set_peft_model_state_dict(model, load_file(str(directory / ADAPTER_WEIGHTS)))
-    if result.unexpected_keys:
-        raise ValueError(f"checkpoint {directory} has adapter weights this model lacks: {result.unexpected_keys[:5]}")
+    unexpected = list(result.unexpected_keys)  # type: ignore[attr-defined]  # torch's _IncompatibleKeys
+    if unexpected:
+        raise ValueError(f"checkpoint {directory} has adapter weights this model lacks: {unexpected[:5]}")

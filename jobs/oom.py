@@ -40,6 +40,6 @@ def oom_message(spec: JobSpec, step: int, error: BaseException) -> str:
         return f"device out of memory at step {step + 1}: {first_line}. To fit: {oom_advice(spec)}."
     return (
         f"device out of memory at step {step + 1} under offload.gpu_memory_limit={limit} "
-        f"({parse_bytes(limit) / 2**30:.2f} GiB for this process): {first_line}. To fit: {oom_advice(spec)}, "
+        f"({(parse_bytes(limit) or 0) / 2**30:.2f} GiB for this process): {first_line}. To fit: {oom_advice(spec)}, "
         f"or raise offload.gpu_memory_limit."
     )

@@ -180,7 +180,7 @@ def _train(
         info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict())
         files = [FileDigest(**entry) for entry in info.files]
         report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
-        if session.sampler is not None:
+        if session.sampler is not None and spec.sample is not None:
             for event in keep_samples(info, output_dir, spec.sample.prompts):
                 report(event)
         return info

@@ -57,7 +57,10 @@ def total_steps(spec: JobSpec, data: BatchSource) -> int:
     """Optimizer steps for the job: ``training.steps``, or the epochs' worth of micro-batches."""
     if spec.training.steps is not None:
         return spec.training.steps
-    return max(1, spec.training.epochs * data.batches_per_epoch // spec.training.gradient_accumulation_steps)
+    epochs, per_epoch = spec.training.epochs, data.batches_per_epoch
+    if epochs is None or per_epoch is None:  # refused at submit time (rules.py); say so if called directly
+        raise ValueError("training.epochs needs a finite dataset; use training.steps instead")
+    return max(1, epochs * per_epoch // spec.training.gradient_accumulation_steps)
 
 
 def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSession:
@@ -187,7 +190,8 @@ def keep_trainable_in_float32(model: nn.Module) -> None:
 
 
 def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_embeddings = getattr(model, "get_input_embeddings", None)  # Hugging Face models (peft-wrapped too)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
     if embeddings is None:
         embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if vocab is not None and embeddings is not None and vocab > embeddings.num_embeddings:

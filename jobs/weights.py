@@ -5,14 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeGuard
 
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 MODEL_WEIGHTS = "model.safetensors"
 
 
-def is_peft_model(model: nn.Module) -> bool:
+def is_peft_model(model: nn.Module) -> TypeGuard[PeftModel]:
     """A peft-wrapped model (checked without importing peft)."""
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 

@@ -106,6 +106,7 @@ class PinnedArenaPool:
         if raw is None:
             return self._allocate_fallback(shape, dtype, nbytes)
         numel = torch.Size(shape).numel()
+        assert isinstance(raw, torch.Tensor)  # an offset comes back only from a dry run
         return raw[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
 
     def _take(self, nbytes: int) -> torch.Tensor | int | None:

@@ -23,7 +23,7 @@ from offload.offloaders import (
     TrainableParamOffloader,
 )
 from offload.optimizer_step import StepDuringBackward
-from offload.options import OffloadOptions
+from offload.options import OffloadOptions, parse_bytes
 from offload.plan import UnitLayout, plan_memory
 from offload.quantized import QuantizedParamOffloader, is_quantized, link_bytes, stored_bytes
 from offload.ring import DeviceRing
@@ -84,7 +84,7 @@ class OffloadTrainingManager:
         # Before the first device allocation, so nothing the engine holds is ever above the limit.
         self._previous_limit = _memory_fraction(self.device)
         if self.options.gpu_memory_limit is not None:
-            set_gpu_memory_limit(self.device, self.options.gpu_memory_limit)
+            set_gpu_memory_limit(self.device, parse_bytes(self.options.gpu_memory_limit))
         # Host and device memory are planned before anything is allocated (plan.py); the estimate a job
         # gets at submit reads the same plan.
         self.plan = plan_memory(
@@ -116,7 +116,7 @@ class OffloadTrainingManager:
 
     # ----------------------------------------------------------------- setup
     def _check_plan_fits(self) -> None:
-        limit = self.options.gpu_memory_limit
+        limit = parse_bytes(self.options.gpu_memory_limit)  # an int already (OffloadOptions.__post_init__)
         if limit is not None and self.plan.ring_bytes > limit:
             raise ValueError(
                 f"the device ring for streamed weights needs {self.plan.ring_bytes / 2**30:.2f} GiB "
@@ -143,6 +143,7 @@ class OffloadTrainingManager:
         offloaders = [self._offloader_for(name, tensor, hosts.get(id(tensor))) for name, tensor in ordered]
         for offloader in offloaders:
             if group is not None and id(offloader.tensor) in hosts and offloader.group is None:
+                assert isinstance(offloader, StaticParamOffloader)  # spans hold only what never changes
                 group.add(offloader)
             elif id(offloader.tensor) in layout.offsets and offloader.placement is None:
                 offloader.placement, offloader.slot_offset = placement, layout.offsets[id(offloader.tensor)]
@@ -163,14 +164,18 @@ class OffloadTrainingManager:
             host = self._host_like(tensor)
         if tensor.is_meta:
             self._materialize(name, tensor, host)
-        if not isinstance(tensor, nn.Parameter):
-            offloader = BufferOffloader(name, tensor, self._copies, host)
-        elif not tensor.requires_grad:
-            offloader = StaticParamOffloader(name, tensor, self._copies, host)
-        elif self.enable_optimizer_cpu_offload:
-            offloader = TrainableParamOffloader(name, tensor, self._copies, host, self._host_like(tensor))
-        else:
+        offloader: TensorOffloader
+        if not self._wants_host_copy(tensor):  # a trainable weight without optimizer offload stays on the device
             offloader = AlwaysOnGPUParamOffloader(name, tensor, self._copies)
+        elif not isinstance(tensor, nn.Parameter):
+            assert host is not None  # made above for every tensor that wants a host copy
+            offloader = BufferOffloader(name, tensor, self._copies, host)
+        else:
+            assert host is not None
+            if not tensor.requires_grad:
+                offloader = StaticParamOffloader(name, tensor, self._copies, host)
+            else:
+                offloader = TrainableParamOffloader(name, tensor, self._copies, host, self._host_like(tensor))
         offloader.on_backward_use = self._schedule.weight_unpacked
         self._offloaders[id(tensor)] = offloader
         return offloader
@@ -304,7 +309,7 @@ class OffloadTrainingManager:
         self._copies.end_step()
         if self._stepper is not None:
             self._stepper.end_backward()
-        self._schedule.end_step(self.options.gpu_memory_budget)
+        self._schedule.end_step(parse_bytes(self.options.gpu_memory_budget))  # an int already: __post_init__
 
     def stats(self) -> OffloadStats:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""

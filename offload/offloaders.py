@@ -78,6 +78,7 @@ class TensorOffloader:
         """The device copy, onloading it first if needed, with the current stream waiting for it."""
         if self.pending is None:
             self.onload()
+        assert self.pending is not None  # onload() set it
         return self.copies.wait(self.pending)
 
     def prefetch(self) -> None:
@@ -299,6 +300,7 @@ class TrainableParamOffloader(StaticParamOffloader):
                 self._grad_event.synchronize()
                 self._grad_event = None
             if self._staged:
+                assert self._staging is not None  # staged implies a staging buffer
                 self.grad_host.add_(self._staging)
                 self._staged = False
 

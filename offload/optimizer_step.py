@@ -152,7 +152,7 @@ class StepDuringBackward:
         if closure is not None:
             self.wait()
             return self._original_step(closure)
-        self.optimizer._opt_called = True  # what an LR scheduler's wrapper of step() would have set
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's wrapper sets
         return None
 
     # ----------------------------------------------------------------- what the manager tells us
@@ -272,7 +272,7 @@ class StepDuringBackward:
             update.target.copy_(update.copy_from)
         standin.data = update.target
         single = self._single[id(param)]
-        single.state = {standin: self.optimizer.state[param]}  # the user's state entry, shared
+        single.state = {standin: self.optimizer.state[param]}  # type: ignore[assignment]  # the user's entry, shared
         single.param_groups[0].update(update.hyper)
         standin.grad = update.grad
         single.step()

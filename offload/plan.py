@@ -216,8 +216,8 @@ def _ring(
         for key, nbytes in zip(keys, items, strict=True):
             offsets[key] = at
             at += nbytes
-        klass, slot = class_of.get(index, (None, 0))
-        layouts.append(UnitLayout(name, span, solo, offsets, sum(items), klass, slot))
+        ring_class, slot = class_of.get(index, (None, 0))
+        layouts.append(UnitLayout(name, span, solo, offsets, sum(items), ring_class, slot))
     return classes, layouts
 
 

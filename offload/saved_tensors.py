@@ -98,7 +98,7 @@ class SavedTensorRouter:
         if base is not None:
             offloader = self._offloaders.get(id(base))
             if offloader is not None and offloader.tensor is base and offloader.resident:
-                offset = tensor.storage_offset() - base.storage_offset()
+                offset = int(tensor.storage_offset() - base.storage_offset())
                 return SavedWeight(offloader, (tensor.size(), tensor.stride(), offset))
         if outer is not None:
             return _Outer(outer[1], outer[0](tensor))

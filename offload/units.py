@@ -65,7 +65,9 @@ class OffloadUnit:
 
 
 def _direct_tensors(module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
-    named = [(f"{prefix}{n}", p) for n, p in module._parameters.items() if p is not None]
+    named: list[tuple[str, torch.Tensor]] = [
+        (f"{prefix}{n}", p) for n, p in module._parameters.items() if p is not None
+    ]
     named += [(f"{prefix}{n}", b) for n, b in module._buffers.items() if b is not None]
     return named
 

@@ -16,9 +16,12 @@ from jobs.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_to
 class BatchSource(Protocol):
     """What the runner needs from data: random access to micro-batches by position."""
 
-    batch_size: int
-    batches_per_epoch: int | None  # None: endless
-    tokens_per_sample: int | None  # None: not token data
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def batches_per_epoch(self) -> int | None: ...  # None: endless
+    @property
+    def tokens_per_sample(self) -> int | None: ...  # None: not token data
 
     def batch(self, index: int) -> dict[str, torch.Tensor]: ...
 
@@ -43,6 +46,8 @@ def build_data(
         eval_spec: The ``eval`` section, whose held-out records the training source leaves out.
     """
     if spec.kind == "synthetic_regression":
+        if width is None:
+            raise ValueError("data.kind=synthetic_regression needs a model with an input width (e.g. toy_mlp)")
         return SyntheticRegression(width, batch_size, spec.offset, seed), None
     text = prepare_text_data(spec, batch_size=batch_size, seed=seed, packed_path=packed_path, eval_spec=eval_spec)
     return text.train, text.tokenizer.vocab_size

@@ -15,9 +15,12 @@ CHATML = (
 class Tokenizer(Protocol):
     """What data preparation and sampling need from a tokenizer."""
 
-    vocab_size: int
-    eos_id: int | None
-    pad_id: int
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_id(self) -> int | None: ...
+    @property
+    def pad_id(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -65,11 +68,12 @@ class HFTokenizer:
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+        return str(self.hf.decode(ids, skip_special_tokens=True))
 
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         """The conversation as text through the chat template (``apply_chat_template``, untokenized)."""
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return str(text)
 
 
 def build_tokenizer(spec: Any, chat_template: str | None = None) -> Tokenizer:

@@ -30,7 +30,12 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
     """Bytes of activations at the peak of one micro-batch of ``spec`` for a decoder of ``dims``."""
     e = activation_element_size(spec)
     h, i, layers = dims.hidden, dims.intermediate, dims.layers
-    n = spec.training.batch_size * spec.data.seq_len
+    seq_len = getattr(spec.data, "seq_len", None)
+    if seq_len is None:
+        raise ValueError(
+            f"model.kind={spec.model.kind} trains on token data with a seq_len; got data.kind={spec.data.kind}"
+        )
+    n = spec.training.batch_size * seq_len
     layer = n * (dims.per_layer[0] * h + dims.per_layer[1] * i) * e
     if (
         spec.training.gradient_checkpointing

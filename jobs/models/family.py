@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -75,7 +75,9 @@ class ModelFamily:
     apply_lora: Callable[[nn.Module, Any], nn.Module] | None = None
     build_data: Callable[[JobSpec, torch.device], Any] | None = None
     make_sampler: Callable[[JobSpec, torch.device], Any] | None = None
-    tasks: Mapping[str, Callable[..., tuple[str, int]]] = field(default_factory=dict)
+    tasks: Mapping[str, Callable[..., tuple[Literal["succeeded", "paused", "cancelled"], int]]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation
