@@ -154,12 +154,12 @@ class OffloadTrainingManager:
         if existing is not None:  # shared (tied) tensor: one offloader, one host copy
             return existing
         if is_quantized(tensor) and not tensor.requires_grad:
-            offloader = QuantizedParamOffloader(
+            quantized = QuantizedParamOffloader(
                 name, tensor, self._copies, self.arena.allocate((stored_bytes(tensor),), torch.uint8)
             )
-            offloader.on_backward_use = self._schedule.weight_unpacked
-            self._offloaders[id(tensor)] = offloader
-            return offloader
+            quantized.on_backward_use = self._schedule.weight_unpacked
+            self._offloaders[id(tensor)] = quantized
+            return quantized
         if host is None and self._wants_host_copy(tensor):
             host = self._host_like(tensor)
         if tensor.is_meta:

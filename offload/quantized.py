@@ -40,7 +40,7 @@ def is_quantized(tensor: torch.Tensor) -> bool:
 
 def inner_tensors(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The quantized tensor's inner tensors (codes, scales, ...) by attribute name."""
-    names, _ = tensor.__tensor_flatten__()
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]  # a traceable tensor subclass
     return [(name, getattr(tensor, name)) for name in names]
 
 
@@ -126,7 +126,7 @@ class QuantizedPayload:
     """
 
     def __init__(self, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
-        _, self.context = tensor.__tensor_flatten__()
+        _, self.context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         self.kind = type(tensor)
         self.shape, self.stride = tensor.shape, tensor.stride()
         self.layout: list[tuple[str, int, torch.Size, torch.dtype]] = []
@@ -149,7 +149,7 @@ class QuantizedPayload:
     def tensor_over(self, buffer: torch.Tensor, *, clone: bool = False) -> torch.Tensor:
         """A frozen parameter of the same torchao type over ``buffer``'s bytes (cloned: its own memory)."""
         inner = {k: v.clone() if clone else v for k, v in self.views(buffer).items()}
-        rebuilt = self.kind.__tensor_unflatten__(inner, self.context, self.shape, self.stride)
+        rebuilt = self.kind.__tensor_unflatten__(inner, self.context, self.shape, self.stride)  # type: ignore[attr-defined]
         return nn.Parameter(rebuilt, requires_grad=False)
 
 
@@ -184,6 +184,7 @@ class QuantizedParamOffloader(StaticParamOffloader):
     def ensure_resident(self) -> torch.Tensor:
         if self.pending is None:
             self.onload()
+        assert self.pending is not None  # onload() set it
         self.copies.wait(self.pending)  # the payload's copy; the dequantization after it runs on this stream
         return self.tensor
 
