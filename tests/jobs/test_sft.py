@@ -123,3 +123,50 @@ def test_a_bad_row_at_run_time_names_file_row_and_field(tmp_path: Path, llm_root
 def test_examples_all_cut_away_by_seq_len_is_an_error_naming_the_fix(tmp_path: Path, llm_roots: PathRoots) -> None:
     with pytest.raises(ValueError, match=r"all 24 example\(s\) were skipped.*raise data.seq_len \(now 8\)"):
         run(llm_spec(data={"seq_len": 8}), llm_roots, tmp_path / "out")
+
+
+def test_the_loss_ignores_prompt_tokens(tmp_path: Path, llm_roots: PathRoots) -> None:
+    """The training loss of a chat row is the cross-entropy over assistant tokens only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jobs.data.prepare import prepare_text_data
+    from jobs.models.transformer_lm import lm_loss
+
+    data = load_job_spec(yaml.safe_dump(llm_spec()), llm_roots).data
+    text = prepare_text_data(data, batch_size=2, seed=0, packed_path=True)
+    batch = text.train.batch(0)
+    model = AutoModelForCausalLM.from_pretrained(str(llm_roots.model_roots[0] / "llama")).eval()
+    model.config.use_cache = False
+    with torch.no_grad():
+        loss = lm_loss(model, batch)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    targets = batch["labels"][:, 1:]
+    trained = targets != -100
+    assert 0 < trained.sum() < targets.numel() / 2  # most tokens are prompt: system, user, headers
+    per_token = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
+    torch.testing.assert_close(loss, per_token[trained.flatten()].mean())
+
+
+def test_eval_from_its_own_file(tmp_path: Path, llm_roots: PathRoots) -> None:
+    write_jsonl(llm_roots.data_roots[0] / "held-out.jsonl", [chat_record(i) for i in range(30, 34)])
+    outcome, events = run(llm_spec(eval={"path": "held-out.jsonl"}, training={"steps": 2}), llm_roots, tmp_path / "o")
+    assert outcome.status == "succeeded"
+    summary = next(e["message"] for e in events if e["type"] == "log" and e["message"].startswith("data:"))
+    assert summary.startswith("data: 24 record(s)") and "4 record(s) held out for eval" in summary
+    assert [e["step"] for e in events if e["type"] == "eval"] == [2]
+
+
+def test_early_stopping_counts_survive_a_pause_and_resume(tmp_path: Path, llm_roots: PathRoots) -> None:
+    data = llm_spec(
+        eval={"split": 0.25, "every_steps": 2, "early_stopping": {"patience": 2, "min_delta": 100.0}},
+        training={"steps": 10},
+    )
+    spec = load_job_spec(yaml.safe_dump(data), llm_roots)
+    polls = iter(range(100))
+    paused = run_job(spec, output_dir=tmp_path / "o", should_stop=lambda: "pause" if next(polls) == 4 else None)
+    assert (paused.status, paused.step) == ("paused", 4)  # evaluations at 2 (best) and 4 (no better)
+    events: list[dict[str, Any]] = []
+    resumed = run_job(spec, output_dir=tmp_path / "o", report=lambda e: events.append(event_to_wire(e)))
+    assert (resumed.status, resumed.step) == ("succeeded", 6)  # the third evaluation without improvement stops it
+    assert [e["step"] for e in events if e["type"] == "eval"] == [6]
