@@ -61,13 +61,17 @@ def make(method: str, checkpointing: str | None = None) -> QStack:
     return model
 
 
-def train(model: QStack, offload: dict | None, steps: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
-    manager = OffloadTrainingManager(model, "cpu", **offload) if offload is not None else None
+def train(
+    model: QStack, offload: dict | None, steps: int = 4, device: str = "cpu"
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    manager = OffloadTrainingManager(model, device, **offload) if offload is not None else None
+    if manager is None:
+        model.to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        x = torch.randn(4, 8, WIDTH, generator=generator).to(torch.bfloat16)
+        x = torch.randn(4, 8, WIDTH, generator=generator).to(device, torch.bfloat16)
         loss = F.mse_loss(model(x).float(), x.float() + 1)
         loss.backward()
         if manager is not None:
@@ -77,7 +81,7 @@ def train(model: QStack, offload: dict | None, steps: int = 4) -> tuple[list[flo
         losses.append(loss.item())
     if manager is not None:
         manager.remove()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, {n: p.detach().to("cpu").clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 OFFLOADS = [
@@ -104,6 +108,18 @@ def test_quantized_offloaded_equals_quantized_resident(method: str, checkpointin
     assert losses == resident_losses
     for name in resident:
         assert torch.equal(trained[name], resident[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_quantized_offloaded_matches_quantized_resident_on_gpu(method: str, checkpointing: str | None) -> None:
+    resident_losses, resident = train(make(method, checkpointing), None, device="cuda")
+    for offload in ({}, {"enable_optimizer_cpu_offload": True}):
+        losses, trained = train(make(method, checkpointing), offload, device="cuda")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(resident_losses), rtol=1e-2, atol=1e-3)
+        for name in resident:
+            torch.testing.assert_close(trained[name], resident[name], rtol=2e-2, atol=2e-3, msg=name)
 
 
 @pytest.mark.parametrize("method", ["nf4", "int8"])
