@@ -106,6 +106,17 @@ def _check_delayed_update_without_clipping(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _check_quantize_needs_a_frozen_base(spec: JobSpec) -> list[Problem]:
+    if getattr(spec.model, "quantize", None) is not None and spec.lora is None:
+        return [
+            (
+                "model.quantize",
+                "quantizes the frozen base weights under LoRA adapters (QLoRA); add a lora section or remove it",
+            )
+        ]
+    return []
+
+
 RULES = (
     _check_task_supported,
     _check_data_fits_model,
@@ -115,6 +126,7 @@ RULES = (
     _check_precision_fits_device,
     _check_warmup_fits_steps,
     _check_delayed_update_without_clipping,
+    _check_quantize_needs_a_frozen_base,
     *LLM_RULES,
 )
 

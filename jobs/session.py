@@ -94,6 +94,9 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
     if training.mixed_precision != "no":
         keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
+    quantize = getattr(spec.model, "quantize", None)
+    if quantize is not None:
+        _quantize_base(model, quantize, device)
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
@@ -187,6 +190,16 @@ def keep_trainable_in_float32(model: nn.Module) -> None:
     for param in model.parameters():
         if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
             param.data = param.data.float()
+
+
+def _quantize_base(model: nn.Module, method: str, device: torch.device) -> None:
+    """QLoRA: the frozen base's linear weights become torchao's quantized tensors (the engine streams them
+    quantized); torchao's kernels run on the GPU when there is one (minutes for billions of weights on a CPU)."""
+    from offload.quantized import quantize_frozen_weights  # torchao is an optional extra
+
+    names = quantize_frozen_weights(model, method, device=device if device.type == "cuda" else None)
+    if not names:
+        log.warning("model.quantize=%s: no frozen linear weight could be quantized; training unquantized", method)
 
 
 def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:

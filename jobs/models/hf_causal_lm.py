@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
 from jobs.export import HF_PRETRAINED
@@ -25,6 +25,9 @@ class HFCausalLMSpec(Section):
     kind: Literal["hf_causal_lm"]
     path: Path
     dtype: Dtype = "bfloat16"
+    quantize: Literal["nf4", "int8"] | None = Field(
+        None, description="store, stream and keep the frozen base's linear weights quantized (QLoRA); needs lora"
+    )
 
     @field_validator("path")
     @classmethod

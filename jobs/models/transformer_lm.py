@@ -41,6 +41,9 @@ class TransformerLMSpec(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     weights: Path | None = Field(None, description="safetensors file under a model root; random init if null")
     dtype: Dtype = "float32"
+    quantize: Literal["nf4", "int8"] | None = Field(
+        None, description="store, stream and keep the frozen base's linear weights quantized (QLoRA); needs lora"
+    )
 
     @field_validator("weights")
     @classmethod

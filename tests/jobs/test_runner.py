@@ -320,3 +320,24 @@ def test_delayed_update_is_exact_through_its_warmup_and_then_trains(tmp_path: Pa
     _, events = run(merged(TOY, offload={**delayed, "delayed_update_warmup_steps": 2}), tmp_path / "delayed")
     losses = [e["loss"] for e in events if e["type"] == "step"]
     assert len(losses) == steps and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("offload", [{"enable_model_cpu_offload": True}, OFFLOAD_BOTH], ids=["model", "optimizer"])
+def test_quantized_base_offloaded_trains_the_same_adapters_as_resident(
+    tmp_path: Path, roots: PathRoots, offload: dict
+) -> None:
+    pytest.importorskip("torchao")
+    data = merged(
+        TINY_LM,
+        model={"quantize": "int8", "dropout": 0.0},  # the tiny model's linears are too small for NF4's blocks
+        lora={"target_modules": ["to_q", "to_v"], "rank": 4},
+        training={"steps": 3},
+    )
+    run(data, tmp_path / "resident", roots)
+    run(merged(data, offload=offload), tmp_path / "offloaded", roots)
+    assert_same_weights(final_weights(tmp_path / "resident"), final_weights(tmp_path / "offloaded"))
+
+
+def test_quantize_needs_lora(roots: PathRoots) -> None:
+    with pytest.raises(ValueError, match=r"model.quantize.*add a lora section"):
+        spec_from(merged(TINY_LM, model={"quantize": "nf4"}), roots)
