@@ -19,7 +19,7 @@ from .disk import ensure_reserve
 from .errors import install_error_handlers
 from .executor import Executor, LocalProcessExecutor
 from .peer_guard import LoopbackOnlyMiddleware
-from .routes import checkpoints, events, health, jobs, workers
+from .routes import checkpoints, events, health, jobs, samples, workers
 from .scheduler import Scheduler
 from .settings import Settings
 from .store import JobStore
@@ -80,7 +80,7 @@ def create_app(
     install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
-    for module in (jobs, events, checkpoints, workers):
+    for module in (jobs, events, samples, checkpoints, workers):
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)

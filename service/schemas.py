@@ -110,8 +110,12 @@ class JobPublic(BaseModel):
 
 
 def _section(model: type[StepMetrics] | type[MemorySnapshot], step: dict[str, Any]) -> Any:
-    """The part of the latest step event that ``model`` declares (None before the first step)."""
-    return model.model_validate({k: step[k] for k in model.model_fields if k in step}) if step else None
+    """The part of the latest step event that ``model`` declares (None before the first step, and for a
+    cache job's progress, which has no loss or learning rate)."""
+    required = [name for name, field in model.model_fields.items() if field.is_required()]
+    if not step or any(name not in step or step[name] is None for name in required):
+        return None
+    return model.model_validate({k: step[k] for k in model.model_fields if k in step})
 
 
 def _error(job: JobRecord) -> JobError | None:
@@ -193,10 +197,11 @@ class MetricsPublic(BaseModel):
 
 
 class SamplePoint(SampleEvent):
-    """One ``sample`` event: what the model generated for a prompt at a step."""
+    """One ``sample`` event: what the model generated for a prompt at a step (text, or an image at ``url``)."""
 
     event_id: int
     time: float
+    url: str | None = Field(None, description="the artifact (an image) for GET, with the API token; null for text")
 
 
 class SamplesPublic(BaseModel):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.events import (
+    CacheProgressEvent,
     CheckpointEvent,
     ErrorCode,
     FailedEvent,
@@ -283,7 +284,8 @@ class JobStore:
         typed = [e if isinstance(e, JobEvent) else parse_job_event(e) for e in events]
         with self.db.transaction() as conn:
             ids = [self._insert_event(conn, job_id, attempt, event) for event in typed]
-            steps = [e for e in typed if isinstance(e, StepEvent)]
+            # A cache job's progress events count samples encoded, as steps count optimizer steps.
+            steps = [e for e in typed if isinstance(e, StepEvent | CacheProgressEvent)]
             if steps:  # the latest only: the job row shows the newest step
                 latest = json.dumps({**event_to_wire(steps[-1]), "reported_at": time.time()})  # for the finish time
                 conn.execute("UPDATE jobs SET progress_json = ? WHERE id = ?", (storable(latest), job_id))

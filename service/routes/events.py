@@ -17,6 +17,7 @@ from ..deps import SettingsDep, StoreDep
 from ..errors import INT64_MAX, ApiError
 from ..schemas import EvalPoint, EventPublic, EventsPublic, MetricPoint, MetricsPublic, SamplePoint, SamplesPublic
 from ..store import JobNotFound, JobStore
+from .samples import sample_url
 
 router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
 
@@ -139,11 +140,15 @@ def read_samples(
     after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> SamplesPublic:
-    """Generated samples, oldest first: the step, the prompt and the model's (greedy) completion."""
+    """Generated samples, oldest first: the step, the prompt and the model's (greedy) completion, or the
+    image it generated (``url``: the PNG; a diffusion job's gallery, one image per prompt and step)."""
     store.get_job(job_id)
     events = store.list_events(job_id, after=after, limit=limit + 1, types=["sample"])
     page = events[:limit]
-    samples = [SamplePoint(**e.data, event_id=e.id, time=e.created_at) for e in page]
+    samples = [
+        SamplePoint(**e.data, event_id=e.id, time=e.created_at, url=sample_url(job_id, e.data.get("artifact_path")))
+        for e in page
+    ]
     return SamplesPublic(data=samples, next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
 
 

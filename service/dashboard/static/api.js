@@ -158,6 +158,19 @@ function sleep(ms, signal) {
 }
 
 /** Download a file the service guards with the token: fetch it, then hand the bytes to the browser. */
+/** An object URL for an authenticated GET of ``path`` (an image an <img> cannot fetch with a header). */
+export async function blobUrl(path) {
+  let response;
+  try {
+    response = await fetch(path, { headers: authHeaders() });
+  } catch {
+    throw new UnreachableError("The Ferry service cannot be reached.");
+  }
+  if (response.status === 401 || response.status === 403) throw new AuthError("This image needs a token.");
+  if (!response.ok) throw new ApiError(response.status, `image failed (${response.status})`);
+  return URL.createObjectURL(await response.blob());
+}
+
 export async function download(path, filename) {
   let response;
   try {

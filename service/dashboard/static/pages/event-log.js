@@ -70,6 +70,11 @@ function describe(type, e) {
         (e.error?.message ? ` · ${e.error.message}` : "");
     case "stop_requested":
       return `${e.kind || "stop"} requested`;
+    case "sample":
+      return `sample at step ${e.step}${e.prompt != null ? ` · “${e.prompt}”` : ""}` +
+        (e.artifact_path ? ` · ${e.artifact_path}` : e.text != null ? ` · ${e.text.slice(0, 80)}` : "");
+    case "cache_progress":
+      return `cached ${e.step}/${e.total_steps} · ${num(e.samples_per_s)} samples/s · text encoder ${num(e.text_encoder_s)} s · VAE ${num(e.vae_s)} s`;
     default:
       return e.message || JSON.stringify(e);
   }

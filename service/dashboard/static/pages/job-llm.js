@@ -3,6 +3,7 @@
 import { api } from "../api.js";
 import { lineChart } from "../charts.js";
 import { h, isNum, num } from "../format.js";
+import { gallery } from "./job-gallery.js";
 
 /** Eval loss by step (from `/metrics`' `eval` and live `eval` events); hidden while there is none. */
 export function evalChart() {
@@ -42,17 +43,26 @@ export function samplesCard(path) {
     }
     const steps = [...byStep.keys()].sort((a, b) => b - a);
     element.hidden = steps.length === 0;
-    body.replaceChildren(...steps.map((step) => h("div", { class: "sample-step", "data-step": String(step) },
-      h("div", { class: "muted small" }, `step ${step}`),
-      ...byStep.get(step).map((s) => h("div", { class: "sample" },
-        h("div", { class: "sample-prompt" }, h("strong", {}, s.prompt ?? "")),
-        h("pre", { class: "sample-text" }, s.text ?? ""))))));
+    body.replaceChildren(...steps.map((step) => {
+      const images = byStep.get(step).filter((s) => s.url);
+      return h("div", { class: "sample-step", "data-step": String(step) },
+        h("div", { class: "muted small" }, `step ${step}`),
+        images.length ? gallery(images) : null,
+        ...byStep.get(step).filter((s) => !s.url).map((s) => h("div", { class: "sample" },
+          h("div", { class: "sample-prompt" }, h("strong", {}, s.prompt ?? "")),
+          h("pre", { class: "sample-text" }, s.text ?? ""))));
+    }));
   }
 
   return {
     element,
     add(samples, id = null) {
-      for (const sample of samples || []) seen.set(sample.event_id ?? id ?? `${sample.step}:${sample.prompt}`, sample);
+      for (const sample of samples || []) {
+        // A live event has no url yet: the API serves an artifact under the job's samples/files/.
+        const url = sample.url ?? (sample.artifact_path ? `${path}/samples/files/${sample.artifact_path}` : null);
+        // One key per event whichever way it came: the listing gives numbers, the stream strings.
+        seen.set(String(sample.event_id ?? id ?? `${sample.step}:${sample.prompt}`), { ...sample, url });
+      }
       draw();
     },
     async load() {
