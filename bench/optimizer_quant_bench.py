@@ -55,6 +55,16 @@ def row(workload: str, mode: str, ms: float, alloc: float, reserved: float, note
     print(line, flush=True)
 
 
+def fused_or_not(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """FSDP2's CPU-offloaded DTensors with the fused AdamW kernel, or its default kernel if fused refuses them."""
+    try:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        return optimizer
+    except (RuntimeError, ValueError) as error:
+        print(f"fsdp2: fused AdamW refused ({error!r:.100}); default kernel", flush=True)
+        return torch.optim.AdamW(params, lr=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------- toy
 def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
     """One toy row (or, with ``losses_for``, the loss curve of that many steps)."""
@@ -66,7 +76,7 @@ def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif mode == "fsdp2":
         model = fsdp2_wrap(model, list(model.layers))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        optimizer = fused_or_not(list(model.parameters()))
     else:
         options = OffloadOptions(prefetch=0) if mode == "reference (seed schedule)" else OffloadOptions()
         manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, options=options)
@@ -153,7 +163,10 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         manager = OffloadTrainingManager(model, "cuda", options=OffloadOptions(prefetch=0))
     else:
         manager = OffloadTrainingManager(model, "cuda")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (
+        fused_or_not(trainable) if mode.startswith("fsdp2") else torch.optim.AdamW(trainable, lr=1e-4, fused=True)
+    )
 
     def step() -> None:
         x = torch.randn(tokens // 4096, 4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -149,7 +149,11 @@ class QuantizedPayload:
     def tensor_over(self, buffer: torch.Tensor, *, clone: bool = False) -> torch.Tensor:
         """A frozen parameter of the same torchao type over ``buffer``'s bytes (cloned: its own memory)."""
         inner = {k: v.clone() if clone else v for k, v in self.views(buffer).items()}
-        rebuilt = self.kind.__tensor_unflatten__(inner, self.context, self.shape, self.stride)  # type: ignore[attr-defined]
+        context = self.context
+        meta = context.get("tensor_meta") if isinstance(context, dict) else None
+        if meta is not None and hasattr(meta, "_replace"):  # NF4Tensor records its device in its metadata
+            context = {**context, "tensor_meta": meta._replace(device=buffer.device)}
+        rebuilt = self.kind.__tensor_unflatten__(inner, context, self.shape, self.stride)  # type: ignore[attr-defined]
         return nn.Parameter(rebuilt, requires_grad=False)
 
 
