@@ -7,6 +7,8 @@ the service_bench markers (other sections of that file are left as they are).
 
     python bench/service_bench.py                      # 200 clients, 10 s
     python bench/service_bench.py --clients 50 --seconds 5 --no-write
+    python bench/service_bench.py --mix                # the open-loop dashboard mix and its baseline
+                                                       # (bench/dashboard_mix.py)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import dashboard_mix
 import httpx
 import local_server
 
@@ -158,7 +161,13 @@ def main() -> None:
     parser.add_argument("--url", help="use a running server instead of starting one")
     parser.add_argument("--token", help="bearer token for --url")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    parser.add_argument("--mix", action="store_true", help="the open-loop dashboard mix and its baseline instead")
+    parser.add_argument("--list-rate", type=int, default=50, help="--mix: list reads per second")
+    parser.add_argument("--replay-events", type=int, default=100_000, help="--mix: events of the replayed job")
     args = parser.parse_args()
+    if args.mix:
+        run_dashboard_mix(args)
+        return
 
     tmp = tempfile.TemporaryDirectory(prefix="ferry-bench-")
     process, url = (None, args.url) if args.url else start_server(Path(tmp.name) / "data")
@@ -198,6 +207,90 @@ def main() -> None:
     print(row)
     if not args.no_write:
         write_row(row)
+
+
+def run_dashboard_mix(args: argparse.Namespace) -> None:
+    """Ferry under the open-loop dashboard mix while a job trains, then the baseline app on the same rows."""
+    tmp = tempfile.TemporaryDirectory(prefix="ferry-mix-")
+    data = Path(tmp.name) / "data"
+    dashboard_mix.build_replay_job(data / "ferry.sqlite3", args.replay_events)
+    process, url = start_server(data)
+    baseline = None
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            cold = submit_and_time(client, (REPO / "configs" / "cpu_smoke.yaml").read_text())
+            wait_finished(client, cold[0])
+            time.sleep(2)
+            job_id, warm = submit_and_time(client, SPEC)
+            mix = dict(seconds=args.seconds, clients=args.clients, list_rate=args.list_rate, headers={})
+            ferry = dashboard_mix.run_mix(url, process.pid, job_id, stream=True, **mix)
+            # CPU per request is compared on the polls alone: the baseline has no stream to serve.
+            polls = dashboard_mix.run_mix(url, process.pid, job_id, stream=False, **mix)
+            baseline, base_url = dashboard_mix.start_baseline(data / "ferry.sqlite3", Path(tmp.name))
+            base = dashboard_mix.run_mix(base_url, baseline.pid, job_id, stream=False, **mix)
+            client.post(f"/v1/jobs/{job_id}/cancel")
+    finally:
+        for proc in (process, baseline):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
+        tmp.cleanup()
+    rows = [
+        _mix_row("Ferry, the mix", ferry, warm, cold[1]),
+        _mix_row("Ferry, polls only", polls, None, None),
+        _mix_row("baseline: FastAPI + SQLite, polls only", base, None, None),
+    ]
+    ratio = (polls.cpu_s / polls.requests) / (base.cpu_s / base.requests)
+    summary = (
+        f"CPU per request {ratio:.2f}× the baseline's (target ≤ 1.3×); replays of the {args.replay_events}-event "
+        f"job: {ferry.replays}, {statistics.mean(ferry.replay_s) if ferry.replay_s else 0:.1f} s and "
+        f"{ferry.replay_bytes / max(1, ferry.replays) / 2**20:.1f} MiB each"
+    )
+    print("\n".join(rows) + "\n" + summary)
+    if not args.no_write:
+        _write_mix(rows, summary, args)
+
+
+def _mix_row(name: str, r: dashboard_mix.MixResult, warm: float | None, cold: float | None) -> str:
+    ms = sorted(x * 1e3 for x in r.latencies)
+    p50, p99, worst = percentile(ms, 50), percentile(ms, 99), ms[-1]
+    first = f"{cold:.1f} / {warm:.2f}" if warm is not None else "–"
+    return (
+        f"| {datetime.now(UTC):%Y-%m-%d %H:%M} | {_machine()} | {name} | {r.requests} | {r.errors} | {p50:.1f} | "
+        f"{p99:.1f} | {worst:.1f} | {1e3 * r.cpu_s / max(1, r.requests):.2f} | {r.rss_bytes / 2**20:.0f} | {first} |"
+    )
+
+
+def _machine() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return f"{platform.machine()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, commit {commit.stdout.strip()}"
+
+
+MIX_START, MIX_END = "<!-- dashboard_mix:start -->", "<!-- dashboard_mix:end -->"
+
+
+def _write_mix(rows: list[str], summary: str, args: argparse.Namespace) -> None:
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if MIX_START in text:
+        before, rest = text.split(MIX_START, 1)
+        after = rest.split(MIX_END, 1)[1]
+    else:
+        before, after = text.rstrip() + "\n\n", "\n"
+    section = (
+        f"{MIX_START}\n## Service: the open-loop dashboard mix (`bench/service_bench.py --mix`)\n\n"
+        f"`python bench/service_bench.py --mix --seconds {args.seconds:g}`: per second, {args.clients} job pages "
+        f"poll their job once, the list is read {args.list_rate} times, and one SSE stream replays a finished "
+        f"job of {args.replay_events} events from the start, over and over, while a CPU job trains. Latency "
+        "counts from each request's scheduled time. The baseline (bench/baseline_app.py) reads the same rows "
+        "from the same file on the same HTTP stack and gets the same polls (no stream); CPU per request is "
+        "compared on the polls alone (Ferry, polls only). Server, job and "
+        "clients share the machine (its load average is in the row).\n\n"
+        "| date (UTC) | machine | server | requests | errors | p50 ms | p99 ms | max ms | CPU ms/request | "
+        "RSS MiB | POST→first step s, cold / warm |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows)
+        + f"\n\n{summary}.\n{MIX_END}"
+    )
+    RESULTS.write_text(before + section + after)
 
 
 if __name__ == "__main__":
