@@ -96,5 +96,5 @@ def test_prometheus_shows_the_latest_eval_loss_of_a_running_job(tmp_path: Path) 
     store.claim_next(worker="cpu0", device=None)
     for step, loss in ((2, 3.5), (4, 2.25)):
         store.append_event("job-1", 1, EvalEvent(step=step, eval_loss=loss, perplexity=2.718281828**loss))
-    text = render_metrics(store, SimpleNamespace(running={}, slots=[]))
+    text = render_metrics(store, SimpleNamespace(running={}, slots=[])).decode()
     assert '\nferry_job_eval_loss{job_id="job-1",worker="cpu0"} 2.25\n' in text
