@@ -47,10 +47,15 @@ class Result:
     step_ms: float
     peak_gib: float
     note: str = ""
+    reserved_gib: float = float("nan")
+
+
+_LAST_RESERVED: list[float] = [float("nan")]
 
 
 def measure(step: Callable[[], None], steps: int, warmup: int = 2) -> tuple[float, float]:
-    """Median step time (ms) and peak allocated GPU memory (GiB) over ``steps`` timed steps."""
+    """Median step time (ms) and peak allocated GPU memory (GiB) over ``steps`` timed steps; the peak
+    reserved memory of the same steps is kept for the row (``_LAST_RESERVED``)."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -61,6 +66,7 @@ def measure(step: Callable[[], None], steps: int, warmup: int = 2) -> tuple[floa
         step()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
+    _LAST_RESERVED[0] = torch.cuda.max_memory_reserved() / 2**30
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
@@ -87,6 +93,8 @@ MODES = {
     # name: (OffloadOptions or None for no manager, CPU optimizer fused?)
     "ferry-prefetch0-leaf (seed)": (OffloadOptions(prefetch=0, granularity="leaf"), False),
     "ferry-default": (OffloadOptions(), True),
+    "ferry-leaf": (OffloadOptions(granularity="leaf"), True),
+    "ferry-block": (OffloadOptions(granularity="block"), True),
     # + manager.attach_optimizer(optimizer): each parameter's CPU update runs while backward continues.
     "ferry-default+step-in-backward": (OffloadOptions(), True),
 }
@@ -98,7 +106,8 @@ def stats_note(manager: OffloadTrainingManager) -> str:
         f"h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB/step at {stats.last_step_h2d_gbps:.0f} GB/s, "
         f"d2h {stats.last_step_d2h_bytes / 1e9:.2f} GB/step, copy wait "
         f"{stats.copy_wait_seconds / max(stats.steps, 1) * 1e3:.0f} ms/step, "
-        f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB"
+        f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB, ring {stats.planned_device_bytes / 2**30:.2f} GiB, "
+        f"ring overflows {stats.ring_overflows}"
     )
 
 
@@ -209,11 +218,17 @@ def make_lora_model() -> LoraModel:
 _LORA: dict[str, LoraModel] = {}
 
 
-def run_lora(mode: str, steps: int, tokens: int) -> Result:
+def run_lora(mode: str, steps: int, tokens: int, limit: str | None = None) -> Result:
+    """One row: ``mode`` at ``tokens`` per step; ``limit`` holds the process to that much device memory
+    (``gpu_memory_limit``, set when the manager is created, before any of its device memory)."""
     model = _LORA.setdefault("model", make_lora_model())
     manager = None
     budget = None
-    if mode == "resident":
+    if limit is not None:
+        base = MODES[mode][0]
+        options = OffloadOptions(prefetch=base.prefetch, granularity=base.granularity, gpu_memory_limit=limit)
+        manager = OffloadTrainingManager(model, "cuda", options=options)
+    elif mode == "resident":
         model.to("cuda")
     elif mode == "fsdp2":
         import copy
@@ -238,13 +253,20 @@ def run_lora(mode: str, steps: int, tokens: int) -> Result:
         optimizer.step()
         optimizer.zero_grad()
 
-    step_ms, peak = measure(step, steps)
-    note = stats_note(manager) if manager is not None else ""
-    if manager is not None:
-        manager.remove()
-    if mode == "resident":
-        model.to("cpu")
-    return Result(f"lora {tokens} tokens", mode, step_ms, peak, note)
+    try:
+        step_ms, peak = measure(step, steps)
+    except torch.OutOfMemoryError:
+        step_ms, peak, _LAST_RESERVED[0] = float("nan"), float("nan"), float("nan")
+        note = f"out of memory under {limit}"
+    else:
+        note = stats_note(manager) if manager is not None else ""
+    finally:
+        if manager is not None:
+            manager.remove()  # also lifts the limit
+        if mode == "resident":
+            model.to("cpu")
+    workload = f"lora {tokens} tokens" + (f", limit {limit}" if limit else "")
+    return Result(workload, mode, step_ms, peak, note, _LAST_RESERVED[0])
 
 
 LORA_WEIGHT_BYTES = 16 * (4 * 4096 * 4096 + 2 * 4096 * 16384) * 2
@@ -263,10 +285,20 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
 
 
 LORA_MODES = ["resident", *[m for m in MODES if "step-in-backward" not in m], "fsdp2"]
+# Issue 17's table: the reference schedule, FSDP2, Ferry's two granularities, and resident as the baseline.
+TABLE_MODES = ["resident", "ferry-prefetch0-leaf (seed)", "fsdp2", "ferry-leaf", "ferry-block"]
+LIMITS = [(4096, "2.5GiB"), (4096, "3GiB"), (16384, "6.5GiB"), (16384, "8GiB")]
+LIMIT_MODES = ["ferry-prefetch0-leaf (seed)", "ferry-leaf", "ferry-block"]
 WORKLOADS: dict[str, tuple[Callable[[str, int], Result], list[str]]] = {
     "toy": (run_toy, ["resident", *MODES, "fsdp2"]),
     "lora4k": (lambda mode, steps: run_lora(mode, steps, 4096), LORA_MODES),
     "lora16k": (lambda mode, steps: run_lora(mode, steps, 16384), LORA_MODES),
+    "table4k": (lambda mode, steps: run_lora(mode, steps, 4096), TABLE_MODES),
+    "table16k": (lambda mode, steps: run_lora(mode, steps, 16384), TABLE_MODES),
+    "limits": (
+        lambda mode, steps: run_lora(mode.split("@")[0], steps, int(mode.split("@")[1]), mode.split("@")[2]),
+        [f"{m}@{t}@{lim}" for t, lim in LIMITS for m in LIMIT_MODES],
+    ),
     "budget": (
         lambda mode, steps: run_lora(mode, steps, 4096),
         [f"ferry-budget-{b}" for b in ("0", "2GiB", "4GiB", "8GiB", "unlimited")],
@@ -288,8 +320,14 @@ def commit() -> str:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| workload | mode | median step (ms) | peak GPU (GiB) | notes |", "|---|---|---|---|---|"]
-    lines += [f"| {r.workload} | {r.mode} | {r.step_ms:.1f} | {r.peak_gib:.2f} | {r.note} |" for r in results]
+    lines = [
+        "| workload | mode | median step (ms) | peak allocated (GiB) | peak reserved (GiB) | notes |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.workload} | {r.mode.split('@')[0]} | {r.step_ms:.1f} | {r.peak_gib:.2f} | {r.reserved_gib:.2f} | {r.note} |"
+        for r in results
+    ]
     return "\n".join(lines)
 
 
@@ -298,6 +336,7 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    parser.add_argument("--out", type=Path, help="also write the table's markdown and JSON rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("offload_bench needs a CUDA GPU")
@@ -322,6 +361,13 @@ def main() -> None:
     )
     text = header + "\n" + table(results) + "\n"
     print("\n" + text)
+    if args.out is not None:
+        import json
+        from dataclasses import asdict
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "offload_bench.md").write_text(text)
+        (args.out / "offload_bench.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     if not args.no_write:
         RESULTS.write_text("# Benchmark results\n\n## Offload engine\n\n" + text)
 

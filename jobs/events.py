@@ -68,6 +68,19 @@ class DeviceInfo(BaseModel):
     cuda_visible_devices: str | None = None
 
 
+class LoadStats(BaseModel):
+    """How the model's weights were loaded: straight into the offload engine's pinned arena (``safetensors``,
+    ``random``, ``seeded_init``) or built in ordinary memory (``in_memory``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str
+    bytes: int = Field(description="weight bytes loaded")
+    seconds: float = Field(description="wall time of the load")
+    gb_per_s: float
+    peak_host_rss_bytes: int = Field(description="the job process's peak resident memory up to here")
+
+
 class StartedEvent(JobEvent):
     """The attempt has set up and is about to train."""
 
@@ -76,6 +89,7 @@ class StartedEvent(JobEvent):
     resumed_from_step: int | None = Field(None, description="the checkpoint's step when resuming")
     spec: dict[str, Any] = Field(description="the resolved job spec")
     device: DeviceInfo
+    load: LoadStats | None = Field(None, description="how the weights were loaded")
 
 
 class StepMetrics(BaseModel):

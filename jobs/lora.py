@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -50,3 +53,27 @@ def load_adapter(model: PeftModel, directory: Path) -> None:
     unexpected = list(result.unexpected_keys)  # type: ignore[attr-defined]  # torch's _IncompatibleKeys
     if unexpected:
         raise ValueError(f"checkpoint {directory} has adapter weights this model lacks: {unexpected[:5]}")
+
+
+@contextlib.contextmanager
+def adapters_stay_on_the_cpu(model: nn.Module) -> Iterator[None]:
+    """While peft adds adapters to ``model`` whose base weights are on the meta device, keep them on the CPU.
+
+    peft moves each new adapter to its base layer's device; for a meta base (weights not loaded yet: the
+    offload engine fills them straight into pinned memory) that would discard the adapters' initial values.
+    Inside this block each meta weight is a CPU stand-in of the same shape and dtype backed by one element
+    (an expanded scalar), so peft creates, initializes and places the adapters exactly as for a model built
+    in memory (same values, drawn in the same order); the meta weights come back after.
+    """
+    swapped = []
+    for param in model.parameters():
+        if param.is_meta:
+            stand_in = nn.Parameter(torch.zeros((), dtype=param.dtype).expand(param.shape), param.requires_grad)
+            torch.utils.swap_tensors(param, stand_in)
+            swapped.append((param, stand_in))
+    try:
+        yield
+    finally:
+        for param, stand_in in swapped:
+            torch.utils.swap_tensors(param, stand_in)
+            param.requires_grad_(stand_in.requires_grad)  # peft froze the base while the stand-in was in place

@@ -122,6 +122,7 @@ def run_job(
                 spec=resolved,
                 resumed_from_step=session.start_step if session.resumed_from else None,
                 device=device_identity(session.device),
+                load=session.load,
             )
         )
         if session.text is not None:

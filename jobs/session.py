@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,13 @@ from torch import nn
 
 from jobs.checkpoint import CheckpointInfo, latest_valid_checkpoint
 from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_apart, prepare_text_data
+from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.optim import build_optimizer, build_scheduler
 from jobs.spec import JobSpec
+from jobs.telemetry import peak_rss_bytes
 from jobs.training_state import load_training_state, restore_rng
+from jobs.weight_sources import WeightSource
 from offload import OffloadOptions, OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,7 @@ class TrainingSession:
     sampler: Any = None  # writes samples into each checkpoint (family.make_sampler), or None
     text: TextData | None = None  # text jobs: the tokenizer and the eval set
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
+    load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -83,22 +88,32 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     random.seed(training.seed)
 
     family = family_of(spec.model)
-    model, loss_fn = build_model(spec.model, training.seed)
+    loading_started = time.perf_counter()
+    source = None
+    if _loads_into_pinned_memory(spec, family):
+        # Built on the meta device: the engine's pinned arena is filled from the source directly, and
+        # nothing of the frozen weights is ever materialized in ordinary memory.
+        assert family.build_on_meta is not None
+        model, source = family.build_on_meta(spec.model, training.seed, device)
+        loss_fn = family.loss
+    else:
+        model, loss_fn = build_model(spec.model, training.seed)
     if training.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.model)
     if spec.lora is not None and family.apply_lora is not None:
         model = family.apply_lora(model, spec.lora)
     elif spec.lora is not None:
-        from jobs.lora import apply_lora  # peft is slow to import; only LoRA jobs need it
+        from jobs.lora import adapters_stay_on_the_cpu, apply_lora  # peft is slow to import: LoRA jobs only
 
-        model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
+        with adapters_stay_on_the_cpu(model):  # changes nothing unless the base is on the meta device
+            model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
     if training.mixed_precision != "no":
         keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
     quantize = getattr(spec.model, "quantize", None)
     if quantize is not None:
         _quantize_base(model, quantize, device)
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
-    if checkpoint is not None:
+    if checkpoint is not None and source is None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
     if family.build_data is not None:
         data, text = family.build_data(spec, device), None
@@ -121,9 +136,14 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
                 gpu_memory_budget=spec.offload.gpu_memory_budget,
                 gpu_memory_limit=limit,
             ),
+            initialize=source.fill if source is not None else None,
         )
+        if checkpoint is not None and source is not None:
+            # Into the engine's host masters and device adapters, now that the meta tensors are real.
+            family.weights_format.load(model, Path(checkpoint.path))
     else:
         forward_model = accelerator.prepare(model)  # to the device, with mixed precision on its forward
+    load = _load_stats(model, source, loading_started)
     trainable = [p for p in model.parameters() if p.requires_grad]
     steps = total_steps(spec, data)
     raw_optimizer = build_optimizer(trainable, training)
@@ -165,6 +185,38 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         sampler,
         text,
         extra,
+        load,
+    )
+
+
+def _loads_into_pinned_memory(spec: JobSpec, family: ModelFamily) -> bool:
+    """Build on meta and fill the pinned arena directly when every weight that is built lives there: model
+    offload with a family that can, and the trainable weights either adapters (materialized apart) or
+    hosted by optimizer offload (full fine-tuning without it keeps every weight on the device)."""
+    offload = spec.offload
+    return (
+        offload.enable_model_cpu_offload
+        and family.build_on_meta is not None
+        and family.apply_lora is None  # a family's own adapters may need the weights
+        and getattr(spec.model, "quantize", None) is None  # quantizing reads the weights before the engine
+        and (spec.lora is not None or offload.enable_optimizer_cpu_offload)
+    )
+
+
+def _load_stats(model: nn.Module, source: WeightSource | None, started: float) -> LoadStats:
+    """Bytes of weights loaded, how fast, and the process's peak resident memory so far."""
+    if source is not None:
+        report = source.finish()  # waits for the last reads and copies into the pinned arena
+        nbytes, seconds, kind = report.bytes, report.seconds, report.source
+    else:
+        nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        seconds, kind = time.perf_counter() - started, "in_memory"
+    return LoadStats(
+        source=kind,
+        bytes=nbytes,
+        seconds=round(seconds, 3),
+        gb_per_s=round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        peak_host_rss_bytes=peak_rss_bytes(),
     )
 
 

@@ -86,3 +86,11 @@ def step_event(
         pinned_bytes=int(offload.pinned_reserved_bytes) if offload else 0,
         offload=offload,
     )
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory so far (Linux reports ``ru_maxrss`` in KiB). Pinned host memory
+    is resident, so the offload engine's arena counts in it."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

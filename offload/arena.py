@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 ALIGNMENT = 64
 MIN_CHUNK_BYTES = 1 << 16
-MAX_CHUNK_BYTES = 1 << 31
+MAX_CHUNK_BYTES = 1 << 35  # 32 GiB: a 0.9 GiB block span wastes 0.7% of it, 9% of a 2 GiB chunk
 
 
 def aligned(nbytes: int) -> int:
@@ -116,11 +116,16 @@ class PinnedArenaPool:
                 self._remaining -= _align(nbytes)
                 return view
         size = plan_chunk_size(_align(nbytes), max(self._remaining, 0))
-        try:
-            chunk = _Chunk(size, self.pin, materialize=not self.dry_run)
-        except RuntimeError as error:  # page-locking can fail when the OS limit is reached
-            log.warning("could not reserve a %d-byte pinned chunk (%s); pinning tensors one by one", size, error)
-            return None
+        while True:
+            try:
+                chunk = _Chunk(size, self.pin, materialize=not self.dry_run)
+                break
+            except RuntimeError as error:  # page-locking can fail when the OS limit is reached
+                if size // 2 >= _align(nbytes):
+                    size //= 2  # a smaller chunk may still be granted
+                    continue
+                log.warning("could not reserve a %d-byte pinned chunk (%s); pinning tensors one by one", size, error)
+                return None
         self._chunks.append(chunk)
         self._remaining -= _align(nbytes)
         return chunk.take(nbytes)

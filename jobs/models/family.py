@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from jobs.sections import Section
+from jobs.weight_sources import WeightSource
 from jobs.weights import TRAINABLE_SAFETENSORS, WeightsFormat
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class ModelFamily:
             checkpoint (``sampler.write(model, directory) -> [file names]``, ``sampler.close()``).
         tasks: Jobs other than training this family runs, by ``task:`` name:
             ``run(job_spec, device=, report=, should_stop=) -> (status, step)``.
+        build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
+            with its weights on the meta device and the source that fills the offload engine's pinned host
+            copies directly (jobs/weight_sources.py); None when the family can only be built in memory.
     """
 
     kind: str
@@ -78,6 +82,7 @@ class ModelFamily:
     tasks: Mapping[str, Callable[..., tuple[Literal["succeeded", "paused", "cancelled"], int]]] = field(
         default_factory=dict
     )
+    build_on_meta: Callable[[Any, int, torch.device], tuple[nn.Module, WeightSource]] | None = None
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation

@@ -14,6 +14,7 @@ from jobs.models.decoder_activations import DecoderDims, decoder_activation_byte
 from jobs.models.family import ModelFamily
 from jobs.models.transformer_lm import lm_loss
 from jobs.sections import Dtype, Section, confined_path
+from jobs.weight_sources import RandomSource, SafetensorsSource, WeightSource
 
 if TYPE_CHECKING:
     from jobs.spec import JobSpec
@@ -28,6 +29,11 @@ class HFCausalLMSpec(Section):
     quantize: Literal["nf4", "int8"] | None = Field(
         None, description="store, stream and keep the frozen base's linear weights quantized (QLoRA); needs lora"
     )
+    init: Literal["checkpoint", "random"] = Field(
+        "checkpoint",
+        description="checkpoint: the safetensors in path; random: config.json only, weights drawn at random "
+        "(N(0, initializer_range) matrices, unit norms; for benchmarking shapes without a checkpoint)",
+    )
 
     @field_validator("path")
     @classmethod
@@ -40,20 +46,43 @@ def build_hf_causal_lm(spec: HFCausalLMSpec, seed: int) -> nn.Module:
     from transformers import AutoModelForCausalLM  # transformers is slow to import; only this model needs it
 
     torch.manual_seed(seed)  # weights absent from the files (if any) are initialized reproducibly
-    model = AutoModelForCausalLM.from_pretrained(
-        str(spec.path), dtype=getattr(torch, spec.dtype), local_files_only=True, trust_remote_code=False
-    )
+    if spec.init == "random":
+        model = AutoModelForCausalLM.from_config(_config(spec), dtype=getattr(torch, spec.dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(spec.path), dtype=getattr(torch, spec.dtype), local_files_only=True, trust_remote_code=False
+        )
     model.config.use_cache = False  # a KV cache is useless in training and costs memory
     return model
 
 
+def build_hf_causal_lm_on_meta(spec: HFCausalLMSpec, seed: int, device: torch.device) -> tuple[nn.Module, WeightSource]:
+    """Weights on the meta device, buffers (rotary frequencies) real; filled by the safetensors shards of
+    ``spec.path`` or, with ``init: random``, by seeded random values drawn on ``device``."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = _config(spec)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+    model.config.use_cache = False
+    if spec.init == "random":
+        return model, RandomSource(model, seed, getattr(config, "initializer_range", 0.02), device)
+    return model, SafetensorsSource.from_directory(model, Path(spec.path))
+
+
+def _config(spec: HFCausalLMSpec) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
+
+
 def meta_hf_causal_lm(spec: HFCausalLMSpec) -> nn.Module:
     """The model's shapes on the meta device, from its ``config.json`` alone (no weight is read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(_config(spec))
 
 
 def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
@@ -91,4 +120,5 @@ FAMILY = ModelFamily(
     peft_task_type="CAUSAL_LM",
     enable_gradient_checkpointing=enable_hf_gradient_checkpointing,
     weights_format=HF_PRETRAINED,  # a full fine-tune loads with AutoModelForCausalLM.from_pretrained
+    build_on_meta=build_hf_causal_lm_on_meta,
 )

@@ -7,6 +7,7 @@ Module names follow the seed's LoRA example (diffusers' attention: ``to_q``, ``t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily, Problem, linear_module_names
 from jobs.sections import Dtype, Section, broken_rules, confined_path
+from jobs.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
 
 if TYPE_CHECKING:
     from jobs.spec import JobSpec
@@ -140,13 +142,11 @@ class TransformerLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def _init_weights(model: TransformerLM, seed: int) -> None:
-    """GPT-2 style init: N(0, 0.02) matrices, zero biases, unit norms.
+def init_tensor(seed: int) -> Callable[[int, str, torch.Tensor], None]:
+    """GPT-2 style init of the ``index``-th parameter ``name``: N(0, 0.02) matrices, zero biases, unit norms.
 
     Each matrix draws from its own generator seeded by (seed, index), so the result does not depend on
-    thread scheduling and the matrices can be filled in parallel (torch releases the GIL): a
-    multi-billion-parameter model initializes in seconds on a many-core host, not minutes.
-    """
+    thread scheduling or on where the tensor lives (an ordinary CPU tensor or its pinned host copy)."""
 
     def fill(index: int, name: str, param: torch.Tensor) -> None:
         with torch.no_grad():
@@ -157,6 +157,13 @@ def _init_weights(model: TransformerLM, seed: int) -> None:
             else:
                 param.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed * 100_003 + index))
 
+    return fill
+
+
+def _init_weights(model: TransformerLM, seed: int) -> None:
+    """`init_tensor` over every parameter, in parallel (torch releases the GIL): a multi-billion-parameter
+    model initializes in seconds on a many-core host, not minutes."""
+    fill = init_tensor(seed)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         list(pool.map(lambda item: fill(item[0], *item[1]), enumerate(model.named_parameters())))
 
@@ -174,6 +181,17 @@ def build_transformer_lm(spec: TransformerLMSpec, seed: int) -> TransformerLM:
     else:
         model.load_state_dict(load_file(str(spec.weights)), strict=True)
     return model
+
+
+def build_transformer_lm_on_meta(
+    spec: TransformerLMSpec, seed: int, device: torch.device
+) -> tuple[TransformerLM, WeightSource]:
+    """The model on the meta device and what fills its pinned host copies: the weights file, or the same
+    seeded init as `build_transformer_lm` (bitwise)."""
+    model = meta_transformer_lm(spec).to(getattr(torch, spec.dtype))
+    if spec.weights is None:
+        return model, SeededInitSource(model, init_tensor(seed))
+    return model, SafetensorsSource(model, [Path(spec.weights)])
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -230,4 +248,5 @@ FAMILY = ModelFamily(
     lora_target_names=lambda spec: linear_module_names(meta_transformer_lm(spec)),
     enable_gradient_checkpointing=_enable_gradient_checkpointing,
     rules=(_check_tokenizer_fits_vocab,),
+    build_on_meta=build_transformer_lm_on_meta,
 )

@@ -57,7 +57,8 @@ def test_events_match_the_interface(tmp_path: Path) -> None:
     assert outcome == JobOutcome("succeeded", 10, str(tmp_path / "checkpoints" / "step-00000010"))
     kinds = [e["type"] for e in events]
     assert kinds[0] == "started" and kinds[-1] == "finished"
-    assert set(events[0]) == {"type", "total_steps", "resumed_from_step", "spec", "device"}
+    assert set(events[0]) == {"type", "total_steps", "resumed_from_step", "spec", "device", "load"}
+    assert events[0]["load"]["source"] == "in_memory" and events[0]["load"]["peak_host_rss_bytes"] > 0
     assert events[0]["device"]["type"] == "cpu" and events[0]["device"]["uuid"] is None
     assert events[0]["resumed_from_step"] is None and events[0]["spec"]["name"] == "toy"
     steps = [e for e in events if e["type"] == "step"]

@@ -1,0 +1,408 @@
+"""Models bigger than the card (issue 17): each run prints its table and writes JSON + markdown to --out.
+
+    python bench/big_models.py headline --out /tmp/big   # 32B LoRA (Qwen2.5-32B shape, random init) through
+                                                         # the service over HTTP, gpu_memory_limit 24GiB
+    python bench/big_models.py disk14b --out /tmp/big    # 14B sharded safetensors written to local disk, then
+                                                         # loaded by a LoRA job under 16GiB; disk read rate too
+    python bench/big_models.py full3b --out /tmp/big     # 3B full fine-tune, model + optimizer offload, 16GiB
+    python bench/big_models.py headline --cpu --scale 0.02 --out /tmp/big   # the same path, tiny, anywhere
+
+Each figure sits beside its floor measured in the same run: the pinned host->device copy rate (GB/s) gives
+the copy floor 2 x weight bytes / H2D; the disk's own read rate (``dd iflag=direct``); a CPU AdamW step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+GIB = 2**30
+
+QWEN_32B = {"hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
+            "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False}  # fmt: skip
+QWEN_14B = {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,
+            "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False}  # fmt: skip
+QWEN_3B = {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}  # fmt: skip
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def scaled(shape: dict[str, Any], scale: float) -> dict[str, Any]:
+    """A smaller model of the same family for --cpu checks (layers and widths shrunk)."""
+    if scale >= 1:
+        return dict(shape)
+    heads = 4
+    return {**shape, "hidden_size": 64 * heads, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": heads, "num_key_value_heads": 2, "vocab_size": 1024}  # fmt: skip
+
+
+def write_config(directory: Path, shape: dict[str, Any]) -> None:
+    from transformers import Qwen2Config
+
+    directory.mkdir(parents=True, exist_ok=True)
+    Qwen2Config(**shape, max_position_embeddings=32768, torch_dtype="bfloat16").save_pretrained(directory)
+
+
+def weight_bytes(shape: dict[str, Any]) -> int:
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.bfloat16)
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
+def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def corpus(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    text = (REPO / "configs" / "data" / "tiny_corpus.txt").read_text()
+    (directory / "corpus.txt").write_text(text * 400)
+
+
+def lora_spec(name: str, model_dir: str, limit: str, steps: int, tokens: int, init: str, device: str) -> dict:
+    return {
+        "name": name,
+        "device": device,
+        "model": {"kind": "hf_causal_lm", "path": model_dir, "dtype": "bfloat16", "init": init},
+        "data": {"kind": "text", "path": "corpus", "seq_len": tokens},
+        "lora": {"target_modules": ALL_LINEAR, "rank": 16},
+        "training": {"steps": steps, "batch_size": 1, "learning_rate": 1e-4, "gradient_checkpointing": True},
+        "offload": {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": limit},
+        "checkpoint": {"save_final": True},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- table 2
+def headline(args: argparse.Namespace) -> dict[str, Any]:
+    """The 32B LoRA job submitted as YAML over HTTP with gpu_memory_limit 24GiB, followed to the end."""
+    import httpx
+    import yaml
+    from gpu_e2e import run_job as follow_job
+    from gpu_e2e import start_server
+
+    root = args.out / "headline"
+    (root / "models").mkdir(parents=True, exist_ok=True)
+    shape = scaled(QWEN_32B, args.scale)
+    write_config(root / "models" / "qwen2.5-32b-shape", shape)
+    corpus(root / "datasets" / "corpus")
+    h2d = pinned_h2d_gbps()
+    tokens = 4096 if args.scale >= 1 else 64
+    spec = lora_spec("qwen32b-shape-lora", "qwen2.5-32b-shape", args.limit or "24GiB", args.steps, tokens,
+                     "random", "cpu" if args.cpu else "cuda")  # fmt: skip
+    text = yaml.safe_dump(spec, sort_keys=False)
+    server, url = start_server(root, "bench-token", {})
+    try:
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer bench-token"}, timeout=60) as client:
+            validation = client.post("/v1/jobs/validate", content=text, headers={"Content-Type": "application/yaml"})
+            job = follow_job(client, "32B LoRA, random init, gpu_memory_limit 24GiB", text, timeout=args.timeout)
+            events = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    finally:
+        server.terminate()
+        server.wait(30)
+    started = next((e["data"] for e in events if e["type"] == "started"), {})
+    weights = weight_bytes(shape)
+    offload = job.get("offload") or {}
+    record = {
+        "job": job,
+        "spec": text,
+        "estimate": validation.json().get("estimate") if validation.status_code == 200 else validation.text,
+        "load": started.get("load"),
+        "weight_bytes": weights,
+        "h2d_gbps": h2d,
+        "copy_floor_s": 2 * weights / (h2d * 1e9) if h2d == h2d else None,
+        "h2d_per_step_floor_s": (offload.get("last_step_h2d_bytes") or 0) / (h2d * 1e9) if h2d == h2d else None,
+    }
+    return record
+
+
+def headline_markdown(r: dict[str, Any]) -> str:
+    job, load = r["job"], r.get("load") or {}
+    step, floor = job.get("median_step_s"), r.get("copy_floor_s")
+    offload = job.get("offload") or {}
+    ratio = f"{step / floor:.2f} x" if step and floor else "—"
+    rows = [
+        "| figure | value | against |",
+        "|---|---|---|",
+        f"| status | {job['status']} ({job['steps']} steps) | `succeeded` |",
+        f"| median step (s) | {_f(step, '.3f')} | copy floor 2 x {r['weight_bytes'] / 1e9:.1f} GB / {r['h2d_gbps']:.1f} "
+        f"GB/s = {_f(floor, '.3f')} s: **{ratio}** (target <= 1.10 x) |",
+        f"| peak GPU allocated (GiB) | {job['device_peak_gib']:.2f} | limit 24 GiB |",
+        f"| pinned host (GiB) | {job['pinned_gib']:.2f} | weights {r['weight_bytes'] / GIB:.2f} GiB |",
+        f"| POST -> first step (s) | {_f(job.get('post_to_first_step_s'), '.1f')} | load {_f(load.get('seconds'), '.1f')} s "
+        f"at {_f(load.get('gb_per_s'), '.2f')} GB/s ({load.get('source')}) |",
+        f"| peak host RSS at start (GiB) | {_f((load.get('peak_host_rss_bytes') or 0) / GIB, '.2f')} | pinned "
+        f"{job['pinned_gib']:.2f} GiB |",
+        f"| H2D per step (GB), copy wait | {_f((offload.get('last_step_h2d_bytes') or 0) / 1e9, '.1f')}, "
+        f"{_f((offload.get('copy_wait_seconds') or 0), '.1f')} s total | ring "
+        f"{(offload.get('planned_device_bytes') or 0) / GIB:.2f} GiB, overflows {offload.get('ring_overflows')} |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- table 3
+def write_sharded_checkpoint(directory: Path, shape: dict[str, Any], shard_bytes: int) -> dict[str, Any]:
+    """A Qwen2-shaped checkpoint of random bf16 tensors (drawn on the GPU when there is one) in shards of
+    about ``shard_bytes`` with a model.safetensors.index.json, flushed to disk and dropped from the page
+    cache so that loading it reads the disk."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    write_config(directory, shape)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    started, shards, current, size, weight_map = time.perf_counter(), [], {}, 0, {}
+
+    def flush() -> None:
+        nonlocal current, size
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(current, str(directory / name), metadata={"format": "pt"})
+        shards.append(name)
+        weight_map.update(dict.fromkeys(current, name))
+        current, size = {}, 0
+
+    generator = torch.Generator(device).manual_seed(0)
+    for key, param in model.state_dict().items():
+        values = torch.randn(param.shape, generator=generator, device=device, dtype=torch.bfloat16).mul_(0.02)
+        current[key] = values.cpu()
+        size += values.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    if current:
+        flush()
+    total = sum((directory / s).stat().st_size for s in shards)
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    for shard in shards:
+        _drop_from_page_cache(directory / shard)
+    return {"shards": len(shards), "bytes": total, "write_s": time.perf_counter() - started}
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_read_gbps(path: Path) -> dict[str, Any]:
+    """The disk's own sequential read rate: ``dd iflag=direct`` (bypasses the page cache) over one shard."""
+    command = ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    nbytes = path.stat().st_size
+    _drop_from_page_cache(path)
+    return {"command": " ".join(command), "bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
+            "dd": done.stderr.strip().splitlines()[-1:] if done.stderr else []}  # fmt: skip
+
+
+def run_in_process(spec: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A job through jobs.run_job in this process; step times from the events' arrival."""
+    import yaml
+
+    from jobs import PathRoots, load_job_spec, run_job
+    from jobs.events import StartedEvent, StepEvent
+
+    roots = PathRoots(model_roots=[root / "models"], data_roots=[root / "datasets"])
+    events, arrivals = [], []
+
+    def report(event: Any) -> None:
+        events.append(event)
+        arrivals.append(time.perf_counter())
+
+    started = time.perf_counter()
+    outcome = run_job(load_job_spec(yaml.safe_dump(spec), roots=roots), output_dir=root / "out", report=report)
+    steps = [(e, t) for e, t in zip(events, arrivals, strict=True) if isinstance(e, StepEvent)]
+    times = [b[1] - a[1] for a, b in itertools.pairwise(steps)][1:]  # the first step records the order
+    start = next(e for e in events if isinstance(e, StartedEvent))
+    last = steps[-1][0]
+    return {
+        "status": outcome.status,
+        "steps": len(steps),
+        "start_to_first_step_s": steps[0][1] - started if steps else None,
+        "median_step_s": statistics.median(times) if times else None,
+        "load": start.load.model_dump() if start.load else None,
+        "device_peak_gib": last.device_peak_bytes / GIB,
+        "device_reserved_gib": last.device_reserved_bytes / GIB,
+        "pinned_gib": last.pinned_bytes / GIB,
+        "offload": last.offload.as_dict() if last.offload else None,
+        "losses": [e.loss for e, _ in steps],
+    }
+
+
+def disk14b(args: argparse.Namespace) -> dict[str, Any]:
+    root = args.out / "disk14b"
+    shape = scaled(QWEN_14B, args.scale)
+    checkpoint = write_sharded_checkpoint(root / "models" / "qwen2.5-14b-shape", shape, shard_bytes=4 * 10**9)
+    disk = disk_read_gbps(root / "models" / "qwen2.5-14b-shape" / "model-00001.safetensors")
+    corpus(root / "datasets" / "corpus")
+    tokens = 4096 if args.scale >= 1 else 64
+    spec = lora_spec("qwen14b-shape-lora-from-disk", "qwen2.5-14b-shape", args.limit or "16GiB", args.steps, tokens,
+                     "checkpoint", "cpu" if args.cpu else "cuda")  # fmt: skip
+    job = run_in_process(spec, root)
+    lora_params = _lora_params(shape, 16)
+    return {"checkpoint": checkpoint, "disk": disk, "job": job, "h2d_gbps": pinned_h2d_gbps(),
+            "weight_bytes": weight_bytes(shape), "lora_bytes": lora_params * 4}  # fmt: skip
+
+
+def _lora_params(shape: dict[str, Any], rank: int) -> int:
+    h, i, kv = shape["hidden_size"], shape["intermediate_size"], shape["hidden_size"] // shape["num_attention_heads"]
+    kv *= shape["num_key_value_heads"]
+    per_layer = (h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h)
+    return rank * per_layer * shape["num_hidden_layers"]
+
+
+def disk_markdown(r: dict[str, Any]) -> str:
+    job, load, disk = r["job"], r["job"].get("load") or {}, r["disk"]
+    rss = (load.get("peak_host_rss_bytes") or 0) / GIB
+    budget = job["pinned_gib"] + r["lora_bytes"] / GIB
+    rows = [
+        "| figure | value | against |",
+        "|---|---|---|",
+        f"| checkpoint | {r['checkpoint']['shards']} shards, {r['checkpoint']['bytes'] / 1e9:.1f} GB "
+        f"(written in {r['checkpoint']['write_s']:.0f} s) | |",
+        f"| load into pinned memory (GB/s) | {_f(load.get('gb_per_s'), '.2f')} ({_f(load.get('seconds'), '.1f')} s) "
+        f"| disk read (`{disk['command']}`) {disk['gb_per_s']:.2f} GB/s |",
+        f"| peak host RSS (GiB) | {rss:.2f} | 1.15 x (pinned {job['pinned_gib']:.2f} + trainable/optimizer on the "
+        f"host 0; adapters {r['lora_bytes'] / GIB:.2f} GiB on the GPU) = {1.15 * budget:.2f} |",
+        f"| status, median step (s) | {job['status']}, {_f(job.get('median_step_s'), '.3f')} | copy floor "
+        f"{2 * r['weight_bytes'] / (r['h2d_gbps'] * 1e9):.3f} s |",
+        f"| peak GPU allocated / reserved (GiB) | {job['device_peak_gib']:.2f} / {job['device_reserved_gib']:.2f} "
+        "| limit 16 GiB |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- table 4
+def full3b(args: argparse.Namespace) -> dict[str, Any]:
+    """Full fine-tune of a Qwen2.5-3B-shaped model with model + optimizer offload under 16GiB, beside its
+    floor: the larger of the copies and one CPU AdamW step over the same parameters."""
+    root = args.out / "full3b"
+    shape = scaled(QWEN_3B, args.scale)
+    write_config(root / "models" / "qwen2.5-3b-shape", shape)
+    corpus(root / "datasets" / "corpus")
+    tokens = 4096 if args.scale >= 1 else 64
+    spec = {
+        "name": "qwen3b-shape-full-finetune",
+        "device": "cpu" if args.cpu else "cuda",
+        "model": {"kind": "hf_causal_lm", "path": "qwen2.5-3b-shape", "dtype": "bfloat16", "init": "random"},
+        "data": {"kind": "text", "path": "corpus", "seq_len": tokens},
+        "training": {"steps": args.steps, "batch_size": 1, "learning_rate": 1e-5, "gradient_checkpointing": True},
+        "offload": {
+            "enable_model_cpu_offload": True,
+            "enable_optimizer_cpu_offload": True,
+            "granularity": "block",
+            "gpu_memory_limit": args.limit or "16GiB",
+        },
+        "checkpoint": {"save_final": False},
+    }
+    job = run_in_process(spec, root)
+    weights = weight_bytes(shape)
+    h2d = pinned_h2d_gbps()
+    return {"job": job, "weight_bytes": weights, "h2d_gbps": h2d, "optimizer_step_s": cpu_adamw_step_s(weights // 2)}
+
+
+def cpu_adamw_step_s(numel: int) -> float:
+    """One fused CPU AdamW step over ``numel`` bf16 parameters with gradients (state made by a first step)."""
+    from jobs.optim import build_optimizer
+    from jobs.spec import TrainingSpec
+
+    param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16))
+    param.grad = torch.full_like(param, 1e-3)
+    optimizer = build_optimizer([param], TrainingSpec(steps=1, learning_rate=1e-5))
+    optimizer.step()
+    started = time.perf_counter()
+    optimizer.step()
+    return time.perf_counter() - started
+
+
+def full_markdown(r: dict[str, Any]) -> str:
+    job = r["job"]
+    copies = 2 * r["weight_bytes"] / (r["h2d_gbps"] * 1e9)
+    floor = max(copies, r["optimizer_step_s"])
+    step = job.get("median_step_s")
+    rows = [
+        "| figure | value | against |",
+        "|---|---|---|",
+        f"| status, median step (s) | {job['status']}, {_f(step, '.3f')} | floor max(copies {copies:.3f} s, CPU "
+        f"AdamW step {r['optimizer_step_s']:.3f} s) = {floor:.3f} s: "
+        f"**{_f(step / floor if step else None, '.2f')} x** |",
+        f"| peak GPU allocated / reserved (GiB) | {job['device_peak_gib']:.2f} / {job['device_reserved_gib']:.2f} "
+        "| limit 16 GiB |",
+        f"| pinned host (GiB) | {job['pinned_gib']:.2f} | weights + gradients {2 * r['weight_bytes'] / GIB:.2f} GiB |",
+        f"| losses | {', '.join(f'{x:.3f}' for x in job['losses'])} | |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+RUNS = {
+    "headline": (headline, headline_markdown),
+    "disk14b": (disk14b, disk_markdown),
+    "full3b": (full3b, full_markdown),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", choices=RUNS)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--limit", help="gpu_memory_limit (default: the issue's)")
+    parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
+    parser.add_argument("--scale", type=float, default=1.0)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    run, markdown = RUNS[args.run]
+    record = run(args)
+    from provenance import commit
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    header = (
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC — {device} — torch {torch.__version__} — "
+        f"commit {commit()}\n\nReproduce: `python bench/big_models.py {args.run} --out /tmp/big`\n\n"
+    )
+    text = header + markdown(record)
+    print(text, flush=True)
+    (args.out / f"{args.run}.json").write_text(json.dumps(record, indent=1, default=str))
+    (args.out / f"{args.run}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Weights straight into the engine's pinned arena: a model built on the meta device, filled where it will live.
+
+With model offload the frozen weights' only home is the offload engine's pinned arena. Building the model in
+ordinary memory first and then copying it there needs twice the host memory and a pass over every byte; for a
+32B model that is 65 GB more than the machine has to spare. Instead the model is built on the meta device
+(shapes only; buffers stay real, they are small), and the engine calls a `WeightSource` for each host copy it
+allocates (``OffloadTrainingManager(..., initialize=source.fill)``):
+
+* `SafetensorsSource`: tensors read from (sharded) safetensors files with ``os.preadv`` straight into the
+  pinned copy, in parallel threads; no intermediate tensor when the dtype matches.
+* `SeededInitSource`: the built-in model's init, tensor by tensor, bitwise the same as the ordinary build.
+* `RandomSource` (``model.init: random``): N(0, std) matrices, unit norm weights, zero biases, drawn on the
+  GPU when the job has one (at link speed; 65 GB in seconds) and copied into the pinned copy. Deterministic
+  per seed and device: each tensor's chunk of 2^24 elements has its own generator seeded from (seed, tensor
+  index, chunk); the values depend on the generating device (CUDA's and the CPU's generators differ).
+
+``finish()`` waits for the reads and copies and returns how many bytes were loaded how fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What filling the pinned arena took: bytes written into it, wall seconds, where from."""
+
+    source: str
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightSource:
+    """Fills host copies of meta tensors; ``names`` maps ``id(tensor)`` to the name(s) it has in the model."""
+
+    kind = "weights"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: dict[int, list[str]] = {}
+        for name, tensor in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]:
+            self.names.setdefault(id(tensor), []).append(name)
+        self.index = {key: i for i, key in enumerate(self.names)}  # registration order, for seeding
+        self.bytes = 0
+        self._started = time.perf_counter()
+
+    def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """Write ``tensor``'s values into ``host`` (may return before the data is there; see ``finish``)."""
+        raise NotImplementedError
+
+    def finish(self) -> LoadReport:
+        """Wait until every fill has landed."""
+        return LoadReport(self.kind, self.bytes, time.perf_counter() - self._started)
+
+
+class SafetensorsSource(WeightSource):
+    """Tensors from safetensors files (one file, or the shards named by ``model.safetensors.index.json``)."""
+
+    kind = "safetensors"
+
+    def __init__(self, model: nn.Module, files: list[Path], threads: int = 8) -> None:
+        super().__init__(model)
+        self.entries: dict[str, tuple[Path, torch.dtype, list[int], int, int]] = {}
+        for path in files:
+            for key, entry in _read_header(path).items():
+                self.entries[key] = (path, *entry)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ferry-load")
+        self._pending: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_directory(cls, model: nn.Module, directory: Path) -> SafetensorsSource:
+        """The checkpoint of a Hugging Face model directory: sharded (with an index) or a single file."""
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return cls(model, [directory / shard for shard in shards])
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model.path {directory} has no *.safetensors weights; set model.init: random to train")
+        return cls(model, files)
+
+    def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        key = next((n for n in self.names.get(id(tensor), [name]) if n in self.entries), None)
+        if key is None:
+            if not isinstance(tensor, nn.Parameter):  # a buffer the checkpoint does not store
+                raise ValueError(f"{name!r} is a meta buffer absent from the checkpoint")
+            raise ValueError(f"the checkpoint has no tensor {self.names.get(id(tensor), [name])[0]!r}")
+        path, dtype, shape, start, end = self.entries[key]
+        if list(shape) != list(tensor.shape):
+            raise ValueError(f"checkpoint tensor {key!r} has shape {shape}; the model expects {list(tensor.shape)}")
+        self.bytes += host.numel() * host.element_size()
+        self._pending.append(self._pool.submit(_read_into, path, start, end, dtype, host))
+
+    def finish(self) -> LoadReport:
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
+        self._pool.shutdown()
+        return super().finish()
+
+
+class SeededInitSource(WeightSource):
+    """The built-in model's own init (``init(index, name, tensor)``), applied to each host copy in place."""
+
+    kind = "seeded_init"
+
+    def __init__(self, model: nn.Module, init: object) -> None:
+        super().__init__(model)
+        self.init = init
+
+    def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        key = id(tensor)
+        with torch.no_grad():
+            self.init(self.index[key], self.names[key][0], host)  # type: ignore[operator]
+        self.bytes += host.numel() * host.element_size()
+
+
+class RandomSource(WeightSource):
+    """``model.init: random``: N(0, ``std``) matrices, ones for norm weights, zeros for biases (see module)."""
+
+    kind = "random"
+
+    def __init__(self, model: nn.Module, seed: int, std: float, device: torch.device) -> None:
+        super().__init__(model)
+        self.seed, self.std = seed, std
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+
+    def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        self.bytes += host.numel() * host.element_size()
+        first = self.names.get(id(tensor), [name])[0]
+        if host.dim() < 2:  # norms, biases
+            host.fill_(1.0 if "norm" in first and first.endswith("weight") else 0.0)
+            return
+        flat = host.view(-1) if host.is_contiguous() else host.reshape(-1)
+        for chunk, start in enumerate(range(0, flat.numel(), CHUNK_ELEMENTS)):
+            n = min(CHUNK_ELEMENTS, flat.numel() - start)
+            seed = (self.seed * 1_000_003 + self.index.get(id(tensor), 0)) * 100_003 + chunk
+            generator = torch.Generator(self.device).manual_seed(seed)
+            values = torch.randn(n, generator=generator, device=self.device, dtype=host.dtype).mul_(self.std)
+            # Device -> pinned host on the current stream; finish() synchronizes once for all of them.
+            flat[start : start + n].copy_(values, non_blocking=self.device.type == "cuda")
+
+    def finish(self) -> LoadReport:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a sync point: every random chunk has landed in pinned memory
+        return super().finish()
+
+
+def _read_header(path: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """safetensors' header: 8 bytes of little-endian length, then JSON of dtype, shape and byte offsets."""
+    with path.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    base = 8 + length
+    entries = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {key!r} has dtype {entry['dtype']}, which Ferry cannot load")
+        start, end = entry["data_offsets"]
+        entries[key] = (_DTYPES[entry["dtype"]], entry["shape"], base + start, base + end)
+    return entries
+
+
+def _read_into(path: Path, start: int, end: int, dtype: torch.dtype, host: torch.Tensor) -> None:
+    """Read bytes [start, end) of ``path`` into ``host`` (pinned): directly when the dtype matches, else
+    through one temporary of the stored dtype. os.preadv releases the GIL, so threads read in parallel."""
+    if not host.is_contiguous():
+        raise ValueError("a host copy to load into must be contiguous")
+    direct = dtype == host.dtype
+    target = host if direct else torch.empty(host.shape, dtype=dtype)
+    buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
+    if len(buffer) != end - start:
+        raise ValueError(f"{path}: a tensor stores {end - start} bytes where {len(buffer)} were expected")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(buffer):
+            read = os.preadv(fd, [buffer[done:]], start + done)
+            if read <= 0:
+                raise ValueError(f"{path} ends early: truncated checkpoint")
+            done += read
+    finally:
+        os.close(fd)
+    if not direct:
+        host.copy_(target)
