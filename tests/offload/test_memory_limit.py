@@ -33,13 +33,20 @@ def test_limit_means_nothing_on_the_cpu() -> None:
 def fake_card(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """A 140 GiB "GPU": its size is reported, the fractions the code sets are recorded."""
     fractions: list[float] = []
+
+    def set_fraction(fraction: float, device: torch.device | int) -> None:
+        # torch refuses a device without an index ("Expected a torch.device with a specified index")
+        assert isinstance(device, int) or device.index is not None
+        fractions.append(fraction)
+
     monkeypatch.setattr(devices_module, "device_memory_bytes", lambda device: 140 * GIB)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     return fractions
 
 
 def test_limit_sets_the_fraction_of_the_card(fake_card: list[float]) -> None:
-    assert set_gpu_memory_limit(torch.device("cuda", 0), 24 * GIB) == 24 * GIB
+    assert set_gpu_memory_limit(torch.device("cuda"), 24 * GIB) == 24 * GIB  # accelerate's device: no index
     assert fake_card == [pytest.approx(24 / 140)]
     set_gpu_memory_limit(torch.device("cuda", 0), None)
     assert fake_card[-1] == 1.0
