@@ -202,7 +202,7 @@ def _read_into(path: Path, start: int, end: int, dtype: torch.dtype, host: torch
         raise ValueError("a host copy to load into must be contiguous")
     direct = dtype == host.dtype
     target = host if direct else torch.empty(host.shape, dtype=dtype)
-    buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
+    buffer = memoryview(target.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a Buffer
     if len(buffer) != end - start:
         raise ValueError(f"{path}: a tensor stores {end - start} bytes where {len(buffer)} were expected")
     fd = os.open(path, os.O_RDONLY)
