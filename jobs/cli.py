@@ -14,6 +14,7 @@ from tqdm import tqdm
 from jobs.errors import JobSpecError, OutOfMemoryHint
 from jobs.estimate import estimate_memory
 from jobs.events import (
+    CacheProgressEvent,
     CheckpointEvent,
     EvalEvent,
     FailedEvent,
@@ -154,6 +155,9 @@ class _ProgressBar:
         elif isinstance(event, StepEvent) and self.bar is not None:
             self.bar.update(event.step - self.bar.n)
             self.bar.set_postfix(loss=f"{event.loss:.4f}", lr=f"{event.lr:.2e}")
+        elif isinstance(event, CacheProgressEvent) and self.bar is not None:  # task: cache counts samples
+            self.bar.update(event.step - self.bar.n)
+            self.bar.set_postfix(samples_per_s=f"{event.samples_per_s:.2f}")
         elif isinstance(event, CheckpointEvent | LogEvent | FailedEvent | EvalEvent | SampleEvent):
             text = _describe(event)
             (self.bar.write if self.bar is not None else print)(f"[{event.type}] {text}")

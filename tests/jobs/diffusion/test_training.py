@@ -165,3 +165,17 @@ def test_a_resumed_lora_job_continues_exactly(roots, tmp_path: Path) -> None:
     assert [e["loss"] for e in straight if e["type"] == "step"][2:] == [
         e["loss"] for e in resumed if e["type"] == "step"
     ]
+
+
+def test_python_dash_m_jobs_runs_a_cache_job(roots, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from jobs.cli import main
+
+    spec = tmp_path / "cache.yaml"
+    spec.write_text(yaml.safe_dump(cache_job()))
+    argv = ["run", str(spec), "--output", str(tmp_path / "out")]
+    argv += ["--model-root", str(roots.model_roots[0]), "--data-root", str(roots.data_roots[0])]
+    assert main(argv) == 0
+    assert read_manifest(tmp_path / "data" / "cache-qwen")["samples"] == 4
+    assert "4/4" in capsys.readouterr().err  # the progress bar counted the samples
