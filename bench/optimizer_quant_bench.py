@@ -66,7 +66,7 @@ def fused_or_not(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 # ---------------------------------------------------------------------------------------------- toy
-def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
+def toy(mode: str, steps: int, losses_for: int = 0, lr: float = 1e-4) -> list[float]:
     """One toy row (or, with ``losses_for``, the loss curve of that many steps)."""
     torch.manual_seed(0)
     model = ToyModel()
@@ -80,7 +80,7 @@ def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
     else:
         options = OffloadOptions(prefetch=0) if mode == "reference (seed schedule)" else OffloadOptions()
         manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, options=options)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
         if mode in ("ferry exact", "ferry delayed_update"):
             manager.attach_optimizer(optimizer, delayed_update=mode == "ferry delayed_update", warmup_steps=2)
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -103,7 +103,7 @@ def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
         return loss
 
     if losses_for:
-        curve = [float(step()) for _ in range(losses_for)]
+        curve = [float(step().detach()) for _ in range(losses_for)]
         if manager is not None:
             manager.remove()
         return curve
@@ -111,7 +111,9 @@ def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
     note = ""
     if manager is not None:
         stepper = manager._stepper
-        busy0, wait0 = (stepper.busy_seconds, stepper.wait_seconds) if stepper else (0.0, 0.0)
+        busy0, wait0, compute0 = (
+            (stepper.busy_seconds, stepper.wait_seconds, stepper.compute_seconds) if stepper else (0.0, 0.0, 0.0)
+        )
         for _ in range(3):
             step(profile=True)
             torch.cuda.synchronize()
@@ -119,7 +121,8 @@ def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
         note = f"forward {fwd:.1f} ms, forward+backward+after_backward {bwd:.1f} ms"
         if stepper is not None:
             note += (
-                f"; CPU optimizer busy {(stepper.busy_seconds - busy0) / 3 * 1e3:.1f} ms/step, "
+                f"; CPU optimizer busy {(stepper.busy_seconds - busy0) / 3 * 1e3:.1f} ms/step "
+                f"(in AdamW {(stepper.compute_seconds - compute0) / 3 * 1e3:.1f}), "
                 f"forward waited for it {(stepper.wait_seconds - wait0) / 3 * 1e3:.1f} ms/step"
             )
         stats = manager.stats()
@@ -129,13 +132,43 @@ def toy(mode: str, steps: int, losses_for: int = 0) -> list[float]:
     return []
 
 
-def toy_losses() -> None:
-    exact = toy("ferry exact", 0, losses_for=100)
-    delayed = toy("ferry delayed_update", 0, losses_for=100)
-    gap = abs(delayed[-1] - exact[-1]) / exact[-1] * 100
-    line = f"loss at step 100: exact {exact[-1]:.5f}, delayed_update {delayed[-1]:.5f} ({gap:.2f}% apart)"
+def cpu_adamw_alone() -> None:
+    """The fused CPU AdamW over the toy's parameters with nothing else running: one call, and per parameter."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ToyModel().parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    whole = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    singles = [torch.optim.AdamW([p], lr=1e-4, fused=True) for p in params]
+    timings = {"one call": [], "per parameter": []}
+    for _ in range(4):
+        start = time.perf_counter()
+        whole.step()
+        timings["one call"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for single in singles:
+            single.step()
+        timings["per parameter"].append(time.perf_counter() - start)
+    line = "fused CPU AdamW over the toy's 168M parameters alone ({} threads): {}".format(
+        torch.get_num_threads(),
+        ", ".join(f"{k} {statistics.median(v[1:]) * 1e3:.1f} ms" for k, v in timings.items()),
+    )
     ROWS.append(f"\n{line}\n")
     print(line, flush=True)
+
+
+def toy_losses() -> None:
+    """The loss at step 100, exact against delayed_update (warm-up 2 steps), at two learning rates."""
+    for lr in (1e-4, 1e-5):
+        exact = toy("ferry exact", 0, losses_for=100, lr=lr)
+        delayed = toy("ferry delayed_update", 0, losses_for=100, lr=lr)
+        gap = abs(delayed[-1] - exact[-1]) / exact[-1] * 100
+        line = (
+            f"lr {lr:g}: loss at step 1 {exact[0]:.4f}; at step 100 exact {exact[-1]:.5f}, "
+            f"delayed_update {delayed[-1]:.5f} ({gap:.2f}% apart)"
+        )
+        ROWS.append(f"\n{line}\n")
+        print(line, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- lora
@@ -205,7 +238,7 @@ def main() -> None:
     h2d = pinned_h2d_gbps()
     for name in args.workloads.split(","):
         if name == "toy":
-            runs = [lambda m=m: toy(m, args.steps) for m in TOY_MODES] + [toy_losses]
+            runs = [lambda m=m: toy(m, args.steps) for m in TOY_MODES] + [toy_losses, cpu_adamw_alone]
         else:
             tokens = {"lora4k": 4096, "lora16k": 16384}[name]
             runs = [lambda m=m, t=tokens: lora(m, args.steps, t) for m in LORA_MODES]

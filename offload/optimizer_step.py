@@ -122,6 +122,7 @@ class StepDuringBackward:
         self.optimizer_steps = 0
         self.busy_seconds = 0.0  # the worker's time in updates (reported by the benchmark)
         self.wait_seconds = 0.0  # the main thread's time waiting for updates before reading weights
+        self.compute_seconds = 0.0  # of busy_seconds, the time in the optimizer's kernels (not waiting for copies)
         self._worker = threading.Thread(target=self._work, name="ferry-optimizer", daemon=True)
         self._worker.start()
         self._wrap_optimizer()
@@ -256,8 +257,13 @@ class StepDuringBackward:
         while (update := self._next()) is not None:
             start = time.perf_counter()
             try:
-                update.offloader.settle_grad()  # waits for this gradient's copy if it is still in flight
+                if update.grad is update.offloader.grad_host:  # exact: the copy may still be in flight
+                    update.offloader.settle_grad()
+                # (A delayed update's gradient was settled by after_backward; the offloader's current copy
+                # event belongs to the next step's gradient, which this update must not wait for.)
+                computing = time.perf_counter()
                 self._step_one(update)
+                self.compute_seconds += time.perf_counter() - computing
             except BaseException as error:  # re-raised on the main thread by the next wait
                 log.exception("CPU optimizer step failed")
                 self._error = error

@@ -12,10 +12,12 @@ from offload import OffloadTrainingManager
 from tests.offload.models import WIDTH, make_stack
 
 
-def delayed_by_hand(steps: int, warmup: int, checkpointing: str | None) -> tuple[list[float], dict]:
+def delayed_by_hand(
+    steps: int, warmup: int, checkpointing: str | None, device: str = "cpu"
+) -> tuple[list[float], dict]:
     """The schedule without the engine: exact for ``warmup`` steps, then step s's gradient is applied just
     before step s+2's forward (so step s+1 still runs on the weights from before it)."""
-    model = make_stack("full", checkpointing)
+    model = make_stack("full", checkpointing).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(1)
     held: list[list[torch.Tensor | None]] = []
@@ -30,7 +32,7 @@ def delayed_by_hand(steps: int, warmup: int, checkpointing: str | None) -> tuple
     for step in range(steps):
         if step >= warmup + 2:
             apply(held.pop(0))
-        x = torch.randn(8, WIDTH, generator=generator)
+        x = torch.randn(8, WIDTH, generator=generator).to(device)
         loss = F.mse_loss(model(x), x + 1)
         loss.backward()
         losses.append(loss.item())
@@ -42,20 +44,20 @@ def delayed_by_hand(steps: int, warmup: int, checkpointing: str | None) -> tuple
             optimizer.zero_grad()
     for grads in held:
         apply(grads)
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.to("cpu").clone() for k, v in model.state_dict().items()}
 
 
 def delayed_by_engine(
-    steps: int, warmup: int, checkpointing: str | None, delayed: bool = True, lr: float = 1e-2
+    steps: int, warmup: int, checkpointing: str | None, delayed: bool = True, lr: float = 1e-2, device: str = "cpu"
 ) -> tuple[list, dict]:
     model = make_stack("full", checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    manager = OffloadTrainingManager(model, device, enable_optimizer_cpu_offload=True)
     manager.attach_optimizer(optimizer, delayed_update=delayed, warmup_steps=warmup)
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        x = torch.randn(8, WIDTH, generator=generator)
+        x = torch.randn(8, WIDTH, generator=generator).to(device)
         loss = F.mse_loss(model(x), x + 1)
         loss.backward()
         manager.after_backward()
@@ -74,6 +76,18 @@ def test_delayed_update_is_the_one_step_stale_schedule_bitwise(warmup: int, chec
     assert losses == reference_losses
     for name in reference:
         assert torch.equal(state[name], reference[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+def test_delayed_update_follows_the_schedule_on_gpu(checkpointing: str | None) -> None:
+    """On a GPU the copies and the CPU updates run concurrently for real; the result must still be the
+    schedule (close, not bitwise: the reference steps AdamW on the GPU)."""
+    reference_losses, reference = delayed_by_hand(12, 2, checkpointing, device="cuda")
+    losses, state = delayed_by_engine(12, 2, checkpointing, device="cuda")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-4, atol=1e-5)
+    for name in reference:
+        torch.testing.assert_close(state[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_warmup_steps_are_exact() -> None:
