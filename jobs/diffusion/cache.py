@@ -117,8 +117,8 @@ class CacheWriter:
         self.shards: list[dict[str, Any]] = []
         if found is not None and found.get("fingerprint") == fingerprint:
             self.shards = [s for s in found["shards"] if _shard_intact(self.directory, s)]
-        self.complete = bool(found and found.get("fingerprint") == fingerprint and found.get("complete"))
-        self.complete = self.complete and len(self.shards) == len(found["shards"])
+        same = found is not None and found.get("fingerprint") == fingerprint
+        self.complete = bool(same and found and found.get("complete") and len(self.shards) == len(found["shards"]))
         self._tensors: dict[str, torch.Tensor] = {}
         self._rows: list[dict[str, Any]] = []
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -21,6 +21,7 @@ from jobs.events import CacheProgressEvent, LogEvent, StartedEvent
 from jobs.telemetry import device_identity, memory_snapshot
 
 log = logging.getLogger(__name__)
+Status = Literal["succeeded", "paused", "cancelled"]
 
 
 def cache_fingerprint(spec: Any) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def cache_target_problems(spec: Any) -> list[tuple[str, str]]:
     return []
 
 
-def run_cache_job(spec: Any, *, device: torch.device, report: Any, should_stop: Any) -> tuple[str, int]:
+def run_cache_job(spec: Any, *, device: torch.device, report: Any, should_stop: Any) -> tuple[Status, int]:
     """Write (or finish, or reuse) the cache of ``spec``; returns (status, samples in the cache).
 
     Each progress event carries the throughput so far and the seconds spent in each encoder

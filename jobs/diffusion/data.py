@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -132,17 +132,19 @@ def load_pixels(row: Row, size: tuple[int, int], num_frames: int) -> torch.Tenso
     return torch.stack([_to_tensor(_cover_crop(frame, size)) for frame in frames], dim=1)
 
 
-def _cover_crop(image: object, size: tuple[int, int]) -> object:
+def _cover_crop(image: Any, size: tuple[int, int]) -> Any:
     from PIL import Image
 
     w, h = size
     scale = max(w / image.width, h / image.height)
-    resized = image.resize((max(w, round(image.width * scale)), max(h, round(image.height * scale))), Image.BICUBIC)
+    resized = image.resize(
+        (max(w, round(image.width * scale)), max(h, round(image.height * scale))), Image.Resampling.BICUBIC
+    )
     left, top = (resized.width - w) // 2, (resized.height - h) // 2
     return resized.crop((left, top, left + w, top + h))
 
 
-def _to_tensor(image: object) -> torch.Tensor:
+def _to_tensor(image: Any) -> torch.Tensor:
     data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
     return data.permute(2, 0, 1).float() / 127.5 - 1.0
 
@@ -167,14 +169,14 @@ def _video_frames(path: Path, num_frames: int) -> list:
     return frames
 
 
-def bucketed_batches(sizes: list[tuple[int, int]], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+def bucketed_batches(sizes: list[tuple[int, ...]], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """One epoch's batches of sample indices: a seeded shuffle, then each batch filled from one size bucket.
 
     A bucket's leftover (fewer than ``batch_size`` samples at the end of the epoch) is dropped, so every
     batch stacks into one tensor.
     """
     order = torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
-    pending: dict[tuple[int, int], list[int]] = {}
+    pending: dict[tuple[int, ...], list[int]] = {}
     batches = []
     for index in order:
         bucket = pending.setdefault(sizes[index], [])

@@ -36,11 +36,8 @@ def family_of_model(model: nn.Module) -> DiffusionFamily:
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
     """The DiT's own dtype (LoRA weights are float32; inputs follow the base weights)."""
-    return (
-        model.proj_out.weight.dtype
-        if not hasattr(model.proj_out, "base_layer")
-        else model.proj_out.base_layer.weight.dtype
-    )
+    head: Any = model.proj_out  # a Linear, or peft's wrapper around one
+    return getattr(head, "base_layer", head).weight.dtype
 
 
 def flow_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -54,7 +51,7 @@ def flow_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return flow_matching_loss(prediction, latents, noise, batch["weight"])
 
 
-def apply_dit_lora(model: nn.Module, lora: Any) -> nn.Module:
+def apply_dit_lora(model: Any, lora: Any) -> nn.Module:
     """Freeze the DiT and add float32 LoRA adapters on ``lora.target_modules`` (diffusers' add_adapter)."""
     from peft import LoraConfig
 
@@ -73,7 +70,7 @@ def apply_dit_lora(model: nn.Module, lora: Any) -> nn.Module:
     return model
 
 
-def enable_dit_checkpointing(model: nn.Module) -> None:
+def enable_dit_checkpointing(model: Any) -> None:
     model.enable_gradient_checkpointing()
 
 
@@ -81,7 +78,7 @@ def has_lora(model: nn.Module) -> bool:
     return bool(getattr(model, "peft_config", None))
 
 
-def save_dit(model: nn.Module, directory: Path) -> None:
+def save_dit(model: Any, directory: Path) -> None:
     """LoRA in the diffusers pipeline format, or the whole transformer/ folder after a full fine-tune."""
     if has_lora(model):
         from peft import get_peft_model_state_dict
@@ -102,14 +99,14 @@ def save_dit(model: nn.Module, directory: Path) -> None:
     save_file(state, str(folder / TRANSFORMER_WEIGHTS), metadata={"format": "pt"})
 
 
-def load_dit(model: nn.Module, directory: Path) -> None:
+def load_dit(model: Any, directory: Path) -> None:
     """Load what `save_dit` wrote into a freshly built CPU model (before the engine attaches)."""
     if has_lora(model):
         from peft import set_peft_model_state_dict
 
         state = _pipeline_class(model).lora_state_dict(str(directory))
         state = {k.removeprefix("transformer."): v for k, v in state.items()}
-        result = set_peft_model_state_dict(model, state, adapter_name="default")
+        result: Any = set_peft_model_state_dict(model, state, adapter_name="default")
         if getattr(result, "unexpected_keys", None):
             raise ValueError(
                 f"checkpoint {directory} has adapter weights this model lacks: {result.unexpected_keys[:5]}"

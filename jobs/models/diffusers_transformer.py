@@ -8,7 +8,7 @@ samples). Data is either ``image_caption`` (encoded on the fly by the pipeline's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from accelerate import init_empty_weights
@@ -44,7 +44,7 @@ def dit_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     from jobs.diffusion.cache import read_manifest
 
     e = activation_element_size(spec)
-    config = model.config
+    config: Any = model.config
     h = config.num_attention_heads * config.attention_head_dim
     layers = config.num_layers
     image_tokens, prompt_tokens = _token_counts(spec, read_manifest)
@@ -56,7 +56,7 @@ def dit_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
 
 
 def _token_counts(spec: JobSpec, read_manifest: Any) -> tuple[int, int]:
-    data = spec.data
+    data: Any = spec.data  # image_caption or diffusion_cache (data_kinds)
     if data.kind == "diffusion_cache":
         manifest = read_manifest(data.path) or {"shards": []}
         rows = [r for s in manifest["shards"] for r in s["rows"]] or [
@@ -70,7 +70,7 @@ def _token_counts(spec: JobSpec, read_manifest: Any) -> tuple[int, int]:
 
 def build_diffusion_data(spec: JobSpec, device: torch.device) -> Any:
     """Batches from the cache, or from the images with the encoders loaded for the whole job."""
-    from jobs.diffusion.batches import DiffusionBatches, OnTheFlySamples
+    from jobs.diffusion.batches import DiffusionBatches, OnTheFlySamples, SampleSource
     from jobs.diffusion.cache import CachedSamples
     from jobs.diffusion.encode import Encoders
     from jobs.diffusion.flow_match import TrainingTimesteps
@@ -78,11 +78,13 @@ def build_diffusion_data(spec: JobSpec, device: torch.device) -> Any:
     family = pipeline_family(spec.model.path)
     window = spec.training.timestep_range
     timesteps = TrainingTimesteps(family.name, (window.min, window.max), spec.training.timestep_weighting)
-    if spec.data.kind == "diffusion_cache":
-        source, repeat = CachedSamples(spec.data.path), spec.data.repeat
+    data: Any = spec.data  # image_caption or diffusion_cache (data_kinds)
+    source: SampleSource
+    if data.kind == "diffusion_cache":
+        source = CachedSamples(data.path)
     else:
-        source = OnTheFlySamples(spec.data, Encoders.load(spec, device, with_text=True, with_vae=True))
-        repeat = spec.data.repeat
+        source = OnTheFlySamples(data, Encoders.load(spec, device, with_text=True, with_vae=True))
+    repeat = data.repeat
     return DiffusionBatches(
         source, family, timesteps, batch_size=spec.training.batch_size, seed=spec.training.seed, repeat=repeat
     )
@@ -103,7 +105,7 @@ def make_sampler(spec: JobSpec, device: torch.device) -> Any:
     return Sampler(spec.sample, embeds, encoders)
 
 
-def run_cache_task(spec: JobSpec, **kwargs: Any) -> tuple[str, int]:
+def run_cache_task(spec: JobSpec, **kwargs: Any) -> tuple[Literal["succeeded", "paused", "cancelled"], int]:
     from jobs.diffusion.cache_task import run_cache_job
 
     return run_cache_job(spec, **kwargs)
