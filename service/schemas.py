@@ -103,7 +103,7 @@ class JobPublic(BaseModel):
             if job.checkpoint
             else None,
             error=_error(job),
-            allowed_actions=allowed_actions(job.status),
+            allowed_actions=allowed_actions(job.status, job.stop_request),
             spec=job.spec if include_spec else None,
             spec_text=job.spec_text if include_spec else None,
         )

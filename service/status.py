@@ -56,9 +56,15 @@ ACTION_TARGETS: dict[JobAction, tuple[JobStatus, str]] = {
 _ACTIONS = {target: word for target, word in ACTION_TARGETS.values()}
 
 
-def allowed_actions(status: JobStatus) -> list[JobAction]:
-    """The actions the service accepts for a job in ``status`` (a running job pauses and cancels by request)."""
+def allowed_actions(status: JobStatus, stop_request: str | None = None) -> list[JobAction]:
+    """The actions that change a job in ``status`` (a running job pauses and cancels by request).
+
+    While a running job winds down after a request, only a cancel still changes anything: it overrides
+    a pause, and nothing overrides a cancel.
+    """
     actions = [action for action, (target, _) in ACTION_TARGETS.items() if target in ALLOWED[status]]
+    if status is JobStatus.RUNNING and stop_request is not None:
+        actions = [JobAction.CANCEL] if stop_request == "pause" else []
     return [*actions, JobAction.DELETE] if status in FINISHED else actions
 
 

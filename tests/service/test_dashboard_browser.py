@@ -78,7 +78,7 @@ def failing_job(server: Server) -> str:
         pytest.skip("device: cuda does not fail on a machine with CUDA")
     spec = re.sub(r"(?m)^device: .*$", "device: cuda", smoke_spec()).replace("name: cpu-smoke", "name: needs-a-gpu")
     with server.client() as api:
-        response = api.post("/v1/jobs", content=spec, headers={"Content-Type": "application/yaml"})
+        response = api.post("/v1/jobs?queue_anyway=true", content=spec, headers={"Content-Type": "application/yaml"})
     assert response.status_code == 201, response.text
     return response.json()["id"]
 
@@ -260,14 +260,42 @@ def test_without_the_chart_library_the_job_page_says_how_to_install_it(page) -> 
 def test_a_dropped_stream_resumes_from_the_last_event_id(page) -> None:  # type: ignore[no-untyped-def]
     """The client half of resuming: the server's half is tested in the service's SSE tests. The stream
     is cut after three events; the page must reconnect with `Last-Event-ID: 3` and show each event once."""
-    job = {
-        "id": "job-cut",
-        "name": "cut-stream",
-        "status": "running",
-        "spec": {},
-        "spec_text": "name: cut-stream\n",
-        "progress": {"step": 3, "total_steps": 4, "percent": 75.0, "eta_s": 1.0},
-    }
+    from jobs.events import StepEvent, event_to_wire
+    from service.schemas import JobPublic
+
+    # What the API would answer (validated against its model, so the page is fed the real shape).
+    job = JobPublic.model_validate(
+        {
+            "id": "job-cut",
+            "name": "cut-stream",
+            "status": "running",
+            "stop_requested": None,
+            "created_at": "2026-01-01T00:00:00Z",
+            "updated_at": "2026-01-01T00:00:00Z",
+            "started_at": "2026-01-01T00:00:00Z",
+            "finished_at": None,
+            "attempt": 1,
+            "retries": 0,
+            "worker": "cpu0",
+            "device": None,
+            "progress": {
+                "step": 3,
+                "total_steps": 4,
+                "percent": 75.0,
+                "elapsed_s": 3.0,
+                "eta_s": 1.0,
+                "estimated_finish": None,
+            },
+            "metrics": None,
+            "memory": None,
+            "offload": None,
+            "last_checkpoint": None,
+            "error": None,
+            "allowed_actions": ["pause", "cancel"],
+            "spec": {},
+            "spec_text": "name: cut-stream\n",
+        }
+    ).model_dump(mode="json")
     seen_ids: list[str | None] = []
 
     def event(event_id: int, step: int) -> str:
@@ -277,7 +305,17 @@ def test_a_dropped_stream_resumes_from_the_last_event_id(page) -> None:  # type:
             "attempt": 1,
             "type": "step",
             "created_at": "2026-01-01T00:00:00Z",
-            "data": {"type": "step", "step": step, "total_steps": 4, "loss": 1.0 / step},
+            "data": event_to_wire(
+                StepEvent(
+                    step=step,
+                    total_steps=4,
+                    loss=1.0 / step,
+                    lr=1e-3,
+                    samples_per_s=8.0,
+                    elapsed_s=step,
+                    eta_s=4 - step,
+                )
+            ),
         }
         return f"id: {event_id}\nevent: step\ndata: {json.dumps(data)}\n\n"
 
@@ -287,7 +325,7 @@ def test_a_dropped_stream_resumes_from_the_last_event_id(page) -> None:  # type:
         if last is None:  # the first connection: three events, then the connection drops
             body = "retry: 100\n\n" + "".join(event(i, i) for i in (1, 2, 3))
         else:  # the reconnection: only what comes after, then the end
-            job["status"] = "succeeded"
+            job.update(status="succeeded", allowed_actions=["delete"])
             body = event(4, 4) + 'event: end\ndata: {"status": "succeeded"}\n\n'
         route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
 

@@ -92,7 +92,7 @@ def _dashboard_reads(job: dict[str, Any]) -> dict[str, Any]:
     script = (
         f"import {{ normalizeJob }} from {json.dumps((DASHBOARD / 'model.js').as_uri())};\n"
         f"const job = normalizeJob({json.dumps(job)});\n"
-        "console.log(JSON.stringify({ error: job.error }));\n"
+        "console.log(JSON.stringify({ error: job.error, actions: job.actions }));\n"
     )
     done = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
@@ -119,4 +119,4 @@ def test_out_of_memory_is_out_of_memory_from_runner_to_dashboard(
     if shutil.which("node") is None:
         pytest.skip("node is not installed: the dashboard half needs it (CI installs it for the dashboard)")
     seen = _dashboard_reads(job)
-    assert seen["error"]["code"] == "out_of_memory"
+    assert seen["error"]["code"] == "out_of_memory" and seen["actions"] == ["resume", "delete"]

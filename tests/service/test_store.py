@@ -178,3 +178,14 @@ def test_allowed_actions_are_exactly_what_the_store_accepts(tmp_path: Path, stat
             pass
         store.close()
     assert allowed_actions(status) == accepted
+
+
+def test_a_pending_stop_request_leaves_only_what_still_changes_the_job(store: JobStore) -> None:
+    from service.schemas import JobPublic
+
+    force(store, add(store), JobStatus.RUNNING)
+    assert JobPublic.from_record(store.get_job("job-1")).allowed_actions == ["pause", "cancel"]
+    store.pause("job-1")
+    assert JobPublic.from_record(store.get_job("job-1")).allowed_actions == ["cancel"]
+    store.cancel("job-1")
+    assert JobPublic.from_record(store.get_job("job-1")).allowed_actions == []

@@ -67,15 +67,15 @@ async function readBody(response) {
   try { return JSON.parse(text); } catch { return text; }
 }
 
-/** A sentence out of FastAPI's `{detail: ...}` shapes (string, object with message, or a list). */
+/**
+ * The sentence of an error answer: the service's `{error: {code, message}}`, or the text of a body that is
+ * not JSON (a proxy's page).
+ * @param {ErrorBody} payload
+ */
 export function errorMessage(payload) {
   if (payload == null) return "";
   if (typeof payload === "string") return payload;
-  const detail = payload.detail ?? payload.error ?? payload.message ?? payload;
-  if (typeof detail === "string") return detail;
-  if (Array.isArray(detail)) return detail.map((d) => d.msg || d.message || JSON.stringify(d)).join("; ");
-  if (detail.message) return detail.message;
-  return JSON.stringify(detail);
+  return payload.error?.message ?? JSON.stringify(payload);
 }
 
 /**

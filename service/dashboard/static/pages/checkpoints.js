@@ -3,7 +3,6 @@
 
 import { AuthError, api, download, getToken } from "../api.js";
 import { bytes, dateTime, h, isNum, num } from "../format.js";
-import { listOf } from "../model.js";
 
 export function checkpointsCard(jobId, ctx) {
   const body = h("div", { class: "checkpoints", id: "checkpoints" }, h("p", { class: "muted small" }, "Loading…"));
@@ -15,7 +14,7 @@ export function checkpointsCard(jobId, ctx) {
     if (inFlight) return;
     inFlight = true;
     try {
-      const checkpoints = listOf(await api(base), "checkpoints");
+      const checkpoints = checkpointList(await api(base));
       body.replaceChildren(checkpoints.length ? table(checkpoints) : h("p", { class: "empty small" }, "No checkpoints yet."));
     } catch (err) {
       if (err instanceof AuthError) return ctx.needToken(err.message);
@@ -26,26 +25,7 @@ export function checkpointsCard(jobId, ctx) {
   }
 
   function table(checkpoints) {
-    const rows = [];
-    for (const ckpt of checkpoints) {
-      const name = ckpt.name || ckpt.id;
-      const files = ckpt.files || [];
-      const lora = files.some((f) => f.name === "adapter_config.json");
-      rows.push(h("tr", { class: "ckpt-head", "data-checkpoint": name },
-        h("td", { colspan: "3" }, h("strong", {}, name), h("span", { class: "muted small" },
-          ` step ${ckpt.step ?? "?"}${ckpt.created ? ` · ${dateTime(ckpt.created)}` : ""}`,
-          isNum(ckpt.eval_loss) ? ` · eval loss ${num(ckpt.eval_loss)}` : ""),
-        ckpt.best ? h("span", { class: "badge best", "data-best": "true", title: "lowest eval loss" }, " best") : null,
-        lora ? mergeButton(name) : null)));
-      for (const file of files) {
-        const url = file.url || `${base}/${encodeURIComponent(name)}/files/${encodeURIComponent(file.name)}`;
-        rows.push(h("tr", { class: "ckpt-file" },
-          h("td", {}, downloadLink(url, file.name, ctx)),
-          h("td", { class: "num small" }, bytes(file.bytes ?? file.size)),
-          h("td", { class: "sha mono small", title: file.sha256 || "" },
-            file.sha256 ? h("span", { class: "sha-text" }, file.sha256) : "—")));
-      }
-    }
+    const rows = checkpoints.flatMap((ckpt) => [headRow(ckpt, mergeButton), ...ckpt.files.map((f) => fileRow(f, ctx))]);
     return h("div", { class: "table-scroll" }, h("table", { class: "table compact" },
       h("thead", {}, h("tr", {}, h("th", {}, "File"), h("th", { class: "num" }, "Size"), h("th", {}, "SHA-256"))),
       h("tbody", {}, rows)));
@@ -74,6 +54,36 @@ export function checkpointsCard(jobId, ctx) {
   }
 
   return { element, refresh };
+}
+
+/** @param {CheckpointsPublic} body */
+function checkpointList(body) {
+  return body.data;
+}
+
+/**
+ * A checkpoint's heading row: name, step, time, eval loss, the best badge and (LoRA) the merge button.
+ * @param {CheckpointPublic} ckpt
+ */
+function headRow(ckpt, mergeButton) {
+  const lora = ckpt.files.some((f) => f.name === "adapter_config.json");
+  return h("tr", { class: "ckpt-head", "data-checkpoint": ckpt.name },
+    h("td", { colspan: "3" }, h("strong", {}, ckpt.name), h("span", { class: "muted small" },
+      ` step ${ckpt.step}${ckpt.created ? ` · ${dateTime(ckpt.created)}` : ""}`,
+      isNum(ckpt.eval_loss) ? ` · eval loss ${num(ckpt.eval_loss)}` : ""),
+    ckpt.best ? h("span", { class: "badge best", "data-best": "true", title: "lowest eval loss" }, " best") : null,
+    lora ? mergeButton(ckpt.name) : null));
+}
+
+/**
+ * One file of a checkpoint: an authenticated download, its size and SHA-256.
+ * @param {CheckpointFile} file
+ */
+function fileRow(file, ctx) {
+  return h("tr", { class: "ckpt-file" },
+    h("td", {}, downloadLink(file.url, file.name, ctx)),
+    h("td", { class: "num small" }, bytes(file.bytes)),
+    h("td", { class: "sha mono small", title: file.sha256 }, h("span", { class: "sha-text" }, file.sha256)));
 }
 
 /**

@@ -35,7 +35,8 @@ export function eventLog() {
 
   return {
     element,
-    add(id, type, event) {
+    add(eventId, type, event) {
+      const id = eventId == null ? null : String(eventId);  // the stream's ids are text, stored ones numbers
       if (id !== null && seen.has(id)) return;
       if (id !== null) seen.add(id);
       total += 1;
@@ -50,32 +51,68 @@ export function eventLog() {
   };
 }
 
+// One sentence per declared event type (the API's StoredEvent union); each reads only its schema's fields.
+const DESCRIBE = { step: describeStep, started: describeStarted, checkpoint: describeCheckpoint, eval: describeEval,
+  sample: describeSample, finished: describeFinished, failed: describeFailed, log: describeLog, status: describeStatus,
+  stop_requested: describeStopRequested, cache_progress: describeCacheProgress };
+
 function describe(type, e) {
-  switch (type) {
-    case "step":
-      return `step ${e.step}${e.total_steps ? `/${e.total_steps}` : ""} · loss ${num(e.loss)} · lr ${num(e.lr, 3)}` +
-        (e.device_peak_bytes != null ? ` · peak ${bytes(e.device_peak_bytes)}` : "");
-    case "started":
-      return e.resumed_from_step ? `resumed from step ${e.resumed_from_step} of ${e.total_steps}` : `started, ${e.total_steps ?? "?"} steps`;
-    case "checkpoint":
-      return `checkpoint ${e.name || ""} at step ${e.step}`;
-    case "finished":
-      return `finished: ${e.status} at step ${e.step}`;
-    case "failed":
-      return `${e.error ? `${e.error}: ` : ""}${e.message || ""}`;
-    case "log":
-      return `${e.level ? `[${e.level}] ` : ""}${e.message}`;
-    case "status":
-      return `${e.previous ? `${e.previous} → ` : ""}${e.status || ""}${e.reason ? ` · ${e.reason}` : ""}` +
-        (e.error?.message ? ` · ${e.error.message}` : "");
-    case "stop_requested":
-      return `${e.kind || "stop"} requested`;
-    case "sample":
-      return `sample at step ${e.step}${e.prompt != null ? ` · “${e.prompt}”` : ""}` +
-        (e.artifact_path ? ` · ${e.artifact_path}` : e.text != null ? ` · ${e.text.slice(0, 80)}` : "");
-    case "cache_progress":
-      return `cached ${e.step}/${e.total_steps} · ${num(e.samples_per_s)} samples/s · text encoder ${num(e.text_encoder_s)} s · VAE ${num(e.vae_s)} s`;
-    default:
-      return e.message || JSON.stringify(e);
-  }
+  return DESCRIBE[type] ? DESCRIBE[type](e) : JSON.stringify(e);  // a type this page does not know yet
+}
+
+/** @param {StepEvent} e */
+function describeStep(e) {
+  return `step ${e.step}/${e.total_steps} · loss ${num(e.loss)} · lr ${num(e.lr, 3)}` +
+    (e.device_peak_bytes ? ` · peak ${bytes(e.device_peak_bytes)}` : "");
+}
+
+/** @param {StartedEvent} e */
+function describeStarted(e) {
+  return e.resumed_from_step ? `resumed from step ${e.resumed_from_step} of ${e.total_steps}` : `started, ${e.total_steps} steps`;
+}
+
+/** @param {CheckpointEvent} e */
+function describeCheckpoint(e) {
+  return `checkpoint ${e.name} at step ${e.step}`;
+}
+
+/** @param {EvalEvent} e */
+function describeEval(e) {
+  return `eval at step ${e.step} · loss ${num(e.eval_loss)}` + (e.perplexity != null ? ` · ppl ${num(e.perplexity, 3)}` : "");
+}
+
+/** @param {SampleEvent} e */
+function describeSample(e) {
+  return `sample at step ${e.step}${e.prompt != null ? ` · “${e.prompt}”` : ""}` +
+    (e.artifact_path ? ` · ${e.artifact_path}` : e.text != null ? ` · ${e.text.slice(0, 80)}` : "");
+}
+
+/** @param {CacheProgressEvent} e */
+function describeCacheProgress(e) {
+  return `cached ${e.step}/${e.total_steps} · ${num(e.samples_per_s)} samples/s · text encoder ${num(e.text_encoder_s)} s · VAE ${num(e.vae_s)} s`;
+}
+
+/** @param {FinishedEvent} e */
+function describeFinished(e) {
+  return `finished: ${e.status} at step ${e.step}`;
+}
+
+/** @param {FailedEvent} e */
+function describeFailed(e) {
+  return `${e.error}: ${e.message}`;
+}
+
+/** @param {LogEvent} e */
+function describeLog(e) {
+  return `[${e.level}] ${e.message}`;
+}
+
+/** @param {StatusEvent} e */
+function describeStatus(e) {
+  return `${e.previous ? `${e.previous} → ` : ""}${e.status} · ${e.reason}` + (e.error ? ` · ${e.error.message}` : "");
+}
+
+/** @param {StopRequestedEvent} e */
+function describeStopRequested(e) {
+  return `${e.kind} requested`;
 }

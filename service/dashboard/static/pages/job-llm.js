@@ -72,6 +72,7 @@ export function samplesCard(path) {
   };
 }
 
+/** @param {EvalPoint} point */
 export function evalStat(point) {
   return point ? `${num(point.eval_loss)} (ppl ${num(point.perplexity, 3)})` : null;
 }

@@ -6,11 +6,12 @@ import { isNum } from "../format.js";
 import { flattenStep, metricRows } from "../model.js";
 
 /** The stored series, page by page (`?after=` cursor) until the service says there is no more. */
-export async function loadMetrics(path, series, onEval = () => {}) {
+export async function loadMetrics(path, series, onEval = () => {}, onSteps = () => {}) {
   let after = 0;
   for (let page = 0; page < 100; page += 1) {
     const body = await api(`${path}/metrics?after=${after}&limit=10000`);
     series.addRows(metricRows(body));
+    onSteps(metricRows(body));
     onEval(body?.eval || []);  // the evaluations in the same range of events
     const next = isNum(body?.next_cursor) ? body.next_cursor : after;
     if (!body?.has_more || next === after) return next;

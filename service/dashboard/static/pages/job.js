@@ -3,7 +3,7 @@
 import { AuthError, ApiError, api, streamEvents } from "../api.js";
 import { DASH, bytes, dateTime, duration, h, isNum, num, percent, rate, secondsSince } from "../format.js";
 import { describeError, poll } from "../live.js";
-import { ACTIONS, TERMINAL, flattenStep, normalizeJob, unwrapEvent } from "../model.js";
+import { TERMINAL, normalizeJob, offloadFigures, unwrapEvent } from "../model.js";
 import { errorState, failureBanner, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
 import { loadHistory, loadMetrics, makeCharts, seriesStore } from "./job-series.js";
@@ -73,11 +73,12 @@ export async function render(root, { params: [jobId], ctx }) {
   // event seen twice is shown once).
   let after = 0;
   try {
-    after = await loadMetrics(path, series, (points) => evals.add(points));
-    await loadHistory(path, ({ id, type, data }) => {
-      const event = unwrapEvent(data, type);
-      log.add(id, event.type || type, event);
-    });
+    // The log shows every stored event in order: the steps come with the series, the rest from the history.
+    const stored = [];
+    after = await loadMetrics(path, series, (points) => evals.add(points), (rows) => stored.push(...rows));
+    await loadHistory(path, (item) => stored.push(unwrapEvent(item)));
+    stored.sort((a, b) => a.event_id - b.event_id);
+    for (const event of stored) log.add(event.event_id, event.type, event);
   } catch (err) {
     if (err instanceof AuthError) throw err;
     banner.replaceChildren(errorState(describeError(err), { title: "Metrics unavailable." }));
@@ -92,7 +93,7 @@ export async function render(root, { params: [jobId], ctx }) {
     after,
     onEvent: ({ id, type, data }) => {
       if (type === "end") { streamEnded = true; return; }  // the job finished and every event is out
-      const event = unwrapEvent(data, type);
+      const event = unwrapEvent(data);
       const kind = event.type || type;
       log.add(id, kind, event);
       if (kind === "step") { series.addRows([event]); charts.schedule(series, () => drawStats(stats, job, series.last())); }
@@ -119,9 +120,8 @@ export async function render(root, { params: [jobId], ctx }) {
 }
 
 function drawHeader(header, job, act) {
-  // While a running job winds down after a pause or cancel, only a cancel may still override a pause.
-  const allowed = (action) => ACTIONS[action].has(job.status) &&
-    !(job.stopRequested && (action !== "cancel" || job.stopRequested === "cancel"));
+  // The service says what it accepts now (allowed_actions: its status table, and a pending stop request).
+  const allowed = (action) => job.actions.includes(action);
   const button = (action, label, cls) => h("button", {
     class: `btn ${cls}`, type: "button", "data-action": action, disabled: !allowed(action),
     title: allowed(action) ? null : job.stopRequested ? `${job.stopRequested} already requested` : `Not possible while ${job.status}`,
@@ -145,7 +145,7 @@ function drawError(slot, job) {
     h("h2", {}, job.status === "failed" ? "This job failed" : `This job is ${job.status}`),
     job.error.code ? h("div", { class: "mono small muted" }, job.error.code) : null,
     h("pre", { class: "error-message" }, job.error.message),
-    job.error.hint ? h("p", {}, job.error.hint) : null));
+  ));
 }
 
 function drawStats(root, job, last) {
@@ -180,7 +180,7 @@ function onCpu(job) {
 }
 
 function offloadStat(last, job) {
-  const o = isNum(last?.h2d) ? last : flattenStep({ offload: job.offload || {} });
+  const o = isNum(last?.h2d) ? last : offloadFigures(job.offload);
   if (!isNum(o.h2d)) return stat("Offload", DASH, { id: "offload", sub: "no offload figures (offload off or not started)" });
   return stat("Offload H→D", `${num(o.h2d, 3)} GB/s`, { id: "offload",
     sub: `D→H ${num(o.d2h, 3)} GB/s · ${num(o.copyWait, 3)} s waiting on copies in all` });

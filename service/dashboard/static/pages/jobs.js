@@ -3,7 +3,7 @@
 import { api } from "../api.js";
 import { DASH, age, bytes, duration, h, isNum, num, percent, shortId } from "../format.js";
 import { poll } from "../live.js";
-import { STATUSES, listOf, normalizeJob } from "../model.js";
+import { STATUSES, normalizeJob } from "../model.js";
 import { failureBanner, progressBar, statusBadge } from "../widgets.js";
 
 const PAGE_SIZE = 100;
@@ -28,7 +28,7 @@ export async function render(root, { query, ctx }) {
     const params = new URLSearchParams({ limit: String(PAGE_SIZE) });
     if (status) params.set("status", status);
     const body = await api(`/v1/jobs?${params}`);
-    const jobs = listOf(body, "jobs").map(normalizeJob);
+    const jobs = body.data.map(normalizeJob);
     banner.replaceChildren();
     counter.textContent = jobs.length ? `${jobs.length}${body?.next_cursor ? "+" : ""}` : "";
     if (!jobs.length) { table.reset(); list.replaceChildren(emptyState(status)); return; }

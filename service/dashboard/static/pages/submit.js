@@ -183,10 +183,15 @@ function estimateCard(e) {
       e.hostAvailable ? [h("dt", {}, "Host memory available"), h("dd", {}, bytes(e.hostAvailable))] : null),
     e.devices?.length ? h("table", { class: "table compact devices" },
       h("thead", {}, h("tr", {}, h("th", {}, "Worker"), h("th", {}, "Device"), h("th", { class: "num" }, "Memory"), h("th", {}, "Fits"))),
-      h("tbody", {}, e.devices.map((d) => h("tr", {},
-        h("td", {}, d.worker ?? "—"), h("td", {}, d.device ?? "cpu"),
-        h("td", { class: "num" }, bytes(d.memory_total_bytes)),
-        h("td", { class: d.fits === false ? "form-error" : "" }, d.fits === true ? "yes" : d.fits === false ? "no" : "—"))))) : null,
+      h("tbody", {}, e.devices.map(deviceRow))) : null,
     e.reason ? h("p", { class: "small" }, e.reason) : null,
     e.notes?.length ? h("ul", { class: "notes small muted" }, e.notes.map((n) => h("li", {}, n))) : null);
+}
+
+/** @param {DeviceFit} d */
+function deviceRow(d) {
+  return h("tr", {},
+    h("td", {}, d.worker), h("td", {}, d.device ?? "cpu"),
+    h("td", { class: "num" }, bytes(d.memory_total_bytes)),
+    h("td", { class: d.fits === false ? "form-error" : "" }, d.fits === true ? "yes" : d.fits === false ? "no" : "—"));
 }
