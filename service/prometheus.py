@@ -61,11 +61,11 @@ class FerryCollector:
         yield eval_loss
 
 
-def render_metrics(store: JobStore, scheduler: Scheduler) -> str:
+def render_metrics(store: JobStore, scheduler: Scheduler) -> bytes:
     """The Prometheus text exposition of the service's figures now."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FerryCollector(store, scheduler))
-    return generate_latest(registry).decode()
+    return generate_latest(registry)
 
 
 def _latest_step(progress: dict | None) -> StepEvent | None:
