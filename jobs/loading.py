@@ -13,16 +13,17 @@ from pydantic import BaseModel, ValidationError
 from jobs.errors import JobSpecError, SpecProblem
 from jobs.paths import PathRoots
 from jobs.spec import JobSpec
+from jobs.spec_text import ParsedSpec, line_in, parse_spec_text
 from jobs.spec_values import PATTERN_RULES, SYNONYMS, bad_numbers, bad_strings
 
 Loc = tuple[str | int, ...]
 
 
-def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
+def load_job_spec(text: str | ParsedSpec, roots: PathRoots | None = None) -> JobSpec:
     """Parse and validate a YAML job spec.
 
     Args:
-        text: The YAML document.
+        text: The YAML document, or the result of parsing it once (`parse_spec_text`), which is not parsed again.
         roots: Directories model and data paths must stay inside; default: the current directory.
 
     Returns:
@@ -37,8 +38,7 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
         30
     """
     try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        parsed = text if isinstance(text, ParsedSpec) else parse_spec_text(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise JobSpecError([SpecProblem("", f"not valid YAML: {exc}", mark.line + 1 if mark else None)]) from exc
@@ -46,20 +46,22 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
         raise JobSpecError([SpecProblem("", "nests too deep to read; flatten it")]) from None
     except ValueError as exc:  # Python refuses to read an integer of over 4300 digits
         raise JobSpecError([SpecProblem("", f"holds a number no field can take ({exc})")]) from None
+    data, lines = parsed.data, parsed.lines
     if not isinstance(data, dict):
         raise JobSpecError([SpecProblem("", f"a job spec is a YAML mapping; got {type(data).__name__}", 1)])
-    lines = _key_lines(node)
     # Checked before pydantic, whose messages echo the input: a lone surrogate in an answer cannot be encoded.
-    unreadable = [SpecProblem(".".join(path), message, _line(path, lines)) for path, message in bad_strings(data)]
+    unreadable = [SpecProblem(".".join(path), message, line_in(path, lines)) for path, message in bad_strings(data)]
     if unreadable:
         raise JobSpecError(unreadable)
     # YAML keeps the last of two equal keys without a word; a spec that says a thing twice is refused.
     duplicates = [
         SpecProblem(".".join(path), f"duplicate key (first on line {lines[path]})", line)
-        for path, line in _duplicate_keys(node)
+        for path, line in parsed.duplicates
     ]
     # Pydantic's lax mode takes `true` for 1 and any integer for an int field; these are refused beside it.
-    numbers = [SpecProblem(".".join(path), message, _line(path, lines)) for path, message in bad_numbers(data, JobSpec)]
+    numbers = [
+        SpecProblem(".".join(path), message, line_in(path, lines)) for path, message in bad_numbers(data, JobSpec)
+    ]
     try:
         spec = JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
     except ValidationError as exc:
@@ -71,44 +73,6 @@ def load_job_spec(text: str, roots: PathRoots | None = None) -> JobSpec:
     return spec
 
 
-def line_of(text: str, path: str) -> int | None:
-    """The YAML line of the dotted ``path`` in ``text`` (a missing key: its nearest parent's line)."""
-    try:
-        lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
-    except yaml.YAMLError:
-        return None
-    return _line(path.split("."), lines)
-
-
-def _key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
-    """Map each key path in the YAML document to the 1-based line of its key."""
-    lines: dict[tuple[str, ...], int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            path = (*prefix, str(key_node.value))
-            lines.setdefault(path, key_node.start_mark.line + 1)
-            lines.update(_key_lines(value_node, path))
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            lines[(*prefix, str(index))] = item.start_mark.line + 1
-            lines.update(_key_lines(item, (*prefix, str(index))))
-    return lines
-
-
-def _duplicate_keys(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], int]]:
-    """(path, line) of every key that repeats an earlier key of the same mapping."""
-    found: list[tuple[tuple[str, ...], int]] = []
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            path = (*prefix, str(key_node.value))
-            if path[-1] in seen:
-                found.append((path, key_node.start_mark.line + 1))
-            seen.add(path[-1])
-            found += _duplicate_keys(value_node, path)
-    return found
-
-
 def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int]) -> list[SpecProblem]:
     problems: list[SpecProblem] = []
     for error in exc.errors():
@@ -116,13 +80,13 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
         if error["type"] == "spec_rules":
             for relative, message in error["ctx"]["problems"]:
                 rule_path = [*path, *relative.split(".")]
-                problems.append(SpecProblem(".".join(rule_path), message, _line(rule_path, lines)))
+                problems.append(SpecProblem(".".join(rule_path), message, line_in(rule_path, lines)))
         elif error["type"] == "extra_forbidden":
             valid = _valid_keys(error["loc"][:-1])
             suggestion = _closest(str(path[-1]), valid)
             problems.append(
                 SpecProblem(
-                    ".".join(path), f"unknown key (valid keys: {', '.join(valid)})", _line(path, lines), suggestion
+                    ".".join(path), f"unknown key (valid keys: {', '.join(valid)})", line_in(path, lines), suggestion
                 )
             )
         elif error["type"] == "union_tag_invalid":
@@ -130,7 +94,9 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
             tag = str(error["ctx"]["tag"])
             message = f"unknown kind '{tag}' (one of: {', '.join(expected)})"
             problems.append(
-                SpecProblem(".".join((*path, "kind")), message, _line((*path, "kind"), lines), _closest(tag, expected))
+                SpecProblem(
+                    ".".join((*path, "kind")), message, line_in((*path, "kind"), lines), _closest(tag, expected)
+                )
             )
         elif error["type"] == "literal_error":
             expected = [t.strip(" '") for t in error["ctx"]["expected"].replace(" or ", ", ").split(",")]
@@ -140,16 +106,16 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
                 SpecProblem(
                     ".".join(path),
                     f"must be one of {', '.join(expected)}; got {given!r}",
-                    _line(path, lines),
+                    line_in(path, lines),
                     suggestion or _closest(given, expected),
                 )
             )
         elif error["type"] == "string_pattern_mismatch" and error["ctx"]["pattern"] in PATTERN_RULES:
             rule = PATTERN_RULES[error["ctx"]["pattern"]]
-            problems.append(SpecProblem(".".join(path), f"{rule}; got {error['input']!r}", _line(path, lines)))
+            problems.append(SpecProblem(".".join(path), f"{rule}; got {error['input']!r}", line_in(path, lines)))
         else:
             message = error["msg"].removeprefix("Value error, ")
-            problems.append(SpecProblem(".".join(path), message, _line(path, lines)))
+            problems.append(SpecProblem(".".join(path), message, line_in(path, lines)))
     return problems
 
 
@@ -166,14 +132,6 @@ def _data_path(loc: Loc, data: Any) -> list[str]:
             else (node[part] if isinstance(node, list) and isinstance(part, int) and part < len(node) else None)
         )
     return path
-
-
-def _line(path: list[str] | tuple[str, ...], lines: dict[tuple[str, ...], int]) -> int | None:
-    """Line of the deepest key of ``path`` present in the YAML (a missing key points at its parent)."""
-    for end in range(len(path), 0, -1):
-        if tuple(path[:end]) in lines:
-            return lines[tuple(path[:end])]
-    return None
 
 
 def _valid_keys(loc: Loc) -> list[str]:
@@ -210,3 +168,12 @@ def _closest(word: str, candidates: list[str]) -> str | None:
 def job_spec_schema() -> dict[str, Any]:
     """The JSON Schema of a job spec (``python -m jobs schema``)."""
     return JobSpec.model_json_schema()
+
+
+def line_of(text: str, path: str) -> int | None:
+    """The YAML line of the dotted ``path`` in ``text`` (a missing key: its nearest parent's line). With the
+    text already parsed, ask its `ParsedSpec.line_of` instead."""
+    try:
+        return parse_spec_text(text).line_of(path)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return None

@@ -6,6 +6,7 @@ import psutil
 
 from jobs import JobSpec, estimate_memory, line_of
 from jobs.estimate import human_bytes
+from jobs.spec_text import ParsedSpec
 from offload import parse_bytes
 
 from .devices import GpuInfo, Slot
@@ -51,7 +52,7 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
     )
 
 
-def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> None:
+def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str | ParsedSpec = "") -> None:
     """Raise 422 ``does_not_fit`` when a GPU job's estimated peak exceeds the memory of every GPU worker.
 
     Such a job would wait its turn, spend minutes building the model, then die of out-of-memory; refusing
@@ -82,7 +83,7 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> 
         {
             "path": path,
             "message": f"{message}; set it to {value} ({why})",
-            "line": line_of(text, path) if text else None,
+            "line": _line_of(text, path),
             "suggestion": None,
         }
         for path, value, why in fixes
@@ -97,7 +98,7 @@ def refuse_if_it_cannot_fit(spec: JobSpec, fit: FitEstimate, text: str = "") -> 
     )
 
 
-def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str = "") -> None:
+def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str | ParsedSpec = "") -> None:
     """Raise 422 ``does_not_fit`` when the job needs more host memory than this machine has.
 
     A job on a CPU worker holds its whole peak in host memory; pinned (page-locked) copies cannot be
@@ -128,14 +129,14 @@ def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str = "") -
             {
                 "path": path,
                 "message": f"{message}; use a smaller model or a host with more memory",
-                "line": line_of(text, path) if text else None,
+                "line": _line_of(text, path),
                 "suggestion": None,
             }
         ],
     )
 
 
-def refuse_if_no_worker_has_the_device(spec: JobSpec, slots: list[Slot], text: str = "") -> None:
+def refuse_if_no_worker_has_the_device(spec: JobSpec, slots: list[Slot], text: str | ParsedSpec = "") -> None:
     """Raise 422 ``device_unavailable`` for a ``device: cuda`` job on a service without a GPU worker.
 
     It would wait in the queue for ever (or run on no GPU); ``?queue_anyway=true`` queues it still, for a
@@ -155,7 +156,7 @@ def refuse_if_no_worker_has_the_device(spec: JobSpec, slots: list[Slot], text: s
             {
                 "path": "device",
                 "message": message,
-                "line": line_of(text, "device") if text else None,
+                "line": _line_of(text, "device"),
                 "suggestion": None,
             }
         ],
@@ -182,3 +183,10 @@ def _fixes(spec: JobSpec) -> list[tuple[str, str, str]]:
             )
         )
     return fixes or [("model", "a smaller model", "no memory setting is left to turn on")]
+
+
+def _line_of(text: str | ParsedSpec, path: str) -> int | None:
+    """The line of ``path`` in the spec as submitted: from its parse when the caller has one."""
+    if isinstance(text, ParsedSpec):
+        return text.line_of(path)
+    return line_of(text, path) if text else None

@@ -6,12 +6,15 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from jobs import JobSpec, JobSpecError, PathRoots, line_of, load_job_spec
+import yaml
+
+from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
 from jobs.preflight import preflight_problems
+from jobs.spec_text import ParsedSpec, parse_spec_text
 
 from .errors import ApiError
 from .settings import Settings
-from .yaml_guard import YamlShapeError, check_yaml_shape
+from .yaml_guard import ShapeGuard, YamlShapeError, shape_error
 
 YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain"})
 JSON_TYPES = frozenset({"application/json"})
@@ -42,22 +45,33 @@ def spec_text_from_body(body: bytes, content_type: str | None) -> str:
     return text
 
 
-def load_checked_spec(text: str, settings: Settings) -> JobSpec:
-    """Check the text's shape before anything expands it, then let ``jobs`` check every field."""
-    try:
-        check_yaml_shape(text, max_depth=settings.max_yaml_depth, max_nodes=settings.max_yaml_nodes)
-    except YamlShapeError as error:
-        raise _spec_error([{"path": "", "message": error.message, "line": error.line, "suggestion": None}]) from None
+def load_checked_spec(text: str, settings: Settings) -> tuple[JobSpec, ParsedSpec]:
+    """Parse the text once, its shape checked as the parser goes (before any alias is expanded), then let
+    ``jobs`` check every field. Returns the spec and the parsed text, whose line map later problems use."""
+    guard = ShapeGuard(max_depth=settings.max_yaml_depth, max_nodes=settings.max_yaml_nodes)
     roots = PathRoots(model_roots=settings.effective_model_roots, data_roots=settings.effective_data_roots)
     try:
-        spec = load_job_spec(text, roots=roots)
+        parsed = parse_spec_text(text, on_event=guard.see)
+    except YamlShapeError as error:
+        raise _spec_error([_whole_text(error)]) from None
+    except yaml.YAMLError as error:
+        raise _spec_error([_whole_text(shape_error(error))]) from None
+    except (RecursionError, ValueError):
+        parsed = None  # load_job_spec names these (an unreadable number, nesting Python cannot follow)
+    try:
+        spec = load_job_spec(parsed if parsed is not None else text, roots=roots)
     except JobSpecError as error:
         raise _spec_error([asdict(p) for p in error.problems]) from None
+    assert parsed is not None  # the text that failed to parse above failed in load_job_spec too
     # The files the spec names: the data's first rows (format, fields, chat template), LoRA targets.
     problems = preflight_problems(spec)
     if problems:
-        raise _spec_error([{**asdict(p), "line": p.line or line_of(text, p.path)} for p in problems])
-    return spec
+        raise _spec_error([{**asdict(p), "line": p.line or parsed.line_of(p.path)} for p in problems])
+    return spec, parsed
+
+
+def _whole_text(error: YamlShapeError) -> dict[str, Any]:
+    return {"path": "", "message": error.message, "line": error.line, "suggestion": None}
 
 
 def _check_json(text: str) -> None:

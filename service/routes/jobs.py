@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response, status
 
 from jobs import JobSpec
+from jobs.spec_text import ParsedSpec
 
 from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, StoreDep
 from ..devices import GpuInfo, Slot
@@ -67,12 +68,12 @@ def create_job(
     """Queue a job from a YAML (or JSON) spec. Every problem in the spec is reported at once, and a GPU job
     estimated to exceed every GPU's memory is refused (422 ``does_not_fit``) unless ``fit_check=false``."""
     text = spec_text_from_body(body, request.headers.get("content-type"))
-    spec = load_checked_spec(text, settings)
+    spec, parsed = load_checked_spec(text, settings)
     refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
     if not queue_anyway and settings.executor == "local":  # a Ray cluster's GPUs are not this machine's
-        refuse_if_no_worker_has_the_device(spec, scheduler.slots, text)
+        refuse_if_no_worker_has_the_device(spec, scheduler.slots, parsed)
     if fit_check:
-        _check_fit(spec, text, scheduler.slots, gpus.gpus())
+        _check_fit(spec, parsed, scheduler.slots, gpus.gpus())
     try:
         job, created = store.create_job(
             job_id=f"job-{secrets.token_hex(6)}",
@@ -106,14 +107,14 @@ def create_job(
     return JobPublic.from_record(job)
 
 
-def _check_fit(spec: JobSpec, text: str, slots: list[Slot], gpus: list[GpuInfo]) -> None:
+def _check_fit(spec: JobSpec, parsed: ParsedSpec, slots: list[Slot], gpus: list[GpuInfo]) -> None:
     # Every job can be refused: a GPU job by the GPUs' memory, a CPU job or pinned copies by the host's.
     try:
         fit = estimate_fit(spec, slots, gpus)
     except Exception:
         log.exception("memory estimate failed; the job is queued without a fit check")
         return
-    refuse_if_it_cannot_fit(spec, fit, text)
+    refuse_if_it_cannot_fit(spec, fit, parsed)
 
 
 @router.post("/validate", openapi_extra=_SPEC_BODY, responses={422: {"model": ErrorBody}})
@@ -127,9 +128,9 @@ def validate_job(
 ) -> ValidationPublic:
     """The same checks as submitting, plus whether the job fits this service's GPUs; queues nothing."""
     text = spec_text_from_body(body, request.headers.get("content-type"))
-    spec = load_checked_spec(text, settings)
+    spec, parsed = load_checked_spec(text, settings)
     if not queue_anyway and settings.executor == "local":
-        refuse_if_no_worker_has_the_device(spec, scheduler.slots, text)
+        refuse_if_no_worker_has_the_device(spec, scheduler.slots, parsed)
     try:
         estimate, problem = estimate_fit(spec, scheduler.slots, gpus.gpus()), None
     except Exception as error:
