@@ -42,6 +42,7 @@ class EvalAndSamples:
         if self.eval_source is None or not self._due(self.spec.eval, step):
             return False
         self.eval_loss_at(step)
+        assert self.spec.eval is not None  # _due() is false without an eval section
         early = self.spec.eval.early_stopping
         if early is not None and self.history.since_best >= early.patience:
             message = (
@@ -67,6 +68,7 @@ class EvalAndSamples:
         if self.history.last_step == step:
             return self.history.last_loss
         session = self.session
+        assert self.spec.eval is not None and self.eval_source is not None  # set up only with an eval section
         result = evaluate(
             session.forward_model,
             session.loss_fn,

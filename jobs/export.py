@@ -34,12 +34,13 @@ def save_pretrained_full(model: nn.Module, directory: Path) -> None:
     is read from wherever they are now (a device-to-host copy: a sync point).
     """
     state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
-    use_cache = model.config.use_cache
-    model.config.use_cache = True  # off for training (jobs/models/hf_causal_lm.py); on for whoever loads it
+    hf_model: Any = model  # a transformers PreTrainedModel (config, save_pretrained)
+    use_cache = hf_model.config.use_cache
+    hf_model.config.use_cache = True  # off for training (jobs/models/hf_causal_lm.py); on for whoever loads it
     try:
-        model.save_pretrained(str(directory), state_dict=state)
+        hf_model.save_pretrained(str(directory), state_dict=state)
     finally:
-        model.config.use_cache = use_cache
+        hf_model.config.use_cache = use_cache
 
 
 def save_hf_checkpoint(model: nn.Module, directory: Path) -> None:

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from jobs.errors import SpecProblem
-from jobs.spec import JobSpec
+from jobs.spec import JobSpec, TextDataSpec
 
 log = logging.getLogger(__name__)
 ROWS_CHECKED = 20  # per data file
@@ -40,15 +40,16 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
     from jobs.data.tokenizers import build_tokenizer
 
     data = spec.data
+    assert isinstance(data, TextDataSpec)  # called for data.kind: text only
     try:
         tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
     except Exception as error:  # a directory that is not a tokenizer: transformers raises many kinds
         return [SpecProblem("data.tokenizer.path", f"cannot load the tokenizer: {type(error).__name__}: {error}")]
-    if data.format == "chat" and not tokenizer.has_chat_template:
+    if data.format == "chat" and not getattr(tokenizer, "has_chat_template", False):
         return [
             SpecProblem(
                 "data.chat_template",
-                f"the tokenizer at {data.tokenizer.path} has no chat template; set data.chat_template "
+                f"the tokenizer at {getattr(data.tokenizer, 'path', 'byte')} has no chat template; set data.chat_template "
                 "(a Jinja template, or 'chatml')",
             )
         ]
@@ -82,6 +83,7 @@ def _lora_problems(spec: JobSpec) -> list[SpecProblem]:
         return [SpecProblem("model.path", f"cannot read the model's config: {type(error).__name__}: {error}")]
     problems = []
     lora = spec.lora
+    assert lora is not None  # called with a lora section only
     for setting, targets in (
         ("lora.target_modules", lora.target_modules),
         ("lora.modules_to_save", lora.modules_to_save),

@@ -76,7 +76,7 @@ class Tracking:
             if event.perplexity is not None:
                 scalars["eval/perplexity"] = event.perplexity
         for writer in self.writers:
-            if scalars:
+            if scalars and isinstance(event, StepEvent | EvalEvent):
                 writer.scalars(scalars, event.step)
             if isinstance(event, SampleEvent) and event.text is not None:
                 writer.sample(event.prompt or "", event.text, event.step)
