@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jobs.models.registry import family_of
+
 if TYPE_CHECKING:
     from jobs.spec import JobSpec
 
@@ -26,7 +28,8 @@ def _check_chat_template_only_for_chat(spec: JobSpec) -> list[Problem]:
 
 
 def _check_packing_fits_model(spec: JobSpec) -> list[Problem]:
-    if spec.data.kind == "text" and spec.data.packing == "packed" and spec.model.kind != "hf_causal_lm":
+    keeps_apart = family_of(spec.model).keeps_packed_documents_apart
+    if spec.data.kind == "text" and spec.data.packing == "packed" and not keeps_apart:
         return [
             (
                 "data.packing",

@@ -226,7 +226,7 @@ def _build_data(spec: JobSpec, family: ModelFamily) -> tuple[BatchSource, TextDa
         width = family.synthetic_width(spec.model) if family.synthetic_width else None
         source, _ = build_data(spec.data, batch_size=training.batch_size, seed=training.seed, width=width)
         return source, None
-    packed_path = spec.model.kind == "hf_causal_lm" and model_keeps_documents_apart()
+    packed_path = family.keeps_packed_documents_apart and model_keeps_documents_apart()
     text = prepare_text_data(
         spec.data, batch_size=training.batch_size, seed=training.seed, packed_path=packed_path, eval_spec=spec.eval
     )

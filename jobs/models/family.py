@@ -50,6 +50,8 @@ class ModelFamily:
         rules: Extra cross-section checks for this family, each returning its (path, message) problems.
         shrink_hint: The setting the out-of-memory advice names when every offload setting is on.
         synthetic_width: ``width(model_spec)`` of synthetic regression inputs, for families trained on it.
+        keeps_packed_documents_apart: The model takes position ids that restart per document, so packed
+            sequences need no mask between documents (``data.packing: packed`` is refused otherwise).
         apply_lora: ``apply_lora(model, lora_spec) -> nn.Module``; None: peft's ``get_peft_model`` (jobs/lora.py).
         build_data: ``build_data(job_spec, device) -> BatchSource`` for data only this family reads (its
             batches may need the family's own encoders); None: jobs.data.build_data.
@@ -76,6 +78,7 @@ class ModelFamily:
     rules: tuple[Callable[[JobSpec], list[Problem]], ...] = ()
     shrink_hint: str = "data.seq_len"
     synthetic_width: Callable[[Any], int] | None = None
+    keeps_packed_documents_apart: bool = False
     apply_lora: Callable[[nn.Module, Any], nn.Module] | None = None
     build_data: Callable[[JobSpec, torch.device], Any] | None = None
     make_sampler: Callable[[JobSpec, torch.device], Any] | None = None

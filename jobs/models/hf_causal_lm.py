@@ -118,6 +118,7 @@ FAMILY = ModelFamily(
     activation_bytes=hf_activation_bytes,
     lora_target_names=lambda spec: None,  # a Hugging Face model's module names are known only once loaded
     peft_task_type="CAUSAL_LM",
+    keeps_packed_documents_apart=True,  # transformers >= 4.47 masks packed documents apart by position ids
     enable_gradient_checkpointing=enable_hf_gradient_checkpointing,
     weights_format=HF_PRETRAINED,  # a full fine-tune loads with AutoModelForCausalLM.from_pretrained
     build_on_meta=build_hf_causal_lm_on_meta,
