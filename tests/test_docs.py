@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from jobs.events import EVENT_TYPES
+from jobs.models.family import ModelFamily
 from offload import OffloadStats
 from service.status import ALLOWED, JobStatus
 
@@ -51,6 +52,12 @@ def test_interfaces_lists_every_offload_stat() -> None:
     paragraph = text[text.index("`OffloadStats` fields") :].split("\n\n")[0]
     listed = set(re.findall(r"`(\w+)`", paragraph)) - {"OffloadStats"}
     assert listed == {f.name for f in dataclasses.fields(OffloadStats)}
+
+
+def test_model_families_lists_every_registry_field() -> None:
+    text = (REPO / "docs" / "model-families.md").read_text()
+    listed = re.findall(r"^\| `(\w+)` \|", text, flags=re.MULTILINE)
+    assert listed == [f.name for f in dataclasses.fields(ModelFamily)]
 
 
 if __name__ == "__main__":
