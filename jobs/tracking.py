@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,10 @@ class _MLflow:
         import mlflow
 
         self.mlflow = mlflow
+        if options.tracking_uri is None:
+            # The default is a file store under the job's output (no server, no database). MLflow 3.x keeps it
+            # in maintenance mode and refuses it unless this is set; the job's process is the only reader.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(options.tracking_uri or (output_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(options.experiment)
         run = mlflow.start_run(run_id=runs.get("mlflow"), run_name=None if "mlflow" in runs else spec.name)
