@@ -8,9 +8,12 @@ naming the file, row and field) instead of failing minutes into a worker.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jobs.errors import SpecProblem
+from jobs.models.registry import family_of
 from jobs.spec import JobSpec, TextDataSpec
 
 log = logging.getLogger(__name__)
@@ -29,8 +32,9 @@ def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
     problems = [SpecProblem(path, message) for path, message in missing_tracking_packages(spec.tracking)]
     if spec.data.kind == "text":
         problems += _data_problems(spec)
-    if spec.lora is not None and spec.model.kind == "hf_causal_lm":
-        problems += _lora_problems(spec)
+    read_names = family_of(spec.model).module_names_from_files
+    if spec.lora is not None and read_names is not None:
+        problems += _lora_problems(spec, read_names)
     return problems
 
 
@@ -73,12 +77,11 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
     return problems
 
 
-def _lora_problems(spec: JobSpec) -> list[SpecProblem]:
-    from jobs.models.hf_names import hf_module_names
+def _lora_problems(spec: JobSpec, read_names: Callable[[Any], list[str]]) -> list[SpecProblem]:
     from jobs.models.names import lora_target_matches
 
     try:
-        names = hf_module_names(Path(spec.model.path))
+        names = read_names(spec.model)
     except Exception as error:  # a broken config.json: report it rather than skip the check silently
         return [SpecProblem("model.path", f"cannot read the model's config: {type(error).__name__}: {error}")]
     problems = []

@@ -43,6 +43,9 @@ class ModelFamily:
             for backward at the peak of one micro-batch (the fit check's only per-family formula).
         lora_target_names: ``names(model_spec) -> list[str] | None``: the Linear modules LoRA may
             target, checked at submit time; None when they are known only once the model is loaded.
+        module_names_from_files: ``names(model_spec) -> list[str]``: every module name, read from the
+            model's files (a ``config.json``) at submit time by jobs/preflight.py, for families whose
+            ``lora_target_names`` is None; LoRA targets matching none of them are refused before queueing.
         peft_task_type: peft's ``task_type`` for LoRA (``"CAUSAL_LM"`` lets peft's Auto classes load it).
         enable_gradient_checkpointing: Turns activation checkpointing on for a built model; None when
             the family does not support it (``training.gradient_checkpointing: true`` is then refused).
@@ -72,6 +75,7 @@ class ModelFamily:
     meta_model: Callable[[Any], nn.Module]
     activation_bytes: Callable[[JobSpec, nn.Module], int]
     lora_target_names: Callable[[Any], list[str] | None]
+    module_names_from_files: Callable[[Any], list[str]] | None = None
     peft_task_type: str | None = None
     enable_gradient_checkpointing: Callable[[nn.Module], None] | None = None
     weights_format: WeightsFormat = TRAINABLE_SAFETENSORS

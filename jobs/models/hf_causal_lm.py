@@ -12,6 +12,7 @@ from torch import nn
 from jobs.export import HF_PRETRAINED
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily
+from jobs.models.hf_names import hf_module_names
 from jobs.models.transformer_lm import lm_loss
 from jobs.sections import Dtype, Section, confined_path
 from jobs.weight_sources import RandomSource, SafetensorsSource, WeightSource
@@ -116,7 +117,8 @@ FAMILY = ModelFamily(
     data_kinds=("text",),
     meta_model=meta_hf_causal_lm,
     activation_bytes=hf_activation_bytes,
-    lora_target_names=lambda spec: None,  # a Hugging Face model's module names are known only once loaded
+    lora_target_names=lambda spec: None,  # not from the spec alone: preflight reads them from config.json
+    module_names_from_files=lambda spec: hf_module_names(Path(spec.path)),
     peft_task_type="CAUSAL_LM",
     keeps_packed_documents_apart=True,  # transformers >= 4.47 masks packed documents apart by position ids
     enable_gradient_checkpointing=enable_hf_gradient_checkpointing,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -54,3 +56,16 @@ def test_built_in_lora_names_come_from_the_meta_model() -> None:
     toy = family_of("toy_mlp")
     assert toy.lora_target_names(toy.spec(kind="toy_mlp", hidden_size=8, num_layers=2)) == ["layers.0", "layers.1"]
     assert family_of("hf_causal_lm").lora_target_names(None) is None  # known once loaded
+    assert family_of("toy_mlp").module_names_from_files is None  # its names come from the spec alone
+
+
+def test_no_model_kind_branch_is_left_in_jobs() -> None:
+    """Per-family decisions are registry fields: nothing in jobs/ tests ``model.kind`` against a name."""
+    jobs = Path(__file__).resolve().parents[3] / "jobs"
+    branches = [
+        f"{path.relative_to(jobs.parent)}:{number}: {line.strip()}"
+        for path in sorted(jobs.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"model\??\.kind\s*[!=]=|[!=]=\s*\w*\.?model\.kind", line)
+    ]
+    assert branches == []
