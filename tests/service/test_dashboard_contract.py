@@ -3,7 +3,8 @@
 Each dashboard function that takes an API object names its schema in a JSDoc ``@param {Schema} name``; this
 test reads every ``name.a?.b`` chain in that function and resolves it against the schema, so a field the
 dashboard reads but the API does not declare (a guessed spelling, a renamed key) fails here, in CI,
-without a browser.
+without a browser. Every answer of ``api()`` must go straight into such a reader (``reader(await api(...))``
+or ``api(...).then(reader)``), so no page can keep an answer in a variable and read it unchecked.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ DOC_AND_FUNCTION = re.compile(
 )
 PARAM = re.compile(r"@param\s+\{(\w+)\}\s+(\w+)")
 ARRAY_MEMBERS = {"map", "filter", "some", "every", "find", "flatMap", "forEach", "includes", "length", "slice"}
+CALLBACK = re.compile(r"\(\s*\(?\s*(\w+)\s*\)?\s*=>")  # `(x) =>` right after `.map` and the like
 STRING_MEMBERS = {"length", "slice", "split", "startsWith", "endsWith", "includes", "toLowerCase", "trim"}
 # Functions that must keep naming their schema (they are the dashboard's readers of API objects).
 REQUIRED = {
@@ -34,7 +36,16 @@ REQUIRED = {
     ("workers.js", "workerCard"): "WorkerPublic",
     ("checkpoints.js", "fileRow"): "CheckpointFile",
     ("event-log.js", "describeFailed"): "FailedEvent",
+    ("model.js", "metricsPage"): "MetricsPublic",
+    ("model.js", "eventsPage"): "EventsPublic",
+    ("model.js", "jobsPage"): "JobsPublic",
+    ("model.js", "evalPoint"): "EvalPoint",
+    ("model.js", "samplesOf"): "SamplesPublic",
+    ("model.js", "normalizeSample"): "SamplePoint",
+    ("model.js", "mergedArchive"): "MergedPublic",
 }
+# `reader(await api(...))` or `api(...).then(reader)`: what the service answered goes straight to a reader.
+AWAITED_ANSWER = re.compile(r"(\w+)\(await api\($")
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +55,38 @@ def schemas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def annotated_reads(source: str) -> list[tuple[str, str, str, list[str]]]:
-    """(function, schema, variable, path) for every member chain read from an annotated parameter."""
+    """(function, schema, variable, path) for every member chain read from an annotated parameter.
+
+    The element of an array read through a callback (``body.data.map((job) => job.name)``) is followed
+    too: its path goes through ``[]``, the array's items.
+    """
     reads = []
     for match in DOC_AND_FUNCTION.finditer(source):
-        body = _body(source, match.end() - 1)
+        body = _balanced(source, match.end() - 1, "{}")
         for schema, variable in PARAM.findall(match.group(1)):
-            for chain in re.findall(rf"(?<![\w.$]){variable}((?:\??\.[A-Za-z_$][\w$]*)+)", body):
-                reads.append((match.group(2), schema, variable, re.split(r"\??\.", chain)[1:]))
+            reads += [(match.group(2), schema, variable, path) for path in _chains(body, variable)]
     return reads
 
 
-def _body(source: str, opening: int) -> str:
+def _chains(code: str, variable: str) -> list[list[str]]:
+    chains = []
+    for found in re.finditer(rf"(?<![\w.$]){variable}((?:\??\.[A-Za-z_$][\w$]*)+)", code):
+        path = re.split(r"\??\.", found.group(1))[1:]
+        chains.append(path)
+        callback = CALLBACK.match(code, found.end())
+        if path[-1] in ARRAY_MEMBERS and callback:
+            arrow = _balanced(code, found.end(), "()")
+            chains += [[*path[:-1], "[]", *inner] for inner in _chains(arrow, callback.group(1))]
+    return chains
+
+
+def _balanced(source: str, opening: int, pair: str) -> str:
     depth = 0
     for index in range(opening, len(source)):
-        depth += {"{": 1, "}": -1}.get(source[index], 0)
+        depth += {pair[0]: 1, pair[1]: -1}.get(source[index], 0)
         if depth == 0:
             return source[opening : index + 1]
-    raise AssertionError("unbalanced braces")
+    raise AssertionError(f"unbalanced {pair}")
 
 
 def missing_field(schemas: dict[str, Any], schema: str, path: list[str]) -> str | None:
@@ -68,6 +94,11 @@ def missing_field(schemas: dict[str, Any], schema: str, path: list[str]) -> str 
     current = [schemas[schema]]
     for part in path:
         options = _alternatives(schemas, current)
+        if part == "[]":  # the elements of an array read through a callback
+            current = [o["items"] for o in options if o.get("type") == "array"]
+            if not current:
+                return part
+            continue
         if any(o.get("type") == "array" for o in options) and part in ARRAY_MEMBERS:
             return None
         if any(o.get("type") == "string" for o in options) and part in STRING_MEMBERS:
@@ -139,3 +170,37 @@ def test_a_field_the_schema_lacks_is_caught(schemas: dict[str, Any]) -> None:
         ("progress", "eta_seconds"): "eta_seconds",
         ("error", "code"): None,
     }
+
+
+def test_every_answer_of_the_api_goes_straight_to_an_annotated_reader() -> None:
+    """A page that kept an answer in a variable could read any field of it unchecked; none does."""
+    sources = dashboard_sources()
+    readers = {function for source in sources.values() for function, *_ in annotated_reads(source)}
+    unread, calls = [], 0
+    for path, source in sources.items():
+        for call in re.finditer(r"(?<![\w.])api\(", source):
+            if source[: call.start()].endswith("function "):
+                continue  # api.js's definition
+            calls += 1
+            before = AWAITED_ANSWER.search(source[max(0, call.start() - 60) : call.end()])
+            after = re.match(
+                r"\.then\((\w+)\)", source[call.start() + len(_balanced(source, call.end() - 1, "()")) + 3 :]
+            )
+            found = before or after
+            reader = found.group(1) if found else None
+            if reader not in readers:
+                line = source.count("\n", 0, call.start()) + 1
+                unread.append(
+                    f"{path.name}:{line}: the answer of api() goes to {reader or 'a variable'}, not an annotated reader"
+                )
+    assert not unread, "\n".join(unread)
+    assert calls >= 10
+
+
+def test_a_field_read_through_a_callback_is_checked(schemas: dict[str, Any]) -> None:
+    source = """
+    /** @param {JobsPublic} body */
+    function names(body) { return new Map(body.data.map((job) => [job.id, job.nmae])); }
+    """
+    found = {tuple(chain): missing_field(schemas, schema, chain) for _, schema, _, chain in annotated_reads(source)}
+    assert found == {("data", "map"): None, ("data", "[]", "id"): None, ("data", "[]", "nmae"): "nmae"}

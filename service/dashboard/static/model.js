@@ -59,11 +59,69 @@ function normalizeError(error) {
 }
 
 /**
- * The points of a `/metrics` page.
+ * One `/metrics` page: its step points, the evaluations in the same range of events, and the cursor.
  * @param {MetricsPublic} body
  */
-export function metricRows(body) {
+export function metricsPage(body) {
+  return { rows: body.data, evals: body.eval.map(evalPoint), nextCursor: body.next_cursor, hasMore: body.has_more };
+}
+
+/**
+ * One `/events` page: the stored events (each read by `unwrapEvent`) and the cursor.
+ * @param {EventsPublic} body
+ */
+export function eventsPage(body) {
+  return { items: body.data, nextCursor: body.next_cursor, hasMore: body.has_more };
+}
+
+/**
+ * One `/v1/jobs` page; `more` when the service holds older jobs than it sent.
+ * @param {JobsPublic} body
+ */
+export function jobsPage(body) {
+  return { jobs: body.data.map(normalizeJob), more: Boolean(body.next_cursor) };
+}
+
+/**
+ * An evaluation as the eval chart draws it: a `/metrics` `eval` point, or a streamed eval event.
+ * @param {EvalPoint} point
+ */
+export function evalPoint(point) {
+  return { step: point.step, evalLoss: point.eval_loss, perplexity: point.perplexity ?? null };
+}
+
+/**
+ * The samples of a `/samples` page.
+ * @param {SamplesPublic} body
+ */
+export function samplesOf(body) {
   return body.data;
+}
+
+/**
+ * A sample as the samples card draws it: a `/samples` point, or a streamed sample event through
+ * `unwrapEvent` (no `url` yet: the API serves its artifact under the job's `samples/files/`).
+ * @param {SamplePoint} sample
+ */
+export function normalizeSample(sample, jobPath, streamId = null) {
+  const artifact = sample.artifact_path ?? null;
+  return {
+    // One key per event whichever way it came: the listing gives numbers, the stream strings.
+    key: String(sample.event_id ?? streamId ?? `${sample.step}:${sample.prompt}`),
+    step: sample.step,
+    prompt: sample.prompt ?? null,
+    text: sample.text ?? null,
+    artifactPath: artifact,
+    url: sample.url ?? (artifact ? `${jobPath}/samples/files/${artifact}` : null),
+  };
+}
+
+/**
+ * The archive a merge answer offers for download.
+ * @param {MergedPublic} body
+ */
+export function mergedArchive(body) {
+  return { url: body.archive.url, name: body.archive.name, bytes: body.archive.bytes };
 }
 
 /**

@@ -3,6 +3,7 @@
 
 import { AuthError, api, download, getToken } from "../api.js";
 import { bytes, dateTime, h, isNum, num } from "../format.js";
+import { mergedArchive } from "../model.js";
 
 export function checkpointsCard(jobId, ctx) {
   const body = h("div", { class: "checkpoints", id: "checkpoints" }, h("p", { class: "muted small" }, "Loading…"));
@@ -39,9 +40,9 @@ export function checkpointsCard(jobId, ctx) {
         button.disabled = true;
         button.textContent = "Merging…";
         try {
-          const merged = await api(`${base}/${encodeURIComponent(name)}/merge`, { method: "POST" });
-          slot.replaceChildren(downloadLink(merged.archive.url, merged.archive.name, ctx),
-            h("span", { class: "muted small" }, ` ${bytes(merged.archive.bytes)}`));
+          const archive = mergedArchive(await api(`${base}/${encodeURIComponent(name)}/merge`, { method: "POST" }));
+          slot.replaceChildren(downloadLink(archive.url, archive.name, ctx),
+            h("span", { class: "muted small" }, ` ${bytes(archive.bytes)}`));
         } catch (err) {
           if (err instanceof AuthError) return ctx.needToken(err.message);
           button.disabled = false;

@@ -4,10 +4,10 @@
 import { blobUrl, getToken } from "../api.js";
 import { h } from "../format.js";
 
-/** A figure for one image sample: the picture (click: full size) and its prompt. */
+/** A figure for one image sample (a `normalizeSample`): the picture (click: full size) and its prompt. */
 export function sampleImage(sample) {
   const img = h("img", { class: "sample-image", alt: sample.prompt ?? "sample", loading: "lazy",
-    "data-sample": sample.artifact_path || "" });
+    "data-sample": sample.artifactPath || "" });
   const link = h("a", { href: sample.url, target: "_blank", rel: "noopener" }, img);
   if (getToken()) {
     blobUrl(sample.url).then((url) => { img.src = url; link.href = url; })

@@ -3,9 +3,10 @@
 import { api } from "../api.js";
 import { lineChart } from "../charts.js";
 import { h, isNum, num } from "../format.js";
+import { normalizeSample, samplesOf } from "../model.js";
 import { gallery } from "./job-gallery.js";
 
-/** Eval loss by step (from `/metrics`' `eval` and live `eval` events); hidden while there is none. */
+/** Eval loss by step (`evalPoint`s from `/metrics`' `eval` and live `eval` events); hidden while there is none. */
 export function evalChart() {
   const byStep = new Map();
   const chart = lineChart({ title: "Eval loss", xLabel: "step", yLabel: "eval loss", testId: "eval-loss",
@@ -15,11 +16,11 @@ export function evalChart() {
     element: chart.element,
     add(points) {
       for (const point of points || []) {
-        if (isNum(point.step) && isNum(point.eval_loss)) byStep.set(point.step, point);  // a resumed step: newer wins
+        if (isNum(point.step) && isNum(point.evalLoss)) byStep.set(point.step, point);  // a resumed step: newer wins
       }
       const rows = [...byStep.values()].sort((a, b) => a.step - b.step);
       chart.element.hidden = rows.length === 0;
-      chart.setData(rows.map((r) => r.step), rows.map((r) => r.eval_loss));
+      chart.setData(rows.map((r) => r.step), rows.map((r) => r.evalLoss));
     },
     last() {
       const steps = [...byStep.keys()];
@@ -56,23 +57,18 @@ export function samplesCard(path) {
 
   return {
     element,
-    add(samples, id = null) {
-      for (const sample of samples || []) {
-        // A live event has no url yet: the API serves an artifact under the job's samples/files/.
-        const url = sample.url ?? (sample.artifact_path ? `${path}/samples/files/${sample.artifact_path}` : null);
-        // One key per event whichever way it came: the listing gives numbers, the stream strings.
-        seen.set(String(sample.event_id ?? id ?? `${sample.step}:${sample.prompt}`), { ...sample, url });
-      }
+    /** Samples as `normalizeSample` makes them (a stored one, or a streamed event with its stream id). */
+    add(samples) {
+      for (const sample of samples) seen.set(sample.key, sample);
       draw();
     },
     async load() {
-      const answer = await api(`${path}/samples?limit=1000`);
-      this.add(answer?.data || []);
+      this.add(samplesOf(await api(`${path}/samples?limit=1000`)).map((sample) => normalizeSample(sample, path)));
     },
   };
 }
 
-/** @param {EvalPoint} point */
+/** The last evaluation in a line (an `evalPoint`). */
 export function evalStat(point) {
-  return point ? `${num(point.eval_loss)} (ppl ${num(point.perplexity, 3)})` : null;
+  return point ? `${num(point.evalLoss)} (ppl ${num(point.perplexity, 3)})` : null;
 }

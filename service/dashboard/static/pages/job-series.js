@@ -3,18 +3,18 @@
 import { api } from "../api.js";
 import { lineChart } from "../charts.js";
 import { isNum } from "../format.js";
-import { flattenStep, metricRows } from "../model.js";
+import { eventsPage, flattenStep, metricsPage } from "../model.js";
 
 /** The stored series, page by page (`?after=` cursor) until the service says there is no more. */
 export async function loadMetrics(path, series, onEval = () => {}, onSteps = () => {}) {
   let after = 0;
   for (let page = 0; page < 100; page += 1) {
-    const body = await api(`${path}/metrics?after=${after}&limit=10000`);
-    series.addRows(metricRows(body));
-    onSteps(metricRows(body));
-    onEval(body?.eval || []);  // the evaluations in the same range of events
-    const next = isNum(body?.next_cursor) ? body.next_cursor : after;
-    if (!body?.has_more || next === after) return next;
+    const { rows, evals, nextCursor, hasMore } = metricsPage(await api(`${path}/metrics?after=${after}&limit=10000`));
+    series.addRows(rows);
+    onSteps(rows);
+    onEval(evals);  // the evaluations in the same range of events
+    const next = isNum(nextCursor) ? nextCursor : after;
+    if (!hasMore || next === after) return next;
     after = next;
   }
   return after;
@@ -24,10 +24,10 @@ export async function loadMetrics(path, series, onEval = () => {}, onSteps = () 
 export async function loadHistory(path, add) {
   let after = 0;
   for (let page = 0; page < 20; page += 1) {
-    const body = await api(`${path}/events?after=${after}&limit=1000&exclude=step`);
-    for (const item of body?.data || []) add(item);
-    if (!body?.has_more || body.next_cursor === after) return;
-    after = body.next_cursor;
+    const { items, nextCursor, hasMore } = eventsPage(await api(`${path}/events?after=${after}&limit=1000&exclude=step`));
+    for (const item of items) add(item);
+    if (!hasMore || nextCursor === after) return;
+    after = nextCursor;
   }
 }
 

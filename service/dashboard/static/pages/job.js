@@ -3,7 +3,7 @@
 import { AuthError, ApiError, api, streamEvents } from "../api.js";
 import { DASH, bytes, dateTime, duration, h, isNum, num, percent, rate, secondsSince } from "../format.js";
 import { describeError, poll } from "../live.js";
-import { TERMINAL, normalizeJob, offloadFigures, unwrapEvent } from "../model.js";
+import { TERMINAL, evalPoint, normalizeJob, normalizeSample, offloadFigures, unwrapEvent } from "../model.js";
 import { errorState, failureBanner, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
 import { loadHistory, loadMetrics, makeCharts, seriesStore } from "./job-series.js";
@@ -98,8 +98,8 @@ export async function render(root, { params: [jobId], ctx }) {
       log.add(id, kind, event);
       if (kind === "step") { series.addRows([event]); charts.schedule(series, () => drawStats(stats, job, series.last())); }
       if (kind === "checkpoint") checkpoints.refresh();
-      if (kind === "eval") evals.add([event]);
-      if (kind === "sample") samples.add([event], id);
+      if (kind === "eval") evals.add([evalPoint(event)]);
+      if (kind === "sample") samples.add([normalizeSample(event, path, id)]);
       if (kind === "status" || kind === "finished" || kind === "failed") refreshJob().catch(() => {});
     },
     onState: (state) => log.setState(state),

@@ -3,7 +3,7 @@
 import { api } from "../api.js";
 import { DASH, age, bytes, duration, h, isNum, num, percent, shortId } from "../format.js";
 import { poll } from "../live.js";
-import { STATUSES, normalizeJob } from "../model.js";
+import { STATUSES, jobsPage } from "../model.js";
 import { failureBanner, progressBar, statusBadge } from "../widgets.js";
 
 const PAGE_SIZE = 100;
@@ -27,13 +27,12 @@ export async function render(root, { query, ctx }) {
   async function load() {
     const params = new URLSearchParams({ limit: String(PAGE_SIZE) });
     if (status) params.set("status", status);
-    const body = await api(`/v1/jobs?${params}`);
-    const jobs = body.data.map(normalizeJob);
+    const { jobs, more } = jobsPage(await api(`/v1/jobs?${params}`));
     banner.replaceChildren();
-    counter.textContent = jobs.length ? `${jobs.length}${body?.next_cursor ? "+" : ""}` : "";
+    counter.textContent = jobs.length ? `${jobs.length}${more ? "+" : ""}` : "";
     if (!jobs.length) { table.reset(); list.replaceChildren(emptyState(status)); return; }
     if (!list.contains(table.element)) list.replaceChildren(table.element);
-    table.update(jobs, Boolean(body?.next_cursor));
+    table.update(jobs, more);
   }
   const table = jobsTable();
 

@@ -65,7 +65,9 @@ export async function render(root, { ctx }) {
     if (dropped) { textarea.value = await dropped.text(); textarea.dispatchEvent(new Event("input")); }
   });
 
-  async function send(path, busyButton) {
+  // `request(options)` posts the spec and reads the answer with the reader of its schema; a refusal is read
+  // by `problemsOf`.
+  async function send(busyButton, request) {
     if (!textarea.value.trim()) {
       results.replaceChildren(errorState("Paste or upload a YAML spec first.", { title: "Nothing to check." }));
       return null;
@@ -73,10 +75,11 @@ export async function render(root, { ctx }) {
     busyButton.disabled = true;
     busyButton.classList.add("busy");
     try {
-      return { ok: true, body: await api(path, { method: "POST", body: textarea.value, contentType: "application/yaml" }) };
+      const answer = await request({ method: "POST", body: textarea.value, contentType: "application/yaml" });
+      return { ok: true, answer, problems: [] };
     } catch (err) {
       if (err instanceof AuthError) { ctx.needToken(err.message); return null; }
-      if (err instanceof ApiError && (err.status === 422 || err.status === 400)) return { ok: false, body: err.body, message: err.message };
+      if (err instanceof ApiError && (err.status === 422 || err.status === 400)) return { ok: false, problems: problemsOf(err.body), message: err.message };
       results.replaceChildren(errorState(describeError(err), { title: "The request failed." }));
       return null;
     } finally {
@@ -99,26 +102,24 @@ export async function render(root, { ctx }) {
   }
 
   validateBtn.addEventListener("click", async () => {
-    const answer = await send("/v1/jobs/validate", validateBtn);
+    const answer = await send(validateBtn, (options) => api("/v1/jobs/validate", options).then(estimateOf));
     if (!answer) return;
-    const problems = problemsOf(answer.body);
-    if (!answer.ok && !problems.length) {
+    if (!answer.ok && !answer.problems.length) {
       results.replaceChildren(errorState(answer.message, { title: "The spec was refused." }));
       return;
     }
-    showProblems(problems, estimateOf(answer.body), "The spec has problems");
+    showProblems(answer.problems, answer.ok ? answer.answer : null, "The spec has problems");
   });
 
   submitBtn.addEventListener("click", async () => {
-    const answer = await send("/v1/jobs", submitBtn);
+    const answer = await send(submitBtn, (options) => api("/v1/jobs", options).then(normalizeJob));
     if (!answer) return;
     if (!answer.ok) {
-      const problems = problemsOf(answer.body);
-      if (problems.length) showProblems(problems, null, "Not queued: the spec has problems");
+      if (answer.problems.length) showProblems(answer.problems, null, "Not queued: the spec has problems");
       else results.replaceChildren(errorState(answer.message, { title: "Not queued." }));
       return;
     }
-    const job = normalizeJob(answer.body);
+    const job = answer.answer;
     sessionStorage.removeItem(DRAFT_KEY);
     ctx.toast(`Queued ${job.name || job.id}.`, "ok");
     ctx.navigate(`#/jobs/${encodeURIComponent(job.id)}`);

@@ -12,9 +12,8 @@ export async function render(root, { ctx }) {
 
   return poll(async () => {
     // Workers name their job by id; the running jobs give the names to show.
-    const [workersBody, runningBody] = await Promise.all([api("/v1/workers"), api("/v1/jobs?status=running&limit=200")]);
-    const names = jobNames(runningBody);
-    const workers = workerList(workersBody);
+    const [workers, names] = await Promise.all([api("/v1/workers").then(workerList),
+      api("/v1/jobs?status=running&limit=200").then(jobNames)]);
     banner.replaceChildren();
     grid.replaceChildren(...(workers.length ? workers.map((w) => workerCard(w, names.get(w.job_id)))
       : [h("div", { class: "empty" }, h("p", { class: "empty-title" }, "No workers."), h("p", { class: "muted" }, "The service started none; check its settings."))]));
