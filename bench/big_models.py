@@ -30,6 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from link_rate import pinned_h2d_gbps  # noqa: E402 (after sys.path)
+
 GIB = 2**30
 
 QWEN_32B = {"hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
@@ -64,20 +66,6 @@ def weight_bytes(shape: dict[str, Any]) -> int:
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.bfloat16)
     return sum(p.numel() * 2 for p in model.parameters())
-
-
-def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
-    if not torch.cuda.is_available():
-        return float("nan")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return 5 * nbytes / (time.perf_counter() - start) / 1e9
 
 
 def corpus(directory: Path) -> None:

@@ -30,6 +30,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.link_rate import pinned_h2d_gbps
 from bench.provenance import commit
 from jobs import PathRoots, load_job_spec, run_job
 from jobs.diffusion.cache import CacheWriter, model_fingerprint
@@ -51,19 +52,6 @@ QWEN25_VL_7B_TEXT = {
 }  # fmt: skip
 TINY_TEXT = {**QWEN25_VL_7B_TEXT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], "rope_type": "default"}}  # fmt: skip
-
-
-def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
-    """Pinned host-to-device copy rate in GB/s, measured now (the copy floor's denominator)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return 5 * nbytes / (time.perf_counter() - start) / 1e9
 
 
 def make_pipeline_dir(root: Path, *, tiny: bool) -> Path:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.link_rate import pinned_h2d_gbps
 from offload import OffloadOptions, OffloadTrainingManager
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -271,18 +272,6 @@ def run_lora(mode: str, steps: int, tokens: int, limit: str | None = None) -> Re
 
 
 LORA_WEIGHT_BYTES = 16 * (4 * 4096 * 4096 + 2 * 4096 * 16384) * 2
-
-
-def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return 5 * nbytes / (time.perf_counter() - start) / 1e9
 
 
 LORA_MODES = ["resident", *[m for m in MODES if "step-in-backward" not in m], "fsdp2"]

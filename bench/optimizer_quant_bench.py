@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model, pinned_h2d_gbps
+from bench.link_rate import pinned_h2d_gbps
+from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
 from bench.provenance import commit
 from offload import OffloadOptions, OffloadTrainingManager
 from offload.quantized import quantize_frozen_weights, stored_bytes
