@@ -55,9 +55,8 @@ class Result:
 _LAST_RESERVED: list[float] = [float("nan")]
 
 
-def measure(step: Callable[[], None], steps: int, warmup: int = 2) -> tuple[float, float]:
-    """Median step time (ms) and peak allocated GPU memory (GiB) over ``steps`` timed steps; the peak
-    reserved memory of the same steps is kept for the row (``_LAST_RESERVED``)."""
+def timed_steps(step: Callable[[], object], steps: int, warmup: int = 2) -> tuple[float, float, float]:
+    """Median step ms, peak allocated and peak reserved GiB over ``steps`` timed steps after ``warmup``."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -66,10 +65,18 @@ def measure(step: Callable[[], None], steps: int, warmup: int = 2) -> tuple[floa
     for _ in range(steps):
         start = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # a CPU-GPU sync point: each step's time includes its queued GPU work
         times.append((time.perf_counter() - start) * 1e3)
-    _LAST_RESERVED[0] = torch.cuda.max_memory_reserved() / 2**30
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    gib = 2**30
+    return statistics.median(times), torch.cuda.max_memory_allocated() / gib, torch.cuda.max_memory_reserved() / gib
+
+
+def measure(step: Callable[[], None], steps: int, warmup: int = 2) -> tuple[float, float]:
+    """Median step time (ms) and peak allocated GPU memory (GiB) over ``steps`` timed steps; the peak
+    reserved memory of the same steps is kept for the row (``_LAST_RESERVED``)."""
+    ms, allocated, reserved = timed_steps(step, steps, warmup)
+    _LAST_RESERVED[0] = reserved
+    return ms, allocated
 
 
 def toy_step(

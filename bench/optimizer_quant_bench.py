@@ -16,7 +16,6 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.link_rate import pinned_h2d_gbps
 from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
+from bench.offload_bench import timed_steps as measure
 from bench.provenance import commit
 from offload import OffloadOptions, OffloadTrainingManager
 from offload.quantized import quantize_frozen_weights, stored_bytes
@@ -32,22 +32,6 @@ from offload.quantized import quantize_frozen_weights, stored_bytes
 RESULTS = Path(__file__).with_name("RESULTS.md")
 START, END = "<!-- optimizer_quant_bench:start -->", "<!-- optimizer_quant_bench:end -->"
 ROWS: list[str] = []
-
-
-def measure(step: Callable[[], float | None], steps: int, warmup: int = 2) -> tuple[float, float, float]:
-    """Median step ms, peak allocated and peak reserved GiB over ``steps`` timed steps."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    gib = 2**30
-    return statistics.median(times), torch.cuda.max_memory_allocated() / gib, torch.cuda.max_memory_reserved() / gib
 
 
 def row(workload: str, mode: str, ms: float, alloc: float, reserved: float, note: str = "") -> None:
