@@ -1,27 +1,56 @@
 """Ferry's offload engine: train a model whose weights live on the CPU, streaming them to the device.
 
+The names below are imported on first use (PEP 562): ``offload.stats`` and ``offload.options`` are plain
+Python, and a process that only reads the engine's statistics or parses a size (the service's API) must
+not pay for torch.
+
 Example:
     >>> from offload import OffloadTrainingManager
     >>> manager = OffloadTrainingManager(model, target_device="cuda", enable_optimizer_cpu_offload=True)
     >>> loss.backward(); manager.after_backward(); optimizer.step(); optimizer.zero_grad()
 """
 
-from offload.arena import PinnedArenaPool
-from offload.devices import set_gpu_memory_limit
-from offload.manager import OffloadTrainingManager
-from offload.offloaders import (
-    AlwaysOnGPUParamOffloader,
-    BufferOffloader,
-    StaticParamOffloader,
-    TensorOffloader,
-    TrainableParamOffloader,
-)
-from offload.options import OffloadOptions, parse_bytes
-from offload.plan import MemoryPlan, plan_memory
-from offload.quantized import QuantizedParamOffloader, quantize_frozen_weights
-from offload.stats import OffloadStats
-from offload.units import OffloadUnit, discover_units
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from offload.arena import PinnedArenaPool
+    from offload.devices import set_gpu_memory_limit
+    from offload.manager import OffloadTrainingManager
+    from offload.offloaders import (
+        AlwaysOnGPUParamOffloader,
+        BufferOffloader,
+        StaticParamOffloader,
+        TensorOffloader,
+        TrainableParamOffloader,
+    )
+    from offload.options import OffloadOptions, parse_bytes
+    from offload.plan import MemoryPlan, plan_memory
+    from offload.quantized import QuantizedParamOffloader, quantize_frozen_weights
+    from offload.stats import OffloadStats
+    from offload.units import OffloadUnit, discover_units
+
+_HOME = {
+    "PinnedArenaPool": "offload.arena",
+    "set_gpu_memory_limit": "offload.devices",
+    "OffloadTrainingManager": "offload.manager",
+    "AlwaysOnGPUParamOffloader": "offload.offloaders",
+    "BufferOffloader": "offload.offloaders",
+    "StaticParamOffloader": "offload.offloaders",
+    "TensorOffloader": "offload.offloaders",
+    "TrainableParamOffloader": "offload.offloaders",
+    "OffloadOptions": "offload.options",
+    "parse_bytes": "offload.options",
+    "MemoryPlan": "offload.plan",
+    "plan_memory": "offload.plan",
+    "QuantizedParamOffloader": "offload.quantized",
+    "quantize_frozen_weights": "offload.quantized",
+    "OffloadStats": "offload.stats",
+    "OffloadUnit": "offload.units",
+    "discover_units": "offload.units",
+}
 __all__ = [
     "AlwaysOnGPUParamOffloader",
     "BufferOffloader",
@@ -40,4 +69,13 @@ __all__ = [
     "plan_memory",
     "quantize_frozen_weights",
     "set_gpu_memory_limit",
-]
+]  # the names of _HOME
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'offload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
