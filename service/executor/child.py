@@ -131,6 +131,7 @@ class _Reporter:
     def __init__(self, store: Any, request: LaunchRequest) -> None:
         self._store, self._request = store, request
         self._ended = False
+        self._stepped = False  # the attempt's first step goes out at once, however soon after `started`
         self._pending: list[dict[str, Any]] = []
         self._flushed_at = self._step_logged_at = float("-inf")
 
@@ -142,8 +143,11 @@ class _Reporter:
         self._pending.append(wire)
         if wire["type"] in ("finished", "failed"):
             self._ended = True
+        first_step = wire["type"] == "step" and not self._stepped
+        self._stepped = self._stepped or wire["type"] == "step"
         if (
             wire["type"] != "step"
+            or first_step
             or len(self._pending) >= self.BATCH_STEPS
             or time.monotonic() - self._flushed_at >= self.BATCH_S
         ):

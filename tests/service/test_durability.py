@@ -157,3 +157,17 @@ def test_step_events_are_written_in_small_batches(tmp_path: Path) -> None:
     assert sink.batches[0] == ["step"]  # the first step at once: the page shows progress without delay
     assert sum(len(b) for b in sink.batches) == 202 and len(sink.batches) <= 8
     assert sink.batches[-2][-1] == "checkpoint" and sink.batches[-1] == ["finished"]  # each at once, after its steps
+
+
+def test_the_first_step_goes_out_at_once_even_right_after_started(tmp_path: Path) -> None:
+    from jobs.events import StartedEvent, StepEvent
+
+    sink = RecordingSink()
+    request = LaunchRequest(job_id="a", attempt=1, spec_text="", output_dir=tmp_path, device=None,
+                            db_path=tmp_path / "db", log_path=tmp_path / "job.log")  # fmt: skip
+    reporter = _Reporter(sink, request)
+    reporter(StartedEvent(**{k: v for k, v in started(None).items() if k != "type"}))
+    for n in range(1, 4):  # well inside one batch interval of `started`
+        reporter(StepEvent(**{k: v for k, v in step(n).items() if k != "type"}))
+    # Waiting for the batch would hide the job's progress for BATCH_S (or BATCH_STEPS steps) after it starts.
+    assert sink.batches == [["started"], ["step"]]
