@@ -24,12 +24,12 @@ if TYPE_CHECKING:
         BufferOffloader,
         StaticParamOffloader,
         TensorOffloader,
-        TrainableParamOffloader,
     )
     from offload.options import OffloadOptions, parse_bytes
     from offload.plan import MemoryPlan, plan_memory
     from offload.quantized import QuantizedParamOffloader, quantize_frozen_weights
     from offload.stats import OffloadStats
+    from offload.trainable import TrainableParamOffloader
     from offload.units import OffloadUnit, discover_units
 
 _HOME = {
@@ -40,7 +40,7 @@ _HOME = {
     "BufferOffloader": "offload.offloaders",
     "StaticParamOffloader": "offload.offloaders",
     "TensorOffloader": "offload.offloaders",
-    "TrainableParamOffloader": "offload.offloaders",
+    "TrainableParamOffloader": "offload.trainable",
     "OffloadOptions": "offload.options",
     "parse_bytes": "offload.options",
     "MemoryPlan": "offload.plan",

@@ -20,7 +20,6 @@ from offload.offloaders import (
     BufferOffloader,
     StaticParamOffloader,
     TensorOffloader,
-    TrainableParamOffloader,
 )
 from offload.optimizer_step import StepDuringBackward
 from offload.options import OffloadOptions, parse_bytes
@@ -30,6 +29,7 @@ from offload.ring import DeviceRing
 from offload.saved_tensors import SavedTensorRouter
 from offload.schedule import PrefetchSchedule
 from offload.stats import OffloadStats, StatsCounter
+from offload.trainable import TrainableParamOffloader
 from offload.transfers import CopyEngine, in_backward
 from offload.units import OffloadUnit, UnitPlan
 

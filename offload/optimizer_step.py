@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from offload.offloaders import TrainableParamOffloader
+    from offload.trainable import TrainableParamOffloader
 
 log = logging.getLogger(__name__)
 
