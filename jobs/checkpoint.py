@@ -21,6 +21,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+EXPORTS_DIR = "exports"  # beside checkpoints/: merged models and other exports (jobs/export.py)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from torch import nn
 
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
+from jobs.sizes import human_bytes
 from jobs.spec import JobSpec
 from offload import MemoryPlan, OffloadOptions, parse_bytes, plan_memory
 
@@ -167,14 +168,6 @@ def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
         options=OffloadOptions(prefetch=offload.prefetch, granularity=offload.granularity, pin_memory=False),
     )
-
-
-def human_bytes(n: float) -> str:
-    """A size in the unit that shows it: ``512 B``, ``3.4 KiB``, ``12.0 MiB``, ``1.50 GiB`` (never "0.00 GiB")."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}" if scale >= 2**30 else f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 _gib = human_bytes  # the notes' sizes

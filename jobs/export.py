@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from jobs.checkpoint import EXPORTS_DIR
 from jobs.weights import WeightsFormat, is_peft_model, load_trainable
 
 log = logging.getLogger(__name__)
-EXPORTS_DIR = "exports"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 

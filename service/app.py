@@ -22,15 +22,23 @@ from .peer_guard import LoopbackOnlyMiddleware
 from .routes import checkpoints, events, health, jobs, samples, workers
 from .scheduler import Scheduler
 from .settings import Settings
+from .spec_checker import SpecChecker, SpecCheckerProcess
 from .store import JobStore
 
 log = logging.getLogger("ferry")
 
 
 def create_app(
-    settings: Settings | None = None, *, executor: Executor | None = None, gpu_monitor: GpuMonitor | None = None
+    settings: Settings | None = None,
+    *,
+    executor: Executor | None = None,
+    gpu_monitor: GpuMonitor | None = None,
+    spec_checker: SpecChecker | None = None,
 ) -> FastAPI:
-    """Build the service. The store opens and the workers start in the lifespan, not at import.
+    """Build the service. The store opens, the spec checker and the workers start in the lifespan, not at import.
+
+    A ``spec_checker`` given here is the caller's to close (tests share one across apps); by default the app
+    starts its own process (spec_checker.py) and stops it on shutdown.
 
     Example:
         app = create_app(Settings(data_dir=tmp_path))
@@ -43,6 +51,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         make_private(settings.data_dir, settings.storage_dir)
         lock = DataDirLock.acquire(settings.data_dir)  # a second server on this directory stops here
+        checker = spec_checker or SpecCheckerProcess(
+            timeout_s=settings.spec_check_timeout_s, memory_bytes=settings.spec_check_memory_bytes
+        )
+        checker.start()  # imports torch in its own process while this one carries on
         store = JobStore(settings.db_path)  # creates the schema on a fresh start
         ensure_reserve(settings.data_dir)  # room for cancel and delete should the disk fill up (disk.py)
         if executor is None and settings.executor == "ray":
@@ -52,7 +64,7 @@ def create_app(
             runner = executor or _local_executor(settings, slots)
         scheduler = Scheduler(store, runner, slots, settings)
         app.state.settings, app.state.store, app.state.scheduler = settings, store, scheduler
-        app.state.gpu_monitor = gpu_monitor
+        app.state.gpu_monitor, app.state.spec_checker = gpu_monitor, checker
         scheduler.start()
         log.info("Ferry ready: data in %s, workers %s", settings.data_dir.resolve(), [s.id for s in slots])
         # What start-up built (modules, routes, pydantic's validators) lives as long as the server: out of
@@ -64,6 +76,8 @@ def create_app(
         finally:
             scheduler.stop()  # running jobs checkpoint and go back to the queue
             runner.close()
+            if spec_checker is None:
+                checker.close()
             store.close()
             lock.release()
             gc.unfreeze()

@@ -11,6 +11,7 @@ from .devices import GpuMonitor
 from .errors import ApiError
 from .scheduler import Scheduler
 from .settings import Settings
+from .spec_checker import SpecChecker
 from .store import JobStore
 
 
@@ -28,6 +29,10 @@ async def get_scheduler(request: Request) -> Scheduler:
     return request.app.state.scheduler
 
 
+async def get_spec_checker(request: Request) -> SpecChecker:
+    return request.app.state.spec_checker
+
+
 async def get_gpu_monitor(request: Request) -> GpuMonitor:
     return request.app.state.gpu_monitor
 
@@ -42,6 +47,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[JobStore, Depends(get_store)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 GpuMonitorDep = Annotated[GpuMonitor, Depends(get_gpu_monitor)]
+SpecCheckerDep = Annotated[SpecChecker, Depends(get_spec_checker)]
 
 
 async def require_token(request: Request, settings: SettingsDep) -> None:

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from jobs.sizes import human_bytes
+
 from .errors import ApiError
-from .fit import human_bytes
 
 log = logging.getLogger("ferry.disk")
 RESERVE_NAME = "ferry.reserve"

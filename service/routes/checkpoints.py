@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -14,15 +17,14 @@ from starlette.datastructures import Headers
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
-from jobs import CheckpointInfo, list_checkpoints
-from jobs.checkpoint import best_checkpoint
-from jobs.export import EXPORTS_DIR, merge_lora_checkpoint
+from jobs.checkpoint import EXPORTS_DIR, CheckpointInfo, best_checkpoint, list_checkpoints
 
 from ..deps import SettingsDep, StoreDep
 from ..errors import ApiError, error_response
 from ..schemas import CheckpointFile, CheckpointPublic, CheckpointsPublic, ErrorBody, MergedPublic
 from ..settings import Settings
 
+log = logging.getLogger("ferry.api")
 router = APIRouter(prefix="/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 
 
@@ -40,16 +42,14 @@ def merge_checkpoint(job_id: str, checkpoint: str, store: StoreDep, settings: Se
     """Merge a LoRA checkpoint into its base model (peft's ``merge_and_unload``), saved with
     ``save_pretrained`` and packed as one ``.tar``; a second call answers with the archive already made.
 
-    It runs in this request (a thread of the server's pool): a 7B model takes a minute or two and its
-    weights' size in host memory."""
+    It runs in a process of its own (``python -m jobs merge``: torch, peft and the model stay out of the
+    server), which this request waits for: a 7B model takes a minute or two and its weights' size in host
+    memory."""
     store.get_job(job_id)
     found = _checkpoint(job_id, checkpoint, settings)
     archive = _merged_archive(settings.job_dir(job_id), checkpoint)
     if not archive.exists():
-        try:
-            merge_lora_checkpoint(Path(found.path), archive.with_suffix(""), archive=True)
-        except ValueError as error:
-            raise ApiError(422, "not_mergeable", str(error)) from None
+        _merge(Path(found.path), archive.with_suffix(""))
         archive.with_name(archive.name + ".sha256").write_text(_sha256(archive))
     digest = archive.with_name(archive.name + ".sha256").read_text()
     url = f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/merged"
@@ -150,6 +150,19 @@ def _checkpoint(job_id: str, name: str, settings: Settings) -> CheckpointInfo:
             404, "not_found", f"Job {job_id} has no checkpoint {name!r}; GET /v1/jobs/{job_id}/checkpoints lists them."
         )
     return found
+
+
+def _merge(checkpoint: Path, output: Path) -> None:
+    """``python -m jobs merge``: the merged model in ``output`` and ``output.tar``; 422 when it cannot be."""
+    command = [sys.executable, "-m", "jobs", "merge", str(checkpoint), "--output", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
+    if done.returncode == 0:
+        return
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode == 2 and said:  # the command's own refusal: its last line names what is wrong
+        raise ApiError(422, "not_mergeable", said[-1])
+    log.error("python -m jobs merge %s failed (exit code %s): %s", checkpoint, done.returncode, done.stderr[-4000:])
+    raise RuntimeError(f"merging {checkpoint.name} failed (exit code {done.returncode}); see the server log")
 
 
 def _merged_archive(job_dir: Path, checkpoint: str) -> Path:

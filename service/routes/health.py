@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..deps import SchedulerDep, SettingsDep, StoreDep, require_token
+from ..deps import SchedulerDep, SettingsDep, SpecCheckerDep, StoreDep, require_token
 from ..disk import low_disk_message
 from ..prometheus import render_metrics
 
@@ -22,14 +22,17 @@ def health() -> dict[str, str]:
 
 
 @router.get("/ready", responses={503: {"description": "recovering, or the store or queue is down"}})
-def ready(store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep) -> JSONResponse:
-    """Readiness: the store answers, start-up recovery is done, the queue thread runs and the disk has room."""
+def ready(store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep, checker: SpecCheckerDep) -> JSONResponse:
+    """Readiness: the store answers, start-up recovery is done, the queue thread runs, the spec checker has
+    started (submits need it) and the disk has room."""
     try:
         store.count_by_status()
     except Exception as error:
         return JSONResponse({"status": "unavailable", "reason": f"store: {error}"}, status_code=503)
     if not scheduler.ready.is_set():
         return JSONResponse({"status": "starting", "reason": "recovering interrupted jobs"}, status_code=503)
+    if not checker.ready:
+        return JSONResponse({"status": "starting", "reason": "the spec checker is starting"}, status_code=503)
     if not scheduler.is_alive():
         return JSONResponse({"status": "unavailable", "reason": "the scheduler thread stopped"}, status_code=503)
     low = low_disk_message(settings.data_dir, settings.min_free_disk_bytes)

@@ -10,16 +10,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 
-from jobs import JobSpec
-from jobs.spec_text import ParsedSpec
-
-from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, StoreDep
-from ..devices import GpuInfo, Slot
+from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, SpecCheckerDep, StoreDep
 from ..disk import refuse_if_disk_low, with_space_to_free
 from ..errors import INT64_MAX, ApiError
-from ..fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
-from ..intake import load_checked_spec, spec_text_from_body
+from ..intake import spec_text_from_body
 from ..schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
+from ..spec_checker import CheckRequest
 from ..status import JobStatus
 from ..store import IdempotencyConflict, QueueFull
 
@@ -59,6 +55,7 @@ def create_job(
     scheduler: SchedulerDep,
     settings: SettingsDep,
     gpus: GpuMonitorDep,
+    checker: SpecCheckerDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
     fit_check: Annotated[bool, Query(description="false: queue even a job estimated not to fit any GPU")] = True,
     queue_anyway: Annotated[
@@ -68,18 +65,18 @@ def create_job(
     """Queue a job from a YAML (or JSON) spec. Every problem in the spec is reported at once, and a GPU job
     estimated to exceed every GPU's memory is refused (422 ``does_not_fit``) unless ``fit_check=false``."""
     text = spec_text_from_body(body, request.headers.get("content-type"))
-    spec, parsed = load_checked_spec(text, settings)
+    fit = "refuse" if fit_check else "skip"
+    check = CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=queue_anyway, fit=fit)
+    checked = checker.check(check)  # the spec's problems: 422, all at once (in the checker's process)
     refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
-    if not queue_anyway and settings.executor == "local":  # a Ray cluster's GPUs are not this machine's
-        refuse_if_no_worker_has_the_device(spec, scheduler.slots, parsed)
-    if fit_check:
-        _check_fit(spec, parsed, scheduler.slots, gpus.gpus())
+    if checked.refusal is not None:  # no GPU worker for device: cuda, or estimated not to fit
+        raise checked.refusal.error()
     try:
         job, created = store.create_job(
             job_id=f"job-{secrets.token_hex(6)}",
-            name=spec.name,
+            name=checked.name,
             spec_text=text,
-            spec=spec.model_dump(mode="json"),
+            spec=checked.spec,
             idempotency_key=idempotency_key,
             request_sha256=hashlib.sha256(body).hexdigest(),
             max_queued=settings.max_queued_jobs,
@@ -107,16 +104,6 @@ def create_job(
     return JobPublic.from_record(job)
 
 
-def _check_fit(spec: JobSpec, parsed: ParsedSpec, slots: list[Slot], gpus: list[GpuInfo]) -> None:
-    # Every job can be refused: a GPU job by the GPUs' memory, a CPU job or pinned copies by the host's.
-    try:
-        fit = estimate_fit(spec, slots, gpus)
-    except Exception:
-        log.exception("memory estimate failed; the job is queued without a fit check")
-        return
-    refuse_if_it_cannot_fit(spec, fit, parsed)
-
-
 @router.post("/validate", openapi_extra=_SPEC_BODY, responses={422: {"model": ErrorBody}})
 def validate_job(
     body: SpecBody,
@@ -124,20 +111,23 @@ def validate_job(
     settings: SettingsDep,
     scheduler: SchedulerDep,
     gpus: GpuMonitorDep,
+    checker: SpecCheckerDep,
     queue_anyway: Annotated[bool, Query(description="true: accept a device: cuda job without a GPU worker")] = False,
 ) -> ValidationPublic:
     """The same checks as submitting, plus whether the job fits this service's GPUs; queues nothing."""
     text = spec_text_from_body(body, request.headers.get("content-type"))
-    spec, parsed = load_checked_spec(text, settings)
-    if not queue_anyway and settings.executor == "local":
-        refuse_if_no_worker_has_the_device(spec, scheduler.slots, parsed)
-    try:
-        estimate, problem = estimate_fit(spec, scheduler.slots, gpus.gpus()), None
-    except Exception as error:
-        log.exception("memory estimate failed")
-        estimate, problem = None, f"the memory estimate failed: {type(error).__name__}: {error}"
+    check = CheckRequest.for_service(
+        text, settings, scheduler.slots, gpus.gpus(), queue_anyway=queue_anyway, fit="report"
+    )
+    checked = checker.check(check)
+    if checked.refusal is not None:
+        raise checked.refusal.error()
     return ValidationPublic(
-        valid=True, name=spec.name, spec=spec.model_dump(mode="json"), estimate=estimate, estimate_error=problem
+        valid=True,
+        name=checked.name,
+        spec=checked.spec,
+        estimate=checked.estimate,
+        estimate_error=checked.estimate_error,
     )
 
 

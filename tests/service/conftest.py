@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from service.spec_checker import SpecCheckerProcess
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-0123456789"
 
@@ -28,8 +30,9 @@ def free_port() -> int:
 class Server:
     """``python -m service`` with FERRY_* settings; started, killed and restarted by the test."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, data_dir: Path, env: dict[str, str], argv: list[str] | None = None) -> None:
         self.data_dir, self.port = data_dir, free_port()
+        self.argv = argv or [sys.executable, "-m", "service"]
         self.env = {
             **os.environ,
             "FERRY_HOST": "127.0.0.1",
@@ -48,7 +51,7 @@ class Server:
         log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115
         # cwd outside the repo: the server must work from anywhere, with a data dir that does not exist yet.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "service"],
+            self.argv,
             env=self.env,
             cwd=self.data_dir.parent,
             stdout=log,
@@ -117,6 +120,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def spec_checker() -> Iterator[SpecCheckerProcess]:
+    """One spec checker process for the apps tests build in this process (each would import torch anew)."""
+    checker = SpecCheckerProcess()
+    checker.start()
+    deadline = time.monotonic() + 180
+    while not checker.ready and time.monotonic() < deadline:  # started, as a server's is by /ready
+        time.sleep(0.05)
+    yield checker
+    checker.close()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from service import disk
 from service.app import create_app
 from service.executor.local import LocalProcessExecutor
 from service.settings import Settings
+from service.spec_checker import SpecChecker
 
 from .conftest import spec_yaml, submit, wait_for, wait_status
 
@@ -21,9 +22,10 @@ YAML = {"content-type": "application/yaml"}
 
 
 @pytest.fixture
-def app_client(tmp_path: Path) -> TestClient:
+def app_client(tmp_path: Path, spec_checker: SpecChecker) -> TestClient:
     settings = Settings(data_dir=tmp_path / "data", devices="cpu", warm_start=False, _env_file=None)
-    with TestClient(create_app(settings, executor=LocalProcessExecutor(warm=[]))) as client:
+    app = create_app(settings, executor=LocalProcessExecutor(warm=[]), spec_checker=spec_checker)
+    with TestClient(app) as client:
         yield client
 
 

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.settings import Settings
+from service.spec_checker import InlineSpecChecker
 
 SPEC = """\
 name: once
@@ -50,7 +51,8 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.mark.parametrize("route", ["/v1/jobs", "/v1/jobs/validate"])
 def test_a_submission_is_parsed_once(tmp_path: Path, parses: list[str], route: str) -> None:
     settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
-    with TestClient(create_app(settings, executor=IdleExecutor())) as client:
+    # The check runs in this process, so the parses it makes are counted here.
+    with TestClient(create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())) as client:
         parses.clear()
         # device: cuda on a CPU-only service is refused after the spec loaded: that problem needs its line.
         answer = client.post(route, content=SPEC, headers={"Content-Type": "application/yaml"})

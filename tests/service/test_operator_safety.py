@@ -20,6 +20,7 @@ import service.__main__ as service_main
 from service.app import create_app
 from service.data_dir import DataDirInUse, DataDirLock
 from service.settings import Settings
+from service.spec_checker import SpecChecker
 
 from .conftest import TOKEN, Server, spec_yaml, submit, wait_status
 
@@ -112,11 +113,12 @@ def test_a_short_token_on_a_public_bind_is_refused_at_start() -> None:
         Settings(host="0.0.0.0", api_token="x", _env_file=None)
 
 
-def test_gc_frozen_after_start_up(tmp_path: Path) -> None:
+def test_gc_frozen_after_start_up(tmp_path: Path, spec_checker: SpecChecker) -> None:
     from service.executor.local import LocalProcessExecutor
 
     settings = Settings(data_dir=tmp_path, devices="cpu", warm_start=False, _env_file=None)
-    with TestClient(create_app(settings, executor=LocalProcessExecutor(warm=[]))) as client:
+    app = create_app(settings, executor=LocalProcessExecutor(warm=[]), spec_checker=spec_checker)
+    with TestClient(app) as client:
         assert client.get("/ready").status_code == 200
         assert gc.get_freeze_count() > 10_000  # start-up's objects, out of the collector's walks
     assert gc.get_freeze_count() == 0

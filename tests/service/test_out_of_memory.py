@@ -24,6 +24,7 @@ from service.app import create_app
 from service.executor.base import LaunchRequest
 from service.executor.child import run_attempt
 from service.settings import Settings
+from service.spec_checker import SpecChecker
 from service.store import JobStore
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "service" / "dashboard" / "static"
@@ -99,11 +100,11 @@ def _dashboard_reads(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_out_of_memory_is_out_of_memory_from_runner_to_dashboard(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec_checker: SpecChecker
 ) -> None:
     monkeypatch.setattr(jobs.runner, "train_step", _no_memory)
     settings = Settings(data_dir=tmp_path, devices="cpu", poll_interval_s=0.02, _env_file=None)
-    with TestClient(create_app(settings, executor=InProcessExecutor())) as client:
+    with TestClient(create_app(settings, executor=InProcessExecutor(), spec_checker=spec_checker)) as client:
         submitted = client.post("/v1/jobs", content=SPEC, headers={"Content-Type": "application/yaml"})
         assert submitted.status_code == 201, submitted.text
         job = _failed_job(client, submitted.json()["id"])

@@ -1,0 +1,70 @@
+"""The spec checker process: a check past its time limit is a 422 and costs the checker its process, a checker
+that died is started again, and the API answers for both without storing anything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.errors import ApiError
+from service.settings import Settings
+from service.spec_checker import CheckRequest, SpecCheckerProcess
+
+from .conftest import spec_yaml
+from .test_one_parse import IdleExecutor
+
+YAML = {"content-type": "application/yaml"}
+
+
+def request(text: str) -> CheckRequest:
+    return CheckRequest(text=text, model_roots=(), data_roots=(), max_yaml_depth=32, max_yaml_nodes=20_000)
+
+
+def test_a_check_past_its_time_limit_is_refused_and_the_checker_replaced(tmp_path: Path) -> None:
+    checker = SpecCheckerProcess(timeout_s=30)
+    checker.start()
+    try:
+        assert checker.check(request(spec_yaml())).name == "smoke"
+        first = checker.pid
+        checker.timeout_s = 1e-4  # no check answers this fast: every one overruns
+        with pytest.raises(ApiError) as refused:
+            checker.check(request(spec_yaml()))
+        assert (refused.value.status_code, refused.value.code) == (422, "spec_check_timeout")
+        assert refused.value.message.startswith(
+            "Checking the spec took longer than 0.0001 s (FERRY_SPEC_CHECK_TIMEOUT_S) and was stopped"
+        )
+        assert checker.pid != first  # the overrunning check was killed with its process
+        checker.timeout_s = 30
+        assert checker.check(request(spec_yaml(name="after"))).name == "after"
+
+        dead = checker.pid
+        os.kill(dead, signal.SIGKILL)  # died between checks (the OOM killer, an operator)
+        while psutil.Process(dead).status() != psutil.STATUS_ZOMBIE:  # gone, not yet reaped
+            time.sleep(0.01)
+        assert checker.check(request(spec_yaml(name="revived"))).name == "revived"
+        assert checker.pid != dead
+    finally:
+        checker.close()
+
+
+def test_the_api_answers_an_overrun_with_422_and_stores_nothing(tmp_path: Path) -> None:
+    checker = SpecCheckerProcess(timeout_s=1e-4)
+    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
+    try:
+        with TestClient(create_app(settings, executor=IdleExecutor(), spec_checker=checker)) as client:
+            checker.start()
+            for route in ("/v1/jobs", "/v1/jobs/validate"):
+                answer = client.post(route, content=spec_yaml(), headers=YAML)
+                assert answer.status_code == 422, answer.text
+                assert answer.json()["error"]["code"] == "spec_check_timeout"
+            assert client.get("/v1/jobs").json()["data"] == []
+        assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())
+    finally:
+        checker.close()
