@@ -8,17 +8,16 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import FastAPI
 
+from .access import AccessMiddleware
 from .body_limit import BodyLimitMiddleware
 from .dashboard import mount_dashboard
 from .data_dir import DataDirLock, make_private
-from .deps import require_token
 from .devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
 from .disk import ensure_reserve
 from .errors import install_error_handlers
 from .executor import Executor, LocalProcessExecutor
-from .peer_guard import LoopbackOnlyMiddleware
 from .routes import checkpoints, events, health, jobs, samples, workers
 from .scheduler import Scheduler
 from .settings import Settings
@@ -87,16 +86,20 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
         description="Submit YAML training jobs; follow their progress; download checkpoints.",
+        # FastAPI's native OpenTelemetry looks up the global providers on every request (a measured 4% of a
+        # poll's CPU, bench/profile_requests.py); Ferry exports Prometheus metrics instead.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     token = settings.api_token.get_secret_value() if settings.api_token else None
-    app.add_middleware(LoopbackOnlyMiddleware, token=token)  # outermost: before anything reads the request
+    app.add_middleware(AccessMiddleware, token=token)  # outermost: peer and token before anything reads the request
     install_error_handlers(app)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+    # Straight into the app, not through a /v1 router of their own: FastAPI matches an included router's
+    # routes level by level, and a level costs each request a measurable share (bench/profile_requests.py).
+    # The token is checked by AccessMiddleware.
     for module in (jobs, events, samples, checkpoints, workers):
-        v1.include_router(module.router)
-    app.include_router(v1)
+        app.include_router(module.router, prefix="/v1")
     app.include_router(health.router)
     app.include_router(health.metrics_router)
     mount_dashboard(app)  # the browser pages at /ui/; they read /v1 with the user's token

@@ -18,7 +18,7 @@ class BodyLimitMiddleware:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):  # no route reads a GET's body
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from .status import JobStatus
@@ -23,7 +24,7 @@ class JobRecord:
     name: str | None
     status: JobStatus
     spec_text: str
-    spec: dict[str, Any]
+    spec_json: str
     total_steps: int | None
     created_at: float
     updated_at: float
@@ -43,6 +44,11 @@ class JobRecord:
     idempotency_key: str | None
     request_sha256: str | None
 
+    @cached_property
+    def spec(self) -> dict[str, Any]:
+        """The resolved spec; decoded only when asked for (a listing leaves it out)."""
+        return json.loads(self.spec_json)
+
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
         return cls(
@@ -51,7 +57,7 @@ class JobRecord:
             name=row["name"],
             status=JobStatus(row["status"]),
             spec_text=row["spec_text"],
-            spec=json.loads(row["spec_json"]),
+            spec_json=row["spec_json"],
             total_steps=row["total_steps"],
             created_at=row["created_at"],
             updated_at=row["updated_at"],

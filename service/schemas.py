@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from fastapi import Response
 from pydantic import BaseModel, Field
 
 from jobs.events import ErrorCode, EvalEvent, MemorySnapshot, SampleEvent, StepEvent, StepMetrics
@@ -13,6 +14,15 @@ from offload import OffloadStats
 from .lifecycle_events import JobError, StoredEvent, parse_stored_event
 from .records import EventRecord, JobRecord
 from .status import JobAction, JobStatus, allowed_actions
+
+
+def json_response(model: BaseModel) -> Response:
+    """``model`` serialized once, by pydantic, for a route declared with ``response_model=`` (its OpenAPI).
+
+    A route that returns the model instead has FastAPI validate it a second time and serialize it again:
+    on the hot polls that costs more than building the answer (bench/profile_requests.py).
+    """
+    return Response(model.__pydantic_serializer__.to_json(model), media_type="application/json")
 
 
 def _time(ts: float | None) -> datetime | None:
@@ -81,41 +91,49 @@ class JobPublic(BaseModel):
 
     @classmethod
     def from_record(cls, job: JobRecord, *, include_spec: bool = True) -> JobPublic:
+        # One validation of plain data, in pydantic's core, rather than a model built per section in
+        # Python and each validated again inside this one: the hot polls build this (bench/profile_requests.py).
         step = job.progress or {}
-        return cls(
-            id=job.id,
-            name=job.name,
-            status=job.status,
-            stop_requested=job.stop_request,
-            created_at=_time(job.created_at),
-            updated_at=_time(job.updated_at),
-            started_at=_time(job.started_at),
-            finished_at=_time(job.finished_at),
-            attempt=job.attempt,
-            retries=job.retries,
-            worker=job.worker,
-            device=job.device,
-            progress=_progress(job),
-            metrics=_section(StepMetrics, step),
-            memory=_section(MemorySnapshot, step),
-            offload=OffloadStats(**step["offload"]) if step.get("offload") else None,
-            last_checkpoint=CheckpointSummary(name=job.checkpoint["name"], step=job.checkpoint["step"])
-            if job.checkpoint
-            else None,
-            error=_error(job),
-            allowed_actions=allowed_actions(job.status, job.stop_request),
-            spec=job.spec if include_spec else None,
-            spec_text=job.spec_text if include_spec else None,
+        checkpoint = job.checkpoint
+        return cls.model_validate(
+            {
+                "id": job.id,
+                "name": job.name,
+                "status": job.status,
+                "stop_requested": job.stop_request,
+                "created_at": _time(job.created_at),
+                "updated_at": _time(job.updated_at),
+                "started_at": _time(job.started_at),
+                "finished_at": _time(job.finished_at),
+                "attempt": job.attempt,
+                "retries": job.retries,
+                "worker": job.worker,
+                "device": job.device,
+                "progress": _progress(job),
+                "metrics": _section(StepMetrics, step),
+                "memory": _section(MemorySnapshot, step),
+                "offload": step.get("offload") or None,
+                "last_checkpoint": {"name": checkpoint["name"], "step": checkpoint["step"]} if checkpoint else None,
+                "error": _error(job),
+                "allowed_actions": allowed_actions(job.status, job.stop_request),
+                "spec": job.spec if include_spec else None,
+                "spec_text": job.spec_text if include_spec else None,
+            }
         )
 
 
-def _section(model: type[StepMetrics] | type[MemorySnapshot], step: dict[str, Any]) -> Any:
+_REQUIRED = {
+    model: tuple(name for name, field in model.model_fields.items() if field.is_required())
+    for model in (StepMetrics, MemorySnapshot)
+}
+
+
+def _section(model: type[StepMetrics] | type[MemorySnapshot], step: dict[str, Any]) -> dict[str, Any] | None:
     """The part of the latest step event that ``model`` declares (None before the first step, and for a
     cache job's progress, which has no loss or learning rate)."""
-    required = [name for name, field in model.model_fields.items() if field.is_required()]
-    if not step or any(name not in step or step[name] is None for name in required):
+    if not step or any(step.get(name) is None for name in _REQUIRED[model]):
         return None
-    return model.model_validate({k: step[k] for k in model.model_fields if k in step})
+    return {k: step[k] for k in model.model_fields if k in step}
 
 
 def _error(job: JobRecord) -> JobError | None:
@@ -124,7 +142,7 @@ def _error(job: JobRecord) -> JobError | None:
     return JobError(code=ErrorCode.from_stored(job.error_code or ""), message=job.error_message)
 
 
-def _progress(job: JobRecord) -> Progress | None:
+def _progress(job: JobRecord) -> dict[str, Any] | None:
     step = job.progress or {}
     total = job.total_steps or step.get("total_steps")
     if not step and total is None:
@@ -132,14 +150,14 @@ def _progress(job: JobRecord) -> Progress | None:
     current = int(step.get("step", 0))
     eta = step.get("eta_s") if job.status is JobStatus.RUNNING else None
     reported_at = step.get("reported_at")
-    return Progress(
-        step=current,
-        total_steps=total,
-        percent=round(100.0 * current / total, 2) if total else None,
-        elapsed_s=step.get("elapsed_s"),
-        eta_s=eta,
-        estimated_finish=_time(reported_at + eta) if eta is not None and reported_at else None,
-    )
+    return {
+        "step": current,
+        "total_steps": total,
+        "percent": round(100.0 * current / total, 2) if total else None,
+        "elapsed_s": step.get("elapsed_s"),
+        "eta_s": eta,
+        "estimated_finish": _time(reported_at + eta) if eta is not None and reported_at else None,
+    }
 
 
 class JobsPublic(BaseModel):

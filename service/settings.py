@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-MIN_TOKEN_LENGTH = 16  # for a token that serves other machines (service/peer_guard.py enforces it per request)
+MIN_TOKEN_LENGTH = 16  # for a token that serves other machines (service/access.py enforces it per request)
 # jobs.paths.BUNDLED_DATA, computed here so that reading the settings does not import jobs (and torch).
 _BUNDLED_DATA = Path(__file__).resolve().parents[1] / "configs" / "data"
 
