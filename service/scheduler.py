@@ -93,7 +93,8 @@ class Scheduler:
         self._shutdown_running()
 
     def tick(self) -> None:
-        """One pass: collect ended jobs, pass on stop requests, compact step events, start queued jobs."""
+        """One pass: collect ended jobs, pass on stop requests, compact step events, start queued jobs, then
+        let the executor prepare for the next ones (spare processes)."""
         for run, code in self.unsettled[:]:
             self.unsettled.remove((run, code))
             self._settle(run, code)
@@ -108,6 +109,8 @@ class Scheduler:
         for slot in self.slots:
             if slot.id not in self.running and not self._stopping.is_set() and not self._start_next(slot):
                 break
+        if not self._stopping.is_set():
+            self.executor.keep_warm()
 
     def _start_next(self, slot: Slot) -> bool:
         job = self.store.claim_next(worker=slot.id, device=slot.device)

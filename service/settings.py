@@ -58,8 +58,9 @@ class Settings(BaseSettings):
     # storage every node mounts at the same path (NFS, a cluster filesystem); None = data_dir. The SQLite
     # queue stays in data_dir, on the service's own disk: events reach it through Ray, never over NFS.
     shared_dir: Path | None = None
-    # Keep one spawned process per worker with torch and `jobs` already imported, so a job starts in about
-    # a second instead of the import time; costs one idle process's host memory per worker (no GPU memory).
+    # Keep one spawned process per worker with torch and `jobs` already imported (service/executor/spares.py),
+    # so a job reaches its first step in tens of milliseconds instead of seconds of imports
+    # (bench/service_bench.py); costs one idle process's host memory per worker (no GPU memory).
     warm_start: bool = True
 
     # Paths inside a spec (model weights, datasets) must resolve under one of these roots.

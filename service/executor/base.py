@@ -50,6 +50,10 @@ class Executor(Protocol):
     def launch(self, request: LaunchRequest) -> RunHandle:
         """Start the job and return at once."""
 
+    def keep_warm(self) -> None:
+        """Called on every scheduler tick, after the queue was fed: start what the next jobs will want
+        (a local slot's spare process); must return at once."""
+
     def close(self) -> None:
         """Release what the executor holds between jobs (spare processes, connections)."""
 

@@ -5,6 +5,7 @@ Nothing heavy is imported at module level: ``CUDA_VISIBLE_DEVICES`` must be set 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,29 +24,55 @@ log = logging.getLogger("ferry.job")
 
 def run_child(request: LaunchRequest, stop_flag: Any) -> None:
     """Run one attempt of a job; exit code 0 when it ended by itself (succeeded, paused, cancelled)."""
+    parent = os.getppid()
     _prepare_process(request.device, request.cpu_threads)
-    _run_prepared(request, stop_flag)
+    _run_prepared(request, stop_flag, parent, origin="a fresh process")
 
 
-def run_spare(device: str | None, cpu_threads: int | None, inbox: Connection, stop_flag: Any) -> None:
-    """A process started ahead of its job: import the heavy modules, then wait for one job and run it.
+def run_spare(device: str | None, cpu_threads: int | None, conn: Connection, stop_flag: Any) -> None:
+    """A process started ahead of its job: import the heavy modules, say so, then wait for one job and run it.
 
     Importing torch and ``jobs`` is most of a job's start-up time; a spare has done it before the job
     arrives. Importing does not initialise CUDA, so the GPU pinning still holds.
     """
+    parent = os.getppid()
     _prepare_process(device, cpu_threads)
-    # The first optimizer a process builds imports torch._dynamo (about 3.5 s on a small machine); do that
-    # here too, so a warm job reaches its first step in well under a second.
-    import torch._dynamo  # noqa: F401
-
-    import jobs  # noqa: F401 - the warm-up itself
-
+    _import_what_a_job_needs()
+    ready_at = time.time()
+    early = conn.poll()  # the job came while we imported: it waited for them
+    # Ready: the pool reads it without waiting. A job handed over during the imports is in the pipe already,
+    # and the server has closed its end, so this send may fail; the recv below still gets the job.
+    with contextlib.suppress(OSError):
+        conn.send(ready_at)
     try:
-        request = inbox.recv()
+        request = conn.recv()
     except (EOFError, OSError):  # the server stopped or died before it had a job for us
         os._exit(0)
+    if os.getppid() != parent:  # handed over, then the server died: the next server requeues the job
+        os._exit(0)
     assert (request.device, request.cpu_threads) == (device, cpu_threads), "a spare runs only its slot's jobs"
-    _run_prepared(request, stop_flag)
+    origin = (
+        "a spare process that was still importing when the job arrived"
+        if early
+        else f"a warm process: its imports finished at {ready_at:.3f}, {time.time() - ready_at:.1f} s before the job"
+    )
+    _run_prepared(request, stop_flag, parent, origin=origin)
+
+
+def _import_what_a_job_needs() -> None:
+    """Everything a job imports before its first step, so that a job in a spare imports nothing."""
+    import importlib.util
+
+    # The first optimizer a process builds imports torch._dynamo (about 3.5 s on a small machine).
+    import torch._dynamo
+
+    import jobs.rules  # noqa: F401 - the cross-section rules, imported by the first spec a process loads
+    from jobs import PathRoots, load_job_spec, run_job  # noqa: F401 - the names `_run` calls
+
+    from ..store import JobStore  # noqa: F401 - where the job's events go
+
+    if importlib.util.find_spec("tensorboard") is not None:  # jobs.tracking writes TensorBoard by default
+        import torch.utils.tensorboard  # noqa: F401
 
 
 def _prepare_process(device: str | None, cpu_threads: int | None) -> None:
@@ -60,20 +87,21 @@ def _prepare_process(device: str | None, cpu_threads: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _run_prepared(request: LaunchRequest, stop_flag: Any) -> None:
+def _run_prepared(request: LaunchRequest, stop_flag: Any, parent: int, *, origin: str) -> None:
+    """Run the job in this process, prepared for it; ``parent`` is the server, whose death means pause."""
     _log_to_file(request)
 
     from ..store import JobStore  # after the environment is set
 
     log.info(
-        "job %s attempt %d starting in pid %d with CUDA_VISIBLE_DEVICES=%r",
+        "job %s attempt %d starting in pid %d with CUDA_VISIBLE_DEVICES=%r (%s)",
         request.job_id,
         request.attempt,
         os.getpid(),
         os.environ["CUDA_VISIBLE_DEVICES"],
+        origin,
     )
     store = JobStore(request.db_path)
-    parent = os.getppid()
 
     def should_stop() -> str | None:
         if os.getppid() != parent:  # the server died: checkpoint and leave; the next server resumes us

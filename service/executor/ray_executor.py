@@ -165,6 +165,9 @@ class RayExecutor:
         self._handles = [h for h in self._handles if h.exit_code() is None] + [handle]
         return handle
 
+    def keep_warm(self) -> None:
+        return None  # each attempt is a fresh actor that Ray places; there is nothing to keep ready here
+
     def close(self) -> None:
         """Stop the event pumps and leave the cluster (it keeps running; our actors end with us)."""
         for handle in self._handles:

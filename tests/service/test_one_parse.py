@@ -27,6 +27,9 @@ class IdleExecutor:
     def launch(self, request: object) -> object:
         raise AssertionError("nothing should be launched")
 
+    def keep_warm(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

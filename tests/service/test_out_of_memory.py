@@ -69,6 +69,9 @@ class InProcessExecutor:
     def launch(self, request: LaunchRequest) -> InProcessHandle:
         return InProcessHandle(request)
 
+    def keep_warm(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -46,6 +46,9 @@ class FakeExecutor:
         self.launched.append(FakeHandle(request))
         return self.launched[-1]
 
+    def keep_warm(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
