@@ -6,6 +6,7 @@ Nothing heavy is imported at module level: ``CUDA_VISIBLE_DEVICES`` must be set 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ from typing import Any
 from .base import LaunchRequest
 
 STOP_NONE, STOP_PAUSE, STOP_CANCEL = 0, 1, 2
+SPARE_NAME, JOB_NAME = "ferry-spare", "ferry-job"  # the process names ps shows (at most 15 bytes)
+PR_SET_NAME = 15  # prctl(2)
 
 log = logging.getLogger("ferry.job")
 
@@ -26,6 +29,7 @@ def run_child(request: LaunchRequest, stop_flag: Any) -> None:
     """Run one attempt of a job; exit code 0 when it ended by itself (succeeded, paused, cancelled)."""
     parent = os.getppid()
     _prepare_process(request.device, request.cpu_threads)
+    _name_process(JOB_NAME)
     _run_prepared(request, stop_flag, parent, origin="a fresh process")
 
 
@@ -37,6 +41,7 @@ def run_spare(device: str | None, cpu_threads: int | None, conn: Connection, sto
     """
     parent = os.getppid()
     _prepare_process(device, cpu_threads)
+    _name_process(SPARE_NAME)
     _import_what_a_job_needs()
     ready_at = time.time()
     early = conn.poll()  # the job came while we imported: it waited for them
@@ -51,6 +56,7 @@ def run_spare(device: str | None, cpu_threads: int | None, conn: Connection, sto
     if os.getppid() != parent:  # handed over, then the server died: the next server requeues the job
         os._exit(0)
     assert (request.device, request.cpu_threads) == (device, cpu_threads), "a spare runs only its slot's jobs"
+    _name_process(JOB_NAME)
     origin = (
         "a spare process that was still importing when the job arrived"
         if early
@@ -73,6 +79,13 @@ def _import_what_a_job_needs() -> None:
 
     if importlib.util.find_spec("tensorboard") is not None:  # jobs.tracking writes TensorBoard by default
         import torch.utils.tensorboard  # noqa: F401
+
+
+def _name_process(name: str) -> None:
+    """Show ``name`` for this process in ps, top and psutil (Linux): a spare and a job are told apart there."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _prepare_process(device: str | None, cpu_threads: int | None) -> None:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from service.executor import LaunchRequest, LocalProcessExecutor
+from service.executor.child import SPARE_NAME
 from service.executor.spares import Spare
 from service.store import JobStore
 
@@ -176,10 +177,10 @@ def all_gone(processes: list[psutil.Process], timeout: float) -> bool:
 
 
 def wait_for_spares(server: Server, count: int) -> list[psutil.Process]:
-    """The server's spawned children other than multiprocessing's resource tracker, once there are ``count``."""
+    """The server's spare processes (named so by the spare itself), once there are ``count``."""
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
-        spares = [p for p in children_of(server.process.pid) if "resource_tracker" not in " ".join(p.cmdline())]
+        spares = [p for p in children_of(server.process.pid) if p.name() == SPARE_NAME]
         if len(spares) >= count:
             return spares
         time.sleep(0.1)
