@@ -25,7 +25,7 @@ from offload.optimizer_step import StepDuringBackward
 from offload.options import OffloadOptions, parse_bytes
 from offload.plan import UnitLayout, plan_memory
 from offload.quantized import QuantizedParamOffloader, is_quantized, link_bytes, stored_bytes
-from offload.ring import DeviceRing
+from offload.ring import DeviceRing, Placement
 from offload.saved_tensors import SavedTensorRouter
 from offload.schedule import PrefetchSchedule
 from offload.stats import OffloadStats, StatsCounter
@@ -105,6 +105,7 @@ class OffloadTrainingManager:
         self.ring = DeviceRing(self.plan, self.device)
         self._stats.planned_device_bytes = self.ring.nbytes
         self._offloaders: dict[int, TensorOffloader] = {}
+        self._placements: dict[int, tuple[int, Placement]] = {}  # id(unit) -> its ring class and placement
         self.units = [self._make_unit(u, layout) for u, layout in zip(self.plan.units, self.plan.layouts, strict=True)]
         self._mark_statistics_buffers(model)
         self._router = SavedTensorRouter(self._offloaders)
@@ -147,7 +148,10 @@ class OffloadTrainingManager:
                 group.add(offloader)
             elif id(offloader.tensor) in layout.offsets and offloader.placement is None:
                 offloader.placement, offloader.slot_offset = placement, layout.offsets[id(offloader.tensor)]
-        return OffloadUnit(plan.name, offloaders)
+        unit = OffloadUnit(plan.name, offloaders)
+        if placement is not None and layout.ring_class is not None:
+            self._placements[id(unit)] = (layout.ring_class, placement)
+        return unit
 
     def _offloader_for(self, name: str, tensor: torch.Tensor, host: torch.Tensor | None) -> TensorOffloader:
         existing = self._offloaders.get(id(tensor))
@@ -298,8 +302,9 @@ class OffloadTrainingManager:
     def after_backward(self) -> None:
         """Call between ``backward()`` and ``optimizer.step()``: waits for gradient copies, makes sure no
         weight stays on the device, and hands host gradients to ``param.grad`` (optimizer offload)."""
-        # The step's one CPU-GPU sync point: gradient copies must land before the CPU optimizer reads them.
-        synchronize(self.device)
+        # No device-wide sync here: with adapters trained on the device the host queues the optimizer and the
+        # next step behind the backward (no idle device while it does). Host gradients are waited for one by
+        # one, by their own copy events (hand_over_grad), before the CPU optimizer reads them.
         for offloader in self._offloaders.values():
             if offloader.holds == 0:
                 offloader.offload()
@@ -309,7 +314,14 @@ class OffloadTrainingManager:
         self._copies.end_step()
         if self._stepper is not None:
             self._stepper.end_backward()
+        first_step = self._schedule.recording
         self._schedule.end_step(parse_bytes(self.options.gpu_memory_budget))  # an int already: __post_init__
+        if first_step:
+            # The planned slots counted every unit; the units the budget keeps resident no longer take turns
+            # in them, so the ones that still stream take their class's slots in turn again (two units
+            # copied one after the other never share a slot).
+            streaming = [u for u in self._schedule.order if id(u) in self._schedule.streaming]
+            self.ring.reassign([self._placements[id(u)] for u in streaming if id(u) in self._placements])
 
     def stats(self) -> OffloadStats:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""

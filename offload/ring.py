@@ -97,5 +97,16 @@ class DeviceRing:
             return None
         return Placement(self.slots[ring_class][slot])
 
+    def reassign(self, placements: list[tuple[int, Placement]]) -> None:
+        """Give ``placements`` (ring class, placement; units in the order they run) their class's slots
+        round-robin. Between steps: a placement whose unit holds its slot keeps it."""
+        turns = [0] * len(self.slots)
+        for klass, placement in placements:
+            if placement.slot.owner is placement:
+                continue
+            slots = self.slots[klass]
+            placement.slot = slots[turns[klass] % len(slots)]
+            turns[klass] += 1
+
     def __repr__(self) -> str:
         return f"DeviceRing({self.nbytes} bytes, classes={[len(s) for s in self.slots]})"

@@ -27,6 +27,7 @@ class PrefetchSchedule:
         self.unit_of: dict[int, OffloadUnit] = {}  # id(offloader) -> the first unit that used it
         self.backward_order: list[OffloadUnit] = []
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
+        self.streaming: set[int] = set()  # ids of the units that still copy after the budget (fixed after step 1)
         self.step = 0
 
     # ----------------------------------------------------------------- what happened
@@ -46,7 +47,9 @@ class PrefetchSchedule:
         for candidate in self.order[unit.index + 1 :]:
             if ahead >= self.prefetch:
                 break
-            if candidate.streamed_bytes:
+            # A unit the budget keeps resident copies nothing: look past it, or the copy stream idles while
+            # it computes and the next streamed unit is copied only once it starts.
+            if id(candidate) in self.streaming:
                 candidate.prefetch()
                 ahead += 1
 
@@ -84,28 +87,65 @@ class PrefetchSchedule:
 
     # ----------------------------------------------------------------- step boundaries
     def end_step(self, gpu_memory_budget: int | None) -> None:
-        """After each step; after the first: fix the order, mark the last unit, apply the budget."""
+        """After each step; after the first: fix the order, apply the budget, mark the units kept for backward."""
         self.step += 1
         if not self.recording:
             return
         self.recording = False
-        if self.order and self.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
-            self.order[-1].keep_for_backward = True
+        kept: set[int] = set()
         if gpu_memory_budget:
-            self.keep_resident_within(gpu_memory_budget)
+            kept = self.keep_resident_within(gpu_memory_budget)
+        for unit in self.order:
+            if any(o.kind != "always_on_device" and id(o) not in kept for o in unit.offloaders):
+                self.streaming.add(id(unit))
+        for key, needs in self.backward_needs.items():
+            self.backward_needs[key] = [o for o in needs if id(o) not in kept]
+        if self.order and self.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
+            # The last unit of forward is the first of backward; so is the last one that streams (the units
+            # after it are resident): keeping it saves a copy the backward would wait for at once.
+            self.order[-1].keep_for_backward = True
+            last_streamed = [u for u in self.order if id(u) in self.streaming][-1:]
+            for unit in last_streamed:
+                unit.keep_for_backward = True
 
-    def keep_resident_within(self, budget: int) -> None:
-        """Hold units on the device for good, from the end of forward (the start of backward) backwards,
-        while their frozen tensors fit the budget. Trainable host masters still stream (the CPU optimizer
-        changes them every step)."""
-        used = 0
-        for unit in reversed(self.order):
-            frozen = [o for o in unit.offloaders if o.kind in ("static", "buffer") and o.holds == 0]
-            size = sum(o.nbytes for o in frozen)
-            if used + size > budget:
-                break
-            for offloader in frozen:
+    def keep_resident_within(self, budget: int) -> set[int]:
+        """Hold units on the device for good while their frozen tensors fit the budget; returns the ids of the
+        offloaders held. Trainable host masters still stream (the CPU optimizer changes them every step).
+
+        Which units: first the small ones (under 1/16 of the largest: little budget, and their copies are
+        latency-bound and sit at the step's ends, where no compute hides them); then the large ones spread
+        evenly over the forward order, the first and last included. Spread out, every resident unit gives
+        the copy stream a unit's compute time to run ahead in; kept in one run (the end of forward), the
+        link idles through that run while the rest of the step waits for copies.
+        """
+        frozen = {
+            id(u): [o for o in u.offloaders if o.kind in ("static", "buffer") and o.holds == 0] for u in self.order
+        }
+        size = {key: sum(o.nbytes for o in offloaders) for key, offloaders in frozen.items()}
+        candidates = [u for u in self.order if size[id(u)] > 0]
+        largest = max((size[id(u)] for u in candidates), default=0)
+        small = [u for u in candidates if size[id(u)] * 16 < largest]
+        large = [u for u in candidates if size[id(u)] * 16 >= largest]
+        used, kept = 0, set()
+        for unit in small + spread(large, budget - sum(size[id(u)] for u in small), size) + large[::-1]:
+            offloaders = [o for o in frozen[id(unit)] if id(o) not in kept]  # a tied weight is held once
+            nbytes = sum(o.nbytes for o in offloaders)
+            if not offloaders or used + nbytes > budget:
+                continue
+            for offloader in offloaders:
                 offloader.leave_ring()
                 offloader.acquire()
-            used += size
+                kept.add(id(offloader))
+            used += nbytes
         log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device", budget, used)
+        return kept
+
+
+def spread(units: list[OffloadUnit], budget: int, size: dict[int, int]) -> list[OffloadUnit]:
+    """The most units, evenly spaced in ``units`` (first and last included), whose sizes fit ``budget``."""
+    n = len(units)
+    for count in range(n, 0, -1):
+        picks = [units[round(j * (n - 1) / (count - 1))] if count > 1 else units[-1] for j in range(count)]
+        if sum(size[id(u)] for u in picks) <= budget:
+            return picks
+    return []

@@ -19,7 +19,8 @@ class OffloadStats:
         peak_device_bytes: the most device bytes the engine held at once.
         steps: completed ``after_backward`` calls.
         last_step_h2d_bytes / last_step_d2h_bytes: bytes moved during the last step.
-        last_step_h2d_gbps / last_step_d2h_gbps: achieved copy bandwidth in the last step (GB/s of copy time).
+        last_step_h2d_gbps / last_step_d2h_gbps: achieved copy bandwidth (GB/s of copy time) of the step before
+            the last: a step's copies are timed when the next one ends (its end needs no host sync then).
         copy_wait_seconds: total time the compute stream waited for copies.
         planned_device_bytes: the device ring for streamed weights, allocated once at setup (plan.py).
         ring_overflows: copies that found their ring slot held by another unit and took allocator memory.
@@ -62,6 +63,7 @@ class StatsCounter:
         self._step_start = (0, 0)
         self.last_step = (0, 0)
         self.last_step_gbps = (0.0, 0.0)
+        self._untimed = (0, 0)  # bytes of the step whose copy seconds come with the next end_step
 
     def record_h2d(self, nbytes: int) -> None:
         self.h2d_bytes += nbytes
@@ -82,13 +84,15 @@ class StatsCounter:
         self._step_start = (self.h2d_bytes, self.d2h_bytes)
 
     def end_step(self, h2d_seconds: float = 0.0, d2h_seconds: float = 0.0) -> None:
-        """Close a step: remember what it moved and how fast (seconds of copy time measured by the caller)."""
+        """Close a step: remember what it moved; the seconds of copy time (measured by the caller) are the
+        previous step's, timed one step late."""
         h2d = self.h2d_bytes - self._step_start[0]
         d2h = self.d2h_bytes - self._step_start[1]
         self.last_step = (h2d, d2h)
+        timed, self._untimed = self._untimed, (h2d, d2h)
         self.last_step_gbps = (
-            h2d / h2d_seconds / 1e9 if h2d_seconds > 0 else 0.0,
-            d2h / d2h_seconds / 1e9 if d2h_seconds > 0 else 0.0,
+            timed[0] / h2d_seconds / 1e9 if h2d_seconds > 0 else 0.0,
+            timed[1] / d2h_seconds / 1e9 if d2h_seconds > 0 else 0.0,
         )
         self._step_start = (self.h2d_bytes, self.d2h_bytes)
         self.steps += 1

@@ -48,6 +48,8 @@ class CopyEngine:
         self.h2d_stream = torch.cuda.Stream(device) if cuda and side_streams else None
         self.d2h_stream = torch.cuda.Stream(device) if cuda and side_streams else None
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._closing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # the last step's, read next step
+        self._last_wait: tuple[torch.cuda.Event, torch.cuda.Stream] | None = None
 
     # ------------------------------------------------------------------ host -> device
     def to_device(
@@ -89,11 +91,15 @@ class CopyEngine:
         """Make the current stream wait for ``pending`` (a GPU-side wait, not a host sync)."""
         if pending.event is not None:
             stream = torch.cuda.current_stream(self.device)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record(stream)
-            stream.wait_event(pending.event)
-            after.record(stream)
-            self._timed.append(("wait", before, after))
+            # A block's tensors share their span's copy event: the stream waits (and is timed) once for it,
+            # not once per tensor (host time on the critical path when the step is launch-bound).
+            if self._last_wait is None or self._last_wait[0] is not pending.event or self._last_wait[1] != stream:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(pending.event)
+                after.record(stream)
+                self._timed.append(("wait", before, after))
+                self._last_wait = (pending.event, stream)
             # A copy allocated on the copy stream: tell the allocator the compute stream uses it too, so its
             # memory is not handed out again before the compute stream is done with it. Ring memory is
             # never handed back, so it needs none of this.
@@ -117,7 +123,11 @@ class CopyEngine:
         self.stats.record_d2h(device_tensor.numel() * device_tensor.element_size())
         if self.d2h_stream is None:
             host.copy_(device_tensor, non_blocking=self._cuda)
-            return None
+            if not self._cuda:
+                return None
+            event = torch.cuda.Event()  # the host waits on it (settle_grad) before reading ``host``
+            event.record(torch.cuda.current_stream(self.device))
+            return event
         self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
             self._copy(host, device_tensor, "d2h", self.d2h_stream)
@@ -142,10 +152,14 @@ class CopyEngine:
         self._timed.append((kind, start, end))
 
     def end_step(self) -> None:
-        """Close the step's timing (call after a synchronization): copy time each way, time spent waiting."""
+        """Close the step's byte counts now and the timing of the step before it (copy seconds each way, time
+        spent waiting). A step ends without a host sync, so its own timing events may still be in flight;
+        one step later they are long done (waiting on them then costs nothing)."""
+        finished, self._closing, self._timed = self._closing, self._timed, []
+        self._last_wait = None
         seconds = {"h2d": 0.0, "d2h": 0.0, "wait": 0.0}
-        for kind, start, end in self._timed:
+        for kind, start, end in finished:
+            end.synchronize()
             seconds[kind] += start.elapsed_time(end) / 1e3
-        self._timed.clear()
         self.stats.copy_wait_seconds += seconds["wait"]
         self.stats.end_step(seconds["h2d"], seconds["d2h"])

@@ -1,0 +1,152 @@
+"""Profile one training step of a shortened Qwen-Image-shaped DiT (the shape of bench/diffusion_bench.py's, fewer
+layers) as a real job: step times, memory, bytes copied, and with ``--trace`` a torch.profiler trace of one step
+with a summary of where the compute stream and the copy stream sit idle.
+
+Run on a GPU box:  python bench/diffusion_profile.py --layers 12 --budget 2GiB [--prefetch 1] [--trace t.json.gz]
+                   python bench/diffusion_profile.py --layers 12 --resident
+Prints one JSON line of figures (and the trace summary). Nothing is written to bench/RESULTS.md: the numbers
+recorded there come from bench/diffusion_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+# The tree the caller's PYTHONPATH names comes first (an A/B run points it at another checkout's engine).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from bench.diffusion_bench import dit_job, make_pipeline_dir, write_synthetic_cache
+from jobs import PathRoots, load_job_spec, run_job
+from jobs.events import event_to_wire
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--budget", default=None, help="offload.gpu_memory_budget")
+    parser.add_argument("--limit", default="24GiB", help="offload.gpu_memory_limit")
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--granularity", default="block")
+    parser.add_argument("--resident", action="store_true", help="no offload, no limit")
+    parser.add_argument("--trace", default=None, help="write a chrome trace (.json.gz) of the last step here")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ferry-dit-profile-"))
+    models, data = work / "models", work / "data"
+    data.mkdir(parents=True)
+    device, side = ("cpu", 64) if args.tiny else ("cuda", 1024)
+    pipeline = make_pipeline_dir(models / "dit", tiny=args.tiny)
+    config_path = pipeline / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_layers": args.layers}))
+    dim = config["joint_attention_dim"]
+    write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=64, dim=dim)
+    offload: dict[str, Any] = (
+        {}
+        if args.resident
+        else {
+            "enable_model_cpu_offload": True,
+            "granularity": args.granularity,
+            "prefetch": args.prefetch,
+            **({} if args.tiny else {"gpu_memory_limit": args.limit}),
+            **({"gpu_memory_budget": args.budget} if args.budget else {}),
+        }
+    )
+    spec = dit_job("profile", "dit", steps=args.steps, device=device, offload=offload)
+    roots = PathRoots(model_roots=[models], data_roots=[data])
+    events: list[dict[str, Any]] = []
+    profiler: list[torch.profiler.profile] = []
+
+    def report(event: Any) -> None:
+        wire = event_to_wire(event)
+        events.append(wire)
+        if not args.trace or wire["type"] != "step":
+            return
+        if wire["step"] == args.steps - 1:  # the last step, from the runner's point of view: event to event
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            activities += [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []
+            profiler.append(torch.profiler.profile(activities=activities))
+            profiler[0].__enter__()
+        elif wire["step"] == args.steps:
+            profiler[0].__exit__(None, None, None)
+
+    started = time.perf_counter()
+    run_job(load_job_spec(yaml.safe_dump(spec), roots), output_dir=work / "out", report=report)
+    steps = [e for e in events if e["type"] == "step"]
+    seconds = [1 / e["samples_per_s"] for e in steps]
+    figures = {
+        "label": args.label,
+        "layers": args.layers,
+        "offload": offload,
+        "step_s": [round(s, 4) for s in seconds],
+        "median_after_first_s": round(statistics.median(seconds[1:]), 4),
+        "peak_alloc_gib": round(max(e["device_peak_bytes"] for e in steps) / 2**30, 2),
+        "peak_reserved_gib": round(max(e["device_reserved_bytes"] for e in steps) / 2**30, 2),
+        "h2d_gb": round(((steps[-1].get("offload") or {}).get("last_step_h2d_bytes") or 0) / 1e9, 2),
+        "job_s": round(time.perf_counter() - started, 1),
+    }
+    print("FIGURES", json.dumps(figures), flush=True)
+    if profiler:
+        raw = work / "trace.json"
+        profiler[0].export_chrome_trace(str(raw))
+        print(summarize(json.loads(raw.read_text())), flush=True)
+        with open(raw, "rb") as source, gzip.open(args.trace, "wb") as target:
+            target.write(source.read())
+        print(profiler[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
+def summarize(trace: dict[str, Any]) -> str:
+    """Busy time and idle gaps of the compute stream and the host-to-device copy stream; host sync calls."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return "no device activity in the trace"
+    streams: dict[Any, list[dict]] = {}
+    for e in gpu:
+        streams.setdefault((e.get("cat") == "gpu_memcpy", e["args"].get("stream")), []).append(e)
+    start = min(e["ts"] for e in gpu)
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    lines = [f"window {(end - start) / 1e3:.1f} ms"]
+    for (is_copy, stream), items in sorted(streams.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        items.sort(key=lambda e: e["ts"])
+        busy = sum(e["dur"] for e in items)
+        gaps, last = [], start
+        for e in items:
+            if e["ts"] - last > 50:
+                gaps.append((e["ts"] - last, last - start, e["name"][:60]))
+            last = max(last, e["ts"] + e["dur"])
+        bins = [0.0] * 20
+        width = (end - start) / 20
+        for e in items:
+            for b in range(int((e["ts"] - start) // width), min(19, int((e["ts"] + e["dur"] - start) // width)) + 1):
+                lo, hi = start + b * width, start + (b + 1) * width
+                bins[b] += max(0.0, min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"]))
+        lines.append(
+            f"{'copy' if is_copy else 'kernel'} stream {stream}: {len(items)} ops, busy {busy / 1e3:.1f} ms, "
+            f"idle gaps >50us: {len(gaps)} totalling {sum(g[0] for g in gaps) / 1e3:.1f} ms; "
+            f"busy % per 1/20 of the window: {[round(100 * b / width) for b in bins]}"
+        )
+        for gap, at, name in sorted(gaps, reverse=True)[:8]:
+            lines.append(f"    gap {gap / 1e3:.2f} ms at {at / 1e3:.1f} ms, before {name}")
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    for word in ("Synchronize", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaHostAlloc", "cudaEventQuery"):
+        hits = [e for e in runtime if word in e["name"]]
+        if hits:
+            lines.append(f"host {word}: {len(hits)} calls, {sum(e['dur'] for e in hits) / 1e3:.2f} ms")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
