@@ -49,7 +49,8 @@ class OffloadOptions:
         granularity: ``"leaf"`` makes every leaf module with weights a unit (the seed's default);
             ``"block"`` groups each repeated block (e.g. a transformer layer) into one unit and one copy.
         gpu_memory_budget: device bytes the engine may keep resident (``int`` or ``"8GiB"``). Units that
-            fit stay on the device and are never copied again; ``None`` streams everything.
+            fit stay on the device and are never copied again (small ones first, then large ones spread
+            evenly over the step, so the copies of the rest overlap their compute); ``None`` streams everything.
         gpu_memory_limit: device bytes this process may use in all (``int`` or ``"24GiB"``), enforced through
             the CUDA caching allocator, so training behaves as on a smaller card or leaves room for other
             processes on a shared one. The engine checks its device memory plan against it at setup.
