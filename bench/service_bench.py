@@ -285,12 +285,20 @@ MIX_START, MIX_END = "<!-- dashboard_mix:start -->", "<!-- dashboard_mix:end -->
 
 
 def _write_mix(rows: list[str], summary: str, args: argparse.Namespace) -> None:
+    """Add this run's rows and summary to the dashboard_mix section of bench/RESULTS.md (earlier runs stay)."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    old_rows: list[str] = []
+    old_summaries: list[str] = []
     if MIX_START in text:
         before, rest = text.split(MIX_START, 1)
-        after = rest.split(MIX_END, 1)[1]
+        old, after = rest.split(MIX_END, 1)
+        old_rows = [line for line in old.splitlines() if line.startswith("| 20")]
+        old_summaries = [line for line in old.splitlines() if line.startswith("- 20")]
+        legacy = [line for line in old.splitlines() if line.startswith("CPU per request")]  # one-run format
+        old_summaries += [f"- {old_rows[0].split(' | ')[0].removeprefix('| ')}: {line}" for line in legacy if old_rows]
     else:
         before, after = text.rstrip() + "\n\n", "\n"
+    dated = f"- {datetime.now(UTC):%Y-%m-%d %H:%M}, {_machine()}: {summary}."
     section = (
         f"{MIX_START}\n## Service: the open-loop dashboard mix (`bench/service_bench.py --mix`)\n\n"
         f"`python bench/service_bench.py --mix --seconds {args.seconds:g}`: per second, {args.clients} job pages "
@@ -299,11 +307,14 @@ def _write_mix(rows: list[str], summary: str, args: argparse.Namespace) -> None:
         "counts from each request's scheduled time. The baseline (bench/baseline_app.py) reads the same rows "
         "from the same file on the same HTTP stack and gets the same polls (no stream); CPU per request is "
         "compared on the polls alone (Ferry, polls only). Server, job and "
-        "clients share the machine (its load average is in the row).\n\n"
+        "clients share the machine (its load average is in the row). RSS is the API process's alone (the "
+        "spec checker and the job processes are processes of their own).\n\n"
         "| date (UTC) | machine | server | requests | errors | p50 ms | p99 ms | max ms | CPU ms/request | "
         "RSS MiB | POST→first step s, cold / warm |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
-        + "\n".join(rows)
-        + f"\n\n{summary}.\n{MIX_END}"
+        + "\n".join([*old_rows, *rows])
+        + "\n\n"
+        + "\n".join([*old_summaries, dated])
+        + f"\n{MIX_END}"
     )
     RESULTS.write_text(before + section + after)
 
