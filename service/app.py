@@ -19,6 +19,7 @@ from .devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
 from .disk import ensure_reserve
 from .errors import install_error_handlers
 from .executor import Executor, LocalProcessExecutor
+from .job_answers import JobAnswers
 from .routes import checkpoints, events, health, jobs, samples, workers
 from .scheduler import Scheduler
 from .settings import Settings
@@ -101,6 +102,7 @@ def create_app(
     token = settings.api_token.get_secret_value() if settings.api_token else None
     app.add_middleware(AccessMiddleware, token=token)  # outermost: peer and token before anything reads the request
     install_error_handlers(app)
+    app.state.job_answers = JobAnswers()  # each job's JSON, kept while its row is unchanged
 
     # Straight into the app, not through a /v1 router of their own: FastAPI matches an included router's
     # routes level by level, and a level costs each request a measurable share (bench/profile_requests.py).

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from .devices import GpuMonitor
+from .job_answers import JobAnswers
 from .scheduler import Scheduler
 from .settings import Settings
 from .spec_checker import SpecChecker
@@ -22,6 +23,11 @@ async def get_settings(request: Request) -> Settings:
 def store_of(request: Request) -> JobStore:
     """The store, for the hot polls that take ``request`` instead of ``StoreDep`` (see routes/jobs.read_job)."""
     return request.app.state.store
+
+
+def answers_of(request: Request) -> JobAnswers:
+    """The jobs' JSON answers kept for the hot polls (job_answers.py)."""
+    return request.app.state.job_answers
 
 
 async def get_store(request: Request) -> JobStore:

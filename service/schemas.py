@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import Response
 from pydantic import BaseModel, Field
 
 from jobs.events import ErrorCode, EvalEvent, MemorySnapshot, SampleEvent, StepEvent, StepMetrics
@@ -14,15 +13,6 @@ from offload import OffloadStats
 from .lifecycle_events import JobError, StoredEvent, parse_stored_event
 from .records import EventRecord, JobRecord
 from .status import JobAction, JobStatus, allowed_actions
-
-
-def json_response(model: BaseModel) -> Response:
-    """``model`` serialized once, by pydantic, for a route declared with ``response_model=`` (its OpenAPI).
-
-    A route that returns the model instead has FastAPI validate it a second time and serialize it again:
-    on the hot polls that costs more than building the answer (bench/profile_requests.py).
-    """
-    return Response(model.__pydantic_serializer__.to_json(model), media_type="application/json")
 
 
 def _time(ts: float | None) -> datetime | None:

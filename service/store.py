@@ -119,12 +119,26 @@ class JobStore:
 
     def get_job(self, job_id: str) -> JobRecord:
         """The job, or ``JobNotFound``."""
-        return self._get(self.db.conn, job_id)
+        return JobRecord.from_row(self.get_job_row(job_id))
+
+    def get_job_row(self, job_id: str) -> sqlite3.Row:
+        """The job's row as stored (``JobRecord.from_row`` reads it), or ``JobNotFound``."""
+        row = self.db.conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        return row
 
     def list_jobs(
         self, *, statuses: Iterable[JobStatus] | None = None, before: int | None = None, limit: int = 50
     ) -> tuple[list[JobRecord], int | None]:
         """Newest first. ``before`` is the cursor from the previous page; returns ``(jobs, next_cursor)``."""
+        rows, next_cursor = self.list_job_rows(statuses=statuses, before=before, limit=limit)
+        return [JobRecord.from_row(r) for r in rows], next_cursor
+
+    def list_job_rows(
+        self, *, statuses: Iterable[JobStatus] | None = None, before: int | None = None, limit: int = 50
+    ) -> tuple[list[sqlite3.Row], int | None]:
+        """``list_jobs``, as the stored rows."""
         where, args = ["1=1"], []
         if statuses:
             values = [s.value for s in statuses]
@@ -136,8 +150,7 @@ class JobStore:
         rows = self.db.conn.execute(
             f"SELECT * FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
         ).fetchall()
-        jobs = [JobRecord.from_row(r) for r in rows[:limit]]
-        return jobs, (jobs[-1].seq if len(rows) > limit else None)
+        return rows[:limit], (rows[limit - 1]["seq"] if len(rows) > limit else None)
 
     def jobs_with_status(self, status: JobStatus) -> list[JobRecord]:
         """Every job in ``status``, oldest first."""

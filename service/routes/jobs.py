@@ -10,11 +10,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 
-from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, SpecCheckerDep, StoreDep, store_of
+from ..deps import GpuMonitorDep, SchedulerDep, SettingsDep, SpecBody, SpecCheckerDep, StoreDep, answers_of, store_of
 from ..disk import refuse_if_disk_low, with_space_to_free
 from ..errors import INT64_MAX, ApiError
 from ..intake import spec_text_from_body
-from ..schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic, json_response
+from ..schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
 from ..spec_checker import CheckRequest
 from ..status import JobStatus
 from ..store import IdempotencyConflict, QueueFull
@@ -142,16 +142,12 @@ async def list_jobs(
     include_spec: Annotated[bool, Query(description="true: each job's spec and spec_text too")] = False,
 ) -> Response:
     """Jobs, newest first, one page at a time (read in the event loop, as ``read_job``)."""
-    store = store_of(request)
     before = None if cursor is None else int(cursor)
     if before is not None and before > INT64_MAX:
         raise ApiError(422, "invalid_request", f"The request is invalid: query.cursor: must be at most {INT64_MAX}.")
-    jobs, next_cursor = store.list_jobs(statuses=status, before=before, limit=limit)
-    page = JobsPublic(
-        data=[JobPublic.from_record(j, include_spec=include_spec) for j in jobs],
-        next_cursor=None if next_cursor is None else str(next_cursor),
-    )
-    return json_response(page)
+    rows, next_cursor = store_of(request).list_job_rows(statuses=status, before=before, limit=limit)
+    body = answers_of(request).page_json(rows, next_cursor, include_spec=include_spec)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
@@ -159,8 +155,10 @@ async def read_job(job_id: str, request: Request) -> Response:
     """One job: status, progress, latest metrics and memory, error, worker and GPU, spec."""
     # The hottest route (dashboards poll it). A WAL read never waits on the job's writes and takes ~0.1 ms,
     # less than the hop to the thread pool it would otherwise cost. The store comes from the request, not
-    # StoreDep: resolving a dependency costs a poll more than its own read (bench/profile_requests.py).
-    return json_response(JobPublic.from_record(store_of(request).get_job(job_id)))
+    # StoreDep: resolving a dependency costs a poll more than its own read; and the answer is built once
+    # per change of the job's row (job_answers.py). Both measured with bench/profile_requests.py.
+    body = answers_of(request).json_of(store_of(request).get_job_row(job_id), include_spec=True)
+    return Response(body, media_type="application/json")
 
 
 @router.post("/{job_id}/cancel", responses=_ERRORS)
