@@ -21,6 +21,8 @@ from .conftest import spec_yaml
 from .test_one_parse import IdleExecutor
 
 YAML = {"content-type": "application/yaml"}
+# The hostile spec: its estimate takes tens of milliseconds (bigger models longer), far over 5 ms.
+DEEP = spec_yaml(name="deep").replace("num_layers: 2", "num_layers: 200000")
 
 
 def request(text: str) -> CheckRequest:
@@ -33,12 +35,12 @@ def test_a_check_past_its_time_limit_is_refused_and_the_checker_replaced(tmp_pat
     try:
         assert checker.check(request(spec_yaml())).name == "smoke"
         first = checker.pid
-        checker.timeout_s = 1e-4  # no check answers this fast: every one overruns
+        checker.timeout_s = 0.005
         with pytest.raises(ApiError) as refused:
-            checker.check(request(spec_yaml()))
+            checker.check(request(DEEP))
         assert (refused.value.status_code, refused.value.code) == (422, "spec_check_timeout")
         assert refused.value.message.startswith(
-            "Checking the spec took longer than 0.0001 s (FERRY_SPEC_CHECK_TIMEOUT_S) and was stopped"
+            "Checking the spec took longer than 0.005 s (FERRY_SPEC_CHECK_TIMEOUT_S) and was stopped"
         )
         assert checker.pid != first  # the overrunning check was killed with its process
         checker.timeout_s = 30
@@ -55,13 +57,13 @@ def test_a_check_past_its_time_limit_is_refused_and_the_checker_replaced(tmp_pat
 
 
 def test_the_api_answers_an_overrun_with_422_and_stores_nothing(tmp_path: Path) -> None:
-    checker = SpecCheckerProcess(timeout_s=1e-4)
+    checker = SpecCheckerProcess(timeout_s=0.005)
     settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
     try:
         with TestClient(create_app(settings, executor=IdleExecutor(), spec_checker=checker)) as client:
             checker.start()
             for route in ("/v1/jobs", "/v1/jobs/validate"):
-                answer = client.post(route, content=spec_yaml(), headers=YAML)
+                answer = client.post(route, content=DEEP, headers=YAML)
                 assert answer.status_code == 422, answer.text
                 assert answer.json()["error"]["code"] == "spec_check_timeout"
             assert client.get("/v1/jobs").json()["data"] == []
