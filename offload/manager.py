@@ -253,6 +253,7 @@ class OffloadTrainingManager:
         accumulation_steps: int = 1,
         delayed_update: bool = False,
         warmup_steps: int = 10,
+        cpu_threads: int | None = None,
     ) -> None:
         """Step ``optimizer`` per parameter in the background, overlapped with the GPU (optimizer offload).
 
@@ -266,6 +267,7 @@ class OffloadTrainingManager:
         one step stale (docs/offload.md). Do not combine with global-norm gradient clipping, which needs
         every gradient before any update. Attach after creating LR schedulers and after
         ``optimizer.load_state_dict`` (both replace what the per-parameter steps refer to).
+        ``cpu_threads``: the updates' intra-op threads (default: all but one, left to the training loop).
         """
         if not self.enable_optimizer_cpu_offload:
             raise ValueError(
@@ -285,6 +287,7 @@ class OffloadTrainingManager:
             priority=priority,
             delayed_update=delayed_update,
             warmup_steps=warmup_steps,
+            cpu_threads=cpu_threads,
         )
         for offloader in trainable.values():
             offloader.before_read = self._stepper.before_read

@@ -22,6 +22,7 @@ gradient before any step, so it cannot be combined with this.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
@@ -51,7 +52,7 @@ def _one_parameter_view(
 class _Update:
     """One parameter's pending update: which gradient buffer it reads and which host copy it writes."""
 
-    __slots__ = ("copy_from", "done", "grad", "hyper", "offloader", "target")
+    __slots__ = ("copy_from", "done", "grad", "hyper", "offloader", "queued", "snapshot", "target")
 
     def __init__(
         self, offloader: TrainableParamOffloader, grad: torch.Tensor, target: torch.Tensor, hyper: dict[str, Any]
@@ -62,7 +63,9 @@ class _Update:
         # The group's hyperparameters when the step's gradient was made: an LR scheduler steps the group
         # before this update runs.
         self.hyper = hyper
-        self.copy_from: torch.Tensor | None = None  # delayed: the published weights the update starts from
+        self.copy_from: torch.Tensor | None = None  # delayed: the published weights, copied by the CPU first
+        self.snapshot: torch.cuda.Event | None = None  # delayed: the copy engine's copy of them into ``target``
+        self.queued = False
         self.done = threading.Event()
 
 
@@ -76,6 +79,9 @@ class StepDuringBackward:
         priority: the forward position of a parameter's first use (lower runs first); ``None`` if unknown.
         delayed_update: switch to the delayed parameter update after ``warmup_steps`` exact steps.
         warmup_steps: exact optimizer steps before ``delayed_update`` takes effect.
+        cpu_threads: intra-op threads of the worker's updates; ``None``: all but one, which is left to the
+            thread that drives the GPU (a parallel update waits for its slowest thread, so one thread that
+            shares a core with the training loop slows the whole update).
     """
 
     def __init__(
@@ -87,11 +93,14 @@ class StepDuringBackward:
         priority: Callable[[TrainableParamOffloader], int | None] | None = None,
         delayed_update: bool = False,
         warmup_steps: int = 10,
+        cpu_threads: int | None = None,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1; got {accumulation_steps}")
         if warmup_steps < 0:
             raise ValueError(f"delayed_update warmup_steps must be >= 0; got {warmup_steps}")
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1; got {cpu_threads}")
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.delayed_update = delayed_update
@@ -123,8 +132,10 @@ class StepDuringBackward:
         self.busy_seconds = 0.0  # the worker's time in updates (reported by the benchmark)
         self.wait_seconds = 0.0  # the main thread's time waiting for updates before reading weights
         self.compute_seconds = 0.0  # of busy_seconds, the time in the optimizer's kernels (not waiting for copies)
-        self._worker = threading.Thread(target=self._work, name="ferry-optimizer", daemon=True)
-        self._worker.start()
+        self.copy_seconds = 0.0  # of busy_seconds, delayed: the CPU copying published weights (no device read)
+        self.cpu_copies = 0
+        self.cpu_threads = cpu_threads if cpu_threads is not None else max(1, torch.get_num_threads() - 1)
+        self._worker = _start_worker(self._work, self.cpu_threads)
         self._wrap_optimizer()
 
     # ----------------------------------------------------------------- the user's optimizer
@@ -192,29 +203,42 @@ class StepDuringBackward:
 
     def before_read(self, offloader: TrainableParamOffloader) -> None:
         """Before the first copy of ``offloader``'s host weights to the device in a step: wait for its
-        pending update; in delayed mode publish the finished one and queue the held gradient's update."""
+        pending update; in delayed mode publish the finished one and start the held gradient's update."""
         if id(offloader) not in self._read:
             self._read.add(id(offloader))
-            self._settle(offloader)
+            self._settle(offloader, reading=True)
 
-    def _settle(self, offloader: TrainableParamOffloader) -> None:
+    def _settle(self, offloader: TrainableParamOffloader, reading: bool) -> None:
         update = self._latest.pop(id(offloader), None)
         if update is not None:
+            if not update.queued:  # its weights were never read on the device: the CPU copies them
+                offloader.cancel_snapshot()
+                update.copy_from = offloader.host
+                self._enqueue(update)
             self._wait_for(update)
             if update.target is not offloader.host:
                 offloader.publish(update.target)  # delayed: the update wrote the spare copy
         held = next((u for u in self._held if u.offloader is offloader), None)
         if held is not None:
             self._held.remove(held)
-            held.copy_from, held.target = offloader.host, offloader.spare()  # continue from the published weights
-            self._enqueue(held)
+            held.target = offloader.spare()  # the update continues from the published weights, in the spare
+            if reading:  # the device copy this read makes is copied back into the spare; then it is queued
+                self._latest[id(offloader)] = held
+                offloader.snapshot_next_read(held.target, functools.partial(self._snapshot_queued, held))
+            else:
+                held.copy_from = offloader.host
+                self._enqueue(held)
+
+    def _snapshot_queued(self, update: _Update, event: torch.cuda.Event | None) -> None:
+        update.snapshot = event
+        self._enqueue(update)
 
     def wait(self) -> None:
         """Finish every update, queued and held, and publish the results (before a checkpoint, at remove).
         In delayed mode this applies the held gradients now: the next step reads the newest weights."""
         while self._latest or self._held:
             pending = next(iter(self._latest.values())) if self._latest else self._held[0]
-            self._settle(pending.offloader)
+            self._settle(pending.offloader, reading=False)
 
     # ----------------------------------------------------------------- the worker
     def _update(self, offloader: TrainableParamOffloader, grad: torch.Tensor) -> _Update:
@@ -223,6 +247,7 @@ class StepDuringBackward:
 
     def _enqueue(self, update: _Update) -> None:
         self._latest[id(update.offloader)] = update
+        update.queued = True
         with self._cond:
             self._queue.append(update)
             self._cond.notify()
@@ -261,6 +286,13 @@ class StepDuringBackward:
                     update.offloader.settle_grad()
                 # (A delayed update's gradient was settled by after_backward; the offloader's current copy
                 # event belongs to the next step's gradient, which this update must not wait for.)
+                if update.snapshot is not None:
+                    update.snapshot.synchronize()  # the published weights, copied back into the spare
+                elif update.copy_from is not None:
+                    copying = time.perf_counter()
+                    update.target.copy_(update.copy_from)
+                    self.copy_seconds += time.perf_counter() - copying
+                    self.cpu_copies += 1
                 computing = time.perf_counter()
                 self._step_one(update)
                 self.compute_seconds += time.perf_counter() - computing
@@ -274,8 +306,6 @@ class StepDuringBackward:
     def _step_one(self, update: _Update) -> None:
         param = update.offloader.tensor
         standin = self._standin[id(param)]
-        if update.copy_from is not None:
-            update.target.copy_(update.copy_from)
         standin.data = update.target
         single = self._single[id(param)]
         single.state = {standin: self.optimizer.state[param]}  # type: ignore[assignment]  # the user's entry, shared
@@ -293,3 +323,23 @@ class StepDuringBackward:
         self._worker.join()
         self.optimizer.step = self._original_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._original_zero_grad  # type: ignore[method-assign]
+
+
+def _start_worker(work: Callable[[], None], threads: int) -> threading.Thread:
+    """The worker thread, with ``threads`` intra-op threads of its own. ``torch.set_num_threads`` sets the
+    calling thread's OpenMP team size and a process-wide default for threads not yet started; the default is
+    put back from this thread, so only the worker runs with ``threads``."""
+    previous = torch.get_num_threads()
+    ready = threading.Event()
+
+    def run() -> None:
+        torch.get_num_threads()  # this thread's lazy intra-op set-up first: it would re-read the process default
+        torch.set_num_threads(threads)
+        ready.set()
+        work()
+
+    worker = threading.Thread(target=run, name="ferry-optimizer", daemon=True)
+    worker.start()
+    ready.wait()
+    torch.set_num_threads(previous)
+    return worker

@@ -43,6 +43,9 @@ class TrainableParamOffloader(StaticParamOffloader):
         self.before_read: Callable[[TrainableParamOffloader], None] | None = None  # waits for pending updates
         self._spare_host: torch.Tensor | None = None  # delayed update: the copy the next update writes
         self._spare_grad: torch.Tensor | None = None  # delayed update: the next step's gradient buffer
+        # Delayed update: the host tensor the next device read is copied back into, and whom to tell.
+        self._snapshot_request: tuple[torch.Tensor, Callable[[torch.cuda.Event | None], None]] | None = None
+        self._snapshot_event: torch.cuda.Event | None = None  # that copy, which the ring slot's reuse waits for
 
     def acquire(self) -> None:
         if self.before_read is not None:
@@ -56,7 +59,39 @@ class TrainableParamOffloader(StaticParamOffloader):
             self.before_read(self)  # the copy must read the updated weights, never half-written ones
         super().onload(prefetch)
 
+    def ensure_resident(self) -> torch.Tensor:
+        device_copy = super().ensure_resident()
+        if self._snapshot_request is not None:
+            into, then = self._snapshot_request
+            self._snapshot_request = None
+            self._snapshot_event = self.copies.to_host_async(device_copy, into)
+            then(self._snapshot_event)
+        return device_copy
+
+    def offload(self) -> None:
+        d2h = self.copies.d2h_stream
+        if self.pending is None or self._snapshot_event is None or d2h is None:
+            super().offload()
+            return
+        # The copy back may still be reading the ring slot: the slot is free again after it, and after the
+        # compute queued so far (the release records its event on the device->host stream; compute goes on).
+        d2h.wait_stream(torch.cuda.current_stream(self.copies.device))
+        with torch.cuda.stream(d2h):
+            super().offload()
+        self._snapshot_event = None
+
     # ----------------------------------------------------------------- delayed update's second copies
+    def snapshot_next_read(self, into: torch.Tensor, then: Callable[[torch.cuda.Event | None], None]) -> None:
+        """Copy the device copy that the next read makes back into host tensor ``into`` (device->host
+        stream), then call ``then`` with that copy's event. A delayed update starts from the published weights
+        in the spare copy; this way the copy engine fills it, and the CPU's time and memory bandwidth are
+        left to the optimizer."""
+        self._snapshot_request = (into, then)
+
+    def cancel_snapshot(self) -> None:
+        """No device read came (a checkpoint, or the prefetch was not used): the CPU makes that copy."""
+        self._snapshot_request = None
+
     def spare(self) -> torch.Tensor:
         """The host copy the next delayed update writes while the device reads ``host``."""
         if self._spare_host is None:

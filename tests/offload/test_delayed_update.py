@@ -121,3 +121,54 @@ def test_a_checkpoint_read_finishes_the_pending_updates() -> None:
     assert all(not torch.equal(state[k], before[k]) for k in before)
     assert all(int(s["step"]) == 2 for s in optimizer.state_dict()["state"].values())
     manager.remove()
+
+
+def test_the_copy_engine_not_the_cpu_fills_the_spare_copy() -> None:
+    """A delayed update starts from the published weights in the spare host copy: the device copy that the
+    step's read makes is copied back into it (the link carries it; the CPU only runs the optimizer)."""
+    model = make_stack("full", None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    manager.attach_optimizer(optimizer, delayed_update=True, warmup_steps=1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    d2h = []
+    for _ in range(5):
+        x = torch.randn(8, WIDTH)
+        F.mse_loss(model(x), x + 1).backward()
+        manager.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        d2h.append(manager.stats().last_step_d2h_bytes)
+    stepper = manager._stepper
+    assert stepper is not None and stepper.cpu_copies == 0
+    # Exact steps send the gradients back; delayed steps (after the first held one) the weights too.
+    assert d2h[0] == weight_bytes
+    assert d2h[3] == d2h[4] == 2 * weight_bytes
+    manager.remove()  # the held updates have no device read: the CPU copies those
+    assert stepper.cpu_copies > 0
+
+
+def test_the_worker_runs_its_own_thread_count() -> None:
+    model = make_stack("full", None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    before = torch.get_num_threads()
+    manager.attach_optimizer(optimizer, cpu_threads=1)
+    seen = []
+    stepper = manager._stepper
+    assert stepper is not None
+    original = stepper._step_one
+    stepper._step_one = lambda update: (seen.append(torch.get_num_threads()), original(update))  # type: ignore[method-assign]
+    x = torch.randn(8, WIDTH)
+    F.mse_loss(model(x), x + 1).backward()
+    manager.after_backward()
+    optimizer.step()
+    manager.wait_for_optimizer()
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == before  # the training loop keeps its own
+    manager.remove()
+    other = make_stack("full", None)
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1; got 0"):
+        OffloadTrainingManager(other, "cpu", enable_optimizer_cpu_offload=True).attach_optimizer(
+            torch.optim.AdamW(other.parameters()), cpu_threads=0
+        )
