@@ -3,7 +3,9 @@
 ``quantize_frozen_weights(model, "nf4" | "int8")`` replaces every frozen ``nn.Linear`` weight with torchao's
 ``NF4Tensor`` (4-bit NormalFloat with double-quantized block scales, as QLoRA) or ``Int8Tensor`` (int8 per
 output channel). The model then trains as it would resident on a device: torchao dequantizes the weight
-inside each linear's forward and backward. Nothing here writes its own quantizer.
+inside each linear's forward and backward. Nothing here writes its own quantizer. With
+``compile_dequantization=True`` an NF4 ``nn.Linear`` becomes ``NF4Linear`` (nf4_linear.py), which on a GPU
+runs torchao's dequantization compiled into one kernel.
 
 The engine keeps such a weight quantized everywhere: its inner tensors (codes, scales) are packed into one
 ``uint8`` payload in the pinned arena (``QuantizedParamOffloader``), that payload is what crosses the link
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from offload.arena import aligned
+from offload.nf4_linear import NF4Linear
 from offload.offloaders import StaticParamOffloader, TensorOffloader, copy_into_ring
 from offload.transfers import CopyEngine, PendingCopy
 
@@ -67,7 +70,9 @@ def quantizable(module: nn.Module, method: str) -> bool:
     return True
 
 
-def quantize_frozen_weights(model: nn.Module, method: str, *, device: str | torch.device | None = None) -> list[str]:
+def quantize_frozen_weights(
+    model: nn.Module, method: str, *, device: str | torch.device | None = None, compile_dequantization: bool = False
+) -> list[str]:
     """Quantize every frozen ``nn.Linear`` weight of ``model`` in place with torchao; returns their names.
 
     Args:
@@ -75,6 +80,8 @@ def quantize_frozen_weights(model: nn.Module, method: str, *, device: str | torc
         method: ``"nf4"`` (4-bit NormalFloat, QLoRA) or ``"int8"`` (int8 weight-only, per output channel).
         device: where to run the quantization kernels (``"cuda"`` is much faster for billions of weights);
             the quantized weights come back to the weight's own device.
+        compile_dequantization: NF4 only: plain ``nn.Linear`` modules become ``NF4Linear``, whose GPU
+            dequantization is one compiled kernel (faster resident; slower streamed, as measured so far).
 
     Raises:
         ValueError: for an unknown ``method``, or when torchao is not installed.
@@ -97,6 +104,9 @@ def quantize_frozen_weights(model: nn.Module, method: str, *, device: str | torc
         if quantized.device != home:
             quantized = quantized.to(home)
         module.weight = nn.Parameter(quantized, requires_grad=False)
+        if compile_dequantization and method == "nf4" and type(module) is nn.Linear:
+            # In place (not a new module): peft, hooks and optimizers keep referring to this object.
+            module.__class__ = NF4Linear  # dequantizes with one compiled kernel on a GPU (nf4_linear.py)
         names.append(f"{name}.weight" if name else "weight")
     skipped = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_quantized(m.weight)]
     log.info("quantized %d frozen linear weights to %s (left as they are: %d)", len(names), method, len(skipped))

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 pytest.importorskip("torchao")
 
 from offload import OffloadOptions, OffloadTrainingManager
+from offload.nf4_linear import NF4Linear
 from offload.quantized import is_quantized, quantize_frozen_weights, stored_bytes
 
 WIDTH = 128  # NF4 needs numel divisible by 64 x 256
@@ -49,14 +50,14 @@ class QStack(nn.Module):
         return x
 
 
-def make(method: str, checkpointing: str | None = None) -> QStack:
+def make(method: str, checkpointing: str | None = None, compile_dequantization: bool = False) -> QStack:
     torch.manual_seed(0)
     model = QStack(checkpointing)
     model.requires_grad_(False)
     for block in model.blocks:
         block.adapter_a.requires_grad_(True)
         block.adapter_b.requires_grad_(True)
-    names = quantize_frozen_weights(model, method)
+    names = quantize_frozen_weights(model, method, compile_dequantization=compile_dequantization)
     assert len(names) == 6  # up and down of each block; adapters stay trainable, norms are not linears
     return model
 
@@ -112,11 +113,13 @@ def test_quantized_offloaded_equals_quantized_resident(method: str, checkpointin
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
-@pytest.mark.parametrize("method", ["nf4", "int8"])
-def test_quantized_offloaded_matches_quantized_resident_on_gpu(method: str, checkpointing: str | None) -> None:
-    resident_losses, resident = train(make(method, checkpointing), None, device="cuda")
+@pytest.mark.parametrize(("method", "compiled"), [("nf4", False), ("nf4", True), ("int8", False)])
+def test_quantized_offloaded_matches_quantized_resident_on_gpu(
+    method: str, compiled: bool, checkpointing: str | None
+) -> None:
+    resident_losses, resident = train(make(method, checkpointing, compiled), None, device="cuda")
     for offload in ({}, {"enable_optimizer_cpu_offload": True}):
-        losses, trained = train(make(method, checkpointing), offload, device="cuda")
+        losses, trained = train(make(method, checkpointing, compiled), offload, device="cuda")
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(resident_losses), rtol=1e-2, atol=1e-3)
         for name in resident:
             torch.testing.assert_close(trained[name], resident[name], rtol=2e-2, atol=2e-3, msg=name)
@@ -188,3 +191,52 @@ def test_peft_adapters_trained_on_the_quantized_base_load_onto_it(tmp_path) -> N
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
     assert all(is_quantized(loaded.base_model.model[i].base_layer.weight) for i in (0, 2))
     assert torch.equal(loaded(x), expected)
+
+
+def test_nf4_linears_become_nf4_linear_only_when_asked_and_stay_torchao_on_the_cpu() -> None:
+    assert type(make("nf4").blocks[0].up) is nn.Linear  # the default: torchao's layer as it is
+    model = make("nf4", compile_dequantization=True)
+    layer = model.blocks[0].up
+    assert isinstance(layer, NF4Linear) and isinstance(layer, nn.Linear)
+    assert type(model.blocks[0].adapter_a) is nn.Linear  # trainable: not quantized, not converted
+    x = torch.randn(3, WIDTH, dtype=torch.bfloat16)
+    # torchao's own path (its F.linear override) on the CPU, bit for bit.
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def _torchao_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)  # NF4Tensor's own override: torchao's LinearNF4
+
+
+@pytest.mark.gpu
+def test_nf4_linear_dequantizes_in_one_kernel_on_gpu() -> None:
+    """torchao's eager dequantization is about ten kernels per call; compiled, it is one (plus the matmul),
+    with torchao's values, and the bf16 weight is not kept for backward (only the NF4 one is saved).
+    Offloaded against resident with the compiled layer: test_quantized_offloaded_matches_quantized_resident_on_gpu."""
+    torch.manual_seed(0)
+    layer = nn.Linear(1024, 2048, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    quantize_frozen_weights(layer, "nf4", compile_dequantization=True)
+    layer.to("cuda")
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    reference = _torchao_linear(x, layer)
+    (reference_grad,) = torch.autograd.grad(reference.sum(), x)
+    out = layer(x)  # compiles
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, reference)
+    torch.testing.assert_close(grad, reference_grad)
+
+    def kernels(run) -> int:
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    with torch.no_grad():
+        assert kernels(lambda: layer(x)) <= 3  # dequantize + matmul (cuBLAS may split it)
+        assert kernels(lambda: _torchao_linear(x, layer)) > 6  # torchao eager: the comparison this beats
+    before = torch.cuda.memory_allocated()
+    out = layer(x)  # with autograd: saves the NF4 weight only
+    held = torch.cuda.memory_allocated() - before
+    assert held < 1024 * 2048 * 2 // 4, held  # far less than the bf16 weight (4 MiB): just the output
+    del out

@@ -1,0 +1,86 @@
+"""A frozen NF4 linear layer whose dequantization runs as one compiled kernel on a GPU (opt-in).
+
+torchao's ``NF4Tensor`` dequantizes with plain PyTorch ops (nibbles unpacked to int64, a table lookup, the
+double-quantized block scales, an interleave): about ten passes over the weight per call, and a LoRA step
+with checkpointing dequantizes every base weight three times (forward, recompute, backward). On the H200
+that made the NF4 step 1.8x the bf16 one. ``torch.compile`` of torchao's own dequantization (as torchtune's
+and torchao's QLoRA recipes compile the model) fuses it into one kernel that reads the 4-bit codes once and
+writes the bf16 weight once.
+
+Only the dequantization is compiled, not the layer: the autograd function below is torchao's ``LinearNF4``
+(it saves the NF4 parameter for backward, never the bf16 weight, which lives only inside each call), so the
+offload engine still sees the parameter itself among the saved tensors and keeps it resident for backward.
+``emulate_precision_casts`` rounds each intermediate to its dtype as eager does, so the compiled weight is
+torchao's, bit for bit. On the CPU the layer is torchao's eager code, untouched.
+
+Opt-in (``quantize_frozen_weights(..., compile_dequantization=True)``) because of what the H200 measured
+(bench/RESULTS.md, issue 18): the 4096-token LoRA step with the weights resident went from 307.9 to
+222.9 ms, but streamed by the offload engine it went from 326.5 to 382.0 ms, for a reason not yet found.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """torchao's NF4 tensor (checked by name: torchao is imported only when quantizing)."""
+    return type(tensor).__name__ == "NF4Tensor" and type(tensor).__module__.startswith("torchao.")
+
+
+def _to_dtype(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return weight.to(dtype)  # NF4Tensor.to(dtype) is torchao's dequantization
+
+
+@functools.cache
+def _compiled_dequantize() -> Any:
+    # One graph per weight shape (dynamic=False): a model has a handful of projection shapes.
+    return torch.compile(_to_dtype, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+
+
+_COMPILE_FAILED: list[BaseException] = []
+
+
+def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The NF4 ``weight`` as a ``dtype`` tensor: compiled on CUDA, torchao's eager ops elsewhere (and where
+    compiling fails, e.g. without Triton: then with a warning, once)."""
+    if weight.device.type == "cuda" and not _COMPILE_FAILED:
+        try:
+            return _compiled_dequantize()(weight, dtype)
+        except Exception as error:  # any compiler failure: the eager path still computes the same weight
+            _COMPILE_FAILED.append(error)
+            log.warning("NF4 dequantization runs eagerly (torch.compile failed: %r)", error)
+    return weight.to(dtype)
+
+
+class _LinearNF4(torch.autograd.Function):
+    """torchao's ``LinearNF4`` with :func:`dequantize`: the bf16 weight exists only inside each call."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)  # the NF4 parameter (a quarter of the bytes), not the dequantized one
+        return F.linear(input, dequantize(weight, input.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad_output @ dequantize(weight, grad_output.dtype), None  # the frozen weight gets no gradient
+
+
+class NF4Linear(nn.Linear):
+    """An ``nn.Linear`` whose frozen weight is an NF4 tensor: ``quantize_frozen_weights(model, "nf4")`` turns
+    plain ``nn.Linear`` modules into this class in place (same object, parameters, hooks and state dict)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not is_nf4(self.weight) or not self.weight.is_cuda:
+            return super().forward(input)  # torchao's own F.linear override
+        out = _LinearNF4.apply(input, self.weight)
+        return out + self.bias if self.bias is not None else out
