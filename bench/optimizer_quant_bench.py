@@ -27,6 +27,7 @@ from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
 from bench.offload_bench import timed_steps as measure
 from bench.provenance import commit
 from offload import OffloadOptions, OffloadTrainingManager
+from offload.nf4_linear import NF4Linear, is_nf4
 from offload.quantized import quantize_frozen_weights, stored_bytes
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -51,8 +52,11 @@ def fused_or_not(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 # ---------------------------------------------------------------------------------------------- toy
-def toy(mode: str, steps: int, losses_for: int = 0, lr: float = 1e-4) -> list[float]:
-    """One toy row (or, with ``losses_for``, the loss curve of that many steps)."""
+def toy(
+    mode: str, steps: int, losses_for: int = 0, lr: float = 1e-4, threads: int | None = None, warmup: int = 2
+) -> list[float]:
+    """One toy row (or, with ``losses_for``, the loss curve of that many steps); ``threads``: the CPU
+    optimizer worker's intra-op threads (None: the engine's default)."""
     torch.manual_seed(0)
     model = ToyModel()
     manager = None
@@ -67,7 +71,8 @@ def toy(mode: str, steps: int, losses_for: int = 0, lr: float = 1e-4) -> list[fl
         manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, options=options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
         if mode in ("ferry exact", "ferry delayed_update"):
-            manager.attach_optimizer(optimizer, delayed_update=mode == "ferry delayed_update", warmup_steps=2)
+            delayed = mode == "ferry delayed_update"
+            manager.attach_optimizer(optimizer, delayed_update=delayed, warmup_steps=warmup, cpu_threads=threads)
     generator = torch.Generator(device="cuda").manual_seed(1)
     timings = {"fwd": [], "bwd": []}
 
@@ -96,8 +101,10 @@ def toy(mode: str, steps: int, losses_for: int = 0, lr: float = 1e-4) -> list[fl
     note = ""
     if manager is not None:
         stepper = manager._stepper
-        busy0, wait0, compute0 = (
-            (stepper.busy_seconds, stepper.wait_seconds, stepper.compute_seconds) if stepper else (0.0, 0.0, 0.0)
+        busy0, wait0, compute0, copy0 = (
+            (stepper.busy_seconds, stepper.wait_seconds, stepper.compute_seconds, stepper.copy_seconds)
+            if stepper
+            else (0.0, 0.0, 0.0, 0.0)
         )
         for _ in range(3):
             step(profile=True)
@@ -106,19 +113,25 @@ def toy(mode: str, steps: int, losses_for: int = 0, lr: float = 1e-4) -> list[fl
         note = f"forward {fwd:.1f} ms, forward+backward+after_backward {bwd:.1f} ms"
         if stepper is not None:
             note += (
-                f"; CPU optimizer busy {(stepper.busy_seconds - busy0) / 3 * 1e3:.1f} ms/step "
-                f"(in AdamW {(stepper.compute_seconds - compute0) / 3 * 1e3:.1f}), "
+                f"; CPU optimizer ({stepper.cpu_threads} threads) busy {(stepper.busy_seconds - busy0) / 3 * 1e3:.1f}"
+                f" ms/step (in AdamW {(stepper.compute_seconds - compute0) / 3 * 1e3:.1f}, CPU copies "
+                f"{(stepper.copy_seconds - copy0) / 3 * 1e3:.1f}), "
                 f"forward waited for it {(stepper.wait_seconds - wait0) / 3 * 1e3:.1f} ms/step"
             )
         stats = manager.stats()
         note += f"; h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB, d2h {stats.last_step_d2h_bytes / 1e9:.2f} GB/step"
         manager.remove()
-    row("toy (optimizer offload)", mode, ms, alloc, reserved, note)
+    row("toy (optimizer offload)", mode if threads is None else f"{mode}, {threads} threads", ms, alloc, reserved, note)
     return []
 
 
-def cpu_adamw_alone() -> None:
-    """The fused CPU AdamW over the toy's parameters with nothing else running: one call, and per parameter."""
+def cpu_adamw_alone(threads: int | None = None, with_copies: bool = False) -> None:
+    """The fused CPU AdamW over the toy's parameters with nothing else running (or with pinned copies both
+    ways running on the link meanwhile, as in a step): one call, and per parameter."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    load = _CopyLoad() if with_copies else None
     torch.manual_seed(0)
     params = [torch.nn.Parameter(p.detach().clone()) for p in ToyModel().parameters()]
     for p in params:
@@ -134,26 +147,57 @@ def cpu_adamw_alone() -> None:
         for single in singles:
             single.step()
         timings["per parameter"].append(time.perf_counter() - start)
-    line = "fused CPU AdamW over the toy's 168M parameters alone ({} threads): {}".format(
+    if load is not None:
+        load.stop()
+    line = "fused CPU AdamW over the toy's 168M parameters {} ({} threads): {}".format(
+        "while 512 MB pinned copies run each way" if with_copies else "alone",
         torch.get_num_threads(),
         ", ".join(f"{k} {statistics.median(v[1:]) * 1e3:.1f} ms" for k, v in timings.items()),
     )
+    torch.set_num_threads(previous)
     ROWS.append(f"\n{line}\n")
     print(line, flush=True)
 
 
+class _CopyLoad:
+    """Pinned host<->device copies of 512 MB each way, looping on two side streams until ``stop``."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.host = [torch.empty(2**27, pin_memory=True) for _ in range(2)]
+        self.device = [torch.empty(2**27, device="cuda") for _ in range(2)]
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        while self.running:
+            with torch.cuda.stream(streams[0]):
+                self.device[0].copy_(self.host[0], non_blocking=True)
+            with torch.cuda.stream(streams[1]):
+                self.host[1].copy_(self.device[1], non_blocking=True)
+            torch.cuda.synchronize()
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join()
+
+
 def toy_losses() -> None:
-    """The loss at step 100, exact against delayed_update (warm-up 2 steps), at two learning rates."""
+    """The loss at step 100, exact against delayed_update, at two learning rates and two warm-ups."""
     for lr in (1e-4, 1e-5):
         exact = toy("ferry exact", 0, losses_for=100, lr=lr)
-        delayed = toy("ferry delayed_update", 0, losses_for=100, lr=lr)
-        gap = abs(delayed[-1] - exact[-1]) / exact[-1] * 100
-        line = (
-            f"lr {lr:g}: loss at step 1 {exact[0]:.4f}; at step 100 exact {exact[-1]:.5f}, "
-            f"delayed_update {delayed[-1]:.5f} ({gap:.2f}% apart)"
-        )
-        ROWS.append(f"\n{line}\n")
-        print(line, flush=True)
+        for warmup in (2, 10):
+            delayed = toy("ferry delayed_update", 0, losses_for=100, lr=lr, warmup=warmup)
+            gap = abs(delayed[-1] - exact[-1]) / exact[-1] * 100
+            line = (
+                f"lr {lr:g}: loss at step 1 {exact[0]:.4f}; at step 100 exact {exact[-1]:.5f}, "
+                f"delayed_update (warm-up {warmup}) {delayed[-1]:.5f} ({gap:.2f}% apart)"
+            )
+            ROWS.append(f"\n{line}\n")
+            print(line, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- lora
@@ -172,7 +216,12 @@ def lora_models() -> tuple[torch.nn.Module, torch.nn.Module]:
 def lora(mode: str, steps: int, tokens: int) -> None:
     bf16, nf4 = lora_models()
     model, manager = (nf4 if mode.startswith("nf4") else bf16), None
-    if mode == "nf4 resident":
+    compiled = mode.endswith("(compiled dequantization)")
+    # As quantize_frozen_weights(..., compile_dequantization=True) leaves them (the other modes: torchao's layer).
+    converted = [m for m in model.modules() if type(m) is torch.nn.Linear and is_nf4(m.weight)] if compiled else []
+    for layer in converted:
+        layer.__class__ = NF4Linear
+    if mode.startswith("nf4 resident"):
         model.to("cuda")
     elif mode == "fsdp2 (bf16)":
         model = copy.deepcopy(bf16)  # FSDP2 takes the model over; the other modes keep the original
@@ -203,13 +252,29 @@ def lora(mode: str, steps: int, tokens: int) -> None:
             f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB"
         )
         manager.remove()
-    if mode == "nf4 resident":
+    if mode.startswith("nf4 resident"):
         model.to("cpu")
+    for layer in converted:
+        layer.__class__ = torch.nn.Linear
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
 
 
-LORA_MODES = ["reference (seed schedule, bf16)", "fsdp2 (bf16)", "nf4 resident", "nf4 offloaded"]
+LORA_MODES = [
+    "reference (seed schedule, bf16)",
+    "fsdp2 (bf16)",
+    "nf4 resident",
+    "nf4 offloaded",
+    "nf4 resident (compiled dequantization)",
+    "nf4 offloaded (compiled dequantization)",
+]
 TOY_MODES = ["resident", "reference (seed schedule)", "fsdp2", "ferry default", "ferry exact", "ferry delayed_update"]
+
+
+def _arguments(args: argparse.Namespace) -> str:
+    """This run's command-line arguments, without where it wrote."""
+    line = f"--workloads {args.workloads} --steps {args.steps}"
+    line += f" --worker-threads {args.worker_threads}" if args.worker_threads else ""
+    return line + (" --skip-losses" if args.skip_losses else "")
 
 
 def main() -> None:
@@ -217,13 +282,26 @@ def main() -> None:
     parser.add_argument("--workloads", default="toy,lora4k,lora16k")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--write", type=Path, default=None, help="a RESULTS.md to update between the markers")
+    parser.add_argument("--skip-losses", action="store_true", help="toy: no 100-step loss curves")
+    parser.add_argument(
+        "--worker-threads", default="", help="extra toy rows with these CPU optimizer thread counts, e.g. 16,14,12"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("optimizer_quant_bench needs a CUDA GPU")
     h2d = pinned_h2d_gbps()
     for name in args.workloads.split(","):
         if name == "toy":
-            runs = [lambda m=m: toy(m, args.steps) for m in TOY_MODES] + [toy_losses, cpu_adamw_alone]
+            threads = [int(t) for t in args.worker_threads.split(",") if t]
+            runs = [lambda m=m: toy(m, args.steps) for m in TOY_MODES]
+            runs += [
+                lambda m=m, t=t: toy(m, args.steps, threads=t)
+                for t in threads
+                for m in ("ferry exact", "ferry delayed_update")
+            ]
+            runs += [] if args.skip_losses else [toy_losses]
+            runs += [cpu_adamw_alone, lambda: cpu_adamw_alone(with_copies=True)]
+            runs += [lambda t=t: cpu_adamw_alone(threads=t, with_copies=True) for t in threads]
         else:
             tokens = {"lora4k": 4096, "lora16k": 16384}[name]
             runs = [lambda m=m, t=tokens: lora(m, args.steps, t) for m in LORA_MODES]
@@ -245,7 +323,7 @@ def main() -> None:
             f"{nf4_bytes / 1e9:.2f} GB (bf16: 6.44 GB), so its NF4 copy floor is 2 × {nf4_bytes / 1e9:.2f} GB / H2D = "
             f"{2 * nf4_bytes / h2d / 1e6:.0f} ms.",
             "",
-            f"Reproduce: `python bench/optimizer_quant_bench.py --workloads {args.workloads} --steps {args.steps}`",
+            f"Reproduce: `python bench/optimizer_quant_bench.py {_arguments(args)}`",
             "",
             "| workload | mode | median step (ms) | peak allocated (GiB) | peak reserved (GiB) | notes |",
             "|---|---|---|---|---|---|",
