@@ -21,7 +21,6 @@ gradient before any step, so it cannot be combined with this.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
@@ -31,42 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offload.pending_update import PendingUpdate, one_parameter_view, start_worker
+
 if TYPE_CHECKING:
     from offload.trainable import TrainableParamOffloader
 
 log = logging.getLogger(__name__)
-
-
-def _one_parameter_view(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor
-) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` that steps only ``param`` (one group; hyperparameters refreshed before
-    each step)."""
-    single = copy.copy(optimizer)
-    single.__dict__.pop("step", None)  # a scheduler's wrapper of step() is bound to the original optimizer
-    single.__dict__.pop("zero_grad", None)
-    single.param_groups = [{**group, "params": [param]}]
-    return single
-
-
-class _Update:
-    """One parameter's pending update: which gradient buffer it reads and which host copy it writes."""
-
-    __slots__ = ("copy_from", "done", "grad", "hyper", "offloader", "queued", "snapshot", "target")
-
-    def __init__(
-        self, offloader: TrainableParamOffloader, grad: torch.Tensor, target: torch.Tensor, hyper: dict[str, Any]
-    ) -> None:
-        self.offloader = offloader
-        self.grad = grad
-        self.target = target
-        # The group's hyperparameters when the step's gradient was made: an LR scheduler steps the group
-        # before this update runs.
-        self.hyper = hyper
-        self.copy_from: torch.Tensor | None = None  # delayed: the published weights, copied by the CPU first
-        self.snapshot: torch.cuda.Event | None = None  # delayed: the copy engine's copy of them into ``target``
-        self.queued = False
-        self.done = threading.Event()
 
 
 class StepDuringBackward:
@@ -118,11 +87,11 @@ class StepDuringBackward:
                     )
                 self._group_of[id(param)] = group
                 self._standin[id(param)] = standin = torch.nn.Parameter(torch.empty(0))
-                self._single[id(param)] = _one_parameter_view(optimizer, group, standin)
+                self._single[id(param)] = one_parameter_view(optimizer, group, standin)
         self._offloaders = [offloaders[key] for key in self._group_of]
-        self._latest: dict[int, _Update] = {}  # id(offloader) -> its newest queued update
-        self._queue: list[_Update] = []
-        self._held: list[_Update] = []  # delayed mode: gradients waiting for the next step's first read
+        self._latest: dict[int, PendingUpdate] = {}  # id(offloader) -> its newest queued update
+        self._queue: list[PendingUpdate] = []
+        self._held: list[PendingUpdate] = []  # delayed mode: gradients waiting for the next step's first read
         self._read: set[int] = set()  # parameters read since the last optimizer step
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -135,7 +104,7 @@ class StepDuringBackward:
         self.copy_seconds = 0.0  # of busy_seconds, delayed: the CPU copying published weights (no device read)
         self.cpu_copies = 0
         self.cpu_threads = cpu_threads if cpu_threads is not None else max(1, torch.get_num_threads() - 1)
-        self._worker = _start_worker(self._work, self.cpu_threads)
+        self._worker = start_worker(self._work, self.cpu_threads)
         self._wrap_optimizer()
 
     # ----------------------------------------------------------------- the user's optimizer
@@ -229,7 +198,7 @@ class StepDuringBackward:
                 held.copy_from = offloader.host
                 self._enqueue(held)
 
-    def _snapshot_queued(self, update: _Update, event: torch.cuda.Event | None) -> None:
+    def _snapshot_queued(self, update: PendingUpdate, event: torch.cuda.Event | None) -> None:
         update.snapshot = event
         self._enqueue(update)
 
@@ -241,18 +210,18 @@ class StepDuringBackward:
             self._settle(pending.offloader, reading=False)
 
     # ----------------------------------------------------------------- the worker
-    def _update(self, offloader: TrainableParamOffloader, grad: torch.Tensor) -> _Update:
+    def _update(self, offloader: TrainableParamOffloader, grad: torch.Tensor) -> PendingUpdate:
         group = self._group_of[id(offloader.tensor)]
-        return _Update(offloader, grad, offloader.host, {k: v for k, v in group.items() if k != "params"})
+        return PendingUpdate(offloader, grad, offloader.host, {k: v for k, v in group.items() if k != "params"})
 
-    def _enqueue(self, update: _Update) -> None:
+    def _enqueue(self, update: PendingUpdate) -> None:
         self._latest[id(update.offloader)] = update
         update.queued = True
         with self._cond:
             self._queue.append(update)
             self._cond.notify()
 
-    def _wait_for(self, update: _Update) -> None:
+    def _wait_for(self, update: PendingUpdate) -> None:
         if not update.done.is_set():
             start = time.perf_counter()
             update.done.wait()
@@ -261,7 +230,7 @@ class StepDuringBackward:
             error, self._error = self._error, None
             raise RuntimeError("the CPU optimizer step failed on its worker thread") from error
 
-    def _next(self) -> _Update | None:
+    def _next(self) -> PendingUpdate | None:
         """The landed gradient whose parameter the next forward reads first; else the oldest (whose copy
         lands first: the device->host stream runs in order)."""
         with self._cond:
@@ -303,7 +272,7 @@ class StepDuringBackward:
                 self.busy_seconds += time.perf_counter() - start
                 update.done.set()
 
-    def _step_one(self, update: _Update) -> None:
+    def _step_one(self, update: PendingUpdate) -> None:
         param = update.offloader.tensor
         standin = self._standin[id(param)]
         standin.data = update.target
@@ -323,23 +292,3 @@ class StepDuringBackward:
         self._worker.join()
         self.optimizer.step = self._original_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._original_zero_grad  # type: ignore[method-assign]
-
-
-def _start_worker(work: Callable[[], None], threads: int) -> threading.Thread:
-    """The worker thread, with ``threads`` intra-op threads of its own. ``torch.set_num_threads`` sets the
-    calling thread's OpenMP team size and a process-wide default for threads not yet started; the default is
-    put back from this thread, so only the worker runs with ``threads``."""
-    previous = torch.get_num_threads()
-    ready = threading.Event()
-
-    def run() -> None:
-        torch.get_num_threads()  # this thread's lazy intra-op set-up first: it would re-read the process default
-        torch.set_num_threads(threads)
-        ready.set()
-        work()
-
-    worker = threading.Thread(target=run, name="ferry-optimizer", daemon=True)
-    worker.start()
-    ready.wait()
-    torch.set_num_threads(previous)
-    return worker
