@@ -30,6 +30,22 @@ from .yaml_guard import ShapeGuard, YamlShapeError, shape_error
 log = logging.getLogger("ferry.spec_check")
 
 
+class InlineSpecChecker:
+    """Checks in the caller's process (tests, and tools that already hold torch): the same code, no limits."""
+
+    ready = True
+    problem = None
+
+    def start(self) -> None:
+        pass
+
+    def check(self, request: CheckRequest) -> CheckedSpec:
+        return check_spec(request)
+
+    def close(self) -> None:
+        pass
+
+
 def check_spec(request: CheckRequest) -> CheckedSpec:
     """Every check a submission gets before it is stored; raises ``ApiError`` 422 for a spec with problems.
 

@@ -15,6 +15,8 @@ Example:
     checker.start()
     checked = checker.check(CheckRequest(text=yaml_text, ...))  # raises ApiError for a refused spec
     checker.close()
+
+Tests and tools that hold torch already check in their own process: ``spec_check.InlineSpecChecker``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from .devices import GpuInfo, Slot
 from .errors import ApiError
@@ -118,6 +121,9 @@ class SpecChecker(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    @property
+    def problem(self) -> str | None: ...
+
     def start(self) -> None: ...
 
     def check(self, request: CheckRequest) -> CheckedSpec: ...
@@ -125,21 +131,11 @@ class SpecChecker(Protocol):
     def close(self) -> None: ...
 
 
-class InlineSpecChecker:
-    """Checks in the caller's process (tests, and tools that already hold torch): the same code, no limits."""
+def _run_checker(connection: Connection, memory_bytes: int | None) -> None:
+    """The checker process's entry point: import ``jobs`` (torch) once, then answer checks until EOF."""
+    from .spec_check import serve  # this import is why the checker is its own process
 
-    ready = True
-
-    def start(self) -> None:
-        pass
-
-    def check(self, request: CheckRequest) -> CheckedSpec:
-        from .spec_check import check_spec  # imports torch: only processes that check specs load it
-
-        return check_spec(request)
-
-    def close(self) -> None:
-        pass
+    serve(connection, memory_bytes, ready_message=_READY)
 
 
 @dataclass
@@ -159,6 +155,7 @@ class SpecCheckerProcess:
         start_timeout_s: how long a check waits for a (re)starting checker to import ``jobs``.
     """
 
+    entry_point: ClassVar[Callable[[Connection, int | None], None]] = staticmethod(_run_checker)  # a test swaps it
     timeout_s: float = 30.0
     memory_bytes: int | None = 4 << 30
     start_timeout_s: float = 180.0
@@ -166,19 +163,37 @@ class SpecCheckerProcess:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _ever_ready: bool = field(default=False, init=False, repr=False)
     _last_exit: int | None = field(default=None, init=False, repr=False)
+    _start_problem: str | None = field(default=None, init=False, repr=False)
 
     @property
     def ready(self) -> bool:
         """True once a checker has started (a restart later does not make the server unready); never waits."""
         if not self._ever_ready and self._lock.acquire(blocking=False):
             try:
-                if self._child is not None and self._child.connection.poll():
-                    self._wait_ready(self._child, 0)
-            except ApiError:
-                pass  # it died starting and was started again: not ready yet
+                child = self._child
+                if child is not None and not child.ready and child.connection.poll():
+                    self._read_ready(child)
             finally:
                 self._lock.release()
         return self._ever_ready
+
+    @property
+    def problem(self) -> str | None:
+        """Why the last checker did not start (for /ready), or None."""
+        return self._start_problem
+
+    def _read_ready(self, child: _Child) -> None:
+        """Take the checker's first message, which is there: ready, or the end of a checker that died starting."""
+        try:
+            message = child.connection.recv()
+        except (EOFError, OSError):
+            message = None
+        if message == _READY:
+            child.ready = self._ever_ready = True
+            self._start_problem = None
+        else:
+            child.process.join(1)
+            self._start_problem = f"exited while starting (code {child.process.exitcode})"
 
     @property
     def pid(self) -> int | None:
@@ -247,24 +262,18 @@ class SpecCheckerProcess:
         return self._child
 
     def _wait_ready(self, child: _Child, timeout_s: float) -> None:
-        if child.ready:
-            return
-        try:
-            message = child.connection.recv() if child.connection.poll(timeout_s) else None
-        except (EOFError, OSError):
-            message = None
-        if message != _READY:
-            child.process.join(1)
-            code = child.process.exitcode
+        if not child.ready and child.connection.poll(timeout_s):
+            self._read_ready(child)
+        if not child.ready:
+            reason = self._start_problem or f"did not start within {timeout_s:g} s"
+            self._start_problem = reason
             self._replace(child)
-            reason = f"did not start within {timeout_s:g} s" if code is None else f"exited while starting (code {code})"
             raise ApiError(
                 503,
                 "spec_checker_unavailable",
                 f"The spec checker {reason}; see the server log. Try again shortly.",
                 headers={"Retry-After": "10"},
             )
-        child.ready = self._ever_ready = True
 
     def _died(self) -> ApiError:
         code = self._last_exit
@@ -285,7 +294,7 @@ class SpecCheckerProcess:
     def _spawn(self) -> _Child:
         ours, theirs = _SPAWN.Pipe()
         process = _SPAWN.Process(
-            target=_run_checker, args=(theirs, self.memory_bytes), name="ferry-spec-checker", daemon=True
+            target=type(self).entry_point, args=(theirs, self.memory_bytes), name="ferry-spec-checker", daemon=True
         )
         process.start()
         theirs.close()  # the checker holds the only other end: it sees EOF when the server goes away
@@ -297,10 +306,3 @@ class SpecCheckerProcess:
         if child.process.exitcode is None:
             child.process.kill()
         child.process.join(5)
-
-
-def _run_checker(connection: Connection, memory_bytes: int | None) -> None:
-    """The checker process's entry point: import ``jobs`` (torch) once, then answer checks until EOF."""
-    from .spec_check import serve  # this import is why the checker is its own process
-
-    serve(connection, memory_bytes, ready_message=_READY)

@@ -32,6 +32,9 @@ def ready(store: StoreDep, scheduler: SchedulerDep, settings: SettingsDep, check
     if not scheduler.ready.is_set():
         return JSONResponse({"status": "starting", "reason": "recovering interrupted jobs"}, status_code=503)
     if not checker.ready:
+        if checker.problem:  # submits answer 503 until a checker starts; each one tries a new checker
+            reason = f"the spec checker {checker.problem}; see the server log"
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "starting", "reason": "the spec checker is starting"}, status_code=503)
     if not scheduler.is_alive():
         return JSONResponse({"status": "unavailable", "reason": "the scheduler thread stopped"}, status_code=503)

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.settings import Settings
-from service.spec_checker import InlineSpecChecker
+from service.spec_check import InlineSpecChecker
 
 SPEC = """\
 name: once

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -68,5 +69,46 @@ def test_the_api_answers_an_overrun_with_422_and_stores_nothing(tmp_path: Path) 
                 assert answer.json()["error"]["code"] == "spec_check_timeout"
             assert client.get("/v1/jobs").json()["data"] == []
         assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())
+    finally:
+        checker.close()
+
+
+def _exit_at_once(connection: object, memory_bytes: int | None) -> None:
+    sys.exit(3)  # as a checker whose imports fail would
+
+
+class NeverStarts(SpecCheckerProcess):
+    entry_point = staticmethod(_exit_at_once)
+
+
+def test_a_checker_that_cannot_start_is_a_503_and_readiness_says_why(tmp_path: Path) -> None:
+    checker = NeverStarts(start_timeout_s=60)
+    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
+    try:
+        with TestClient(create_app(settings, executor=IdleExecutor(), spec_checker=checker)) as client:
+            deadline = time.monotonic() + 60
+            while client.get("/ready").json()["status"] == "starting" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ready = client.get("/ready")
+            assert (ready.status_code, ready.json()) == (
+                503,
+                {
+                    "status": "unavailable",
+                    "reason": "the spec checker exited while starting (code 3); see the server log",
+                },
+            )
+        deadline = time.monotonic() + 60
+        while checker.problem is None and time.monotonic() < deadline:
+            assert not checker.ready
+            time.sleep(0.05)
+        assert checker.problem == "exited while starting (code 3)"
+        with pytest.raises(ApiError) as refused:
+            checker.check(request(spec_yaml()))  # tries a new checker, which ends the same way
+        assert (refused.value.status_code, refused.value.code) == (503, "spec_checker_unavailable")
+        assert (
+            refused.value.message
+            == "The spec checker exited while starting (code 3); see the server log. Try again shortly."
+        )
+        assert refused.value.headers == {"Retry-After": "10"}
     finally:
         checker.close()
