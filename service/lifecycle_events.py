@@ -74,9 +74,14 @@ _STORED: TypeAdapter[Any] = TypeAdapter(StoredEvent)
 
 def parse_stored_event(data: dict[str, Any]) -> BaseModel:
     """A stored event's typed model. Codes from before the error-code contract read as their new code."""
+    return _STORED.validate_python(upgrade_stored_event(data))
+
+
+def upgrade_stored_event(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored event's data with the codes of events from before the error-code contract as their new code."""
     if data.get("type") == "failed" and isinstance(data.get("error"), str):
         data = {**data, "error": ErrorCode.from_stored(data["error"]).value}
     error = data.get("error") if data.get("type") == "status" else None
     if isinstance(error, dict) and isinstance(error.get("code"), str):
         data = {**data, "error": {**error, "code": ErrorCode.from_stored(error["code"]).value}}
-    return _STORED.validate_python(data)
+    return data

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from jobs.events import ErrorCode, EvalEvent, MemorySnapshot, SampleEvent, StepEvent, StepMetrics
 from offload import OffloadStats
 
-from .lifecycle_events import JobError, StoredEvent, parse_stored_event
+from .lifecycle_events import JobError, StoredEvent, upgrade_stored_event
 from .records import EventRecord, JobRecord
 from .status import JobAction, JobStatus, allowed_actions
 
@@ -165,13 +165,16 @@ class EventPublic(BaseModel):
 
     @classmethod
     def from_record(cls, event: EventRecord) -> EventPublic:
-        return cls(
-            id=event.id,
-            job_id=event.job_id,
-            attempt=event.attempt,
-            type=event.type,
-            created_at=_time(event.created_at),
-            data=parse_stored_event(event.data),
+        # One validation, the event's data included (a stream replaying a long job renders many of these).
+        return cls.model_validate(
+            {
+                "id": event.id,
+                "job_id": event.job_id,
+                "attempt": event.attempt,
+                "type": event.type,
+                "created_at": _time(event.created_at),
+                "data": upgrade_stored_event(event.data),
+            }
         )
 
 
