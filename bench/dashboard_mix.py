@@ -146,24 +146,34 @@ async def _poller(
 async def _replayer(host: str, port: int, start: float, seconds: float, headers: dict, result: MixResult) -> None:
     """The job page of a finished 100k-event job opened from the first event, over and over."""
     await asyncio.sleep(max(0.0, start - time.monotonic()))
+    while time.monotonic() < start + seconds:
+        await _replay(host, port, headers, result)
+
+
+async def replay_once(url: str, result: MixResult, headers: dict | None = None) -> None:
+    """One replay of the finished job's stream from its first event, counted into ``result``."""
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    await _replay(host, int(port), headers or {}, result)
+
+
+async def _replay(host: str, port: int, headers: dict, result: MixResult) -> None:
     request = f"GET /v1/jobs/{REPLAY_JOB}/events/stream HTTP/1.1\r\nHost: {host}\r\n" + "".join(
         f"{k}: {v}\r\n" for k, v in headers.items()
     )
-    while time.monotonic() < start + seconds:
-        began = time.monotonic()
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.write((request + "Connection: close\r\n\r\n").encode())
-        tail = b""
-        try:
-            while True:
-                chunk = await reader.read(1 << 16)
-                if not chunk:
-                    break
-                result.replay_bytes += len(chunk)
-                tail = (tail + chunk)[-64:]
-                if b"event: end" in tail:
-                    break
-        finally:
-            writer.close()
-        result.replays += 1
-        result.replay_s.append(time.monotonic() - began)
+    began = time.monotonic()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write((request + "Connection: close\r\n\r\n").encode())
+    tail = b""
+    try:
+        while True:
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                break
+            result.replay_bytes += len(chunk)
+            tail = (tail + chunk)[-64:]
+            if b"event: end" in tail:
+                break
+    finally:
+        writer.close()
+    result.replays += 1
+    result.replay_s.append(time.monotonic() - began)

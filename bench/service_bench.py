@@ -28,6 +28,7 @@ from pathlib import Path
 import dashboard_mix
 import httpx
 import local_server
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "RESULTS.md"
@@ -184,7 +185,13 @@ def main() -> None:
     parser.add_argument("--mix", action="store_true", help="the open-loop dashboard mix and its baseline instead")
     parser.add_argument("--list-rate", type=int, default=50, help="--mix: list reads per second")
     parser.add_argument("--replay-events", type=int, default=100_000, help="--mix: events of the replayed job")
+    parser.add_argument(
+        "--stream-only", type=int, metavar="N", help="the mix's stream alone: N replays, the server's CPU for each"
+    )
     args = parser.parse_args()
+    if args.stream_only:
+        run_stream_only(args)
+        return
     if args.mix:
         run_dashboard_mix(args)
         return
@@ -264,6 +271,31 @@ def run_dashboard_mix(args: argparse.Namespace) -> None:
     print("\n".join(rows) + "\n" + summary)
     if not args.no_write:
         _write_mix(rows, summary, args)
+
+
+def run_stream_only(args: argparse.Namespace) -> None:
+    """The mix's SSE replay of a finished job alone, ``args.stream_only`` times in a row, on an idle server:
+    per replay its wall time, the server's CPU time and the bytes, to compare stream implementations."""
+    tmp = tempfile.TemporaryDirectory(prefix="ferry-stream-")
+    data = Path(tmp.name) / "data"
+    dashboard_mix.build_replay_job(data / "ferry.sqlite3", args.replay_events)
+    process, url = start_server(data)
+    try:
+        server = psutil.Process(process.pid)
+        for n in range(args.stream_only):
+            result = dashboard_mix.MixResult()
+            before = server.cpu_times()
+            asyncio.run(dashboard_mix.replay_once(url, result))
+            after = server.cpu_times()
+            cpu = (after.user + after.system) - (before.user + before.system)
+            print(
+                f"replay {n + 1}: {result.replay_s[0]:.2f} s, server CPU {cpu:.2f} s, "
+                f"{result.replay_bytes / 2**20:.1f} MiB for {args.replay_events} events ({_machine()})"
+            )
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        tmp.cleanup()
 
 
 def _mix_row(name: str, r: dashboard_mix.MixResult, warm: float | None, cold: float | None) -> str:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+import anyio
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import PlainTextResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from ..deps import SettingsDep, StoreDep
@@ -23,6 +24,10 @@ router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
 
 HEARTBEAT_S = 15.0
 POLL_S = 0.25
+RETRY_MS = 2000  # how long a browser waits before it reconnects (with Last-Event-ID)
+SEND_TIMEOUT_S = 30.0  # a client that reads nothing for this long is let go (its buffers are full)
+SEP = "\n"  # between the lines of an event; sse-starlette's default is CRLF
+SHUTDOWN_GRACE_S = 2.0  # for a stream to finish the batch it is sending when the server stops
 CATCH_UP_BATCH, CATCH_UP_PAUSE_S = 200, 0.02  # a replay runs at most 10k events/s per stream
 
 
@@ -45,21 +50,32 @@ def list_events(
     )
 
 
-@router.get("/events/stream", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
+@router.get(
+    "/events/stream", response_class=EventSourceResponse, responses={200: {"content": {"text/event-stream": {}}}}
+)
 async def stream_events(
     job_id: str,
-    request: Request,
     store: StoreDep,
     after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
     last_event_id: Annotated[str | None, Header(description="the id of the last event received")] = None,
-) -> StreamingResponse:
-    """Server-sent events; a reconnecting client sends ``Last-Event-ID`` and misses nothing."""
+) -> EventSourceResponse:
+    """Server-sent events; a reconnecting client sends ``Last-Event-ID`` and misses nothing.
+
+    sse-starlette runs the stream: keep-alive comments, the client's disconnect, a client that stops reading
+    (let go after SEND_TIMEOUT_S) and the server's shutdown, on which every stream ends at once as a complete
+    response (it was cut off mid-body when uvicorn's shutdown grace ran out).
+    """
     await run_in_threadpool(store.get_job, job_id)
     start = after if last_event_id is None else _event_id(last_event_id)
-    return StreamingResponse(
-        _sse(store, job_id, start, request),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    shutdown = anyio.Event()  # set by sse-starlette when the server stops: the stream then ends by itself
+    return EventSourceResponse(
+        _sse(store, job_id, start, shutdown),
+        shutdown_event=shutdown,
+        shutdown_grace_period=SHUTDOWN_GRACE_S,
+        ping=HEARTBEAT_S,
+        ping_message_factory=lambda: ServerSentEvent(comment="keep-alive", sep=SEP),
+        sep=SEP,
+        send_timeout=SEND_TIMEOUT_S,
     )
 
 
@@ -74,25 +90,27 @@ def _event_id(header: str) -> int:
     )
 
 
-def _render_batch(store: JobStore, job_id: str, after: int) -> tuple[str, int, int]:
-    """The next events after ``after`` as SSE text, how many, and the last id."""
+def _render_batch(store: JobStore, job_id: str, after: int) -> tuple[bytes, int, int]:
+    """The next events after ``after`` as SSE bytes, how many, and the last id."""
     events = store.list_events(job_id, after=after, limit=CATCH_UP_BATCH)
-    text = "".join(
-        f"id: {e.id}\nevent: {e.type}\ndata: {EventPublic.from_record(e).model_dump_json()}\n\n" for e in events
+    text = b"".join(
+        ServerSentEvent(EventPublic.from_record(e).model_dump_json(), id=str(e.id), event=e.type, sep=SEP).encode()
+        for e in events
     )
     return text, len(events), events[-1].id if events else after
 
 
-async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> AsyncIterator[str]:
-    yield "retry: 2000\n\n"
-    last_sent = time.monotonic()
-    while not await request.is_disconnected():
-        # Read and render in the thread pool: the event loop only passes the text on, so a long catch-up
+async def _sse(
+    store: JobStore, job_id: str, after: int, shutdown: anyio.Event
+) -> AsyncIterator[ServerSentEvent | bytes]:
+    yield ServerSentEvent(retry=RETRY_MS, sep=SEP)
+    # On shutdown the stream just ends, as a complete response; the browser reconnects with Last-Event-ID.
+    while not shutdown.is_set():
+        # Read and render in the thread pool: the event loop only passes the bytes on, so a long catch-up
         # never holds it for the time of a batch.
         text, count, after = await run_in_threadpool(_render_batch, store, job_id, after)
         if count:
             yield text
-            last_sent = time.monotonic()
             if count == CATCH_UP_BATCH:
                 # Far behind (a replay from an old id): one stream catching up must not crowd out every
                 # other request's turn in the event loop and the thread pool.
@@ -101,15 +119,13 @@ async def _sse(store: JobStore, job_id: str, after: int, request: Request) -> As
         try:
             job = await run_in_threadpool(store.get_job, job_id)
         except JobNotFound:  # deleted while we streamed
-            yield f"event: end\ndata: {json.dumps({'status': 'deleted'})}\n\n"
+            yield ServerSentEvent(json.dumps({"status": "deleted"}), event="end", sep=SEP)
             return
         if job.status.is_finished:  # everything is out; the client may close
-            yield f"event: end\ndata: {json.dumps({'status': job.status.value})}\n\n"
+            yield ServerSentEvent(json.dumps({"status": job.status.value}), event="end", sep=SEP)
             return
-        if time.monotonic() - last_sent > HEARTBEAT_S:
-            yield ": keep-alive\n\n"
-            last_sent = time.monotonic()
-        await asyncio.sleep(POLL_S)
+        with anyio.move_on_after(POLL_S):
+            await shutdown.wait()
 
 
 @router.get("/metrics")
