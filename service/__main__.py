@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import create_app  # after the settings check: a refused start should be instant
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Open event streams never end by themselves; give them a few seconds on shutdown, then close them.
+    # Event streams end by themselves on shutdown (sse-starlette); this bounds any other request still open.
     uvicorn.run(
         create_app(settings),
         host=settings.host,
