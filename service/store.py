@@ -236,6 +236,15 @@ class JobStore:
         """Record the process running the job (not a status change)."""
         self.db.conn.execute("UPDATE jobs SET pid = ?, pid_started_at = ? WHERE id = ?", (pid, started_at, job_id))
 
+    def register_process(self, job_id: str, attempt: int, *, pid: int, started_at: float | None) -> bool:
+        """A job's own process records itself before it touches anything, if the attempt is still running
+        and still its own; False when a restarted server has taken the job back (the process must not run)."""
+        cursor = self.db.conn.execute(
+            "UPDATE jobs SET pid = ?, pid_started_at = ? WHERE id = ? AND attempt = ? AND status = ?",
+            (pid, started_at, job_id, attempt, JobStatus.RUNNING.value),
+        )
+        return cursor.rowcount == 1
+
     def _stop_or_transition(self, job_id: str, kind: str, target: JobStatus, reason: str) -> JobRecord:
         with self.db.transaction() as conn:
             job = self._get(conn, job_id)

@@ -115,6 +115,18 @@ def _run_prepared(request: LaunchRequest, stop_flag: Any, parent: int, *, origin
         origin,
     )
     store = JobStore(request.db_path)
+    # The server records our pid once launch returns; should it die first, a restarted server would not know
+    # this process and could run the job again beside it. So the process records itself while its server
+    # lives (a new server starts only after the old one is gone, and reads the pids then), and leaves at
+    # once if the job is no longer this attempt's.
+    registered = os.getppid() == parent and store.register_process(
+        request.job_id, request.attempt, pid=os.getpid(), started_at=_start_time()
+    )
+    if not registered:
+        log.info("job %s attempt %d was taken back before it started; leaving", request.job_id, request.attempt)
+        store.close()
+        logging.shutdown()
+        os._exit(0)
 
     def should_stop() -> str | None:
         if os.getppid() != parent:  # the server died: checkpoint and leave; the next server resumes us
@@ -128,6 +140,16 @@ def _run_prepared(request: LaunchRequest, stop_flag: Any, parent: int, *, origin
     # Everything is in the store and the log. Skip interpreter teardown, which can take seconds after
     # torch and friends; the slot is free as soon as this process is gone.
     os._exit(code)
+
+
+def _start_time() -> float | None:
+    """This process's start time as psutil reports it (what the server stores beside the pid)."""
+    import psutil
+
+    try:
+        return psutil.Process().create_time()
+    except psutil.Error:
+        return None
 
 
 def run_attempt(request: LaunchRequest, sink: Any, should_stop: Callable[[], str | None]) -> int:

@@ -210,3 +210,41 @@ def test_no_spare_outlives_a_stopped_or_killed_server(make_server: Callable[...,
         log = client.get(f"/v1/jobs/{job['id']}/logs").text
     pid = int(re.findall(r"starting in pid (\d+)", log)[0])
     assert pid in {p.pid for p in new_spares} and pid not in {p.pid for p in spares}
+
+
+def test_a_job_process_records_its_own_pid_before_it_runs(
+    store: JobStore, executor: LocalProcessExecutor, tmp_path: Path
+) -> None:
+    # No scheduler here, so nobody else calls set_process: a server that died right after the hand-over
+    # would leave the same gap, and a restarted server would not know which process to wait for.
+    handle, _, log = claim_and_launch(store, executor, tmp_path, "self-recorded")
+    job = store.get_job("self-recorded")
+    assert handle.exit_code() == 0 and (job.pid, job.pid_started_at) == (handle.pid, handle.started_at), log[-2000:]
+
+
+def test_a_job_taken_back_before_its_process_starts_is_not_run(
+    store: JobStore, executor: LocalProcessExecutor, tmp_path: Path
+) -> None:
+    from service.status import JobStatus
+
+    spare = ready_spare(executor)
+    store.create_job(job_id="taken", name="taken", spec_text=spec_yaml("taken", steps=3, every=3), spec={})
+    job = store.claim_next(worker="cpu0", device=None)
+    # A restarted server's recovery got there first: it interrupted attempt 1 and queued the job again.
+    store.transition(job.id, JobStatus.INTERRUPTED, reason="the test's recovery")
+    store.requeue_interrupted(job.id, max_retries=3)
+    request = LaunchRequest(
+        job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=tmp_path / "taken" / "output",
+        device=None, db_path=store.db.path, log_path=tmp_path / "taken" / "job.log", cpu_threads=1,
+    )  # fmt: skip
+    handle = executor.launch(request)
+    deadline = time.monotonic() + DEADLINE_S
+    while handle.exit_code() is None:
+        assert time.monotonic() < deadline, "the process did not leave"
+        time.sleep(0.05)
+    assert handle.pid == spare.pid and handle.exit_code() == 0
+    assert "was taken back before it started" in (tmp_path / "taken" / "job.log").read_text()
+    after = store.get_job(job.id)
+    assert after.status is JobStatus.QUEUED and after.pid is None
+    assert [e.type for e in store.list_events(job.id, limit=100) if e.attempt == 1 and e.type != "status"] == []
+    assert not (tmp_path / "taken" / "output").exists()
