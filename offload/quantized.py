@@ -139,22 +139,19 @@ class QuantizedPayload:
         _, self.context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         self.kind = type(tensor)
         self.shape, self.stride = tensor.shape, tensor.stride()
-        self.layout: list[tuple[str, int, torch.Size, torch.dtype]] = []
+        self.layout: list[tuple[str, int, int, torch.Size, torch.dtype]] = []  # name, offset, bytes, shape, dtype
         offset = 0
         for name, inner in inner_tensors(tensor):
-            self.layout.append((name, offset, inner.shape, inner.dtype))
-            offset += aligned(inner.numel() * inner.element_size())
+            nbytes = inner.numel() * inner.element_size()
+            self.layout.append((name, offset, nbytes, inner.shape, inner.dtype))
+            offset += aligned(nbytes)
         self.buffer = buffer
         for (_, inner), view in zip(inner_tensors(tensor), self.views(buffer).values(), strict=True):
             view.copy_(inner)
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """The inner tensors as views of ``buffer`` (the host payload or its device copy)."""
-        out = {}
-        for name, offset, shape, dtype in self.layout:
-            nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            out[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
-        return out
+        return {name: buffer[at : at + n].view(dtype).view(shape) for name, at, n, shape, dtype in self.layout}
 
     def tensor_over(self, buffer: torch.Tensor, *, clone: bool = False) -> torch.Tensor:
         """A frozen parameter of the same torchao type over ``buffer``'s bytes (cloned: its own memory)."""
@@ -173,7 +170,16 @@ class QuantizedParamOffloader(StaticParamOffloader):
     The parameter object stays the same (modules, peft and autograd refer to it); its contents are swapped
     (``torch.utils.swap_tensors``) between the torchao tensor over the host payload and one over the device
     copy, because a tensor subclass keeps its data in Python attributes that ``.data`` cannot replace.
+
+    Rebuilding the torchao tensor over a device copy is Python work (views of each inner tensor, the
+    subclass's unflatten, a new Parameter): on the H200 it made a streamed NF4 block cost about 9 ms more host
+    time per step than a resident one (bench/nf4_dequant_probe.py), on a step the host already bounds. A copy
+    into the device ring always lands at the same few addresses (its slot, one per ring turn), so the tensor
+    built over each such address is kept and swapped in again; copies into allocator memory (a ring
+    overflow) are rebuilt each time, since keeping them would keep that memory alive.
     """
+
+    MAX_KEPT = 8  # device tensors kept per weight: one per ring slot it can land in (prefetch + 1 of them)
 
     kind = "static"  # the budget and the schedule treat it as any frozen weight
 
@@ -183,6 +189,7 @@ class QuantizedParamOffloader(StaticParamOffloader):
         self.host = buffer
         self.nbytes = buffer.numel()  # stored bytes: what the device holds and the link carries
         self._holder: torch.Tensor | None = None  # the contents not in the parameter right now
+        self._over_ring: dict[int, torch.Tensor] = {}  # ring address -> the tensor built over it (see above)
         torch.utils.swap_tensors(tensor, self.payload.tensor_over(buffer))  # now over the arena payload
 
     def onload(self, prefetch: bool = False) -> None:
@@ -191,8 +198,16 @@ class QuantizedParamOffloader(StaticParamOffloader):
 
     def attach(self, pending: PendingCopy) -> None:
         self.pending = pending
-        self._holder = self.payload.tensor_over(pending.tensor)
-        torch.utils.swap_tensors(self.tensor, self._holder)  # the parameter is now the device tensor
+        address = pending.tensor.data_ptr()
+        holder = self._over_ring.get(address) if pending.planned else None
+        if holder is None:
+            holder = self.payload.tensor_over(pending.tensor)
+            if pending.planned:
+                if len(self._over_ring) >= self.MAX_KEPT:
+                    self._over_ring.pop(next(iter(self._over_ring)))
+                self._over_ring[address] = holder
+        self._holder = holder
+        torch.utils.swap_tensors(self.tensor, holder)  # the parameter is now the device tensor (holder: host)
         self.copies.stats.hold(self.nbytes)
 
     def ensure_resident(self) -> torch.Tensor:
@@ -205,7 +220,7 @@ class QuantizedParamOffloader(StaticParamOffloader):
     def offload(self) -> None:
         if self.pending is None:
             return
-        torch.utils.swap_tensors(self.tensor, self._holder)  # back to the host payload
+        torch.utils.swap_tensors(self.tensor, self._holder)  # back to the host payload (holder: device again)
         self._holder = None
         self.pending = None
         self.copies.stats.drop(self.nbytes)
@@ -215,4 +230,5 @@ class QuantizedParamOffloader(StaticParamOffloader):
 
     def detach(self) -> None:
         self.offload()
+        self._over_ring.clear()
         torch.utils.swap_tensors(self.tensor, self.payload.tensor_over(self.host, clone=True))
