@@ -41,28 +41,57 @@ class FlatGroup:
         self._attached = 0
         self.placement: Placement | None = None  # the span's place in the device ring (offset 0 of the slot)
         self._in_ring: Placement | None = None
+        # The members' views over a span copied into the ring, by the slot's address. A ring copy lands in
+        # the same slot (one of prefetch + 1) every time, so the views are made once, not on every onload: on
+        # a launch-bound step (a DiT block with peft's LoRA) that per-copy Python work is host time the GPU
+        # waits for. Views over allocator memory (a ring overflow) are made anew and never kept.
+        self._ring_views: dict[int, list[torch.Tensor | None]] = {}
+        self._index: dict[int, int] = {}  # id(member) -> its position in the span
 
     def host_view(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """The slot for the ``index``-th tensor inside the span."""
         return shaped_like(_view(self.span, self.offsets[index], (tensor.numel(),), tensor.dtype), tensor)
 
     def add(self, member: StaticParamOffloader) -> None:
+        self._index[id(member)] = len(self.members)
         self.members.append(member)
         member.group = self
 
     def onload(self, requester: StaticParamOffloader, prefetch: bool) -> None:
         """Copy the span (unless a copy is still alive) and hand views to the members that need one now:
-        the requester and any member a running forward holds or a pending backward will unpack."""
+        with a new copy, the requester and any member a running forward holds or a pending backward will
+        unpack; with the copy already there, the requester alone (each other member asks for itself), so a
+        unit's onload, one request per member, walks the members once rather than once per member."""
         if self._device_span is None:
             pending, self._in_ring = copy_into_ring(self.copies, self.span, self.placement, 0, prefetch)
             self._device_span, self._event = pending.tensor, pending.event
-        for index, member in enumerate(self.members):
-            wanted = member is requester or member.holds > 0 or member.live_tokens > 0
-            if member.pending is None and wanted:
-                flat = _view(self._device_span, self.offsets[index], (member.host.numel(),), member.host.dtype)
-                view = shaped_like(flat, member.host)
-                member.attach(PendingCopy(view, self._event, planned=self._in_ring is not None))
-                self._attached += 1
+            for index, member in enumerate(self.members):
+                if member.pending is None and (member is requester or member.holds > 0 or member.live_tokens > 0):
+                    self._attach(index, member)
+        elif requester.pending is None:
+            self._attach(self._index[id(requester)], requester)
+
+    def _attach(self, index: int, member: StaticParamOffloader) -> None:
+        assert self._device_span is not None  # onload() made the copy
+        if self._in_ring is None:
+            view = self._make_view(index, member)
+        else:
+            views = self._ring_views.get(self._device_span.data_ptr())
+            if views is None:
+                if len(self._ring_views) >= 8:  # more addresses than ring slots: the plan changed; start over
+                    self._ring_views.clear()
+                views = self._ring_views[self._device_span.data_ptr()] = [None] * len(self.members)
+            kept = views[index]
+            if kept is None:
+                kept = views[index] = self._make_view(index, member)
+            view = kept
+        member.attach(PendingCopy(view, self._event, planned=self._in_ring is not None))
+        self._attached += 1
+
+    def _make_view(self, index: int, member: StaticParamOffloader) -> torch.Tensor:
+        assert self._device_span is not None
+        flat = _view(self._device_span, self.offsets[index], (member.host.numel(),), member.host.dtype)
+        return shaped_like(flat, member.host)
 
     def detached(self, member: StaticParamOffloader) -> None:
         """``member`` dropped its view; with the last one gone the span's device memory is released."""
@@ -75,5 +104,5 @@ class FlatGroup:
 
 
 def _view(span: torch.Tensor, offset: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     return span[offset : offset + max(nbytes, 0)].view(dtype).view(shape)
