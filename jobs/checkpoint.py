@@ -132,7 +132,7 @@ def verify(info: CheckpointInfo) -> bool:
     """True when every file exists with the size and SHA-256 its manifest records."""
     for entry in info.files:
         path = Path(info.path) / entry["name"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
             return False
     return True
 
@@ -181,15 +181,13 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def _describe(path: Path, root: Path) -> dict[str, Any]:
-    return {"name": path.relative_to(root).as_posix(), "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"name": path.relative_to(root).as_posix(), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in chunks (checkpoints, cache shards and merged archives)."""
     with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _fsync(path: Path) -> None:

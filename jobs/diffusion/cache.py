@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from jobs.checkpoint import file_sha256
 from jobs.diffusion.families import family_of
 
 MANIFEST = "manifest.json"
@@ -49,7 +50,7 @@ def data_fingerprint(data: Any) -> dict[str, Any]:
     from jobs.diffusion.data import metadata_file
 
     return {
-        "metadata_sha256": _sha256(metadata_file(data)),
+        "metadata_sha256": file_sha256(metadata_file(data)),
         "max_pixels": data.max_pixels,
         "num_frames": data.num_frames,
         "max_sequence_length": data.max_sequence_length,
@@ -65,14 +66,6 @@ def _folder_identity(folder: Path) -> str:
             digest.update(file.name.encode() + file.read_bytes())
         elif file.is_file():
             digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    return digest.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -141,7 +134,9 @@ class CacheWriter:
         name = f"shard-{len(self.shards):05d}.safetensors"
         save_file(self._tensors, str(self.directory / name))
         file = self.directory / name
-        self.shards.append({"file": name, "bytes": file.stat().st_size, "sha256": _sha256(file), "rows": self._rows})
+        self.shards.append(
+            {"file": name, "bytes": file.stat().st_size, "sha256": file_sha256(file), "rows": self._rows}
+        )
         self._tensors, self._rows = {}, []
         self._write_manifest(complete=False)
 
@@ -165,7 +160,7 @@ class CacheWriter:
 
 def _shard_intact(directory: Path, shard: dict[str, Any]) -> bool:
     file = directory / shard["file"]
-    return file.is_file() and file.stat().st_size == shard["bytes"] and _sha256(file) == shard["sha256"]
+    return file.is_file() and file.stat().st_size == shard["bytes"] and file_sha256(file) == shard["sha256"]
 
 
 class CachedSamples:

@@ -4,7 +4,6 @@ support, and merge a LoRA checkpoint into a full model downloadable as one archi
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import os
 import subprocess
@@ -17,7 +16,7 @@ from starlette.datastructures import Headers
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
-from jobs.checkpoint import EXPORTS_DIR, CheckpointInfo, best_checkpoint, list_checkpoints
+from jobs.checkpoint import EXPORTS_DIR, CheckpointInfo, best_checkpoint, file_sha256, list_checkpoints
 
 from ..deps import SettingsDep, StoreDep
 from ..errors import ApiError, error_response
@@ -50,7 +49,7 @@ def merge_checkpoint(job_id: str, checkpoint: str, store: StoreDep, settings: Se
     archive = _merged_archive(settings.job_dir(job_id), checkpoint)
     if not archive.exists():
         _merge(Path(found.path), archive.with_suffix(""))
-        archive.with_name(archive.name + ".sha256").write_text(_sha256(archive))
+        archive.with_name(archive.name + ".sha256").write_text(file_sha256(archive))
     digest = archive.with_name(archive.name + ".sha256").read_text()
     url = f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/merged"
     return MergedPublic(
@@ -168,14 +167,6 @@ def _merge(checkpoint: Path, output: Path) -> None:
 def _merged_archive(job_dir: Path, checkpoint: str) -> Path:
     # The name comes from the checkpoint listing (step-NNNNNNNN), never from the URL as typed.
     return job_dir / "output" / EXPORTS_DIR / f"{checkpoint}-merged.tar"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _checkpoints(job_dir: Path) -> list[CheckpointInfo]:
