@@ -15,10 +15,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def start_server(
-    workdir: Path, settings: dict[str, str], *, unset: tuple[str, ...] = (), ready_timeout: float = 300
+    workdir: Path,
+    settings: dict[str, str],
+    *,
+    unset: tuple[str, ...] = (),
+    ready_timeout: float = 300,
+    python_args: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
     """The service with ``settings`` (FERRY_* variables) on top of this environment, logging to
-    ``workdir/server.log``. Returns the process and its base URL."""
+    ``workdir/server.log``; ``python_args`` go before ``-m service`` (e.g. ``-m cProfile -o FILE``).
+    Returns the process and its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -33,7 +39,7 @@ def start_server(
         env.pop(name, None)
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 - open for the server's lifetime
     process = subprocess.Popen(
-        [sys.executable, "-m", "service"], env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, *python_args, "-m", "service"], env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout

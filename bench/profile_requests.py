@@ -11,21 +11,15 @@ counts is the share each part takes.
 from __future__ import annotations
 
 import argparse
-import os
 import pstats
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import dashboard_mix
 import httpx
+from local_server import start_server
 from service_bench import SPEC, submit_and_time
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -37,7 +31,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ferry-profile-") as tmp:
         profile = Path(tmp) / "server.prof"
-        process, url = _start(Path(tmp), profile)
+        settings = {"FERRY_DATA_DIR": str(Path(tmp) / "data"), "FERRY_DEVICES": "cpu"}
+        process, url = start_server(
+            Path(tmp), settings, unset=("FERRY_API_TOKEN",), python_args=("-m", "cProfile", "-o", str(profile))
+        )
         try:
             with httpx.Client(base_url=url, timeout=30) as client:
                 job_id, _ = submit_and_time(client, SPEC)
@@ -51,34 +48,6 @@ def main() -> None:
         stats = pstats.Stats(str(profile))
         stats.sort_stats("cumulative").print_stats(args.top)
         stats.sort_stats("tottime").print_stats(args.top)
-
-
-def _start(workdir: Path, profile: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "FERRY_HOST": "127.0.0.1",
-        "FERRY_PORT": str(port),
-        "FERRY_DATA_DIR": str(workdir / "data"),
-        "FERRY_DEVICES": "cpu",
-        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
-    }
-    env.pop("FERRY_API_TOKEN", None)
-    command = [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "service"]
-    log = open(workdir / "server.log", "wb")  # noqa: SIM115 - open for the server's lifetime
-    process = subprocess.Popen(command, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise SystemExit(f"the server did not become ready; see {workdir / 'server.log'}")
 
 
 if __name__ == "__main__":
