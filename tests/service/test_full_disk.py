@@ -10,11 +10,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from .conftest import TOKEN, Server, spec_yaml, submit, wait_status
@@ -48,28 +46,15 @@ def namespaces_work(tmp_path: Path) -> str | None:
 class TinyDiskServer(Server):
     """``python -m service`` whose data directory is a fresh tmpfs of ``SIZE_MIB`` only it can see."""
 
-    def start(self, timeout: float = 60.0) -> None:
-        self.data_dir.mkdir(parents=True)
-        log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115
+    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
         mount = f'mount -t tmpfs -o size={SIZE_MIB}m none "$FERRY_DATA_DIR" && exec "$0" -m service'
-        self.process = subprocess.Popen(
-            ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, sys.executable],
-            env=self.env,
-            cwd=self.data_dir.parent,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        super().__init__(
+            data_dir, env, ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, sys.executable]
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"server exited: {self.log_text()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not ready: {self.log_text()[-3000:]}")
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.data_dir.mkdir(parents=True)  # the mount point
+        super().start(timeout)
 
 
 @pytest.fixture
