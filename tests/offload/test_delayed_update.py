@@ -157,8 +157,8 @@ def test_the_worker_runs_its_own_thread_count() -> None:
     seen = []
     stepper = manager._stepper
     assert stepper is not None
-    original = stepper._step_one
-    stepper._step_one = lambda update: (seen.append(torch.get_num_threads()), original(update))  # type: ignore[method-assign]
+    original = stepper._step_together
+    stepper._step_together = lambda batch: (seen.append(torch.get_num_threads()), original(batch))  # type: ignore[method-assign]
     x = torch.randn(8, WIDTH)
     F.mse_loss(model(x), x + 1).backward()
     manager.after_backward()
