@@ -317,6 +317,20 @@ class OffloadTrainingManager:
         self._copies.end_step()
         if self._stepper is not None:
             self._stepper.end_backward()
+        self._end_step()
+
+    def after_forward(self) -> None:
+        """Call after a forward pass that no backward follows (inference, or encoding under ``no_grad``), as
+        ``after_backward`` is called after a training step: the first call fixes the recorded order, which
+        starts prefetching and applies ``gpu_memory_budget``. Without it a model that is only ever run
+        forward streams every unit on demand, one after another, and keeps nothing resident."""
+        for offloader in self._offloaders.values():
+            if offloader.holds == 0:
+                offloader.offload()
+        self._copies.end_step()
+        self._end_step()
+
+    def _end_step(self) -> None:
         first_step = self._schedule.recording
         self._schedule.end_step(parse_bytes(self.options.gpu_memory_budget))  # an int already: __post_init__
         if first_step:

@@ -67,6 +67,10 @@ class Encoders:
         """One ``[tokens, dim]`` embedding per prompt (CPU)."""
         length = max_length or self.family.max_sequence_length
         embeds = self.family.encode_prompts(self.text_encoder, self.tokenizer, prompts, self.device, length)
+        if self.manager is not None:
+            # The encoder only runs forward: this ends its step, as after_backward ends a training step (the
+            # first one starts prefetching and applies gpu_memory_budget).
+            self.manager.after_forward()
         return [e.to("cpu") for e in embeds]
 
     @torch.no_grad()
