@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.offload_bench import LoraModel
 from bench.offload_bench import timed_steps as measure
 from offload import OffloadTrainingManager
-from offload.nf4_linear import NF4Linear, dequantize, is_nf4
+from offload.nf4_linear import CompiledNF4Linear, dequantize, is_nf4
 from offload.quantized import quantize_frozen_weights
 
 
@@ -66,7 +66,7 @@ def small_stack() -> LoraModel:
 def lora_step(model: torch.nn.Module, offloaded: bool, compiled: bool) -> None:
     converted = [m for m in model.modules() if type(m) is torch.nn.Linear and is_nf4(m.weight)] if compiled else []
     for layer in converted:
-        layer.__class__ = NF4Linear
+        layer.__class__ = CompiledNF4Linear
     manager = OffloadTrainingManager(model, "cuda") if offloaded else None
     if manager is None:
         model.to("cuda")

@@ -27,7 +27,9 @@ from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
 from bench.offload_bench import timed_steps as measure
 from bench.provenance import commit
 from offload import OffloadOptions, OffloadTrainingManager
-from offload.nf4_linear import NF4Linear, is_nf4
+from offload import dequantize_on_arrival as arrival
+from offload.dequantize_on_arrival import DequantizedParamOffloader
+from offload.nf4_linear import CompiledNF4Linear, is_nf4
 from offload.quantized import quantize_frozen_weights, stored_bytes
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -259,8 +261,9 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     # As quantize_frozen_weights(..., compile_dequantization=True) leaves them (the other modes: torchao's layer).
     converted = [m for m in model.modules() if type(m) is torch.nn.Linear and is_nf4(m.weight)] if compiled else []
     for layer in converted:
-        layer.__class__ = NF4Linear
-    if mode.startswith("nf4 resident"):
+        layer.__class__ = CompiledNF4Linear
+    arrival.COMPILE_ON_CUDA = "eager kernel" not in mode
+    if mode.startswith("nf4 resident") or mode == "bf16 resident":
         model.to("cuda")
     elif mode == "fsdp2 (bf16)":
         model = copy.deepcopy(bf16)  # FSDP2 takes the model over; the other modes keep the original
@@ -268,7 +271,12 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     elif mode == "reference (seed schedule, bf16)":
         manager = OffloadTrainingManager(model, "cuda", options=OffloadOptions(prefetch=0))
     else:
-        manager = OffloadTrainingManager(model, "cuda")
+        options = OffloadOptions(
+            prefetch=2 if "prefetch 2" in mode else 1,
+            granularity="block" if "block units" in mode else "leaf",
+            dequantize_on_arrival="torchao in the layer" not in mode,
+        )
+        manager = OffloadTrainingManager(model, "cuda", options=options)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = (
         fused_or_not(trainable) if mode.startswith("fsdp2") else torch.optim.AdamW(trainable, lr=1e-4, fused=True)
@@ -288,23 +296,35 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         stats = manager.stats()
         note = (
             f"h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB/step at {stats.last_step_h2d_gbps:.0f} GB/s, "
-            f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB"
+            f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB, device ring {manager.plan.ring_bytes / 2**30:.2f} "
+            f"GiB (rooms {manager.plan.room_bytes / 2**30:.2f})"
         )
+        dequantizers = [o for o in manager._offloaders.values() if isinstance(o, DequantizedParamOffloader)]
+        if dequantizers:
+            per_step = sum(o.dequantizations for o in dequantizers) / (steps + 2) / len(dequantizers)
+            kernel = "compiled" if arrival.COMPILE_ON_CUDA and not arrival._COMPILE_FAILED else "eager"
+            failed = f" (compile failed: {arrival._COMPILE_FAILED[0]!r:.80})" if arrival._COMPILE_FAILED else ""
+            note += f"; dequantized on arrival {per_step:.2f}x per weight and step, {kernel} kernel{failed}"
         manager.remove()
-    if mode.startswith("nf4 resident"):
+    if mode.startswith("nf4 resident") or mode == "bf16 resident":
         model.to("cpu")
     for layer in converted:
         layer.__class__ = torch.nn.Linear
+    arrival.COMPILE_ON_CUDA = True
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
 
 
 LORA_MODES = [
     "reference (seed schedule, bf16)",
     "fsdp2 (bf16)",
+    "bf16 resident",
     "nf4 resident",
-    "nf4 offloaded",
     "nf4 resident (compiled dequantization)",
-    "nf4 offloaded (compiled dequantization)",
+    "nf4 offloaded",  # the default: dequantized on arrival, compiled kernel
+    "nf4 offloaded (dequantize on arrival, eager kernel)",
+    "nf4 offloaded, prefetch 2",
+    "nf4 offloaded, block units",
+    "nf4 offloaded (torchao in the layer)",  # dequantize_on_arrival=False: the default before
 ]
 TOY_MODES = ["resident", "reference (seed schedule)", "fsdp2", "ferry default", "ferry exact", "ferry delayed_update"]
 

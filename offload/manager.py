@@ -12,6 +12,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from offload.arena import PinnedArenaPool, aligned
+from offload.dequantize_on_arrival import DequantizedParamOffloader, dequantizes_on_arrival
+from offload.dequantize_on_arrival import room_bytes as arrival_room_bytes
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.flat import FlatGroup
 from offload.layout import shaped_like
@@ -93,6 +95,8 @@ class OffloadTrainingManager:
             cpu_offload_split_threshold=cpu_offload_split_threshold,
             options=self.options,
             link_bytes=link_bytes,  # a quantized weight takes its stored bytes in the arena and the ring
+            # and, dequantized on arrival, room for its dequantized form beside each ring slot
+            room_bytes=arrival_room_bytes if self.options.dequantize_on_arrival else None,
         )
         self._check_plan_fits()
         self._stats = StatsCounter()
@@ -148,6 +152,8 @@ class OffloadTrainingManager:
                 group.add(offloader)
             elif id(offloader.tensor) in layout.offsets and offloader.placement is None:
                 offloader.placement, offloader.slot_offset = placement, layout.offsets[id(offloader.tensor)]
+                if isinstance(offloader, DequantizedParamOffloader):
+                    offloader.room_offset = layout.room_offsets[id(offloader.tensor)]
         unit = OffloadUnit(plan.name, offloaders)
         if placement is not None and layout.ring_class is not None:
             self._placements[id(unit)] = (layout.ring_class, placement)
@@ -158,9 +164,9 @@ class OffloadTrainingManager:
         if existing is not None:  # shared (tied) tensor: one offloader, one host copy
             return existing
         if is_quantized(tensor) and not tensor.requires_grad:
-            quantized = QuantizedParamOffloader(
-                name, tensor, self._copies, self.arena.allocate((stored_bytes(tensor),), torch.uint8)
-            )
+            arrival = self.options.dequantize_on_arrival and dequantizes_on_arrival(tensor)
+            kind = DequantizedParamOffloader if arrival else QuantizedParamOffloader
+            quantized = kind(name, tensor, self._copies, self.arena.allocate((stored_bytes(tensor),), torch.uint8))
             quantized.on_backward_use = self._schedule.weight_unpacked
             self._offloaders[id(tensor)] = quantized
             return quantized

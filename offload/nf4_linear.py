@@ -13,9 +13,11 @@ offload engine still sees the parameter itself among the saved tensors and keeps
 ``emulate_precision_casts`` rounds each intermediate to its dtype as eager does, so the compiled weight is
 torchao's, bit for bit. On the CPU the layer is torchao's eager code, untouched.
 
-Opt-in (``quantize_frozen_weights(..., compile_dequantization=True)``) because of what the H200 measured
-(bench/RESULTS.md, issue 18): the 4096-token LoRA step with the weights resident went from 307.9 to
-222.9 ms, but streamed by the offload engine it went from 326.5 to 382.0 ms, for a reason not yet found.
+Opt-in (``quantize_frozen_weights(..., compile_dequantization=True)``, ``CompiledNF4Linear``) because of
+what the H200 measured (bench/RESULTS.md, issue 18): the 4096-token LoRA step with the weights resident went
+from 307.9 to 222.9 ms, but streamed by the offload engine it went from 326.5 to 382.0 ms. A streamed weight
+is now dequantized once per visit by the engine instead (dequantize_on_arrival.py), and this layer then
+runs a plain matmul.
 """
 
 from __future__ import annotations
@@ -76,11 +78,25 @@ class _LinearNF4(torch.autograd.Function):
 
 
 class NF4Linear(nn.Linear):
-    """An ``nn.Linear`` whose frozen weight is an NF4 tensor: ``quantize_frozen_weights(model, "nf4")`` turns
-    plain ``nn.Linear`` modules into this class in place (same object, parameters, hooks and state dict)."""
+    """An ``nn.Linear`` whose frozen weight is an NF4 tensor, adding its bias after the matmul as torchao's
+    ``F.linear`` does, whatever form the weight is in when it runs: the NF4 tensor (torchao's ``LinearNF4``)
+    or the plain tensor the offload engine dequantized it into on arrival (dequantize_on_arrival.py), with
+    the same values bit for bit. (A plain ``nn.Linear`` with a plain weight fuses the bias into the matmul,
+    which rounds differently.) ``quantize_frozen_weights(model, "nf4")`` gives biased linears this class, in
+    place (same object, parameters, hooks and state dict)."""
+
+    compiled = False  # CompiledNF4Linear: the dequantization compiled into one kernel on a GPU
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not is_nf4(self.weight) or not self.weight.is_cuda:
-            return super().forward(input)  # torchao's own F.linear override
-        out = _LinearNF4.apply(input, self.weight)
+        weight = self.weight
+        if self.compiled and is_nf4(weight) and weight.is_cuda:
+            out = _LinearNF4.apply(input, weight)
+        else:
+            out = F.linear(input, weight)  # NF4: torchao's LinearNF4; dequantized on arrival: the same matmul
         return out + self.bias if self.bias is not None else out
+
+
+class CompiledNF4Linear(NF4Linear):
+    """``NF4Linear`` whose dequantization runs as one compiled kernel on a GPU (``compile_dequantization``)."""
+
+    compiled = True

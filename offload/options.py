@@ -57,6 +57,9 @@ class OffloadOptions:
             ``None``: the whole device.
         pin_memory: keep host copies in page-locked memory (fast, asynchronous copies). Falls back to
             ordinary memory when no accelerator exists.
+        dequantize_on_arrival: a streamed NF4 weight is dequantized once per visit, on the copy stream, into
+            room beside its payload in the device ring, and computed with as a plain tensor
+            (dequantize_on_arrival.py); ``False`` leaves the dequantization to torchao inside every call.
     """
 
     prefetch: int = 1
@@ -64,6 +67,7 @@ class OffloadOptions:
     gpu_memory_budget: int | str | None = None
     gpu_memory_limit: int | str | None = None
     pin_memory: bool = True
+    dequantize_on_arrival: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:

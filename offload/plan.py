@@ -52,6 +52,7 @@ class UnitLayout:
         slot_bytes: the bytes of one slot of the unit's ring class (0: the unit streams nothing of its own).
         ring_class: index into ``MemoryPlan.ring_classes`` (``None`` with ``slot_bytes == 0``).
         slot: which slot of its class the unit lands in.
+        room_offsets: each weight dequantized on arrival's byte offset in its slot's room (plan_memory).
     """
 
     name: str
@@ -61,20 +62,28 @@ class UnitLayout:
     slot_bytes: int
     ring_class: int | None
     slot: int
+    room_offsets: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RingClass:
-    """Slots for units of one layout: ``depth`` slots of ``slot_bytes`` at ``offset`` in the ring buffer."""
+    """Slots for units of one layout: ``depth`` slots of ``slot_bytes`` at ``offset`` in the ring buffer, each
+    with a room of ``room_bytes`` at ``room_offset`` in the room buffer (dequantized weights; usually 0)."""
 
     slot_bytes: int
     depth: int
     members: int
     offset: int
+    room_bytes: int = 0
+    room_offset: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.depth * _slot_stride(self.slot_bytes)
+
+    @property
+    def room_nbytes(self) -> int:
+        return self.depth * _slot_stride(self.room_bytes) if self.room_bytes else 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,8 @@ class MemoryPlan:
         units: the units as discovered, in order.
         layouts: one per unit, same order.
         ring_classes: the device ring's classes; ``ring_bytes`` is their total.
-        ring_bytes: device bytes the engine allocates for streamed weights, once, at setup.
+        ring_bytes: device bytes the engine allocates for streamed weights, once, at setup (rooms included).
+        room_bytes: the part of ``ring_bytes`` that holds dequantized weights (``room_bytes`` of plan_memory).
         host_sizes: the pinned arena's allocations in the order the engine makes them.
         pinned_reserved_bytes / pinned_requested_bytes: what the arena reserves / what the tensors need.
         streamed_bytes: bytes of every streamed tensor once (one pass of the model over the link).
@@ -96,6 +106,7 @@ class MemoryPlan:
     layouts: list[UnitLayout]
     ring_classes: list[RingClass]
     ring_bytes: int
+    room_bytes: int
     host_sizes: list[int] = field(repr=False)
     pinned_reserved_bytes: int
     pinned_requested_bytes: int
@@ -127,8 +138,15 @@ def plan_memory(
     cpu_offload_split_threshold: float | None = None,
     options: OffloadOptions | None = None,
     link_bytes: LinkBytes = tensor_bytes,
+    room_bytes: LinkBytes | None = None,
 ) -> MemoryPlan:
     """The engine's plan for ``model``: the same arguments as ``OffloadTrainingManager``; nothing is allocated.
+
+    ``link_bytes``: a tensor's bytes in the pinned arena, over the link and in its ring slot; ``room_bytes``:
+    the bytes of its dequantized form, for a quantized weight dequantized on arrival (0 for any other), planned
+    as a room beside each of its slots in a second device buffer (the dequantization writes it while the
+    payload is read, so the two must not share an allocation: torch.compile refuses writes into an input
+    that aliases another).
 
     Works on a model built on the meta device (shapes only), which is how a job's memory is estimated
     before it is queued.
@@ -144,6 +162,9 @@ def plan_memory(
 
     def size(tensor: torch.Tensor) -> int:
         return max(1, link_bytes(names[id(tensor)], tensor))
+
+    def room(tensor: torch.Tensor) -> int:
+        return aligned(room_bytes(names[id(tensor)], tensor)) if room_bytes is not None else 0
 
     def trainable(tensor: torch.Tensor) -> bool:
         return isinstance(tensor, nn.Parameter) and tensor.requires_grad
@@ -169,7 +190,8 @@ def plan_memory(
                 host_sizes.append(size(tensor))  # the host gradient buffer, allocated right after its master
         placed.update(id(t) for t in new)
         items = ([sum(aligned(size(t)) for t in span)] if span else []) + [aligned(size(t)) for t in solo]
-        drafts.append((unit.name, tuple(id(t) for t in span), tuple(id(t) for t in solo), items))
+        rooms = [room(t) if not trainable(t) else 0 for t in solo]  # only frozen weights are dequantized
+        drafts.append((unit.name, tuple(id(t) for t in span), tuple(id(t) for t in solo), items, rooms))
 
     classes, layouts = _ring(drafts, options.prefetch)
     arena = PinnedArenaPool(sum(aligned(n) for n in host_sizes), pin=False, dry_run=True)
@@ -180,7 +202,8 @@ def plan_memory(
         units=units,
         layouts=layouts,
         ring_classes=classes,
-        ring_bytes=sum(c.nbytes for c in classes),
+        ring_bytes=sum(c.nbytes + c.room_nbytes for c in classes),
+        room_bytes=sum(c.room_nbytes for c in classes),
         host_sizes=host_sizes,
         pinned_reserved_bytes=arena.reserved_bytes,
         pinned_requested_bytes=arena.requested_bytes,
@@ -190,34 +213,47 @@ def plan_memory(
 
 
 def _ring(
-    drafts: list[tuple[str, tuple[int, ...], tuple[int, ...], list[int]]], prefetch: int
+    drafts: list[tuple[str, tuple[int, ...], tuple[int, ...], list[int], list[int]]], prefetch: int
 ) -> tuple[list[RingClass], list[UnitLayout]]:
     """Group units by layout into ring classes; give each unit its class and slot (round-robin in order)."""
-    by_shape: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-    for index, (name, _, _, items) in enumerate(drafts):
+    by_shape: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for index, (name, _, _, items, rooms) in enumerate(drafts):
         if items:
-            by_shape.setdefault((_place(name), tuple(items)), []).append(index)
+            by_shape.setdefault((_place(name), tuple(items), tuple(rooms)), []).append(index)
     classes: list[RingClass] = []
     class_of: dict[int, tuple[int, int]] = {}
-    offset = 0
-    for shape, members in by_shape.items():
+    offset = room_offset = 0
+    for (_, items, rooms), members in by_shape.items():
         # prefetch=0 copies on demand: one slot per class. Otherwise the unit computing plus ``prefetch``
         # ahead; a class never needs more slots than it has members.
         depth = min(len(members), prefetch + 1) if prefetch > 0 else 1
-        klass = RingClass(slot_bytes=sum(shape[1]), depth=depth, members=len(members), offset=offset)
+        klass = RingClass(
+            slot_bytes=sum(items),
+            depth=depth,
+            members=len(members),
+            offset=offset,
+            room_bytes=sum(rooms),
+            room_offset=room_offset,
+        )
         offset += klass.nbytes
+        room_offset += klass.room_nbytes
         for position, index in enumerate(members):
             class_of[index] = (len(classes), position % depth)
         classes.append(klass)
     layouts = []
-    for index, (name, span, solo, items) in enumerate(drafts):
+    for index, (name, span, solo, items, rooms) in enumerate(drafts):
         keys = ((0,) if span else ()) + solo
         offsets, at = {}, 0
         for key, nbytes in zip(keys, items, strict=True):
             offsets[key] = at
             at += nbytes
+        room_offsets, at = {}, 0
+        for key, nbytes in zip(solo, rooms, strict=True):
+            if nbytes:
+                room_offsets[key] = at
+                at += nbytes
         ring_class, slot = class_of.get(index, (None, 0))
-        layouts.append(UnitLayout(name, span, solo, offsets, sum(items), ring_class, slot))
+        layouts.append(UnitLayout(name, span, solo, offsets, sum(items), ring_class, slot, room_offsets))
     return classes, layouts
 
 

@@ -4,8 +4,8 @@
 ``NF4Tensor`` (4-bit NormalFloat with double-quantized block scales, as QLoRA) or ``Int8Tensor`` (int8 per
 output channel). The model then trains as it would resident on a device: torchao dequantizes the weight
 inside each linear's forward and backward. Nothing here writes its own quantizer. With
-``compile_dequantization=True`` an NF4 ``nn.Linear`` becomes ``NF4Linear`` (nf4_linear.py), which on a GPU
-runs torchao's dequantization compiled into one kernel.
+``compile_dequantization=True`` an NF4 ``nn.Linear`` becomes ``CompiledNF4Linear`` (nf4_linear.py), which on a
+GPU runs torchao's dequantization compiled into one kernel.
 
 The engine keeps such a weight quantized everywhere: its inner tensors (codes, scales) are packed into one
 ``uint8`` payload in the pinned arena (``QuantizedParamOffloader``), that payload is what crosses the link
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from offload.arena import aligned
-from offload.nf4_linear import NF4Linear
+from offload.nf4_linear import CompiledNF4Linear, NF4Linear
 from offload.offloaders import StaticParamOffloader, TensorOffloader, copy_into_ring
 from offload.transfers import CopyEngine, PendingCopy
 
@@ -80,8 +80,10 @@ def quantize_frozen_weights(
         method: ``"nf4"`` (4-bit NormalFloat, QLoRA) or ``"int8"`` (int8 weight-only, per output channel).
         device: where to run the quantization kernels (``"cuda"`` is much faster for billions of weights);
             the quantized weights come back to the weight's own device.
-        compile_dequantization: NF4 only: plain ``nn.Linear`` modules become ``NF4Linear``, whose GPU
-            dequantization is one compiled kernel (faster resident; slower streamed, as measured so far).
+        compile_dequantization: NF4 only: plain ``nn.Linear`` modules become ``CompiledNF4Linear``, whose
+            GPU dequantization is one compiled kernel (faster resident; a streamed weight is dequantized on
+            arrival by the engine instead). Without it, biased ones become ``NF4Linear`` (the bias added
+            after the matmul, as torchao does, whatever form the weight computes in).
 
     Raises:
         ValueError: for an unknown ``method``, or when torchao is not installed.
@@ -104,9 +106,10 @@ def quantize_frozen_weights(
         if quantized.device != home:
             quantized = quantized.to(home)
         module.weight = nn.Parameter(quantized, requires_grad=False)
-        if compile_dequantization and method == "nf4" and type(module) is nn.Linear:
-            # In place (not a new module): peft, hooks and optimizers keep referring to this object.
-            module.__class__ = NF4Linear  # dequantizes with one compiled kernel on a GPU (nf4_linear.py)
+        if method == "nf4" and type(module) is nn.Linear and (compile_dequantization or module.bias is not None):
+            # In place (not a new module): peft, hooks and optimizers keep referring to this object. A biased
+            # layer adds its bias as torchao does also when its weight is dequantized on arrival (nf4_linear.py).
+            module.__class__ = CompiledNF4Linear if compile_dequantization else NF4Linear
         names.append(f"{name}.weight" if name else "weight")
     skipped = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_quantized(m.weight)]
     log.info("quantized %d frozen linear weights to %s (left as they are: %d)", len(names), method, len(skipped))
@@ -190,6 +193,7 @@ class QuantizedParamOffloader(StaticParamOffloader):
         self.nbytes = buffer.numel()  # stored bytes: what the device holds and the link carries
         self._holder: torch.Tensor | None = None  # the contents not in the parameter right now
         self._over_ring: dict[int, torch.Tensor] = {}  # ring address -> the tensor built over it (see above)
+        self._held_bytes = 0  # device bytes the current device copy takes
         torch.utils.swap_tensors(tensor, self.payload.tensor_over(buffer))  # now over the arena payload
 
     def onload(self, prefetch: bool = False) -> None:
@@ -197,7 +201,6 @@ class QuantizedParamOffloader(StaticParamOffloader):
         self.attach(pending)
 
     def attach(self, pending: PendingCopy) -> None:
-        self.pending = pending
         address = pending.tensor.data_ptr()
         holder = self._over_ring.get(address) if pending.planned else None
         if holder is None:
@@ -206,9 +209,15 @@ class QuantizedParamOffloader(StaticParamOffloader):
                 if len(self._over_ring) >= self.MAX_KEPT:
                     self._over_ring.pop(next(iter(self._over_ring)))
                 self._over_ring[address] = holder
+        self._swap_in(pending, holder, self.nbytes)
+
+    def _swap_in(self, pending: PendingCopy, holder: torch.Tensor, held_bytes: int) -> None:
+        """Make the parameter the device tensor ``holder`` (which then holds the host contents till offload)."""
+        self.pending = pending
         self._holder = holder
-        torch.utils.swap_tensors(self.tensor, holder)  # the parameter is now the device tensor (holder: host)
-        self.copies.stats.hold(self.nbytes)
+        torch.utils.swap_tensors(self.tensor, holder)
+        self._held_bytes = held_bytes
+        self.copies.stats.hold(held_bytes)
 
     def ensure_resident(self) -> torch.Tensor:
         if self.pending is None:
@@ -223,7 +232,7 @@ class QuantizedParamOffloader(StaticParamOffloader):
         torch.utils.swap_tensors(self.tensor, self._holder)  # back to the host payload (holder: device again)
         self._holder = None
         self.pending = None
-        self.copies.stats.drop(self.nbytes)
+        self.copies.stats.drop(self._held_bytes)
         if self._in_ring is not None:
             self._in_ring.release(self.copies.device)
             self._in_ring = None

@@ -18,10 +18,11 @@ from offload.plan import MemoryPlan, _slot_stride
 class RingSlot:
     """One slot: a device byte range, the unit holding it, and the events that order its reuse."""
 
-    __slots__ = ("buffer", "free_event", "owner", "users", "write_event")
+    __slots__ = ("buffer", "free_event", "owner", "room", "users", "write_event")
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, room: torch.Tensor) -> None:
         self.buffer = buffer
+        self.room = room  # where the slot's weights dequantized on arrival are written (plan.py)
         self.owner: object | None = None
         self.users = 0
         self.free_event: torch.cuda.Event | None = None  # recorded when the last user let go
@@ -48,6 +49,11 @@ class Placement:
         nbytes = like.numel() * like.element_size()
         return self.slot.buffer[offset : offset + nbytes].view(like.dtype).as_strided(like.shape, like.stride())
 
+    def room_region(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """A view at ``offset`` in the slot's room, shaped like ``like`` (contiguous)."""
+        nbytes = like.numel() * like.element_size()
+        return self.slot.room[offset : offset + nbytes].view(like.dtype).view(like.shape)
+
     @property
     def free_event(self) -> torch.cuda.Event | None:
         return self.slot.free_event
@@ -57,6 +63,10 @@ class Placement:
         self.slot.users += 1
         if write_event is not None:
             self.slot.write_event = write_event
+
+    def wrote(self, event: torch.cuda.Event) -> None:
+        """More work writing into or reading the slot was queued after the copy (it ends at ``event``)."""
+        self.slot.write_event = event
 
     def release(self, device: torch.device) -> None:
         """One user let go; with the last one the slot is free after the compute queued so far."""
@@ -80,13 +90,18 @@ class DeviceRing:
 
     def __init__(self, plan: MemoryPlan, device: torch.device) -> None:
         self.nbytes = plan.ring_bytes
-        self.buffer = torch.empty(max(self.nbytes, 1), dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(max(self.nbytes - plan.room_bytes, 1), dtype=torch.uint8, device=device)
+        # A separate allocation: a dequantization reads the slot's payload while it writes the room.
+        self.rooms = torch.empty(max(plan.room_bytes, 1), dtype=torch.uint8, device=device)
         self.slots: list[list[RingSlot]] = []
         for klass in plan.ring_classes:
-            stride = _slot_stride(klass.slot_bytes)
+            stride, room_stride = _slot_stride(klass.slot_bytes), _slot_stride(klass.room_bytes)
             self.slots.append(
                 [
-                    RingSlot(self.buffer[klass.offset + i * stride : klass.offset + i * stride + klass.slot_bytes])
+                    RingSlot(
+                        self.buffer[klass.offset + i * stride : klass.offset + i * stride + klass.slot_bytes],
+                        self.rooms[klass.room_offset + i * room_stride :][: klass.room_bytes],
+                    )
                     for i in range(klass.depth)
                 ]
             )

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 pytest.importorskip("torchao")
 
 from offload import OffloadOptions, OffloadTrainingManager
-from offload.nf4_linear import NF4Linear
+from offload.nf4_linear import CompiledNF4Linear, NF4Linear
 from offload.quantized import QuantizedPayload, is_quantized, quantize_frozen_weights, stored_bytes
 
 WIDTH = 128  # NF4 needs numel divisible by 64 x 256
@@ -91,6 +91,7 @@ OFFLOADS = [
     pytest.param({"options": OffloadOptions(granularity="block", prefetch=2)}, id="block"),
     pytest.param({"options": OffloadOptions(prefetch=0)}, id="prefetch0"),
     pytest.param({"options": OffloadOptions(gpu_memory_budget=40_000)}, id="budget"),
+    pytest.param({"options": OffloadOptions(dequantize_on_arrival=False)}, id="torchao-in-layer"),
 ]
 
 
@@ -117,12 +118,35 @@ def test_quantized_offloaded_equals_quantized_resident(method: str, checkpointin
 def test_quantized_offloaded_matches_quantized_resident_on_gpu(
     method: str, compiled: bool, checkpointing: str | None
 ) -> None:
+    from offload import dequantize_on_arrival
+
     resident_losses, resident = train(make(method, checkpointing, compiled), None, device="cuda")
-    for offload in ({}, {"enable_optimizer_cpu_offload": True}):
+    in_layer = {"options": OffloadOptions(dequantize_on_arrival=False)}
+    for offload in ({}, {"enable_optimizer_cpu_offload": True}, in_layer):
         losses, trained = train(make(method, checkpointing, compiled), offload, device="cuda")
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(resident_losses), rtol=1e-2, atol=1e-3)
         for name in resident:
             torch.testing.assert_close(trained[name], resident[name], rtol=2e-2, atol=2e-3, msg=name)
+    assert not dequantize_on_arrival._COMPILE_FAILED  # the NF4 dequantization on arrival ran compiled
+
+
+@pytest.mark.gpu
+def test_dequantization_on_arrival_compiled_equals_torchao_on_gpu() -> None:
+    from torchao.quantization import to_nf4
+
+    from offload.dequantize_on_arrival import _eager, dequantize_nf4_into
+
+    torch.manual_seed(0)
+    for shape in ((1024, 512), (2048, 1024)):
+        nf4 = to_nf4(torch.randn(shape, device="cuda", dtype=torch.bfloat16), 64, 256)
+        buffer = torch.empty(stored_bytes(nf4), dtype=torch.uint8, device="cuda")
+        inner = QuantizedPayload(nf4, buffer).views(buffer)
+        blocks = (nf4.block_size, nf4.scaler_block_size)
+        compiled, eager = (torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        dequantize_nf4_into(compiled, inner, nf4.shape, nf4.dtype, blocks)
+        _eager()(eager, inner, nf4.shape, nf4.dtype, blocks)
+        assert torch.equal(eager, nf4.to(torch.bfloat16))  # torchao's own code over the plain inner tensors
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method", ["nf4", "int8"])
@@ -147,17 +171,20 @@ def test_the_link_carries_the_quantized_bytes(method: str) -> None:
 
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
 @pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("arrival", [True, False], ids=["dequantized-on-arrival", "torchao-in-layer"])
 def test_a_streamed_weight_is_not_rebuilt_after_its_first_step(
-    monkeypatch: pytest.MonkeyPatch, checkpointing: str | None, prefetch: int
+    monkeypatch: pytest.MonkeyPatch, checkpointing: str | None, prefetch: int, arrival: bool
 ) -> None:
-    # Rebuilding the torchao tensor over each device copy was the host's cost of streaming NF4 (about 9 ms
-    # per block and step on the H200): copies into the ring land at the same addresses every step, so the
-    # tensors built over them are reused. Training still equals the resident run (the cases above).
+    # Rebuilding the torchao tensor (or the inner views the dequantization reads) over each device copy was
+    # the host's cost of streaming NF4 (about 9 ms per block and step on the H200): copies into the ring land
+    # at the same addresses every step, so what is built over them is reused. Training still equals the
+    # resident run (the cases above).
     model = make("nf4", checkpointing)
-    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(prefetch=prefetch))
+    options = OffloadOptions(prefetch=prefetch, dequantize_on_arrival=arrival)
+    manager = OffloadTrainingManager(model, "cpu", options=options)
     builds: list[int] = []
-    build = QuantizedPayload.tensor_over
-    monkeypatch.setattr(QuantizedPayload, "tensor_over", lambda self, *a, **k: builds.append(1) or build(self, *a, **k))
+    build = QuantizedPayload.views
+    monkeypatch.setattr(QuantizedPayload, "views", lambda self, *a, **k: builds.append(1) or build(self, *a, **k))
     for step in range(3):
         before = len(builds)
         x = torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)
@@ -219,15 +246,19 @@ def test_peft_adapters_trained_on_the_quantized_base_load_onto_it(tmp_path) -> N
     assert torch.equal(loaded(x), expected)
 
 
-def test_nf4_linears_become_nf4_linear_only_when_asked_and_stay_torchao_on_the_cpu() -> None:
-    assert type(make("nf4").blocks[0].up) is nn.Linear  # the default: torchao's layer as it is
-    model = make("nf4", compile_dequantization=True)
-    layer = model.blocks[0].up
-    assert isinstance(layer, NF4Linear) and isinstance(layer, nn.Linear)
-    assert type(model.blocks[0].adapter_a) is nn.Linear  # trainable: not quantized, not converted
+def test_nf4_linears_get_ferry_classes_only_where_needed_and_stay_torchao_on_the_cpu() -> None:
+    model = make("nf4")
+    # The default: a bias-free layer stays torchao's as it is; a biased one adds its bias after the matmul
+    # as torchao does, also when the engine dequantized its weight on arrival (test_dequantize_on_arrival.py).
+    assert type(model.blocks[0].down) is nn.Linear
+    assert type(model.blocks[0].up) is NF4Linear
+    compiled = make("nf4", compile_dequantization=True)
+    assert type(compiled.blocks[0].up) is CompiledNF4Linear and type(compiled.blocks[0].down) is CompiledNF4Linear
+    assert type(compiled.blocks[0].adapter_a) is nn.Linear  # trainable: not quantized, not converted
     x = torch.randn(3, WIDTH, dtype=torch.bfloat16)
-    # torchao's own path (its F.linear override) on the CPU, bit for bit.
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    for layer in (model.blocks[0].up, compiled.blocks[0].up):
+        # torchao's own path (its F.linear override) on the CPU, bit for bit.
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 def _torchao_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

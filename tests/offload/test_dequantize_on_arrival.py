@@ -1,0 +1,170 @@
+"""Dequantize on arrival: a streamed NF4 weight computes as the plain tensor the engine dequantized it into,
+once per unit visit, with torchao's values bit for bit; kept units and an unstreamed model keep torchao's
+in-layer path; the memory plan holds room for the dequantized form. (Offloaded == resident training for
+every engine mode, with and without checkpointing: test_quantized.py, which runs this path by default.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("torchao")
+
+from offload import OffloadOptions, OffloadTrainingManager
+from offload.dequantize_on_arrival import dequantize_nf4_into, dequantized_bytes
+from offload.nf4_linear import NF4Linear, is_nf4
+from offload.quantized import QuantizedPayload, is_quantized, quantize_frozen_weights, stored_bytes
+from tests.offload.test_quantized import WIDTH, make
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_linear_autograd_on_the_dequantized_weight_equals_torchaos_nf4_linear(bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(WIDTH, 2 * WIDTH, bias=bias, dtype=torch.bfloat16).requires_grad_(False)
+    quantize_frozen_weights(layer, "nf4")
+    assert type(layer) is (NF4Linear if bias else nn.Linear)
+    x = torch.randn(4, 8, WIDTH, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(4, 8, 2 * WIDTH, dtype=torch.bfloat16)
+    expected = layer(x)  # torchao's LinearNF4 (the weight is the NF4 tensor)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad)
+
+    payload = QuantizedPayload(layer.weight, torch.empty(stored_bytes(layer.weight), dtype=torch.uint8))
+    plain = torch.empty(layer.weight.shape, dtype=torch.bfloat16)
+    blocks = (layer.weight.block_size, layer.weight.scaler_block_size)
+    dequantize_nf4_into(plain, payload.views(payload.buffer), layer.weight.shape, torch.bfloat16, blocks)
+    assert torch.equal(plain, layer.weight.to(torch.bfloat16))  # torchao's dequantization, bit for bit
+    nf4 = layer.weight
+    layer.weight = nn.Parameter(plain, requires_grad=False)  # what the engine swaps in during compute
+    out = layer(x)
+    (out_grad,) = torch.autograd.grad(out, x, grad)
+    assert torch.equal(out, expected) and torch.equal(out_grad, expected_grad)
+    layer.weight = nf4
+
+
+def _weights_seen_in_compute(model: nn.Module) -> list[tuple[int, type, torch.Tensor]]:
+    """(id, type, a copy of) each NF4 layer's weight as its forward sees it (the parameter object stays one)."""
+    seen: list[tuple[int, type, torch.Tensor]] = []
+
+    def look(module: nn.Module, args: object) -> None:  # after the engine's own pre-hook: the unit is on
+        seen.append((id(module.weight), type(module.weight), module.weight.detach().clone()))
+
+    for block in model.blocks:
+        for layer in (block.up, block.down):
+            layer.register_forward_pre_hook(look)
+    return seen
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+def test_a_streamed_nf4_weight_computes_as_a_plain_dequantized_tensor(checkpointing: str | None) -> None:
+    model = make("nf4", checkpointing)
+    dequantized = {id(p): p.to(torch.bfloat16) for p in model.parameters() if is_nf4(p)}
+    manager = OffloadTrainingManager(model, "cpu")
+    seen = _weights_seen_in_compute(model)
+    for _ in range(2):
+        seen.clear()
+        model(torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
+        manager.after_backward()
+        assert len(seen) == 6 * (2 if checkpointing else 1)  # forward (and the recomputes)
+        for key, kind, weight in seen:
+            assert kind is nn.Parameter and not is_quantized(weight)
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, dequantized[key])
+    assert all(is_nf4(p) and p.device.type == "cpu" for p in model.parameters() if id(p) in dequantized)
+    manager.remove()
+
+
+@pytest.mark.parametrize("options", [{"dequantize_on_arrival": False}, {"gpu_memory_budget": 1 << 30}])
+def test_turned_off_or_kept_on_the_device_a_weight_stays_torchaos(options: dict) -> None:
+    model = make("nf4", "non_reentrant")
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(**options))
+    seen = _weights_seen_in_compute(model)
+    for _ in range(2):  # the budget keeps units resident from the second step
+        seen.clear()
+        model(torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
+        manager.after_backward()
+    assert seen and all(is_nf4(w) for _, _, w in seen)  # torchao dequantizes inside the layer
+    manager.remove()
+
+
+def _dequantizations(monkeypatch: pytest.MonkeyPatch, checkpointing: str | None, arrival: bool) -> list[tuple]:
+    """Per step: (dequantizations on arrival, NF4 payload copies, torchao dequantizations inside layers)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    from offload.transfers import CopyEngine
+
+    model = make("nf4", checkpointing)
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(dequantize_on_arrival=arrival))
+    offloaders = [o for o in manager._offloaders.values() if is_quantized(o.tensor)]
+    payloads = {o.host.data_ptr() for o in offloaders}
+    in_layer: list[int] = []
+    original = NF4Tensor.get_original_weight
+    monkeypatch.setattr(  # NF4Parts runs this same code over plain tensors: not counted here
+        NF4Tensor, "get_original_weight", lambda self: in_layer.append(isinstance(self, NF4Tensor)) or original(self)
+    )
+    copied: list[int] = []
+    to_device = CopyEngine.to_device
+    monkeypatch.setattr(
+        CopyEngine, "to_device", lambda self, host, **k: copied.append(host.data_ptr()) or to_device(self, host, **k)
+    )
+    counts = []
+    for _ in range(3):
+        before = sum(getattr(o, "dequantizations", 0) for o in offloaders)
+        copied.clear()
+        in_layer.clear()
+        model(torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
+        manager.after_backward()
+        done = sum(getattr(o, "dequantizations", 0) for o in offloaders) - before
+        counts.append((done, sum(1 for address in copied if address in payloads), sum(in_layer)))
+    manager.remove()
+    monkeypatch.undo()
+    return counts
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+def test_dequantization_runs_once_per_unit_visit(monkeypatch: pytest.MonkeyPatch, checkpointing: str | None) -> None:
+    arrival = _dequantizations(monkeypatch, checkpointing, arrival=True)
+    torchao = _dequantizations(monkeypatch, checkpointing, arrival=False)
+    for (done, copies, in_layer), (_, torchao_copies, torchao_in_layer) in zip(arrival, torchao, strict=True):
+        # One dequantization per payload copy, none inside the layers: forward's, and backward's (a
+        # checkpoint's recompute and the backward share the copy). torchao's path dequantizes in every call:
+        # with checkpointing 3 per weight and step (forward, recompute, backward), over the same copies.
+        assert done == copies == torchao_copies and in_layer == 0
+        assert 0 < copies <= 2 * 6
+        assert torchao_in_layer > done if checkpointing else torchao_in_layer >= done
+
+
+def test_the_plan_holds_room_for_the_dequantized_form_and_the_limit_counts_it() -> None:
+    model = make("nf4")
+    weights = [p for p in model.parameters() if is_nf4(p)]
+    off = OffloadTrainingManager(model, "cpu", options=OffloadOptions(dequantize_on_arrival=False))
+    off_ring, off_link = off.plan.ring_bytes, off.plan.streamed_bytes
+    off.remove()
+    on = OffloadTrainingManager(model, "cpu")
+    depth = 2  # prefetch 1: the unit computing and the one copied ahead, per ring class
+    room = sum(dequantized_bytes(w) for w in weights[:2])  # one block's up and down: a class each
+    assert on.plan.room_bytes >= depth * room and on.plan.ring_bytes == off_ring + on.plan.room_bytes
+    assert on.plan.streamed_bytes == off_link  # the link still carries the quantized payload only
+    x = torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    on.after_backward()
+    assert on.stats().ring_overflows == 0
+    assert on.stats().peak_device_bytes >= stored_bytes(weights[0]) + dequantized_bytes(weights[0])  # rooms count
+    on.remove()
+    with pytest.raises(ValueError, match="gpu_memory_limit"):
+        OffloadTrainingManager(
+            model, "cpu", options=OffloadOptions(gpu_memory_limit=(off_ring + on.plan.ring_bytes) // 2)
+        )
+
+
+def test_an_adapter_still_sees_a_quantized_base_between_steps() -> None:
+    model = make("nf4", "non_reentrant")
+    manager = OffloadTrainingManager(model, "cpu")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)
+    F.mse_loss(model(x).float(), x.float()).backward()
+    manager.after_backward()
+    optimizer.step()
+    state = model.state_dict()  # a checkpoint between steps: the NF4 base, as saved without the engine
+    assert all(is_nf4(state[f"blocks.{i}.{n}.weight"]) for i in range(3) for n in ("up", "down"))
+    manager.remove()
