@@ -2,7 +2,7 @@
 and LoRA on a 3.2B stack with an NF4 base, offloaded and resident; the reference (the seed's serialized
 schedule) and FSDP2 CPU offload beside each row, every mode with the fused AdamW kernel.
 
-Run on a GPU box:  python bench/optimizer_quant_bench.py [--workloads toy,lora4k,lora16k] [--steps 6]
+Run on a GPU box:  python bench/optimizer_quant_bench.py [--workloads toy,lora4k,lora16k,kernels] [--steps 6]
 Prints a table; ``--write`` puts it into bench/RESULTS.md between its markers (the rest of the file stays).
 Models and helpers come from bench/offload_bench.py.
 """
@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -263,6 +265,9 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     for layer in converted:
         layer.__class__ = CompiledNF4Linear
     arrival.COMPILE_ON_CUDA = "eager kernel" not in mode
+    if "no index asserts" in mode:  # the nibbles index a 16-entry table: always in bounds
+        arrival.COMPILE_OPTIONS["assert_indirect_indexing"] = False
+        arrival._compiled.cache_clear()
     if mode.startswith("nf4 resident") or mode == "bf16 resident":
         model.to("cuda")
     elif mode == "fsdp2 (bf16)":
@@ -311,7 +316,57 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     for layer in converted:
         layer.__class__ = torch.nn.Linear
     arrival.COMPILE_ON_CUDA = True
+    if arrival.COMPILE_OPTIONS.pop("assert_indirect_indexing", None) is not None:
+        arrival._compiled.cache_clear()
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
+
+
+def dequantize_kernels() -> None:
+    """One NF4 dequantization per call, host time to issue it and host+device time: torchao eager against
+    the kernel that dequantizes on arrival (compiled, with and without inductor's index asserts)."""
+    from torchao.quantization import to_nf4
+
+    from offload.quantized import QuantizedPayload
+
+    for shape in ((4096, 4096), (16384, 4096)):
+        nf4 = to_nf4(torch.randn(shape, device="cuda", dtype=torch.bfloat16), 64, 256)
+        buffer = torch.empty(stored_bytes(nf4), dtype=torch.uint8, device="cuda")
+        inner = QuantizedPayload(nf4, buffer).views(buffer)
+        out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        blocks = (nf4.block_size, nf4.scaler_block_size)
+        asserts = arrival._compiled()  # the engine's own
+        fast = torch.compile(
+            arrival._eager(),
+            fullgraph=True,
+            dynamic=False,
+            options={**arrival.COMPILE_OPTIONS, "assert_indirect_indexing": False},
+        )
+        args = (out, inner, nf4.shape, nf4.dtype, blocks)
+        forms = {
+            "torchao eager (NF4Tensor.to)": functools.partial(nf4.to, torch.bfloat16),
+            "on arrival, eager": functools.partial(arrival._eager(), *args),
+            "on arrival, compiled": functools.partial(asserts, *args),
+            "on arrival, compiled, no index asserts": functools.partial(fast, *args),
+        }
+        for name, run in forms.items():
+            host, total = _per_call(run)
+            line = f"dequantize {shape[0]}x{shape[1]}, {name}: host {host:.0f} us/call, host+device {total:.0f} us/call"
+            ROWS.append(f"\n{line}\n")
+            print(line, flush=True)
+
+
+def _per_call(run: Callable[[], object], calls: int = 50) -> tuple[float, float]:
+    """Microseconds per call: to issue it, and to issue and finish it."""
+    with torch.no_grad():
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+    return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
 
 
 LORA_MODES = [
@@ -324,6 +379,10 @@ LORA_MODES = [
     "nf4 offloaded (dequantize on arrival, eager kernel)",
     "nf4 offloaded, prefetch 2",
     "nf4 offloaded, block units",
+    "nf4 offloaded, block units, prefetch 2",
+    "nf4 offloaded (no index asserts)",
+    "nf4 offloaded, block units (no index asserts)",
+    "nf4 offloaded, block units, prefetch 2 (no index asserts)",
     "nf4 offloaded (torchao in the layer)",  # dequantize_on_arrival=False: the default before
 ]
 TOY_MODES = ["resident", "reference (seed schedule)", "fsdp2", "ferry default", "ferry exact", "ferry delayed_update"]
@@ -332,6 +391,7 @@ TOY_MODES = ["resident", "reference (seed schedule)", "fsdp2", "ferry default", 
 def _arguments(args: argparse.Namespace) -> str:
     """This run's command-line arguments, without where it wrote."""
     line = f"--workloads {args.workloads} --steps {args.steps}"
+    line += f" --modes '{args.modes}'" if args.modes else ""
     line += f" --worker-threads {args.worker_threads}" if args.worker_threads else ""
     return line + (" --skip-losses" if args.skip_losses else "")
 
@@ -342,15 +402,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--write", type=Path, default=None, help="a RESULTS.md to update between the markers")
     parser.add_argument("--skip-losses", action="store_true", help="toy: no 100-step loss curves")
+    parser.add_argument("--modes", default="", help="lora: only these modes (names separated by ;)")
     parser.add_argument(
         "--worker-threads", default="", help="extra toy rows with these CPU optimizer thread counts, e.g. 16,14,12"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("optimizer_quant_bench needs a CUDA GPU")
+    # The kernel variants compile the one dequantization function under several options (a graph per
+    # shape each): more than dynamo's default 8 graphs per function, past which it would run eagerly.
+    torch._dynamo.config.cache_size_limit = 64
     h2d = pinned_h2d_gbps()
     for name in args.workloads.split(","):
-        if name == "toy":
+        if name == "kernels":
+            runs = [dequantize_kernels]
+        elif name == "toy":
             threads = [int(t) for t in args.worker_threads.split(",") if t]
             runs = [lambda m=m: toy(m, args.steps) for m in TOY_MODES]
             runs += [
@@ -363,7 +429,8 @@ def main() -> None:
             runs += [lambda t=t: cpu_adamw_alone(threads=t, with_copies=True) for t in threads]
         else:
             tokens = {"lora4k": 4096, "lora16k": 16384}[name]
-            runs = [lambda m=m, t=tokens: lora(m, args.steps, t) for m in LORA_MODES]
+            modes = [m for m in LORA_MODES if not args.modes or m in args.modes.split(";")]
+            runs = [lambda m=m, t=tokens: lora(m, args.steps, t) for m in modes]
         for run in runs:
             try:
                 run()

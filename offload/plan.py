@@ -223,16 +223,16 @@ def _ring(
     classes: list[RingClass] = []
     class_of: dict[int, tuple[int, int]] = {}
     offset = room_offset = 0
-    for (_, items, rooms), members in by_shape.items():
+    for (_, sizes, room_sizes), members in by_shape.items():
         # prefetch=0 copies on demand: one slot per class. Otherwise the unit computing plus ``prefetch``
         # ahead; a class never needs more slots than it has members.
         depth = min(len(members), prefetch + 1) if prefetch > 0 else 1
         klass = RingClass(
-            slot_bytes=sum(items),
+            slot_bytes=sum(sizes),
             depth=depth,
             members=len(members),
             offset=offset,
-            room_bytes=sum(rooms),
+            room_bytes=sum(room_sizes),
             room_offset=room_offset,
         )
         offset += klass.nbytes

@@ -11,8 +11,9 @@ The engine keeps such a weight quantized everywhere: its inner tensors (codes, s
 ``uint8`` payload in the pinned arena (``QuantizedParamOffloader``), that payload is what crosses the link
 (the memory plan sizes ring slots from ``stored_bytes``), and on the device the parameter becomes the same
 torchao tensor over views of the copied payload, so dequantization happens on the device, inside the layer.
-Since host and device run the same torchao code on the same codes, quantized + offloaded training equals
-quantized resident training (bitwise on the CPU).
+A streamed NF4 weight is by default dequantized once on arrival instead (dequantize_on_arrival.py) and
+computes as a plain tensor. Since host and device run the same torchao code on the same codes, quantized +
+offloaded training equals quantized resident training (bitwise on the CPU).
 
 torchao is an optional dependency (``pip install ferry[quantize]``); it is imported only when quantizing.
 """
