@@ -20,6 +20,7 @@ from jobs.models.registry import family_of
 from jobs.sizes import human_bytes
 from jobs.spec import JobSpec
 from offload import MemoryPlan, OffloadOptions, parse_bytes, plan_memory
+from offload.quantized import planned_sizes
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
 _LORA_BYTES = 4  # peft keeps adapters in float32 even on a bf16 base model (autocast_adapter_dtype)
@@ -162,11 +163,15 @@ def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
     if spec.lora is not None:
         model.requires_grad_(False)
     offload = spec.offload
+    quantize = getattr(spec.model, "quantize", None)
+    # A quantized base: the stored bytes in the arena and the ring, and rooms for NF4 dequantized on arrival.
+    sizes = planned_sizes(model, quantize) if quantize is not None else {}
     return plan_memory(
         model,
         enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
         options=OffloadOptions(prefetch=offload.prefetch, granularity=offload.granularity, pin_memory=False),
+        **sizes,
     )
 
 

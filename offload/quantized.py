@@ -60,15 +60,47 @@ def link_bytes(name: str, tensor: torch.Tensor) -> int:
     return stored_bytes(tensor)
 
 
-def quantizable(module: nn.Module, method: str) -> bool:
-    """A frozen ``nn.Linear`` whose weight torchao can quantize with ``method`` (NF4 needs whole blocks)."""
+def quantizable(module: nn.Module, method: str, *, shapes_only: bool = False) -> bool:
+    """A frozen ``nn.Linear`` whose weight torchao can quantize with ``method`` (NF4 needs whole blocks);
+    ``shapes_only``: judge a meta-device weight by its shape and dtype (a job's estimate at submit time)."""
     if not isinstance(module, nn.Linear) or is_quantized(module.weight) or module.weight.requires_grad:
         return False
-    if not module.weight.dtype.is_floating_point or module.weight.is_meta:
+    if not module.weight.dtype.is_floating_point or (module.weight.is_meta and not shapes_only):
         return False
     if method == "nf4":
         return module.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
     return True
+
+
+def planned_sizes(model: nn.Module, method: str, *, dequantize_on_arrival: bool = True) -> dict[str, Any]:
+    """``plan_memory``'s ``link_bytes`` and ``room_bytes`` for ``model`` (e.g. built on the meta device) as the
+    engine will plan it once ``quantize_frozen_weights(model, method)`` has run: each weight it will quantize
+    takes torchao's stored bytes (``stored_bytes_after``) and, NF4 dequantized on arrival, room for its
+    dequantized form."""
+    targets = {id(m.weight) for m in model.modules() if quantizable(m, method, shapes_only=True)}
+
+    def link(name: str, tensor: torch.Tensor) -> int:
+        return stored_bytes_after(tensor, method) if id(tensor) in targets else stored_bytes(tensor)
+
+    def room(name: str, tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size() if id(tensor) in targets else 0
+
+    arrival = dequantize_on_arrival and method == "nf4"
+    return {"link_bytes": link, "room_bytes": room if arrival else None}
+
+
+def stored_bytes_after(weight: torch.Tensor, method: str) -> int:
+    """``stored_bytes`` of ``weight`` once quantized with ``method``, from its shape alone: torchao's layouts
+    (NF4: 4-bit codes, an int8 scale per 64, a scale factor per 256 scales, their mean and the 16-value table;
+    int8: int8 codes, a float32 scale and an int8 zero point per row). tests/offload/test_quantized.py checks
+    it against the real tensors."""
+    numel, size = weight.numel(), weight.element_size()
+    if method == "nf4":
+        parts = [numel // 2, size, numel // (NF4_BLOCK * NF4_SCALER_BLOCK) * size, numel // NF4_BLOCK, 16 * size]
+    else:
+        rows = weight.shape[0]
+        parts = [numel, rows * 4, rows]
+    return sum(aligned(n) for n in parts)
 
 
 def quantize_frozen_weights(

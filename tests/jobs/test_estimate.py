@@ -158,6 +158,31 @@ def test_pinned_estimate_matches_the_engine_arena_for_other_cuts(
     assert estimate_memory(spec_from(merged(lm, offload=offload), roots)).pinned_host_bytes == measured
 
 
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_estimate_plans_a_quantized_base_as_the_engine_does(tmp_path: Path, roots: PathRoots, quantize: str) -> None:
+    # NF4 weights are dequantized on arrival into rooms beside their ring slots, which the ring counts; both
+    # methods store (and stream) fewer bytes than the meta model's bf16 weights have.
+    pytest.importorskip("torchao")
+    lm = {
+        "name": "lm",
+        "device": "cpu",
+        "data": {"kind": "text", "path": "corpus", "seq_len": 16},
+        "model": {"kind": "transformer_lm", "hidden_size": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 300},
+        "training": {"steps": 1, "batch_size": 2},
+        "lora": {"target_modules": ["to_q"], "rank": 2},
+        "offload": MODEL_ONLY,
+    }
+    data = merged(lm, model={"quantize": quantize})
+    events: list[JobEvent] = []
+    run_job(spec_from(data, roots), output_dir=tmp_path, report=events.append)
+    step = next(e for e in events if isinstance(e, StepEvent))
+    estimate = estimate_memory(spec_from(data, roots))
+    assert estimate.device_ring_bytes == step.offload.planned_device_bytes
+    assert estimate.pinned_host_bytes == step.pinned_bytes
+    unquantized = estimate_memory(spec_from(lm, roots))
+    assert estimate.pinned_host_bytes < unquantized.pinned_host_bytes
+
+
 @pytest.mark.parametrize("granularity", ["leaf", "block"])
 def test_estimate_uses_the_engines_device_plan(tmp_path: Path, granularity: str) -> None:
     events: list[JobEvent] = []

@@ -14,7 +14,13 @@ pytest.importorskip("torchao")
 
 from offload import OffloadOptions, OffloadTrainingManager
 from offload.nf4_linear import CompiledNF4Linear, NF4Linear
-from offload.quantized import QuantizedPayload, is_quantized, quantize_frozen_weights, stored_bytes
+from offload.quantized import (
+    QuantizedPayload,
+    is_quantized,
+    quantize_frozen_weights,
+    stored_bytes,
+    stored_bytes_after,
+)
 
 WIDTH = 128  # NF4 needs numel divisible by 64 x 256
 
@@ -147,6 +153,16 @@ def test_dequantization_on_arrival_compiled_equals_torchao_on_gpu() -> None:
         _eager()(eager, inner, nf4.shape, nf4.dtype, blocks)
         assert torch.equal(eager, nf4.to(torch.bfloat16))  # torchao's own code over the plain inner tensors
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_the_stored_bytes_are_known_from_the_shape_before_quantizing(method: str) -> None:
+    model = make(method)
+    with torch.device("meta"):
+        shapes = QStack(None).requires_grad_(False)
+    for (name, real), (_, meta) in zip(model.named_parameters(), shapes.named_parameters(), strict=True):
+        if is_quantized(real):
+            assert stored_bytes_after(meta, method) == stored_bytes(real), name
 
 
 @pytest.mark.parametrize("method", ["nf4", "int8"])
