@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offload.arena import PinnedArenaPool
+    from offload.dequantize_on_arrival import DequantizedParamOffloader
     from offload.devices import set_gpu_memory_limit
     from offload.manager import OffloadTrainingManager
     from offload.offloaders import (
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 _HOME = {
     "PinnedArenaPool": "offload.arena",
+    "DequantizedParamOffloader": "offload.dequantize_on_arrival",
     "set_gpu_memory_limit": "offload.devices",
     "OffloadTrainingManager": "offload.manager",
     "AlwaysOnGPUParamOffloader": "offload.offloaders",
@@ -54,6 +56,7 @@ _HOME = {
 __all__ = [
     "AlwaysOnGPUParamOffloader",
     "BufferOffloader",
+    "DequantizedParamOffloader",
     "MemoryPlan",
     "OffloadOptions",
     "OffloadStats",
