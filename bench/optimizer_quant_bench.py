@@ -341,7 +341,7 @@ def dequantize_kernels() -> None:
             dynamic=False,
             options={**arrival.COMPILE_OPTIONS, "assert_indirect_indexing": False},
         )
-        args = (out, inner, nf4.shape, nf4.dtype, blocks)
+        args = ([out], [inner], ((nf4.shape, nf4.dtype, blocks),))
         forms = {
             "torchao eager (NF4Tensor.to)": functools.partial(nf4.to, torch.bfloat16),
             "on arrival, eager": functools.partial(arrival._eager(), *args),

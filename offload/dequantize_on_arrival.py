@@ -25,11 +25,10 @@ int8 (torchao's int8 linear scales after the matmul, so a dequantized weight wou
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +37,9 @@ from offload.nf4_linear import is_nf4
 from offload.offloaders import copy_into_ring
 from offload.quantized import QuantizedParamOffloader, is_quantized
 from offload.transfers import PendingCopy
+
+if TYPE_CHECKING:
+    from offload.ring import Placement
 
 log = logging.getLogger(__name__)
 
@@ -79,42 +81,54 @@ def _eager() -> Callable[..., None]:
             self.shape, self.dtype = shape, dtype
             self.block_size, self.scaler_block_size = blocks
 
-    def dequantize_into(
-        out: torch.Tensor, inner: dict[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype, blocks: tuple
-    ) -> None:
-        out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
+    def dequantize_all_into(outs: list[torch.Tensor], inners: list[dict[str, torch.Tensor]], metas: tuple) -> None:
+        for out, inner, (shape, dtype, blocks) in zip(outs, inners, metas, strict=True):
+            out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
 
-    return dequantize_into
+    return dequantize_all_into
 
 
 @functools.cache
 def _compiled() -> Callable[..., None]:
-    # One graph per weight shape (dynamic=False): a model has a handful of projection shapes. The copy into
-    # ``out`` stays in the graph, so the kernel writes the ring slot directly. emulate_precision_casts rounds
+    # One graph per unit signature (dynamic=False: the weights' shapes, the same for every block of a stack),
+    # so a block's six weights are one call: dynamo's guards and the wrappers run once per unit visit, not
+    # once per weight (each call costs ~80-100 us of host time on a step the host bounds). The copies into
+    # ``outs`` stay in the graph, so the kernels write the rooms directly. emulate_precision_casts rounds
     # each intermediate as eager does: torchao's values, bit for bit.
     return torch.compile(_eager(), fullgraph=True, dynamic=False, options=dict(COMPILE_OPTIONS))
 
 
 COMPILE_ON_CUDA = True  # bench/optimizer_quant_bench.py measures both kernels
+COMPILE_ON_CPU = False  # only to account the compiled path's host time on the CPU (bench/nf4_arrival_host_cpu.py)
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 _COMPILE_FAILED: list[BaseException] = []
+
+NF4Meta = tuple[torch.Size, torch.dtype, tuple[int, int]]  # a weight's shape, dtype, block and scaler block sizes
+
+
+def dequantize_nf4_all_into(
+    outs: list[torch.Tensor], inners: list[dict[str, torch.Tensor]], metas: tuple[NF4Meta, ...]
+) -> None:
+    """Write torchao's dequantization of each NF4 payload ``inners[i]`` (its inner tensors by name; ``metas[i]``:
+    its shape, dtype, block and scaler block sizes) into ``outs[i]``, on the current stream, in one call: one
+    compiled graph on CUDA, torchao's eager ops elsewhere (or if compiling fails, with a warning, once)."""
+    with torch.no_grad():
+        device = outs[0].device.type
+        if ((device == "cuda" and COMPILE_ON_CUDA) or (device == "cpu" and COMPILE_ON_CPU)) and not _COMPILE_FAILED:
+            try:
+                _compiled()(outs, inners, metas)
+                return
+            except Exception as error:  # any compiler failure: the eager path writes the same values
+                _COMPILE_FAILED.append(error)
+                log.warning("NF4 dequantization on arrival runs eagerly (torch.compile failed: %r)", error)
+        _eager()(outs, inners, metas)
 
 
 def dequantize_nf4_into(
     out: torch.Tensor, inner: dict[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype, blocks: tuple[int, int]
 ) -> None:
-    """Write torchao's dequantization of the NF4 payload ``inner`` (its inner tensors by name; ``blocks``: its
-    block and scaler block sizes) into ``out``, on the current stream: one compiled kernel on CUDA, torchao's
-    eager ops elsewhere (or if compiling fails, with a warning, once)."""
-    with torch.no_grad():
-        if out.is_cuda and COMPILE_ON_CUDA and not _COMPILE_FAILED:
-            try:
-                _compiled()(out, inner, shape, dtype, blocks)
-                return
-            except Exception as error:  # any compiler failure: the eager path writes the same values
-                _COMPILE_FAILED.append(error)
-                log.warning("NF4 dequantization on arrival runs eagerly (torch.compile failed: %r)", error)
-        _eager()(out, inner, shape, dtype, blocks)
+    """``dequantize_nf4_all_into`` for one weight."""
+    dequantize_nf4_all_into([out], [inner], ((shape, dtype, blocks),))
 
 
 class DequantizedParamOffloader(QuantizedParamOffloader):
@@ -124,50 +138,166 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
     the ring is followed, on the same stream, by the dequantization into that room; the compute stream waits
     for the dequantization's event as it would for a copy. The parameter object is swapped to a plain
     ``nn.Parameter`` over the room while the unit is on the device and back to the host NF4 tensor after, so
-    autograd saves a token for it (saved_tensors.py) and backward re-onloads, and re-dequantizes, it.
+    autograd saves a token for it (saved_tensors.py) and backward re-onloads, and re-dequantizes, it. The
+    NF4 weights of one unit arrive together (``ArrivalBatch``): one copy each, then one dequantization call.
     """
 
     def __init__(self, name: str, tensor: torch.Tensor, copies: Any, buffer: torch.Tensor) -> None:
         self._shape, self._dtype = tensor.shape, tensor.dtype
         meta = tensor.__tensor_flatten__()[1]  # type: ignore[attr-defined]
-        self._blocks = (meta["block_size"], meta["scaler_block_size"])
+        self.meta: NF4Meta = (tensor.shape, tensor.dtype, (meta["block_size"], meta["scaler_block_size"]))
         super().__init__(name, tensor, copies, buffer)
         self.dequantized_nbytes = dequantized_bytes(tensor)
-        self._like = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # the room's shape, contiguous
+        self.like = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # the room's shape, contiguous
         self._inner_over: dict[int, dict[str, torch.Tensor]] = {}  # payload address -> its inner views
         self._plain_over: dict[int, nn.Parameter] = {}  # room address -> the plain tensor over it
         self.room_offset = 0  # where in its slot's room the dequantized weight goes (set from the plan)
         self.dequantizations = 0
+        self.batch: ArrivalBatch | None = None  # its unit's NF4 weights (set by the manager)
+        self._in_batch = False  # attached to its batch's device copy (released through the batch)
 
     def onload(self, prefetch: bool = False) -> None:
+        if self.batch is not None and self.placement is not None:
+            self.batch.onload(self, prefetch)  # with the unit's other NF4 weights; it calls attach_room()
+        else:
+            self.onload_alone(prefetch)
+
+    def onload_alone(self, prefetch: bool) -> None:
+        """Copy and dequantize this weight by itself (or, outside the ring, keep torchao's path)."""
         pending, self._in_ring = copy_into_ring(self.copies, self.host, self.placement, self.slot_offset, prefetch)
         if self._in_ring is None:  # allocator memory (an overflow, a unit kept for good): torchao's path
             self.attach(pending)
             return
-        room = self._in_ring.room_region(self.room_offset, self._like)
-        # The copy's stream: on the copy stream when prefetched (ordered after the copy, and before the next
-        # copy into this slot, which waits for the slot's release anyway), else on the compute stream.
-        stream = self.copies.h2d_stream if pending.event is not None else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dequantize_nf4_into(room, self._inner(pending.tensor), self._shape, self._dtype, self._blocks)
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-                self._in_ring.wrote(event)  # a release with no wait before it must still wait for this
+        room = self._in_ring.room_region(self.room_offset, self.like)
+        event = _dequantize_on(self.copies, pending, [room], [self.inner(pending.tensor)], (self.meta,))
+        if event is not None:
+            self._in_ring.wrote(event)  # a release with no wait before it must still wait for this
         self.dequantizations += 1
+        self.attach_room(room, event)
+
+    def attach_room(self, room: torch.Tensor, event: torch.cuda.Event | None, in_batch: bool = False) -> None:
+        """Make the parameter the plain tensor over ``room`` (dequantized, or being dequantized until ``event``)."""
+        self._in_batch = in_batch
         self._swap_in(PendingCopy(room, event, planned=True), self._plain(room), self.nbytes + self.dequantized_nbytes)
 
-    def _inner(self, payload: torch.Tensor) -> dict[str, torch.Tensor]:
+    def inner(self, payload: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inner tensors as views of ``payload`` (kept per address)."""
         return _kept(self._inner_over, payload.data_ptr(), lambda: self.payload.views(payload))
 
     def _plain(self, room: torch.Tensor) -> nn.Parameter:
         return _kept(self._plain_over, room.data_ptr(), lambda: nn.Parameter(room, requires_grad=False))
 
+    def offload(self) -> None:
+        in_batch, self._in_batch = self._in_batch and self.pending is not None, False
+        super().offload()
+        if in_batch:
+            assert self.batch is not None  # attached through it
+            self.batch.detached()
+
     def detach(self) -> None:
         self._inner_over.clear()
         self._plain_over.clear()
+        if self.batch is not None:
+            self.batch.forget()
         super().detach()
+
+
+def _dequantize_on(
+    copies: Any, pending: PendingCopy, outs: list[torch.Tensor], inners: list[dict[str, torch.Tensor]], metas: tuple
+) -> torch.cuda.Event | None:
+    """Dequantize into ``outs`` on the stream of the copy ``pending`` (the last one of them); returns the
+    event the compute stream waits for (None on the compute stream itself, where stream order suffices)."""
+    # The copy's stream: on the copy stream when prefetched (ordered after the copy, and before the next copy
+    # into this slot, which waits for the slot's release anyway), else on the compute stream.
+    stream = copies.h2d_stream if pending.event is not None else None
+    if stream is None:
+        dequantize_nf4_all_into(outs, inners, metas)
+        return None
+    with torch.cuda.stream(stream):
+        dequantize_nf4_all_into(outs, inners, metas)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+class ArrivalBatch:
+    """A unit's NF4 weights dequantized on arrival, brought in together: each payload is copied into its place
+    in the unit's ring slot, then one call dequantizes them all into the slot's room (a block's six weights:
+    one call, where per-weight calls cost ~80-100 us of host time each). As ``FlatGroup`` does for a span, the
+    device copies live while any member is attached to them: the requester and any member a forward holds or
+    a backward will unpack are attached at once, every other member when it asks (no copy, no dequantization).
+    """
+
+    def __init__(self, members: list[DequantizedParamOffloader]) -> None:
+        self.members = members
+        for member in members:
+            member.batch = self
+        self._attached = 0
+        self._live: tuple[list[DequantizedParamOffloader], list[torch.Tensor], torch.cuda.Event | None] | None = None
+        self._in_ring: Placement | None = None
+        self._views_over: dict[int, list[tuple]] = {}  # slot address -> each member's (payload, inner, room)
+        self.calls = 0  # dequantization calls made (one per unit visit)
+
+    def onload(self, requester: DequantizedParamOffloader, prefetch: bool) -> None:
+        if self._live is None and not self._arrive(requester, prefetch):
+            requester.onload_alone(prefetch)
+            return
+        assert self._live is not None
+        arrived, rooms, event = self._live
+        for member, room in zip(arrived, rooms, strict=True):
+            wanted = member is requester or member.holds > 0 or member.live_tokens > 0
+            if member.pending is None and wanted:
+                member.attach_room(room, event, in_batch=True)
+                self._attached += 1
+        if requester.pending is None:  # not among those that arrived (it was resident elsewhere then)
+            requester.onload_alone(prefetch)
+
+    def _arrive(self, requester: DequantizedParamOffloader, prefetch: bool) -> bool:
+        """Copy the members that are not on the device into the unit's slot and dequantize them in one call;
+        False if the slot is held by another unit (the requester then goes its own way, as an overflow)."""
+        placement = requester.placement
+        assert placement is not None
+        if not placement.claim():
+            return False
+        arriving = [m for m in self.members if m.pending is None and m.placement is placement]
+        # Each member's payload place, its inner views and its room in this slot: made once per slot (a unit
+        # lands in one of prefetch + 1 slots), not on every visit.
+        views = _kept(self._views_over, placement.slot.buffer.data_ptr(), lambda: self._views_in(placement))
+        if len(arriving) < len(self.members):  # some were on the device already (outside the ring)
+            views = [v for v, m in zip(views, self.members, strict=True) if m in arriving]
+        pending = None
+        for member, (payload, _, _) in zip(arriving, views, strict=True):
+            pending = member.copies.to_device(member.host, prefetch=prefetch, out=payload, after=placement.free_event)
+        assert pending is not None  # the requester itself arrives
+        placement.hold(pending.event)
+        rooms = [room for _, _, room in views]
+        metas = tuple(m.meta for m in arriving)
+        event = _dequantize_on(requester.copies, pending, rooms, [inner for _, inner, _ in views], metas)
+        if event is not None:
+            placement.wrote(event)  # a release with no wait before it must still wait for this
+        self.calls += 1
+        for member in arriving:
+            member.dequantizations += 1
+        self._live, self._in_ring = (arriving, rooms, event), placement
+        return True
+
+    def _views_in(self, placement: Placement) -> list[tuple]:
+        views = []
+        for member in self.members:
+            payload = placement.region(member.slot_offset, member.host)
+            views.append((payload, member.inner(payload), placement.room_region(member.room_offset, member.like)))
+        return views
+
+    def detached(self) -> None:
+        """A member let go of its room; with the last one the slot is released."""
+        self._attached -= 1
+        if self._attached == 0 and self._in_ring is not None:
+            self._live = None
+            self._in_ring.release(self.members[0].copies.device)
+            self._in_ring = None
+
+    def forget(self) -> None:
+        self._views_over.clear()
 
 
 def _kept(cache: dict[int, Any], address: int, make: Any) -> Any:

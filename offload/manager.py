@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from offload.arena import PinnedArenaPool, aligned
-from offload.dequantize_on_arrival import DequantizedParamOffloader, dequantizes_on_arrival
+from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
 from offload.dequantize_on_arrival import room_bytes as arrival_room_bytes
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.flat import FlatGroup
@@ -154,6 +154,11 @@ class OffloadTrainingManager:
                 offloader.placement, offloader.slot_offset = placement, layout.offsets[id(offloader.tensor)]
                 if isinstance(offloader, DequantizedParamOffloader):
                     offloader.room_offset = layout.room_offsets[id(offloader.tensor)]
+        # The unit's NF4 weights arrive together: one dequantization call per visit, not one per weight.
+        arriving = [o for o in offloaders if isinstance(o, DequantizedParamOffloader) and o.batch is None]
+        arriving = [o for o in arriving if o.placement is not None and o.placement is placement]
+        if arriving:
+            ArrivalBatch(arriving)
         unit = OffloadUnit(plan.name, offloaders)
         if placement is not None and layout.ring_class is not None:
             self._placements[id(unit)] = (layout.ring_class, placement)

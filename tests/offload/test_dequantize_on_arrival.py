@@ -56,11 +56,14 @@ def _weights_seen_in_compute(model: nn.Module) -> list[tuple[int, type, torch.Te
     return seen
 
 
+@pytest.mark.parametrize("granularity", ["leaf", "block"])
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
-def test_a_streamed_nf4_weight_computes_as_a_plain_dequantized_tensor(checkpointing: str | None) -> None:
+def test_a_streamed_nf4_weight_computes_as_a_plain_dequantized_tensor(
+    checkpointing: str | None, granularity: str
+) -> None:
     model = make("nf4", checkpointing)
     dequantized = {id(p): p.to(torch.bfloat16) for p in model.parameters() if is_nf4(p)}
-    manager = OffloadTrainingManager(model, "cpu")
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity=granularity))
     seen = _weights_seen_in_compute(model)
     for _ in range(2):
         seen.clear()
@@ -132,6 +135,43 @@ def test_dequantization_runs_once_per_unit_visit(monkeypatch: pytest.MonkeyPatch
         assert done == copies == torchao_copies and in_layer == 0
         assert 0 < copies <= 2 * 6
         assert torchao_in_layer > done if checkpointing else torchao_in_layer >= done
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_block_units_nf4_weights_are_dequantized_in_one_call_per_visit(
+    monkeypatch: pytest.MonkeyPatch, checkpointing: str | None, prefetch: int
+) -> None:
+    """Each dequantization call costs host time (dynamo's guards and wrappers on the GPU): a block unit's two
+    NF4 weights arrive together and are dequantized by one call, not one call each."""
+    from offload import dequantize_on_arrival as arrival
+    from offload.transfers import CopyEngine
+
+    kernel = arrival._eager()
+    calls: list[int] = []  # weights dequantized by each call
+
+    def counted(*args: object) -> None:
+        calls.append(len(args[0]) if isinstance(args[0], list) else 1)  # a list of rooms, or one room
+        kernel(*args)
+
+    monkeypatch.setattr(arrival, "_eager", lambda: counted)
+    model = make("nf4", checkpointing)
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block", prefetch=prefetch))
+    payloads = {o.host.data_ptr() for o in manager._offloaders.values() if is_quantized(o.tensor)}
+    copied: list[int] = []
+    to_device = CopyEngine.to_device
+    monkeypatch.setattr(
+        CopyEngine, "to_device", lambda self, host, **k: copied.append(host.data_ptr()) or to_device(self, host, **k)
+    )
+    for _ in range(3):
+        calls.clear()
+        copied.clear()
+        model(torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
+        manager.after_backward()
+        copies = sum(1 for address in copied if address in payloads)
+        assert copies >= 2 * 3  # each block's two weights, at least once (forward)
+        assert calls == [2] * (copies // 2)  # one call per block visit, covering both of its weights
+    manager.remove()
 
 
 def test_the_plan_holds_room_for_the_dequantized_form_and_the_limit_counts_it() -> None:

@@ -128,7 +128,8 @@ def test_quantized_offloaded_matches_quantized_resident_on_gpu(
 
     resident_losses, resident = train(make(method, checkpointing, compiled), None, device="cuda")
     in_layer = {"options": OffloadOptions(dequantize_on_arrival=False)}
-    for offload in ({}, {"enable_optimizer_cpu_offload": True}, in_layer):
+    block = {"options": OffloadOptions(granularity="block", prefetch=2)}  # a block's weights in one call
+    for offload in ({}, {"enable_optimizer_cpu_offload": True}, block, in_layer):
         losses, trained = train(make(method, checkpointing, compiled), offload, device="cuda")
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(resident_losses), rtol=1e-2, atol=1e-3)
         for name in resident:
@@ -140,19 +141,25 @@ def test_quantized_offloaded_matches_quantized_resident_on_gpu(
 def test_dequantization_on_arrival_compiled_equals_torchao_on_gpu() -> None:
     from torchao.quantization import to_nf4
 
-    from offload.dequantize_on_arrival import _eager, dequantize_nf4_into
+    from offload import dequantize_on_arrival
+    from offload.dequantize_on_arrival import _eager, dequantize_nf4_all_into
 
     torch.manual_seed(0)
-    for shape in ((1024, 512), (2048, 1024)):
+    outs, inners, metas, expected = [], [], [], []
+    for shape in ((1024, 512), (2048, 1024), (1024, 512)):
         nf4 = to_nf4(torch.randn(shape, device="cuda", dtype=torch.bfloat16), 64, 256)
         buffer = torch.empty(stored_bytes(nf4), dtype=torch.uint8, device="cuda")
-        inner = QuantizedPayload(nf4, buffer).views(buffer)
-        blocks = (nf4.block_size, nf4.scaler_block_size)
-        compiled, eager = (torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        dequantize_nf4_into(compiled, inner, nf4.shape, nf4.dtype, blocks)
-        _eager()(eager, inner, nf4.shape, nf4.dtype, blocks)
-        assert torch.equal(eager, nf4.to(torch.bfloat16))  # torchao's own code over the plain inner tensors
-        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+        inners.append(QuantizedPayload(nf4, buffer).views(buffer))
+        metas.append((nf4.shape, nf4.dtype, (nf4.block_size, nf4.scaler_block_size)))
+        outs.append(torch.empty(shape, dtype=torch.bfloat16, device="cuda"))
+        expected.append(nf4.to(torch.bfloat16))
+    dequantize_nf4_all_into(outs, inners, tuple(metas))  # one compiled call for all three, as a unit's visit
+    for out, inner, meta, want in zip(outs, inners, metas, expected, strict=True):
+        eager = torch.empty_like(out)
+        _eager()([eager], [inner], (meta,))
+        assert torch.equal(eager, want)  # torchao's own code over the plain inner tensors
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert not dequantize_on_arrival._COMPILE_FAILED
 
 
 @pytest.mark.parametrize("method", ["nf4", "int8"])
