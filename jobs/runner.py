@@ -17,6 +17,7 @@ from jobs.errors import OutOfMemoryHint
 from jobs.eval_and_samples import EvalAndSamples
 from jobs.events import CheckpointEvent, FileDigest, FinishedEvent, JobEvent, LogEvent, StartedEvent, failed_event
 from jobs.export import save_tokenizer
+from jobs.gc_pauses import setup_frozen_for_the_collector
 from jobs.models import LossFn, family_of
 from jobs.oom import oom_message
 from jobs.sample_artifacts import keep_samples
@@ -127,7 +128,8 @@ def run_job(
         )
         if session.text is not None:
             report(LogEvent(level="info", message=session.text.summary))  # truncated and skipped examples
-        outcome = _train(session, spec, resolved, output_dir, report, should_stop)
+        with setup_frozen_for_the_collector():  # no full collection walks the model in the middle of a step
+            outcome = _train(session, spec, resolved, output_dir, report, should_stop)
         report(FinishedEvent(status=outcome.status, step=outcome.step))
         return outcome
     except torch.OutOfMemoryError as error:
