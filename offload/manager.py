@@ -112,7 +112,9 @@ class OffloadTrainingManager:
         self._placements: dict[int, tuple[int, Placement]] = {}  # id(unit) -> its ring class and placement
         self.units = [self._make_unit(u, layout) for u, layout in zip(self.plan.units, self.plan.layouts, strict=True)]
         self._mark_statistics_buffers(model)
-        self._router = SavedTensorRouter(self._offloaders)
+        # Adapters trained on the device never leave it: autograd saves them as it saves any tensor.
+        routed = {key: o for key, o in self._offloaders.items() if o.kind != "always_on_device"}
+        self._router = SavedTensorRouter(routed)
         self._handles: list[RemovableHandle] = []
         self._attach(self.plan.units)
         self._stepper: StepDuringBackward | None = None
@@ -237,19 +239,24 @@ class OffloadTrainingManager:
 
     # ----------------------------------------------------------------- hooks
     def _onload_before_forward(self, unit: OffloadUnit, module: nn.Module, args: Any) -> None:
-        self._router.enter()
+        # A unit the budget keeps on the device (fixed after the first step) has nothing to copy, count or
+        # stand tokens in for; it only drives the prefetching of the units after it. Its saved tensors
+        # go to autograd (or checkpointing) directly: the per-tensor work is host time on a launch-bound step.
         backward = in_backward()
-        if not backward:
-            self._schedule.forward_started(unit)
-        unit.onload()
+        if unit.streams:
+            self._router.enter()
+            if not backward:
+                self._schedule.forward_started(unit)
+            unit.onload()
         if backward:  # a checkpoint recompute
             self._schedule.backward_used(unit, unit.offloaders)
         else:
             self._schedule.forward_onloaded(unit)
 
     def _offload_after_forward(self, unit: OffloadUnit, module: nn.Module, args: Any, output: Any) -> None:
-        unit.offload()
-        self._router.exit()
+        if unit.streams:
+            unit.offload()
+            self._router.exit()
 
     def _offload_grad_after_backward(self, offloader: TrainableParamOffloader, param: torch.Tensor) -> None:
         offloader.offload_grad()
@@ -345,6 +352,7 @@ class OffloadTrainingManager:
         first_step = self._schedule.recording
         self._schedule.end_step(parse_bytes(self.options.gpu_memory_budget))  # an int already: __post_init__
         if first_step:
+            self._router.stop_routing(self._schedule.kept)  # on the device for good: no tokens for them
             # The planned slots counted every unit; the units the budget keeps resident no longer take turns
             # in them, so the ones that still stream take their class's slots in turn again (two units
             # copied one after the other never share a slot).

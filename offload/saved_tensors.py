@@ -14,7 +14,7 @@ or kept as a detached alias with autograd's usual in-place modification check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,10 +69,16 @@ class SavedActivation:
 
 
 class SavedTensorRouter:
-    """Saved-tensor hooks that stand tokens in for managed weights; pushed around each unit's forward."""
+    """Saved-tensor hooks that stand tokens in for managed weights; pushed around each unit's forward.
 
-    def __init__(self, offloaders: Mapping[int, TensorOffloader]) -> None:
-        self._offloaders = offloaders
+    Only weights that stream are routed (``offloaders``: id -> offloader, kept up to date by the manager): a
+    weight that never leaves the device (adapters trained there, a unit the memory budget keeps) is saved
+    as autograd saves any tensor, with no token to count, unpack or release. Every saved tensor of a unit's
+    forward passes through ``pack`` (a DiT block saves ~240 a step), so it does as little as it can.
+    """
+
+    def __init__(self, offloaders: dict[int, TensorOffloader]) -> None:
+        self.offloaders = offloaders
         self._contexts: list[Any | None] = []
 
     def enter(self) -> None:
@@ -90,47 +96,44 @@ class SavedTensorRouter:
         if context is not None:
             context.__exit__(None, None, None)
 
-    def pack(self, tensor: torch.Tensor, outer: tuple[Callable, Callable] | None) -> Any:
-        offloader = self._offloaders.get(id(tensor))
-        if offloader is not None and offloader.tensor is tensor and offloader.resident:
-            return SavedWeight(offloader, None)
-        base = tensor._base
-        if base is not None:
-            offloader = self._offloaders.get(id(base))
-            if offloader is not None and offloader.tensor is base and offloader.resident:
-                offset = int(tensor.storage_offset() - base.storage_offset())
-                return SavedWeight(offloader, (tensor.size(), tensor.stride(), offset))
-        if outer is not None:
-            return _Outer(outer[1], outer[0](tensor))
-        return SavedActivation(tensor)
-
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        return packed.unpack()
-
-
-class _Outer:
-    """A tensor packed by an enclosing hook (e.g. gradient checkpointing's), unpacked by it too."""
-
-    __slots__ = ("packed", "unpack_hook")
-
-    def __init__(self, unpack_hook: Callable, packed: Any) -> None:
-        self.unpack_hook = unpack_hook
-        self.packed = packed
-
-    def unpack(self) -> torch.Tensor:
-        return self.unpack_hook(self.packed)
+    def stop_routing(self, offloader_ids: set[int]) -> None:
+        """Save these weights as plain tensors from now on (they stay on the device for good)."""
+        for key in offloader_ids:
+            self.offloaders.pop(key, None)
 
 
 def _hooks(
     router: SavedTensorRouter, outer: tuple[Callable, Callable] | None
 ) -> torch.autograd.graph.saved_tensors_hooks:
-    """The hooks context. The pack function is a closure, not a bound method of the context: a context that
-    held its own method would be a reference cycle, and through ``outer`` it would keep gradient
-    checkpointing's frames (and the block inputs they save) alive until the garbage collector ran."""
+    """The hooks context. ``pack`` and ``unpack`` are closures, not bound methods of the context: a context
+    that held its own method would be a reference cycle, and through ``outer`` it would keep gradient
+    checkpointing's frames (and the block inputs they save) alive until the garbage collector ran.
+
+    A tensor that is not a routed weight goes to the enclosing hook (gradient checkpointing installs one)
+    as it is, and its packed value comes back to that hook's unpack: anything packed that is not one of our
+    tokens is the outer hook's.
+    """
+    offloaders = router.offloaders
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(tensor: torch.Tensor) -> Any:
-        return router.pack(tensor, outer)
+        offloader = offloaders.get(id(tensor))
+        if offloader is not None and offloader.tensor is tensor and offloader.pending is not None:
+            return SavedWeight(offloader, None)
+        base = tensor._base
+        if base is not None:
+            offloader = offloaders.get(id(base))
+            if offloader is not None and offloader.tensor is base and offloader.pending is not None:
+                offset = int(tensor.storage_offset() - base.storage_offset())
+                return SavedWeight(offloader, (tensor.size(), tensor.stride(), offset))
+        if outer_pack is not None:
+            return outer_pack(tensor)
+        return SavedActivation(tensor)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if outer_unpack is None or type(packed) is SavedWeight:
+            return packed.unpack()
+        return outer_unpack(packed)
 
     pack.ferry_router = router  # type: ignore[attr-defined]
-    return torch.autograd.graph.saved_tensors_hooks(pack, router.unpack)
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -28,6 +28,7 @@ class PrefetchSchedule:
         self.backward_order: list[OffloadUnit] = []
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
         self.streaming: set[int] = set()  # ids of the units that still copy after the budget (fixed after step 1)
+        self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed after step 1)
         self.step = 0
 
     # ----------------------------------------------------------------- what happened
@@ -95,9 +96,12 @@ class PrefetchSchedule:
         kept: set[int] = set()
         if gpu_memory_budget:
             kept = self.keep_resident_within(gpu_memory_budget)
+        self.kept = kept
         for unit in self.order:
             if any(o.kind != "always_on_device" and id(o) not in kept for o in unit.offloaders):
                 self.streaming.add(id(unit))
+            else:
+                unit.streams = False
         for key, needs in self.backward_needs.items():
             self.backward_needs[key] = [o for o in needs if id(o) not in kept]
         if self.order and self.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it

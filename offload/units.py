@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from offload.flat import FlatGroup
 from offload.offloaders import TensorOffloader
 
 
@@ -30,11 +31,21 @@ class OffloadUnit:
     def __init__(self, name: str, offloaders: list[TensorOffloader]) -> None:
         self.name = name
         self.offloaders = offloaders
+        # Flat groups whose members are all this unit's go through the group's batched calls; adapters on the
+        # device need nothing; the rest one by one.
+        groups = {id(o.group): o.group for o in offloaders if o.group is not None}
+        mine = {id(o) for o in offloaders}
+        self._groups: list[FlatGroup] = [g for g in groups.values() if all(id(m) in mine for m in g.members)]
+        grouped = {id(m) for g in self._groups for m in g.members}
+        self._singles = [o for o in offloaders if id(o) not in grouped and o.kind != "always_on_device"]
         self.nbytes = sum(o.nbytes for o in offloaders)
         self.index: int | None = None  # position in the recorded forward order
         self.backward_index: int | None = None  # position in the recorded backward order
         self.backward_step = -1  # the step whose backward last used this unit
         self.keep_for_backward = False  # the last unit of forward is the first of backward
+        # False once the memory budget keeps every tensor of the unit on the device (decided after the first
+        # step, never changed after): its hooks then skip the onload/offload bookkeeping.
+        self.streams = True
 
     @property
     def streamed_bytes(self) -> int:
@@ -42,17 +53,23 @@ class OffloadUnit:
         return sum(o.nbytes for o in self.offloaders if o.kind != "always_on_device")
 
     def onload(self) -> None:
-        for offloader in self.offloaders:
+        for group in self._groups:
+            group.acquire_all()
+        for offloader in self._singles:
             offloader.acquire()
 
     def offload(self) -> None:
         keep = self.keep_for_backward and torch.is_grad_enabled()
-        for offloader in self.offloaders:
+        for group in self._groups:
+            group.release_all(keep)
+        for offloader in self._singles:
             offloader.release(keep_if_saved=keep)
 
     def prefetch(self) -> None:
         """Start copying this unit's tensors on the copy stream; their users wait on its event."""
-        for offloader in self.offloaders:
+        for group in self._groups:
+            group.prefetch_all()
+        for offloader in self._singles:
             offloader.prefetch()
 
     @property
