@@ -4,13 +4,20 @@ with a summary of where the compute stream and the copy stream sit idle.
 
 Run on a GPU box:  python bench/diffusion_profile.py --layers 12 --budget 2GiB [--prefetch 1] [--trace t.json.gz]
                    python bench/diffusion_profile.py --layers 12 --resident
-Prints one JSON line of figures (and the trace summary). Nothing is written to bench/RESULTS.md: the numbers
+Prints one JSON line of figures (and the trace summary). Per step beside its time: ``issue_s``, the host's time
+inside ``train_step`` (queueing forward, backward and the optimizer; close to the step time when the host is
+what bounds it), ``gc_ms`` and ``gen2`` (the garbage collector's pauses in the step), ``copy_wait_s`` (the
+compute stream's waits for copies, one step late), and the allocator's retries and device mallocs (a cache
+flushed near ``gpu_memory_limit`` synchronizes the device). ``full_gc_ms``: one full collection over the
+job's objects with none frozen, timed after the last step (what a full collection costs without the
+runner's ``gc.freeze``). Nothing is written to bench/RESULTS.md: the numbers
 recorded there come from bench/diffusion_bench.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import statistics
@@ -40,6 +47,7 @@ def main() -> None:
     parser.add_argument("--granularity", default="block")
     parser.add_argument("--resident", action="store_true", help="no offload, no limit")
     parser.add_argument("--trace", default=None, help="write a chrome trace (.json.gz) of the last step here")
+    parser.add_argument("--trace-cpu", action="store_true", help="trace host ops too (a large trace at 60 layers)")
     parser.add_argument("--label", default="")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     args = parser.parse_args()
@@ -68,15 +76,20 @@ def main() -> None:
     roots = PathRoots(model_roots=[models], data_roots=[data])
     events: list[dict[str, Any]] = []
     profiler: list[torch.profiler.profile] = []
+    probe = StepProbe(device)
 
     def report(event: Any) -> None:
         wire = event_to_wire(event)
         events.append(wire)
-        if not args.trace or wire["type"] != "step":
+        if wire["type"] != "step":
+            return
+        probe.step_ended(wire, last=wire["step"] == args.steps)
+        if not args.trace:
             return
         if wire["step"] == args.steps - 1:  # the last step, from the runner's point of view: event to event
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            activities += [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []
+            cuda = device == "cuda"
+            activities = [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+            activities += [torch.profiler.ProfilerActivity.CPU] if args.trace_cpu or not cuda else []
             profiler.append(torch.profiler.profile(activities=activities))
             profiler[0].__enter__()
         elif wire["step"] == args.steps:
@@ -96,6 +109,7 @@ def main() -> None:
         "peak_reserved_gib": round(max(e["device_reserved_bytes"] for e in steps) / 2**30, 2),
         "h2d_gb": round(((steps[-1].get("offload") or {}).get("last_step_h2d_bytes") or 0) / 1e9, 2),
         "job_s": round(time.perf_counter() - started, 1),
+        **probe.figures(),
     }
     print("FIGURES", json.dumps(figures), flush=True)
     if profiler:
@@ -105,6 +119,71 @@ def main() -> None:
         with open(raw, "rb") as source, gzip.open(args.trace, "wb") as target:
             target.write(source.read())
         print(profiler[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
+class StepProbe:
+    """Per-step host and allocator figures, gathered around ``jobs.runner.train_step`` and the step events."""
+
+    def __init__(self, device: str) -> None:
+        import jobs.runner
+
+        self.cuda = device == "cuda"
+        self.rows: dict[str, list[float]] = {k: [] for k in ("issue_s", "gc_ms", "gen2", "copy_wait_s")}
+        self.rows.update({k: [] for k in ("alloc_retries", "device_mallocs", "device_frees")})
+        self.full_gc_ms = 0.0
+        self._gc = [0.0, 0]  # pause seconds and full collections since the last step event
+        self._gc_start = 0.0
+        self._copy_wait = 0.0
+        self._memory = self._memory_counts()
+        gc.callbacks.append(self._on_gc)
+        step = jobs.runner.train_step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            begun = time.perf_counter()
+            loss = step(*args, **kwargs)
+            self.rows["issue_s"].append(round(time.perf_counter() - begun, 4))
+            return loss
+
+        jobs.runner.train_step = timed_step  # type: ignore[assignment]
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        self._gc[0] += time.perf_counter() - self._gc_start
+        self._gc[1] += info["generation"] == 2
+
+    def _memory_counts(self) -> tuple[int, int, int]:
+        if not self.cuda:
+            return (0, 0, 0)
+        stats = torch.cuda.memory_stats()
+        return (stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0), stats.get("num_device_free", 0))
+
+    def step_ended(self, wire: dict[str, Any], *, last: bool) -> None:
+        self.rows["gc_ms"].append(round(self._gc[0] * 1e3, 1))
+        self.rows["gen2"].append(self._gc[1])
+        self._gc = [0.0, 0]
+        waited = (wire.get("offload") or {}).get("copy_wait_seconds", 0.0)
+        self.rows["copy_wait_s"].append(round(waited - self._copy_wait, 4))
+        self._copy_wait = waited
+        memory = self._memory_counts()
+        for key, now, before in zip(
+            ("alloc_retries", "device_mallocs", "device_frees"), memory, self._memory, strict=True
+        ):
+            self.rows[key].append(now - before)
+        self._memory = memory
+        if last:  # outside any timed step: the job is done with its steps
+            frozen = gc.get_freeze_count()
+            gc.unfreeze()
+            begun = time.perf_counter()
+            gc.collect()
+            self.full_gc_ms = round((time.perf_counter() - begun) * 1e3, 1)
+            if frozen:
+                gc.freeze()
+            self.rows["frozen_objects"] = [frozen]
+
+    def figures(self) -> dict[str, Any]:
+        return {**self.rows, "full_gc_ms": self.full_gc_ms}
 
 
 def summarize(trace: dict[str, Any]) -> str:
