@@ -61,7 +61,7 @@ def room_bytes(name: str, tensor: torch.Tensor) -> int:
 
 
 @functools.cache
-def _eager() -> Callable[..., None]:
+def _kernels() -> tuple[Callable[..., None], Callable[..., None]]:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
     class NF4Parts:
@@ -85,17 +85,37 @@ def _eager() -> Callable[..., None]:
         for out, inner, (shape, dtype, blocks) in zip(outs, inners, metas, strict=True):
             out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
 
-    return dequantize_all_into
+    def dequantize_spans_into(rooms: torch.Tensor, payloads: torch.Tensor, layout: tuple) -> None:
+        for at, parts, (shape, dtype, blocks) in layout:
+            inner = {name: payloads[o : o + n].view(t).view(size) for name, o, n, size, t in parts}
+            out = rooms[at : at + shape.numel()].view(shape)
+            out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
+
+    return dequantize_all_into, dequantize_spans_into
+
+
+def _eager() -> Callable[..., None]:
+    """torchao's dequantization over lists of rooms and inner tensors: ``(outs, inners, metas)``."""
+    return _kernels()[0]
+
+
+def _eager_spans() -> Callable[..., None]:
+    """The same over a slot's two buffers: ``(rooms, payloads, layout)`` (``ArrivalBatch``)."""
+    return _kernels()[1]
 
 
 @functools.cache
-def _compiled() -> Callable[..., None]:
-    # One graph per unit signature (dynamic=False: the weights' shapes, the same for every block of a stack),
-    # so a block's six weights are one call: dynamo's guards and the wrappers run once per unit visit, not
-    # once per weight (each call costs ~80-100 us of host time on a step the host bounds). The copies into
-    # ``outs`` stay in the graph, so the kernels write the rooms directly. emulate_precision_casts rounds
-    # each intermediate as eager does: torchao's values, bit for bit.
-    return torch.compile(_eager(), fullgraph=True, dynamic=False, options=dict(COMPILE_OPTIONS))
+def _compiled(spans: bool = False) -> Callable[..., None]:
+    # One graph per unit signature (dynamic=False: the weights' shapes and places in the slot, the same for
+    # every block of a stack), so a block's six weights are one call: dynamo's guards and the wrappers run
+    # once per unit visit, not once per weight (each call costs ~80-100 us of host time on a step the host
+    # bounds). With ``spans`` the graph's inputs are just the slot's two buffers, whatever the number of
+    # weights: lists of views would each be guarded, and many mutated views of one buffer make AOTAutograd
+    # regenerate them from a synthetic base in Python on every call. The copies into the rooms stay in the
+    # graph, so the kernels write them directly. emulate_precision_casts rounds each intermediate as eager
+    # does: torchao's values, bit for bit.
+    kernel = _eager_spans() if spans else _eager()
+    return torch.compile(kernel, fullgraph=True, dynamic=False, options=dict(COMPILE_OPTIONS))
 
 
 COMPILE_ON_CUDA = True  # bench/optimizer_quant_bench.py measures both kernels
@@ -131,6 +151,26 @@ def dequantize_nf4_into(
     dequantize_nf4_all_into([out], [inner], ((shape, dtype, blocks),))
 
 
+NF4Part = tuple[str, int, int, torch.Size, torch.dtype]  # an inner tensor: name, byte offset, bytes, shape, dtype
+SpanLayout = tuple[tuple[int, tuple[NF4Part, ...], NF4Meta], ...]  # per weight: room offset (elements), parts, meta
+
+
+def dequantize_nf4_spans_into(rooms: torch.Tensor, payloads: torch.Tensor, layout: SpanLayout) -> None:
+    """``dequantize_nf4_all_into`` for weights laid out in two buffers: ``payloads`` (a ring slot's bytes,
+    ``uint8``) holds each weight's inner tensors at its parts' byte offsets, and its dequantized form goes
+    into ``rooms`` (the slot's room, viewed as the weights' dtype) at its element offset."""
+    with torch.no_grad():
+        device = rooms.device.type
+        if ((device == "cuda" and COMPILE_ON_CUDA) or (device == "cpu" and COMPILE_ON_CPU)) and not _COMPILE_FAILED:
+            try:
+                _compiled(spans=True)(rooms, payloads, layout)
+                return
+            except Exception as error:  # any compiler failure: the eager path writes the same values
+                _COMPILE_FAILED.append(error)
+                log.warning("NF4 dequantization on arrival runs eagerly (torch.compile failed: %r)", error)
+        _eager_spans()(rooms, payloads, layout)
+
+
 class DequantizedParamOffloader(QuantizedParamOffloader):
     """A frozen NF4 weight that is streamed quantized and computed with as a plain tensor (module docstring).
 
@@ -149,7 +189,6 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
         super().__init__(name, tensor, copies, buffer)
         self.dequantized_nbytes = dequantized_bytes(tensor)
         self.like = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # the room's shape, contiguous
-        self._inner_over: dict[int, dict[str, torch.Tensor]] = {}  # payload address -> its inner views
         self._plain_over: dict[int, nn.Parameter] = {}  # room address -> the plain tensor over it
         self.room_offset = 0  # where in its slot's room the dequantized weight goes (set from the plan)
         self.dequantizations = 0
@@ -168,8 +207,9 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
         if self._in_ring is None:  # allocator memory (an overflow, a unit kept for good): torchao's path
             self.attach(pending)
             return
+        slot = self._in_ring.slot
         room = self._in_ring.room_region(self.room_offset, self.like)
-        event = _dequantize_on(self.copies, pending, [room], [self.inner(pending.tensor)], (self.meta,))
+        event = _dequantize_on(self.copies, pending, slot.room.view(self._dtype), slot.buffer, (self.span(),))
         if event is not None:
             self._in_ring.wrote(event)  # a release with no wait before it must still wait for this
         self.dequantizations += 1
@@ -180,9 +220,10 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
         self._in_batch = in_batch
         self._swap_in(PendingCopy(room, event, planned=True), self._plain(room), self.nbytes + self.dequantized_nbytes)
 
-    def inner(self, payload: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The inner tensors as views of ``payload`` (kept per address)."""
-        return _kept(self._inner_over, payload.data_ptr(), lambda: self.payload.views(payload))
+    def span(self) -> tuple[int, tuple[NF4Part, ...], NF4Meta]:
+        """Where this weight lies in its ring slot and its room (``dequantize_nf4_spans_into``'s layout)."""
+        parts = tuple((n, self.slot_offset + at, size, shape, t) for n, at, size, shape, t in self.payload.layout)
+        return self.room_offset // self._dtype.itemsize, parts, self.meta
 
     def _plain(self, room: torch.Tensor) -> nn.Parameter:
         return _kept(self._plain_over, room.data_ptr(), lambda: nn.Parameter(room, requires_grad=False))
@@ -195,7 +236,6 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
             self.batch.detached()
 
     def detach(self) -> None:
-        self._inner_over.clear()
         self._plain_over.clear()
         if self.batch is not None:
             self.batch.forget()
@@ -203,18 +243,18 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
 
 
 def _dequantize_on(
-    copies: Any, pending: PendingCopy, outs: list[torch.Tensor], inners: list[dict[str, torch.Tensor]], metas: tuple
+    copies: Any, pending: PendingCopy, rooms: torch.Tensor, payloads: torch.Tensor, layout: SpanLayout
 ) -> torch.cuda.Event | None:
-    """Dequantize into ``outs`` on the stream of the copy ``pending`` (the last one of them); returns the
-    event the compute stream waits for (None on the compute stream itself, where stream order suffices)."""
+    """Dequantize ``layout``'s weights on the stream of the copy ``pending`` (the last one of them); returns
+    the event the compute stream waits for (None on the compute stream itself, where stream order suffices)."""
     # The copy's stream: on the copy stream when prefetched (ordered after the copy, and before the next copy
     # into this slot, which waits for the slot's release anyway), else on the compute stream.
     stream = copies.h2d_stream if pending.event is not None else None
     if stream is None:
-        dequantize_nf4_all_into(outs, inners, metas)
+        dequantize_nf4_spans_into(rooms, payloads, layout)
         return None
     with torch.cuda.stream(stream):
-        dequantize_nf4_all_into(outs, inners, metas)
+        dequantize_nf4_spans_into(rooms, payloads, layout)
         event = torch.cuda.Event()
         event.record(stream)
     return event
@@ -229,13 +269,16 @@ class ArrivalBatch:
     """
 
     def __init__(self, members: list[DequantizedParamOffloader]) -> None:
+        self.dtype = members[0].like.dtype  # the rooms are viewed as one dtype (the manager groups by it)
+        assert all(m.like.dtype == self.dtype for m in members)
         self.members = members
+        self.layout = tuple(m.span() for m in members)  # their places in the slot and the room: fixed
         for member in members:
             member.batch = self
         self._attached = 0
         self._live: tuple[list[DequantizedParamOffloader], list[torch.Tensor], torch.cuda.Event | None] | None = None
         self._in_ring: Placement | None = None
-        self._views_over: dict[int, list[tuple]] = {}  # slot address -> each member's (payload, inner, room)
+        self._views_over: dict[int, list[tuple]] = {}  # slot address -> each member's (payload, room)
         self.calls = 0  # dequantization calls made (one per unit visit)
 
     def onload(self, requester: DequantizedParamOffloader, prefetch: bool) -> None:
@@ -260,33 +303,34 @@ class ArrivalBatch:
         if not placement.claim():
             return False
         arriving = [m for m in self.members if m.pending is None and m.placement is placement]
-        # Each member's payload place, its inner views and its room in this slot: made once per slot (a unit
-        # lands in one of prefetch + 1 slots), not on every visit.
+        # Each member's payload place and room in this slot: made once per slot (a unit lands in one of
+        # prefetch + 1 slots), not on every visit.
         views = _kept(self._views_over, placement.slot.buffer.data_ptr(), lambda: self._views_in(placement))
+        layout = self.layout
         if len(arriving) < len(self.members):  # some were on the device already (outside the ring)
             views = [v for v, m in zip(views, self.members, strict=True) if m in arriving]
+            layout = tuple(m.span() for m in arriving)
         pending = None
-        for member, (payload, _, _) in zip(arriving, views, strict=True):
+        for member, (payload, _) in zip(arriving, views, strict=True):
             pending = member.copies.to_device(member.host, prefetch=prefetch, out=payload, after=placement.free_event)
         assert pending is not None  # the requester itself arrives
         placement.hold(pending.event)
-        rooms = [room for _, _, room in views]
-        metas = tuple(m.meta for m in arriving)
-        event = _dequantize_on(requester.copies, pending, rooms, [inner for _, inner, _ in views], metas)
+        slot = placement.slot
+        event = _dequantize_on(requester.copies, pending, slot.room.view(self.dtype), slot.buffer, layout)
         if event is not None:
             placement.wrote(event)  # a release with no wait before it must still wait for this
         self.calls += 1
         for member in arriving:
             member.dequantizations += 1
-        self._live, self._in_ring = (arriving, rooms, event), placement
+        self._live, self._in_ring = (arriving, [room for _, room in views], event), placement
         return True
 
-    def _views_in(self, placement: Placement) -> list[tuple]:
-        views = []
-        for member in self.members:
-            payload = placement.region(member.slot_offset, member.host)
-            views.append((payload, member.inner(payload), placement.room_region(member.room_offset, member.like)))
-        return views
+    def _views_in(self, placement: Placement) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each member's (payload place, room) in ``placement``'s slot."""
+        return [
+            (placement.region(m.slot_offset, m.host), placement.room_region(m.room_offset, m.like))
+            for m in self.members
+        ]
 
     def detached(self) -> None:
         """A member let go of its room; with the last one the slot is released."""

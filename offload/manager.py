@@ -159,8 +159,8 @@ class OffloadTrainingManager:
         # The unit's NF4 weights arrive together: one dequantization call per visit, not one per weight.
         arriving = [o for o in offloaders if isinstance(o, DequantizedParamOffloader) and o.batch is None]
         arriving = [o for o in arriving if o.placement is not None and o.placement is placement]
-        if arriving:
-            ArrivalBatch(arriving)
+        for dtype in {o.like.dtype for o in arriving}:  # one batch per dtype: its rooms are viewed as one
+            ArrivalBatch([o for o in arriving if o.like.dtype == dtype])
         unit = OffloadUnit(plan.name, offloaders)
         if placement is not None and layout.ring_class is not None:
             self._placements[id(unit)] = (layout.ring_class, placement)

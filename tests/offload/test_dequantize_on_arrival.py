@@ -5,6 +5,8 @@ every engine mode, with and without checkpointing: test_quantized.py, which runs
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,14 +149,21 @@ def test_a_block_units_nf4_weights_are_dequantized_in_one_call_per_visit(
     from offload import dequantize_on_arrival as arrival
     from offload.transfers import CopyEngine
 
-    kernel = arrival._eager()
     calls: list[int] = []  # weights dequantized by each call
 
-    def counted(*args: object) -> None:
-        calls.append(len(args[0]) if isinstance(args[0], list) else 1)  # a list of rooms, or one room
-        kernel(*args)
+    def counting(kernel: Callable[..., None], weights: Callable[[tuple], int]) -> Callable[[], Callable[..., None]]:
+        def counted(*args: object) -> None:
+            calls.append(weights(args))
+            kernel(*args)
 
-    monkeypatch.setattr(arrival, "_eager", lambda: counted)
+        return lambda: counted
+
+    # The eager kernels (what the CPU runs): over lists of rooms, or over a slot's buffers with a layout.
+    monkeypatch.setattr(
+        arrival, "_eager", counting(arrival._eager(), lambda a: len(a[0]) if isinstance(a[0], list) else 1)
+    )
+    if hasattr(arrival, "_eager_spans"):
+        monkeypatch.setattr(arrival, "_eager_spans", counting(arrival._eager_spans(), lambda a: len(a[2])))
     model = make("nf4", checkpointing)
     manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block", prefetch=prefetch))
     payloads = {o.host.data_ptr() for o in manager._offloaders.values() if is_quantized(o.tensor)}

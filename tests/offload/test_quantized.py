@@ -216,7 +216,9 @@ def test_a_streamed_weight_is_not_rebuilt_after_its_first_step(
         assert manager.stats().ring_overflows == 0
         if step > 0:
             assert len(builds) == before, f"step {step} rebuilt {len(builds) - before} device tensors"
-    assert builds  # the first step built them
+    # The first step built them; dequantized on arrival nothing is built over a copy (the kernel reads the
+    # slot's bytes at their offsets).
+    assert bool(builds) is not arrival
     manager.remove()
     assert all(p.device.type == "cpu" for p in model.parameters() if is_quantized(p))
 
