@@ -85,9 +85,9 @@ def _kernels() -> tuple[Callable[..., None], Callable[..., None]]:
         for out, inner, (shape, dtype, blocks) in zip(outs, inners, metas, strict=True):
             out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
 
-    def dequantize_spans_into(rooms: torch.Tensor, payloads: torch.Tensor, layout: tuple) -> None:
-        for at, parts, (shape, dtype, blocks) in layout:
-            inner = {name: payloads[o : o + n].view(t).view(size) for name, o, n, size, t in parts}
+    def dequantize_spans_into(rooms: torch.Tensor, payloads: tuple[torch.Tensor, ...], weights: tuple) -> None:
+        for at, parts, (shape, dtype, blocks) in weights:
+            inner = {name: payloads[i][o : o + n].view(size) for name, i, o, n, size in parts}
             out = rooms[at : at + shape.numel()].view(shape)
             out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
 
@@ -100,7 +100,7 @@ def _eager() -> Callable[..., None]:
 
 
 def _eager_spans() -> Callable[..., None]:
-    """The same over a slot's two buffers: ``(rooms, payloads, layout)`` (``ArrivalBatch``)."""
+    """The same over a slot's buffers: ``(rooms, payloads viewed as each dtype, weights)`` (``ArrivalBatch``)."""
     return _kernels()[1]
 
 
@@ -151,24 +151,45 @@ def dequantize_nf4_into(
     dequantize_nf4_all_into([out], [inner], ((shape, dtype, blocks),))
 
 
-NF4Part = tuple[str, int, int, torch.Size, torch.dtype]  # an inner tensor: name, byte offset, bytes, shape, dtype
-SpanLayout = tuple[tuple[int, tuple[NF4Part, ...], NF4Meta], ...]  # per weight: room offset (elements), parts, meta
+NF4Part = tuple[str, int, int, int, torch.Size]  # an inner tensor: name, its dtype's index, offset, numel, shape
+# The payloads' dtypes, and per weight: its room offset (elements), its inner tensors, its meta.
+SpanLayout = tuple[tuple[torch.dtype, ...], tuple[tuple[int, tuple[NF4Part, ...], NF4Meta], ...]]
+
+
+def span_layout(weights: list[DequantizedParamOffloader]) -> SpanLayout:
+    """Where ``weights`` (of one ring slot) lie in the slot and its room: ``dequantize_nf4_spans_into``'s layout.
+    Offsets are in elements of each inner tensor's dtype, so the graph reads typed views of the slot and
+    casts no bytes itself (a dtype view inside the graph is an op of its own per inner tensor, per call)."""
+    dtypes: list[torch.dtype] = []
+    laid = []
+    for weight in weights:
+        parts = []
+        for name, at, nbytes, shape, dtype in weight.payload.layout:
+            if dtype not in dtypes:
+                dtypes.append(dtype)
+            offset = weight.slot_offset + at
+            assert offset % dtype.itemsize == 0  # the arena's and the plan's alignment
+            parts.append((name, dtypes.index(dtype), offset // dtype.itemsize, nbytes // dtype.itemsize, shape))
+        laid.append((weight.room_offset // weight.like.dtype.itemsize, tuple(parts), weight.meta))
+    return tuple(dtypes), tuple(laid)
 
 
 def dequantize_nf4_spans_into(rooms: torch.Tensor, payloads: torch.Tensor, layout: SpanLayout) -> None:
     """``dequantize_nf4_all_into`` for weights laid out in two buffers: ``payloads`` (a ring slot's bytes,
-    ``uint8``) holds each weight's inner tensors at its parts' byte offsets, and its dequantized form goes
-    into ``rooms`` (the slot's room, viewed as the weights' dtype) at its element offset."""
+    ``uint8``) holds each weight's inner tensors where ``layout`` says, and its dequantized form goes into
+    ``rooms`` (the slot's room, viewed as the weights' dtype) at its element offset."""
+    dtypes, weights = layout
+    typed = tuple(payloads.view(dtype) for dtype in dtypes)
     with torch.no_grad():
         device = rooms.device.type
         if ((device == "cuda" and COMPILE_ON_CUDA) or (device == "cpu" and COMPILE_ON_CPU)) and not _COMPILE_FAILED:
             try:
-                _compiled(spans=True)(rooms, payloads, layout)
+                _compiled(spans=True)(rooms, typed, weights)
                 return
             except Exception as error:  # any compiler failure: the eager path writes the same values
                 _COMPILE_FAILED.append(error)
                 log.warning("NF4 dequantization on arrival runs eagerly (torch.compile failed: %r)", error)
-        _eager_spans()(rooms, payloads, layout)
+        _eager_spans()(rooms, typed, weights)
 
 
 class DequantizedParamOffloader(QuantizedParamOffloader):
@@ -209,7 +230,7 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
             return
         slot = self._in_ring.slot
         room = self._in_ring.room_region(self.room_offset, self.like)
-        event = _dequantize_on(self.copies, pending, slot.room.view(self._dtype), slot.buffer, (self.span(),))
+        event = _dequantize_on(self.copies, pending, slot.room.view(self._dtype), slot.buffer, span_layout([self]))
         if event is not None:
             self._in_ring.wrote(event)  # a release with no wait before it must still wait for this
         self.dequantizations += 1
@@ -219,11 +240,6 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
         """Make the parameter the plain tensor over ``room`` (dequantized, or being dequantized until ``event``)."""
         self._in_batch = in_batch
         self._swap_in(PendingCopy(room, event, planned=True), self._plain(room), self.nbytes + self.dequantized_nbytes)
-
-    def span(self) -> tuple[int, tuple[NF4Part, ...], NF4Meta]:
-        """Where this weight lies in its ring slot and its room (``dequantize_nf4_spans_into``'s layout)."""
-        parts = tuple((n, self.slot_offset + at, size, shape, t) for n, at, size, shape, t in self.payload.layout)
-        return self.room_offset // self._dtype.itemsize, parts, self.meta
 
     def _plain(self, room: torch.Tensor) -> nn.Parameter:
         return _kept(self._plain_over, room.data_ptr(), lambda: nn.Parameter(room, requires_grad=False))
@@ -272,7 +288,7 @@ class ArrivalBatch:
         self.dtype = members[0].like.dtype  # the rooms are viewed as one dtype (the manager groups by it)
         assert all(m.like.dtype == self.dtype for m in members)
         self.members = members
-        self.layout = tuple(m.span() for m in members)  # their places in the slot and the room: fixed
+        self.layout = span_layout(members)  # their places in the slot and the room: fixed
         for member in members:
             member.batch = self
         self._attached = 0
@@ -309,7 +325,7 @@ class ArrivalBatch:
         layout = self.layout
         if len(arriving) < len(self.members):  # some were on the device already (outside the ring)
             views = [v for v, m in zip(views, self.members, strict=True) if m in arriving]
-            layout = tuple(m.span() for m in arriving)
+            layout = span_layout(arriving)
         pending = None
         for member, (payload, _) in zip(arriving, views, strict=True):
             pending = member.copies.to_device(member.host, prefetch=prefetch, out=payload, after=placement.free_event)
