@@ -29,7 +29,7 @@ from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
 from bench.offload_bench import timed_steps as measure
 from bench.provenance import commit
 from offload import OffloadOptions, OffloadTrainingManager
-from offload import dequantize_on_arrival as arrival
+from offload import nf4_dequantize as kernels
 from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
 from offload.nf4_linear import CompiledNF4Linear, is_nf4
 from offload.quantized import quantize_frozen_weights, stored_bytes
@@ -264,10 +264,10 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     converted = [m for m in model.modules() if type(m) is torch.nn.Linear and is_nf4(m.weight)] if compiled else []
     for layer in converted:
         layer.__class__ = CompiledNF4Linear
-    arrival.COMPILE_ON_CUDA = "eager kernel" not in mode
+    kernels.COMPILE_ON_CUDA = "eager kernel" not in mode
     if "no index asserts" in mode:  # the nibbles index a 16-entry table: always in bounds
-        arrival.COMPILE_OPTIONS["assert_indirect_indexing"] = False
-        arrival._compiled.cache_clear()
+        kernels.COMPILE_OPTIONS["assert_indirect_indexing"] = False
+        kernels._compiled.cache_clear()
     if mode.startswith("nf4 resident") or mode == "bf16 resident":
         model.to("cuda")
     elif mode == "fsdp2 (bf16)":
@@ -311,8 +311,8 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         dequantizers = [o for o in manager._offloaders.values() if isinstance(o, DequantizedParamOffloader)]
         if dequantizers:
             per_step = sum(o.dequantizations for o in dequantizers) / (steps + 2) / len(dequantizers)
-            kernel = "compiled" if arrival.COMPILE_ON_CUDA and not arrival._COMPILE_FAILED else "eager"
-            failed = f" (compile failed: {arrival._COMPILE_FAILED[0]!r:.80})" if arrival._COMPILE_FAILED else ""
+            kernel = "compiled" if kernels.COMPILE_ON_CUDA and not kernels._COMPILE_FAILED else "eager"
+            failed = f" (compile failed: {kernels._COMPILE_FAILED[0]!r:.80})" if kernels._COMPILE_FAILED else ""
             batches = {id(o.batch): o.batch for o in dequantizers if o.batch is not None}.values()
             calls = sum(b.calls for b in batches) / (steps + 2)
             note += f"; dequantized on arrival {per_step:.2f}x per weight and step in {calls:.0f} calls, {kernel} kernel{failed}"
@@ -321,9 +321,9 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         model.to("cpu")
     for layer in converted:
         layer.__class__ = torch.nn.Linear
-    arrival.COMPILE_ON_CUDA = True
-    if arrival.COMPILE_OPTIONS.pop("assert_indirect_indexing", None) is not None:
-        arrival._compiled.cache_clear()
+    kernels.COMPILE_ON_CUDA = True
+    if kernels.COMPILE_OPTIONS.pop("assert_indirect_indexing", None) is not None:
+        kernels._compiled.cache_clear()
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
 
 
@@ -340,17 +340,17 @@ def dequantize_kernels() -> None:
         inner = QuantizedPayload(nf4, buffer).views(buffer)
         out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
         blocks = (nf4.block_size, nf4.scaler_block_size)
-        asserts = arrival._compiled()  # the engine's own
+        asserts = kernels._compiled()  # the engine's own
         fast = torch.compile(
-            arrival._eager(),
+            kernels._eager(),
             fullgraph=True,
             dynamic=False,
-            options={**arrival.COMPILE_OPTIONS, "assert_indirect_indexing": False},
+            options={**kernels.COMPILE_OPTIONS, "assert_indirect_indexing": False},
         )
         args = ([out], [inner], ((nf4.shape, nf4.dtype, blocks),))
         forms = {
             "torchao eager (NF4Tensor.to)": functools.partial(nf4.to, torch.bfloat16),
-            "on arrival, eager": functools.partial(arrival._eager(), *args),
+            "on arrival, eager": functools.partial(kernels._eager(), *args),
             "on arrival, compiled": functools.partial(asserts, *args),
             "on arrival, compiled, no index asserts": functools.partial(fast, *args),
         }

@@ -15,7 +15,8 @@ from torch import nn
 pytest.importorskip("torchao")
 
 from offload import OffloadOptions, OffloadTrainingManager
-from offload.dequantize_on_arrival import dequantize_nf4_into, dequantized_bytes
+from offload.dequantize_on_arrival import dequantized_bytes
+from offload.nf4_dequantize import dequantize_nf4_into
 from offload.nf4_linear import NF4Linear, is_nf4
 from offload.quantized import QuantizedPayload, is_quantized, quantize_frozen_weights, stored_bytes
 from tests.offload.test_quantized import WIDTH, make
@@ -146,7 +147,7 @@ def test_a_block_units_nf4_weights_are_dequantized_in_one_call_per_visit(
 ) -> None:
     """Each dequantization call costs host time (dynamo's guards and wrappers on the GPU): a block unit's two
     NF4 weights arrive together and are dequantized by one call, not one call each."""
-    from offload import dequantize_on_arrival as arrival
+    from offload import nf4_dequantize as kernels
     from offload.transfers import CopyEngine
 
     calls: list[int] = []  # weights dequantized by each call
@@ -160,10 +161,10 @@ def test_a_block_units_nf4_weights_are_dequantized_in_one_call_per_visit(
 
     # The eager kernels (what the CPU runs): over lists of rooms, or over a slot's buffers with a layout.
     monkeypatch.setattr(
-        arrival, "_eager", counting(arrival._eager(), lambda a: len(a[0]) if isinstance(a[0], list) else 1)
+        kernels, "_eager", counting(kernels._eager(), lambda a: len(a[0]) if isinstance(a[0], list) else 1)
     )
-    if hasattr(arrival, "_eager_spans"):
-        monkeypatch.setattr(arrival, "_eager_spans", counting(arrival._eager_spans(), lambda a: len(a[2])))
+    if hasattr(kernels, "_eager_spans"):
+        monkeypatch.setattr(kernels, "_eager_spans", counting(kernels._eager_spans(), lambda a: len(a[2])))
     model = make("nf4", checkpointing)
     manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block", prefetch=prefetch))
     payloads = {o.host.data_ptr() for o in manager._offloaders.values() if is_quantized(o.tensor)}

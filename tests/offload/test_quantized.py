@@ -124,7 +124,7 @@ def test_quantized_offloaded_equals_quantized_resident(method: str, checkpointin
 def test_quantized_offloaded_matches_quantized_resident_on_gpu(
     method: str, compiled: bool, checkpointing: str | None
 ) -> None:
-    from offload import dequantize_on_arrival
+    from offload import nf4_dequantize
 
     resident_losses, resident = train(make(method, checkpointing, compiled), None, device="cuda")
     in_layer = {"options": OffloadOptions(dequantize_on_arrival=False)}
@@ -134,15 +134,15 @@ def test_quantized_offloaded_matches_quantized_resident_on_gpu(
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(resident_losses), rtol=1e-2, atol=1e-3)
         for name in resident:
             torch.testing.assert_close(trained[name], resident[name], rtol=2e-2, atol=2e-3, msg=name)
-    assert not dequantize_on_arrival._COMPILE_FAILED  # the NF4 dequantization on arrival ran compiled
+    assert not nf4_dequantize._COMPILE_FAILED  # the NF4 dequantization on arrival ran compiled
 
 
 @pytest.mark.gpu
 def test_dequantization_on_arrival_compiled_equals_torchao_on_gpu() -> None:
     from torchao.quantization import to_nf4
 
-    from offload import dequantize_on_arrival
-    from offload.dequantize_on_arrival import _eager, dequantize_nf4_all_into
+    from offload import nf4_dequantize
+    from offload.nf4_dequantize import _eager, dequantize_nf4_all_into
 
     torch.manual_seed(0)
     outs, inners, metas, expected = [], [], [], []
@@ -159,7 +159,7 @@ def test_dequantization_on_arrival_compiled_equals_torchao_on_gpu() -> None:
         _eager()([eager], [inner], (meta,))
         assert torch.equal(eager, want)  # torchao's own code over the plain inner tensors
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
-    assert not dequantize_on_arrival._COMPILE_FAILED
+    assert not nf4_dequantize._COMPILE_FAILED
 
 
 @pytest.mark.parametrize("method", ["nf4", "int8"])
