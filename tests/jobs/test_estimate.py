@@ -131,6 +131,18 @@ def test_estimate_is_within_25_percent_of_the_measured_peak(config: Path, tmp_pa
     assert abs(estimate.peak_device_bytes - measured) <= 0.25 * measured, record
 
 
+def tiny_lm(hidden_size: int) -> dict:
+    """A one-step job of a two-layer transformer_lm on the ``corpus`` text files."""
+    model = {"kind": "transformer_lm", "hidden_size": hidden_size, "num_layers": 2, "num_heads": 4, "vocab_size": 300}
+    return {
+        "name": "lm",
+        "device": "cpu",
+        "data": {"kind": "text", "path": "corpus", "seq_len": 16},
+        "model": model,
+        "training": {"steps": 1, "batch_size": 2},
+    }
+
+
 @pytest.mark.parametrize(
     "offload",
     [
@@ -143,13 +155,7 @@ def test_estimate_is_within_25_percent_of_the_measured_peak(config: Path, tmp_pa
 def test_pinned_estimate_matches_the_engine_arena_for_other_cuts(
     tmp_path: Path, roots: PathRoots, offload: dict
 ) -> None:
-    lm = {
-        "name": "lm",
-        "device": "cpu",
-        "data": {"kind": "text", "path": "corpus", "seq_len": 16},
-        "model": {"kind": "transformer_lm", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 300},
-        "training": {"steps": 1, "batch_size": 2},
-    }
+    lm = tiny_lm(hidden_size=64)
     if offload.get("enable_optimizer_cpu_offload") is None:
         lm["lora"] = {"target_modules": ["to_q"], "rank": 2}
     events: list[JobEvent] = []
@@ -163,15 +169,7 @@ def test_estimate_plans_a_quantized_base_as_the_engine_does(tmp_path: Path, root
     # NF4 weights are dequantized on arrival into rooms beside their ring slots, which the ring counts; both
     # methods store (and stream) fewer bytes than the meta model's bf16 weights have.
     pytest.importorskip("torchao")
-    lm = {
-        "name": "lm",
-        "device": "cpu",
-        "data": {"kind": "text", "path": "corpus", "seq_len": 16},
-        "model": {"kind": "transformer_lm", "hidden_size": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 300},
-        "training": {"steps": 1, "batch_size": 2},
-        "lora": {"target_modules": ["to_q"], "rank": 2},
-        "offload": MODEL_ONLY,
-    }
+    lm = {**tiny_lm(hidden_size=128), "lora": {"target_modules": ["to_q"], "rank": 2}, "offload": MODEL_ONLY}
     data = merged(lm, model={"quantize": quantize})
     events: list[JobEvent] = []
     run_job(spec_from(data, roots), output_dir=tmp_path, report=events.append)
