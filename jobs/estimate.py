@@ -165,12 +165,15 @@ def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
     offload = spec.offload
     quantize = getattr(spec.model, "quantize", None)
     # A quantized base: the stored bytes in the arena and the ring, and rooms for NF4 dequantized on arrival.
-    sizes = planned_sizes(model, quantize) if quantize is not None else {}
+    arrival = offload.dequantize_on_arrival
+    sizes = planned_sizes(model, quantize, dequantize_on_arrival=arrival) if quantize is not None else {}
     return plan_memory(
         model,
         enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
-        options=OffloadOptions(prefetch=offload.prefetch, granularity=offload.granularity, pin_memory=False),
+        options=OffloadOptions(
+            prefetch=offload.prefetch, granularity=offload.granularity, pin_memory=False, dequantize_on_arrival=arrival
+        ),
         **sizes,
     )
 

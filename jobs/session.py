@@ -135,6 +135,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
                 granularity=spec.offload.granularity,
                 gpu_memory_budget=spec.offload.gpu_memory_budget,
                 gpu_memory_limit=limit,
+                dequantize_on_arrival=spec.offload.dequantize_on_arrival,
             ),
             initialize=source.fill if source is not None else None,
         )

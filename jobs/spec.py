@@ -179,6 +179,11 @@ class OffloadSpec(Section):
         False, description="step t's CPU optimizer update runs during step t+1 (gradients one step stale)"
     )
     delayed_update_warmup_steps: int = Field(10, ge=0, description="exact optimizer steps before delayed_update")
+    dequantize_on_arrival: bool = Field(
+        True,
+        description="model.quantize: nf4: dequantize each streamed weight once per visit on the copy stream (false: "
+        "torchao dequantizes inside every call, and the rooms beside the ring slots are not allocated)",
+    )
 
     @field_validator("gpu_memory_budget", "gpu_memory_limit")
     @classmethod

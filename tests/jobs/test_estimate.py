@@ -164,12 +164,18 @@ def test_pinned_estimate_matches_the_engine_arena_for_other_cuts(
     assert estimate_memory(spec_from(merged(lm, offload=offload), roots)).pinned_host_bytes == measured
 
 
-@pytest.mark.parametrize("quantize", ["nf4", "int8"])
-def test_estimate_plans_a_quantized_base_as_the_engine_does(tmp_path: Path, roots: PathRoots, quantize: str) -> None:
-    # NF4 weights are dequantized on arrival into rooms beside their ring slots, which the ring counts; both
-    # methods store (and stream) fewer bytes than the meta model's bf16 weights have.
+@pytest.mark.parametrize(
+    ("quantize", "arrival"), [("nf4", True), ("nf4", False), ("int8", True)], ids=["nf4", "nf4-in-layer", "int8"]
+)
+def test_estimate_plans_a_quantized_base_as_the_engine_does(
+    tmp_path: Path, roots: PathRoots, quantize: str, arrival: bool
+) -> None:
+    # NF4 weights are dequantized on arrival into rooms beside their ring slots, which the ring counts
+    # (offload.dequantize_on_arrival: false: no rooms); both methods store (and stream) fewer bytes than the
+    # meta model's bf16 weights have.
     pytest.importorskip("torchao")
-    lm = {**tiny_lm(hidden_size=128), "lora": {"target_modules": ["to_q"], "rank": 2}, "offload": MODEL_ONLY}
+    offload = {**MODEL_ONLY, "dequantize_on_arrival": arrival}
+    lm = {**tiny_lm(hidden_size=128), "lora": {"target_modules": ["to_q"], "rank": 2}, "offload": offload}
     data = merged(lm, model={"quantize": quantize})
     events: list[JobEvent] = []
     run_job(spec_from(data, roots), output_dir=tmp_path, report=events.append)
@@ -179,6 +185,10 @@ def test_estimate_plans_a_quantized_base_as_the_engine_does(tmp_path: Path, root
     assert estimate.pinned_host_bytes == step.pinned_bytes
     unquantized = estimate_memory(spec_from(lm, roots))
     assert estimate.pinned_host_bytes < unquantized.pinned_host_bytes
+    if quantize == "nf4":
+        other = estimate_memory(spec_from(merged(data, offload={"dequantize_on_arrival": not arrival}), roots))
+        rooms = other.device_ring_bytes - estimate.device_ring_bytes
+        assert (rooms > 0) == (not arrival)  # the rooms are planned only when dequantizing on arrival
 
 
 @pytest.mark.parametrize("granularity", ["leaf", "block"])
