@@ -7,7 +7,7 @@ on a synthetic cache of 1024 x 1024 latents (128 x 128 x 16, 4096 image tokens) 
 text encoder has Qwen2.5-VL 7B's shape. Beside each step time: the copy floor (the streamed bytes twice,
 at the pinned host-to-device rate measured in the same run) and the resident step (no offload, no limit).
 
-Run on a GPU box:  python bench/diffusion_bench.py [--steps 4] [--limit 24GiB] [--budget 14GiB] [--service]
+Run on a GPU box:  python bench/diffusion_bench.py [--steps 4] [--limit 24GiB] [--budget 14GiB] [--service [--service-rows resident,ferry]]
 Check on a CPU:    python bench/diffusion_bench.py --tiny --no-write
 Writes its section of bench/RESULTS.md (date, GPU, torch, commit, figures) unless --no-write.
 """
@@ -230,6 +230,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--service", action="store_true", help="submit Ferry's row over HTTP to python -m service")
+    parser.add_argument(
+        "--service-rows",
+        default="ferry",
+        help="with --service: the rows submitted over HTTP (resident,ferry: the resident row pays the service's "
+        "job process too, so the ratio compares like with like)",
+    )
     parser.add_argument("--build-each", action="store_true", help="build the DiT afresh for every job")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -327,7 +333,7 @@ def rows_or_failure(
     try:
         steps = args.seed_steps if key == "seed" else args.steps
         job = dit_job(key, "qwen-image-shape", steps=steps, device=device, offload=offload)
-        if key == "ferry" and args.service:
+        if args.service and key in args.service_rows.split(","):
             events = run_through_service(job, work, models, data, timeout=540)
             label += " — through the service (POST /v1/jobs)"
         else:
@@ -415,7 +421,7 @@ def render(
         f"{SECTION}\n",
         f"{datetime.date.today()} — {gpu} — torch {torch.__version__} — commit {commit()}\n",
         f"Reproduce: `python bench/diffusion_bench.py --steps {args.steps} --seed-steps {args.seed_steps} "
-        f"--prompts {args.prompts} --limit {args.limit} --budget {args.budget}{' --service' if args.service else ''}"
+        f"--prompts {args.prompts} --limit {args.limit} --budget {args.budget}{f' --service --service-rows {args.service_rows}' if args.service else ''}"
         f"{'' if args.only == ONLY_DEFAULT else f' --only {args.only}'}`\n",
         f"DiT of Qwen-Image's shape (QwenImageTransformer2DModel, 60 layers, {weights / 1e9:.2f}B parameters, "
         f"{weight_bytes / 1e9:.1f} GB bf16, random init), LoRA rank 32 on the seed's 12 targets, gradient "
