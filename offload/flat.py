@@ -112,9 +112,8 @@ class FlatGroup:
             member.holds -= 1
             if member.holds > 0 or member.pending is None or (keep and member.live_tokens > 0):
                 continue
-            if type(member) is StaticParamOffloader:  # its offload(), inlined; subclasses do more
-                member.tensor.data = member.host
-                member.pending = None
+            if type(member) is StaticParamOffloader:  # its offload(), counted once for the span; subclasses do more
+                member.point_at_host()
                 dropped += member.nbytes
                 self._attached -= 1
             else:
@@ -144,9 +143,8 @@ class FlatGroup:
             views[index] = view
         pending = PendingCopy(view, self._event, planned=views is not None)
         self._attached += 1
-        if type(member) is StaticParamOffloader:  # its attach(), inlined; subclasses do more
-            member.pending = pending
-            member.tensor.data = view
+        if type(member) is StaticParamOffloader:  # its attach(), counted once for the span; subclasses do more
+            member.point_at_device(pending)
             return member.nbytes
         member.attach(pending)  # counts its own bytes
         return 0

@@ -146,15 +146,24 @@ class StaticParamOffloader(TensorOffloader):
 
     def attach(self, pending: PendingCopy) -> None:
         """Point the tensor at a device copy (possibly still in flight)."""
+        self.point_at_device(pending)
+        self.copies.stats.hold(self.nbytes)
+
+    def point_at_device(self, pending: PendingCopy) -> None:
+        """``attach`` without counting the bytes: a flat group attaching a whole span counts them once."""
         self.pending = pending
         self.tensor.data = pending.tensor
-        self.copies.stats.hold(self.nbytes)
+
+    def point_at_host(self) -> None:
+        """The tensor reads its host copy again and drops the device one (no counting, no release): the part
+        of ``offload`` that a flat group releasing a whole span does per member."""
+        self.tensor.data = self.host
+        self.pending = None
 
     def offload(self) -> None:
         if self.pending is None:
             return
-        self.tensor.data = self.host
-        self.pending = None
+        self.point_at_host()
         self.copies.stats.drop(self.nbytes)
         if self.group is not None:
             self.group.detached(self)
