@@ -27,9 +27,13 @@ class PrefetchSchedule:
         self.unit_of: dict[int, OffloadUnit] = {}  # id(offloader) -> the first unit that used it
         self.backward_order: list[OffloadUnit] = []
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
-        self.streaming: set[int] = set()  # ids of the units that still copy after the budget (fixed after step 1)
         self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed after step 1)
         self.step = 0
+
+    @property
+    def streaming(self) -> set[int]:
+        """ids of the units that still copy after the budget (``unit.streams``; none until step 1 fixed them)."""
+        return set() if self.recording else {id(u) for u in self.order if u.streams}
 
     # ----------------------------------------------------------------- what happened
     def forward_started(self, unit: OffloadUnit) -> None:
@@ -50,7 +54,7 @@ class PrefetchSchedule:
                 break
             # A unit the budget keeps resident copies nothing: look past it, or the copy stream idles while
             # it computes and the next streamed unit is copied only once it starts.
-            if id(candidate) in self.streaming:
+            if candidate.streams:
                 candidate.prefetch()
                 ahead += 1
 
@@ -98,17 +102,14 @@ class PrefetchSchedule:
             kept = self.keep_resident_within(gpu_memory_budget)
         self.kept = kept
         for unit in self.order:
-            if any(o.kind != "always_on_device" and id(o) not in kept for o in unit.offloaders):
-                self.streaming.add(id(unit))
-            else:
-                unit.streams = False
+            unit.streams = any(o.kind != "always_on_device" and id(o) not in kept for o in unit.offloaders)
         for key, needs in self.backward_needs.items():
             self.backward_needs[key] = [o for o in needs if id(o) not in kept]
         if self.order and self.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
             # The last unit of forward is the first of backward; so is the last one that streams (the units
             # after it are resident): keeping it saves a copy the backward would wait for at once.
             self.order[-1].keep_for_backward = True
-            last_streamed = [u for u in self.order if id(u) in self.streaming][-1:]
+            last_streamed = [u for u in self.order if u.streams][-1:]
             for unit in last_streamed:
                 unit.keep_for_backward = True
 
