@@ -17,7 +17,9 @@ import pytest
 
 from service.executor import LaunchRequest, LocalProcessExecutor
 from service.executor.child import SPARE_NAME
+from service.executor.local import LocalProcessHandle
 from service.executor.spares import Spare
+from service.records import JobRecord
 from service.store import JobStore
 
 from .conftest import REPO, Server, spec_yaml, submit, wait_status
@@ -53,19 +55,28 @@ def ready_spare(executor: LocalProcessExecutor, unlike: int | None = None) -> Sp
     raise TimeoutError(f"no spare became ready: {executor.spares()}")
 
 
-def claim_and_launch(store: JobStore, executor: LocalProcessExecutor, tmp_path: Path, job_id: str) -> tuple:
-    store.create_job(job_id=job_id, name=job_id, spec_text=spec_yaml(job_id, steps=3, every=3), spec={})
-    job = store.claim_next(worker="cpu0", device=None)
-    claimed_at = time.time()
+def launch_and_wait(
+    store: JobStore, executor: LocalProcessExecutor, tmp_path: Path, job: JobRecord, *, timeout_message: str
+) -> LocalProcessHandle:
+    """Launch ``job``'s attempt (a CPU job, its output and log under ``tmp_path / job.id``) and wait for its
+    process to exit."""
     request = LaunchRequest(
-        job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=tmp_path / job_id / "output",
-        device=None, db_path=store.db.path, log_path=tmp_path / job_id / "job.log", cpu_threads=1,
+        job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=tmp_path / job.id / "output",
+        device=None, db_path=store.db.path, log_path=tmp_path / job.id / "job.log", cpu_threads=1,
     )  # fmt: skip
     handle = executor.launch(request)
     deadline = time.monotonic() + DEADLINE_S
     while handle.exit_code() is None:
-        assert time.monotonic() < deadline, "the job did not end"
+        assert time.monotonic() < deadline, timeout_message
         time.sleep(0.05)
+    return handle
+
+
+def claim_and_launch(store: JobStore, executor: LocalProcessExecutor, tmp_path: Path, job_id: str) -> tuple:
+    store.create_job(job_id=job_id, name=job_id, spec_text=spec_yaml(job_id, steps=3, every=3), spec={})
+    job = store.claim_next(worker="cpu0", device=None)
+    claimed_at = time.time()
+    handle = launch_and_wait(store, executor, tmp_path, job, timeout_message="the job did not end")
     return handle, claimed_at, (tmp_path / job_id / "job.log").read_text()
 
 
@@ -233,15 +244,7 @@ def test_a_job_taken_back_before_its_process_starts_is_not_run(
     # A restarted server's recovery got there first: it interrupted attempt 1 and queued the job again.
     store.transition(job.id, JobStatus.INTERRUPTED, reason="the test's recovery")
     store.requeue_interrupted(job.id, max_retries=3)
-    request = LaunchRequest(
-        job_id=job.id, attempt=job.attempt, spec_text=job.spec_text, output_dir=tmp_path / "taken" / "output",
-        device=None, db_path=store.db.path, log_path=tmp_path / "taken" / "job.log", cpu_threads=1,
-    )  # fmt: skip
-    handle = executor.launch(request)
-    deadline = time.monotonic() + DEADLINE_S
-    while handle.exit_code() is None:
-        assert time.monotonic() < deadline, "the process did not leave"
-        time.sleep(0.05)
+    handle = launch_and_wait(store, executor, tmp_path, job, timeout_message="the process did not leave")
     assert handle.pid == spare.pid and handle.exit_code() == 0
     assert "was taken back before it started" in (tmp_path / "taken" / "job.log").read_text()
     after = store.get_job(job.id)
