@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -183,6 +184,10 @@ def step_figures(events: list[dict[str, Any]], batch: int) -> dict[str, float]:
     steps = [e for e in events if e["type"] == "step"]
     seconds = [batch / e["samples_per_s"] for e in steps[1:]] or [batch / steps[0]["samples_per_s"]]
     offload = steps[-1].get("offload") or {}
+    # Per step: the link's rate over its copy time (the step before's, as the engine reports it) and the compute
+    # stream's waits for copies. A slow step with a slow link is the link's; one with a full-rate link and few
+    # waits is the host's.
+    waits = [(e.get("offload") or {}).get("copy_wait_seconds", 0.0) for e in steps]
     return {
         "step_s": statistics.median(seconds),
         "min_step_s": min(seconds),
@@ -192,7 +197,19 @@ def step_figures(events: list[dict[str, Any]], batch: int) -> dict[str, float]:
         "pinned_gib": steps[-1]["pinned_bytes"] / 2**30,
         "h2d_gb": (offload.get("last_step_h2d_bytes") or 0) / 1e9,
         "loss": steps[-1]["loss"],
+        "h2d_gbps_steps": [round((e.get("offload") or {}).get("last_step_h2d_gbps", 0.0), 1) for e in steps[1:]],
+        "copy_wait_steps": [round(b - a, 3) for a, b in itertools.pairwise(waits)],
     }
+
+
+def pool_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the same job run in several rounds: the median and fastest over all their steps (each
+    round's first step left out), the largest peaks, and each round's own median."""
+    steps = [s for run in runs for s in run["steps_s"]]
+    pooled = {**runs[-1], "steps_s": steps, "step_s": statistics.median(steps), "min_step_s": min(steps)}
+    pooled.update({k: max(run[k] for run in runs) for k in ("peak_alloc_gib", "peak_reserved_gib")})
+    pooled["round_medians_s"] = [round(run["step_s"], 3) for run in runs]
+    return pooled
 
 
 def dit_job(name: str, path: str, *, steps: int, device: str, offload: dict[str, Any]) -> dict[str, Any]:
@@ -236,6 +253,14 @@ def main() -> None:
         help="with --service: the rows submitted over HTTP (resident,ferry: the resident row pays the service's "
         "job process too, so the ratio compares like with like)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the training rows of --only this many times, interleaved (resident, ferry, resident, ferry, ...): "
+        "a noisy host moves a row's median by tens of percent from one job to the next, so the ratio is taken "
+        "over all rounds' steps, and each round's pair is shown",
+    )
     parser.add_argument("--build-each", action="store_true", help="build the DiT afresh for every job")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
@@ -277,7 +302,10 @@ def main() -> None:
     if not args.build_each:
         share_one_dit_build()
     rows, failures, encoder = {}, {}, None
-    for key in args.only.split(","):  # in the order given: a run cut short keeps the first rows
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    order = args.only.split(",")
+    order += [key for key in order if key != "encoder"] * (args.rounds - 1)
+    for key in order:  # in the order given: a run cut short keeps the first rows
         if key == "encoder":
             try:
                 encoder = cache_throughput(roots, data, pipeline, args, device, limited, side)
@@ -286,6 +314,9 @@ def main() -> None:
             print("encoder", encoder or failures["encoder"], flush=True)
         else:
             rows_or_failure(key, configs[key], rows, failures, args, device, work, models, data, roots)
+            if key in rows and "round_medians_s" not in rows[key]:
+                rounds.setdefault(key, []).append(rows[key])
+                rows[key] = pool_rounds(rounds[key])
         if not args.no_write:  # after every row: a run cut short still leaves what it measured
             write_section(
                 render(
@@ -422,7 +453,8 @@ def render(
         f"{datetime.date.today()} — {gpu} — torch {torch.__version__} — commit {commit()}\n",
         f"Reproduce: `python bench/diffusion_bench.py --steps {args.steps} --seed-steps {args.seed_steps} "
         f"--prompts {args.prompts} --limit {args.limit} --budget {args.budget}{f' --service --service-rows {args.service_rows}' if args.service else ''}"
-        f"{'' if args.only == ONLY_DEFAULT else f' --only {args.only}'}`\n",
+        f"{'' if args.only == ONLY_DEFAULT else f' --only {args.only}'}"
+        f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}`\n",
         f"DiT of Qwen-Image's shape (QwenImageTransformer2DModel, 60 layers, {weights / 1e9:.2f}B parameters, "
         f"{weight_bytes / 1e9:.1f} GB bf16, random init), LoRA rank 32 on the seed's 12 targets, gradient "
         "checkpointing, batch 1 from a synthetic cache of 1024 x 1024 latents (4096 image + 64 prompt tokens). "
@@ -457,6 +489,14 @@ def render(
         )
         for key in ("resident", "ferry"):
             lines.append(f"{key} steps after the first (s): {', '.join(f'{s:.2f}' for s in rows[key]['steps_s'])}")
+        pairs = list(zip(rows["resident"]["round_medians_s"], ferry["round_medians_s"], strict=False))
+        if len(pairs) > 1:
+            lines.append(
+                "Each round's medians (resident, Ferry; Ferry / max(resident, copy floor)): "
+                + "; ".join(f"{r:.2f}, {f:.2f} ({f / max(r, floor_budget):.2f}x)" for r, f in pairs)
+            )
+        lines.append(f"Ferry's link rate per step (GB/s): {', '.join(f'{g:.0f}' for g in ferry['h2d_gbps_steps'])}")
+        lines.append(f"Ferry's copy waits per step (s): {', '.join(f'{w:.2f}' for w in ferry['copy_wait_steps'])}")
     if encoder:
         lines.append(
             f"\nCache job (`task: cache`) with a text encoder of Qwen2.5-VL 7B's shape (random init, bf16) under "
