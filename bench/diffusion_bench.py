@@ -514,8 +514,12 @@ def write_section(report: str) -> None:
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     if SECTION in text:
         start = text.index(SECTION)
-        # The section ends where the next one starts: its heading, or the marker comment some sections open with.
-        ends = [i for i in (text.find("\n## ", start + len(SECTION)), text.find("\n<!-- ", start)) if i != -1]
+        # The section ends where the next one starts (its heading, or the marker comment some sections open
+        # with) or at its first subsection: the "### " notes written by hand below the generated part stay.
+        after = start + len(SECTION)
+        ends = [
+            i for i in (text.find("\n## ", after), text.find("\n### ", after), text.find("\n<!-- ", after)) if i != -1
+        ]
         end = min(ends) if ends else -1
         text = text[:start] + report + (text[end + 1 :] if end != -1 else "")
     else:

@@ -1,0 +1,49 @@
+"""bench/diffusion_bench.py's bookkeeping: its RESULTS.md section and the rounds it pools (no GPU, no model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import diffusion_bench
+
+
+def test_writing_the_section_keeps_the_notes_below_it_and_the_other_sections(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text(
+        "# Benchmark results\n\n## Offload engine\n\nengine table\n\n"
+        f"{diffusion_bench.SECTION}\n\nold generated table\n\n### Issue 16: a note written by hand\n\nkept\n\n"
+        "<!-- dashboard_mix:start -->\n## Service\n\nservice table\n"
+    )
+    monkeypatch.setattr(diffusion_bench, "RESULTS", results)
+    diffusion_bench.write_section(f"{diffusion_bench.SECTION}\n\nnew generated table\n")
+    text = results.read_text()
+    assert "old generated table" not in text and "new generated table" in text
+    assert "### Issue 16: a note written by hand\n\nkept" in text, "the hand-written subsection was overwritten"
+    assert text.index("new generated table") < text.index("### Issue 16")
+    assert "engine table" in text and "service table" in text
+
+
+def test_rounds_pool_every_step_and_keep_each_rounds_median() -> None:
+    first = {
+        "steps_s": [1.0, 1.2, 1.4],
+        "step_s": 1.2,
+        "min_step_s": 1.0,
+        "peak_alloc_gib": 2.0,
+        "peak_reserved_gib": 3.0,
+    }
+    second = {
+        "steps_s": [2.0, 2.2, 2.4],
+        "step_s": 2.2,
+        "min_step_s": 2.0,
+        "peak_alloc_gib": 2.5,
+        "peak_reserved_gib": 2.9,
+    }
+    pooled = diffusion_bench.pool_rounds([first, second])
+    assert pooled["steps_s"] == [1.0, 1.2, 1.4, 2.0, 2.2, 2.4]
+    assert pooled["step_s"] == pytest.approx(1.7) and pooled["min_step_s"] == 1.0
+    assert (pooled["peak_alloc_gib"], pooled["peak_reserved_gib"]) == (2.5, 3.0)
+    assert pooled["round_medians_s"] == [1.2, 2.2]
