@@ -445,8 +445,12 @@ def render(
     floor_all = 2 * weight_bytes / (h2d * 1e9)
     from offload import parse_bytes
 
-    budget = parse_bytes(args.budget) or 0
-    floor_budget = 2 * max(weight_bytes - budget, 0) / (h2d * 1e9)
+    if args.budget == "auto":  # the engine chose the budget: the floor is the bytes Ferry's row copied per step
+        copied = rows.get("ferry", {}).get("h2d_gb", float("nan"))
+        floor_budget = copied / h2d
+    else:
+        budget = parse_bytes(args.budget) or 0
+        floor_budget = 2 * max(weight_bytes - budget, 0) / (h2d * 1e9)
     resident = rows.get("resident", {}).get("step_s")
     lines = [
         f"{SECTION}\n",
@@ -459,8 +463,9 @@ def render(
         f"{weight_bytes / 1e9:.1f} GB bf16, random init), LoRA rank 32 on the seed's 12 targets, gradient "
         "checkpointing, batch 1 from a synthetic cache of 1024 x 1024 latents (4096 image + 64 prompt tokens). "
         f"Pinned host-to-device copy measured in this run: {h2d:.1f} GB/s. Copy floor = the streamed weights "
-        f"twice / that rate: all weights {floor_all:.2f} s; with {args.budget} kept resident {floor_budget:.2f} s. "
-        "Step = median of the steps after the first. Each row is a real job: a row marked so went through the "
+        f"twice / that rate: all weights {floor_all:.2f} s; with {args.budget} kept resident {floor_budget:.2f} s"
+        + (" (auto: Ferry's bytes copied per step / that rate). " if args.budget == "auto" else ". ")
+        + "Step = median of the steps after the first. Each row is a real job: a row marked so went through the "
         "service (POST /v1/jobs, its worker's child process), the others through `jobs.run_job` in the bench's "
         "process (the function that child calls)"
         + ("" if args.build_each else ", which build the DiT once and hand it from job to job")

@@ -20,6 +20,7 @@ from jobs.models.registry import family_of
 from jobs.sizes import human_bytes
 from jobs.spec import JobSpec
 from offload import MemoryPlan, OffloadOptions, parse_bytes, plan_memory
+from offload.options import AUTO_BUDGET
 from offload.quantized import planned_sizes
 
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
@@ -108,7 +109,8 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         ring = window = plan.ring_bytes
         if spec.lora is None and offload.enable_optimizer_cpu_offload:
             window += plan.largest_unit_bytes  # a unit's gradients sit on the device until copied out
-        budget = min(parse_bytes(offload.gpu_memory_budget) or 0, total)
+        measured = offload.gpu_memory_budget == AUTO_BUDGET  # fills what the limit leaves: not in the bound
+        budget = 0 if measured else min(parse_bytes(offload.gpu_memory_budget) or 0, total)
         if offload.enable_optimizer_cpu_offload:
             resident, step_temp = window + budget, 0
             notes.append(
@@ -123,6 +125,11 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
             )
         if budget:
             notes.append(f"gpu_memory_budget keeps up to {_gib(budget)} resident")
+        elif measured:
+            notes.append(
+                "gpu_memory_budget 'auto': after two steps, weights fill what the limit leaves above their peak "
+                "(this estimate is the streamed peak; the device then holds up to the limit less a margin)"
+            )
         pinned = plan.pinned_reserved_bytes
         if spec.lora is not None and offload.enable_optimizer_cpu_offload:
             pinned += 2 * lora  # adapters and their gradients on the host (peft adds them after the base)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jobs.models.registry import family_of
 from jobs.spec import JobSpec
 from offload import parse_bytes
+from offload.options import AUTO_BUDGET
 
 
 def oom_advice(spec: JobSpec) -> str:
@@ -13,6 +14,8 @@ def oom_advice(spec: JobSpec) -> str:
     family = family_of(spec.model)
     if not offload.enable_model_cpu_offload:
         return "set offload.enable_model_cpu_offload: true to keep the weights on the CPU and stream them"
+    if offload.gpu_memory_budget == AUTO_BUDGET:  # measured on steps 1-2; a later step needed more
+        return "set offload.gpu_memory_budget to a size below what 'auto' chose (job.log) or remove it to stream every unit"
     if offload.gpu_memory_budget is not None:
         return f"lower offload.gpu_memory_budget (now {offload.gpu_memory_budget}) or remove it to stream every unit"
     if spec.lora is None and not offload.enable_optimizer_cpu_offload:

@@ -23,6 +23,7 @@ from jobs.sections import Dtype as Dtype
 from jobs.sections import Section, broken_rules, confined_path
 from jobs.spec_llm import EvalSpec, InstructionFields, TextSamplesSpec, TrackingSpec
 from offload import parse_bytes
+from offload.options import AUTO_BUDGET
 
 # Bounds a run can hold: a step counter and a sample count (steps x batch) stay far inside int64.
 MAX_STEPS = 1_000_000_000
@@ -171,7 +172,11 @@ class OffloadSpec(Section):
     cpu_offload_split_threshold: float | None = Field(None, gt=0, description="MB; split modules above this")
     prefetch: int = Field(1, ge=0, le=1024, description="units copied ahead; 0 = the seed's serialized behaviour")
     granularity: Literal["leaf", "block"] = "leaf"
-    gpu_memory_budget: int | str | None = Field(None, description="bytes or e.g. '8GiB'; null = stream all")
+    gpu_memory_budget: int | str | None = Field(
+        None,
+        description="bytes or e.g. '8GiB' of weights kept on the device; 'auto' = what gpu_memory_limit (or the "
+        "GPU's free memory) leaves above the peak of the first two steps, less a margin; null = stream all",
+    )
     gpu_memory_limit: int | str | None = Field(
         None, description="bytes or e.g. '24GiB': the job's process may use no more device memory; null = the GPU"
     )
@@ -188,12 +193,21 @@ class OffloadSpec(Section):
     @field_validator("gpu_memory_budget", "gpu_memory_limit")
     @classmethod
     def _check_size(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
-        if value is not None and not parse_bytes(value, name=f"offload.{info.field_name}"):
-            raise ValueError("must be a positive size, e.g. '8GiB'")
+        if value == AUTO_BUDGET and info.field_name == "gpu_memory_budget":
+            return value
+        try:
+            size = parse_bytes(value, name=f"offload.{info.field_name}")
+        except ValueError:
+            size = 0
+        if value is not None and not size:
+            also = " or 'auto' (measured after two steps)" if info.field_name == "gpu_memory_budget" else ""
+            raise ValueError(f"must be a positive size, e.g. '8GiB'{also}; got {value!r}")
         return value
 
     @model_validator(mode="after")
     def _check_budget_below_limit(self) -> OffloadSpec:
+        if self.gpu_memory_budget == AUTO_BUDGET:  # measured below the limit by construction
+            return self
         budget, limit = parse_bytes(self.gpu_memory_budget), parse_bytes(self.gpu_memory_limit)
         if budget and limit and budget >= limit:
             raise broken_rules(

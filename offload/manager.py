@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from offload import auto_budget
 from offload.arena import PinnedArenaPool, aligned
 from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
 from offload.dequantize_on_arrival import room_bytes as arrival_room_bytes
@@ -104,6 +105,8 @@ class OffloadTrainingManager:
         # The forward and backward orders are recorded during the first step; prefetching and the budget
         # follow them after.
         self._schedule = PrefetchSchedule(self.options.prefetch)
+        # gpu_memory_budget='auto': the bytes measured after step 2 (None before, and on the CPU).
+        self.measured_budget: int | None = None
         pin = self.options.pin_memory and can_pin_memory()
         self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes), pin=pin)
         self.ring = DeviceRing(self.plan, self.device)
@@ -350,8 +353,18 @@ class OffloadTrainingManager:
 
     def _end_step(self) -> None:
         first_step = self._schedule.recording
-        self._schedule.end_step(parse_bytes(self.options.gpu_memory_budget))  # an int already: __post_init__
-        if first_step:
+        budget = self.options.gpu_memory_budget  # an int, None or "auto" (OffloadOptions.__post_init__)
+        measured = budget == auto_budget.AUTO_BUDGET
+        self._schedule.end_step(None if measured else parse_bytes(budget))
+        applied = first_step
+        if measured and self._schedule.step == auto_budget.MEASURED_AFTER_STEPS:
+            # No unit is held between steps: the measured budget is applied as a set one is after step 1.
+            self.measured_budget = auto_budget.measured_budget(self.device, parse_bytes(self.options.gpu_memory_limit))
+            log.info("gpu_memory_budget 'auto': %s bytes after step %d", self.measured_budget, self._schedule.step)
+            if self.measured_budget:
+                self._schedule.apply_budget(self.measured_budget)
+                applied = True
+        if applied:
             self._router.stop_routing(self._schedule.kept)  # on the device for good: no tokens for them
             # The planned slots counted every unit; the units the budget keeps resident no longer take turns
             # in them, so the ones that still stream take their class's slots in turn again (two units

@@ -17,6 +17,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+AUTO_BUDGET = "auto"  # gpu_memory_budget measured by the engine (auto_budget.py)
 
 
 def parse_bytes(value: int | str | None, *, name: str = "gpu_memory_budget") -> int | None:
@@ -51,6 +52,8 @@ class OffloadOptions:
         gpu_memory_budget: device bytes the engine may keep resident (``int`` or ``"8GiB"``). Units that
             fit stay on the device and are never copied again (small ones first, then large ones spread
             evenly over the step, so the copies of the rest overlap their compute); ``None`` streams everything.
+            ``"auto"``: the engine measures it after the second step, as what ``gpu_memory_limit`` (or the
+            device's free memory) leaves above the peak those steps reserved, less a margin (auto_budget.py).
         gpu_memory_limit: device bytes this process may use in all (``int`` or ``"24GiB"``), enforced through
             the CUDA caching allocator, so training behaves as on a smaller card or leaves room for other
             processes on a shared one. The engine checks its device memory plan against it at setup.
@@ -74,11 +77,16 @@ class OffloadOptions:
             raise ValueError(f"prefetch must be an integer >= 0 (0 = no prefetch); got {self.prefetch!r}")
         if self.granularity not in ("leaf", "block"):
             raise ValueError(f"granularity must be 'leaf' or 'block'; got {self.granularity!r}")
-        self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
+        if self.gpu_memory_budget != AUTO_BUDGET:
+            try:
+                self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
+            except ValueError as error:
+                raise ValueError(f"{error}, or 'auto' (measured after the first steps)") from None
         self.gpu_memory_limit = parse_bytes(self.gpu_memory_limit, name="gpu_memory_limit")
         if self.gpu_memory_limit == 0:
             raise ValueError("gpu_memory_limit must be a positive size such as '24GiB' (or None for the whole device)")
-        if self.gpu_memory_limit and self.gpu_memory_budget and self.gpu_memory_budget >= self.gpu_memory_limit:
+        budget = self.gpu_memory_budget
+        if self.gpu_memory_limit and isinstance(budget, int) and budget and budget >= self.gpu_memory_limit:
             raise ValueError(
                 f"gpu_memory_budget ({self.gpu_memory_budget} bytes) must be below gpu_memory_limit "
                 f"({self.gpu_memory_limit} bytes): the budget's resident weights are part of the limit"

@@ -97,12 +97,19 @@ class PrefetchSchedule:
         if not self.recording:
             return
         self.recording = False
+        self.apply_budget(gpu_memory_budget or 0)
+
+    def apply_budget(self, gpu_memory_budget: int) -> None:
+        """Hold units on the device within ``gpu_memory_budget`` (between steps, the order fixed): which
+        stream from now on, what backward still onloads, and which units are kept for backward. Called once,
+        after the first step, or after a later one when the budget was measured (``"auto"``)."""
         kept: set[int] = set()
         if gpu_memory_budget:
             kept = self.keep_resident_within(gpu_memory_budget)
         self.kept = kept
         for unit in self.order:
             unit.streams = any(o.kind != "always_on_device" and id(o) not in kept for o in unit.offloaders)
+            unit.keep_for_backward = False
         for key, needs in self.backward_needs.items():
             self.backward_needs[key] = [o for o in needs if id(o) not in kept]
         if self.order and self.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it

@@ -117,8 +117,15 @@ def test_gpu_memory_budget_sizes() -> None:
     data = {**TOY, "offload": {"enable_model_cpu_offload": True, "gpu_memory_budget": "8GiB"}}
     assert spec_from(data).offload.gpu_memory_budget == "8GiB"
     data["offload"]["gpu_memory_budget"] = "lots"
-    with pytest.raises(JobSpecError, match="offload.gpu_memory_budget"):
+    with pytest.raises(JobSpecError, match=r"offload.gpu_memory_budget.*or 'auto'"):
         spec_from(data)
+
+
+def test_gpu_memory_budget_auto_is_a_budget_only_and_needs_no_check_against_the_limit() -> None:
+    offload = {"enable_model_cpu_offload": True, "gpu_memory_budget": "auto", "gpu_memory_limit": "8GiB"}
+    assert spec_from({**TOY, "offload": offload}).offload.gpu_memory_budget == "auto"
+    with pytest.raises(JobSpecError, match="offload.gpu_memory_limit"):
+        spec_from({**TOY, "offload": {**offload, "gpu_memory_limit": "auto"}})
 
 
 def test_paths_escaping_roots_are_refused(roots: PathRoots, tmp_path) -> None:

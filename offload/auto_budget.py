@@ -1,0 +1,41 @@
+"""``gpu_memory_budget="auto"``: the budget measured from the steps that streamed every unit.
+
+A hand-set budget is a guess at what the job's other memory peaks at (activations, gradients, optimizer
+state, the ring). Guess high and the job runs out of memory; guess low and weights that would fit are
+copied every step. The engine can measure it instead: the first steps stream every unit, and the peak the
+caching allocator reserved in them is what the job needs besides the weights it could keep. Everything the
+process may still reserve above that peak, less a margin, becomes the budget.
+
+Measured after the second step, not the first: an optimizer creates its state on its first ``step()``,
+which comes after the first backward, so the first step's peak lacks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.options import AUTO_BUDGET
+
+__all__ = ["AUTO_BUDGET", "MEASURED_AFTER_STEPS", "measured_budget"]
+MEASURED_AFTER_STEPS = 2
+# Kept free under the ceiling: allocator fragmentation (reserved above allocated: 1.5 GiB of a 24 GiB job
+# in bench/RESULTS.md's DiT rows) and what later steps allocate that the measured ones did not.
+MARGIN_FRACTION = 1 / 16
+MIN_MARGIN_BYTES = 512 << 20
+
+
+def measured_budget(device: torch.device, gpu_memory_limit: int | None) -> int | None:
+    """Bytes of weights that may stay resident on ``device`` from now on; ``None`` where the device keeps
+    no memory statistics (the CPU: nothing to measure, every unit keeps streaming).
+
+    The ceiling is ``gpu_memory_limit`` or, without one, what this process reserves plus what the device
+    has free (other processes' memory excluded). The budget is the ceiling less the peak reserved so far
+    and less the margin (1/16 of the ceiling, at least 512 MiB); never below 0.
+    """
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    reachable = torch.cuda.memory_reserved(device) + free
+    ceiling = min(gpu_memory_limit, reachable) if gpu_memory_limit else reachable
+    margin = max(MIN_MARGIN_BYTES, int(ceiling * MARGIN_FRACTION))
+    return max(0, ceiling - torch.cuda.max_memory_reserved(device) - margin)
