@@ -365,6 +365,7 @@ class OffloadTrainingManager:
                 self._schedule.apply_budget(self.measured_budget)
                 applied = True
         if applied:
+            self._stats.kept_resident_bytes = self._schedule.kept_bytes
             self._router.stop_routing(self._schedule.kept)  # on the device for good: no tokens for them
             # The planned slots counted every unit; the units the budget keeps resident no longer take turns
             # in them, so the ones that still stream take their class's slots in turn again (two units

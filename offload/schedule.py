@@ -28,6 +28,7 @@ class PrefetchSchedule:
         self.backward_order: list[OffloadUnit] = []
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
         self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed after step 1)
+        self.kept_bytes = 0  # their bytes
         self.step = 0
 
     @property
@@ -150,6 +151,7 @@ class PrefetchSchedule:
                 kept.add(id(offloader))
             used += nbytes
         log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device", budget, used)
+        self.kept_bytes = used
         return kept
 
 

@@ -24,6 +24,8 @@ class OffloadStats:
         copy_wait_seconds: total time the compute stream waited for copies.
         planned_device_bytes: the device ring for streamed weights, allocated once at setup (plan.py).
         ring_overflows: copies that found their ring slot held by another unit and took allocator memory.
+        kept_resident_bytes: frozen weight bytes ``gpu_memory_budget`` holds on the device for good (a set
+            budget's from step 1 on, a measured ``"auto"`` one's from step 2 on); never copied again.
     """
 
     h2d_bytes: int = 0
@@ -41,6 +43,7 @@ class OffloadStats:
     copy_wait_seconds: float = 0.0
     planned_device_bytes: int = 0
     ring_overflows: int = 0
+    kept_resident_bytes: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         """JSON-able numbers, for progress reports."""
@@ -60,6 +63,7 @@ class StatsCounter:
         self.copy_wait_seconds = 0.0
         self.planned_device_bytes = 0
         self.ring_overflows = 0
+        self.kept_resident_bytes = 0
         self._step_start = (0, 0)
         self.last_step = (0, 0)
         self.last_step_gbps = (0.0, 0.0)
@@ -114,4 +118,5 @@ class StatsCounter:
             copy_wait_seconds=self.copy_wait_seconds,
             planned_device_bytes=self.planned_device_bytes,
             ring_overflows=self.ring_overflows,
+            kept_resident_bytes=self.kept_resident_bytes,
         )

@@ -67,6 +67,7 @@ def test_auto_keeps_what_the_measurement_allows_from_step_two_and_trains_bitwise
     held = sum(o.nbytes for u in manager._schedule.order for o in u.offloaders if id(o) in kept[1])
     assert room - _block_bytes(model) < held <= room, (held, room)  # filled to within one more block
     assert manager.measured_budget == room
+    assert manager.stats().kept_resident_bytes == held, "the step events say what the budget keeps"
     streams = [u.name for u in manager._schedule.order if u.streams]
     assert streams and len(streams) < len(manager._schedule.order)
     assert losses == _train(reference, None, steps=4, kept=[])

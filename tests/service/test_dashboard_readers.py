@@ -7,6 +7,7 @@ The answers are built with the API's own models, so they have the shape the serv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -89,3 +90,11 @@ def test_the_merge_answer_gives_its_archive() -> None:
     )
     read = read_with("m.mergedArchive(a.merged)", merged=merged.model_dump(mode="json"))
     assert read == {"url": "/x.tar", "name": "step-4-merged.tar", "bytes": 10}
+
+
+def test_the_offload_figures_say_what_the_budget_keeps_on_the_gpu() -> None:
+    from offload import OffloadStats
+
+    stats = OffloadStats(last_step_h2d_gbps=54.2, copy_wait_seconds=0.5, h2d_bytes=10, kept_resident_bytes=15 << 30)
+    read = read_with("m.offloadFigures(a.off)", off=dataclasses.asdict(stats))
+    assert read == {"h2d": 54.2, "d2h": 0.0, "copyWait": 0.5, "h2dBytes": 10, "kept": 15 << 30}

@@ -168,6 +168,7 @@ export function offloadFigures(off) {
     d2h: off?.last_step_d2h_gbps ?? null,
     copyWait: off?.copy_wait_seconds ?? null,
     h2dBytes: off?.h2d_bytes ?? null,
+    kept: off?.kept_resident_bytes ?? null,
   };
 }
 

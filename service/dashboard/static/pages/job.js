@@ -183,5 +183,6 @@ function offloadStat(last, job) {
   const o = isNum(last?.h2d) ? last : offloadFigures(job.offload);
   if (!isNum(o.h2d)) return stat("Offload", DASH, { id: "offload", sub: "no offload figures (offload off or not started)" });
   return stat("Offload H→D", `${num(o.h2d, 3)} GB/s`, { id: "offload",
-    sub: `D→H ${num(o.d2h, 3)} GB/s · ${num(o.copyWait, 3)} s waiting on copies in all` });
+    sub: `D→H ${num(o.d2h, 3)} GB/s · ${num(o.copyWait, 3)} s waiting on copies in all`
+      + (isNum(o.kept) && o.kept > 0 ? ` · ${bytes(o.kept)} of weights kept on the GPU` : "") });
 }
