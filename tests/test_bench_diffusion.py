@@ -27,21 +27,19 @@ def test_writing_the_section_keeps_the_notes_below_it_and_the_other_sections(
     assert "engine table" in text and "service table" in text
 
 
+def _round(steps: list[float], alloc_gib: float, reserved_gib: float) -> dict:
+    """One round's row as step_figures gives it (the fields pool_rounds reads)."""
+    return {
+        "steps_s": steps,
+        "step_s": steps[len(steps) // 2],
+        "min_step_s": min(steps),
+        "peak_alloc_gib": alloc_gib,
+        "peak_reserved_gib": reserved_gib,
+    }
+
+
 def test_rounds_pool_every_step_and_keep_each_rounds_median() -> None:
-    first = {
-        "steps_s": [1.0, 1.2, 1.4],
-        "step_s": 1.2,
-        "min_step_s": 1.0,
-        "peak_alloc_gib": 2.0,
-        "peak_reserved_gib": 3.0,
-    }
-    second = {
-        "steps_s": [2.0, 2.2, 2.4],
-        "step_s": 2.2,
-        "min_step_s": 2.0,
-        "peak_alloc_gib": 2.5,
-        "peak_reserved_gib": 2.9,
-    }
+    first, second = _round([1.0, 1.2, 1.4], 2.0, 3.0), _round([2.0, 2.2, 2.4], 2.5, 2.9)
     pooled = diffusion_bench.pool_rounds([first, second])
     assert pooled["steps_s"] == [1.0, 1.2, 1.4, 2.0, 2.2, 2.4]
     assert pooled["step_s"] == pytest.approx(1.7) and pooled["min_step_s"] == 1.0
