@@ -85,8 +85,8 @@ def test_loss_goes_down_and_lr_follows_the_schedule(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "offload",
-    [{}, {"enable_model_cpu_offload": True}, OFFLOAD_BOTH],
-    ids=["no-offload", "model-offload", "optimizer-offload"],
+    [{}, {"enable_model_cpu_offload": True}, OFFLOAD_BOTH, {**OFFLOAD_BOTH, "gpu_memory_budget": "auto"}],
+    ids=["no-offload", "model-offload", "optimizer-offload", "auto-budget"],
 )
 def test_offload_trains_the_same_weights_on_cpu(tmp_path: Path, offload: dict) -> None:
     run(TOY, tmp_path / "plain")

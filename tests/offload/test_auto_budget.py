@@ -15,9 +15,9 @@ from tests.offload.models import WIDTH, Stack
 DEPTH = 9
 
 
-def _stack() -> Stack:
+def _stack(checkpointing: str | None = None) -> Stack:
     torch.manual_seed(0)
-    model = Stack(depth=DEPTH)
+    model = Stack(depth=DEPTH, checkpointing=checkpointing)
     model.requires_grad_(False)
     model.blocks[0].norm.requires_grad_(True)  # something to train
     return model
@@ -44,10 +44,11 @@ def _train(model: Stack, manager: OffloadTrainingManager | None, steps: int, kep
     return losses
 
 
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant", "reentrant"])
 def test_auto_keeps_what_the_measurement_allows_from_step_two_and_trains_bitwise_alike(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, checkpointing: str | None
 ) -> None:
-    model = _stack()
+    model = _stack(checkpointing)
     reference = copy.deepcopy(model)
     room = 2 * _block_bytes(model) + 64
     measured_on: list[int] = []
