@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 PredictFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+GuideFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 # The prompt template Qwen-Image's pipeline wraps every prompt in; its first 34 tokens are dropped after encoding.
 QWEN_TEMPLATE = (
@@ -40,6 +41,8 @@ class DiffusionFamily:
         encode_prompts: ``(text_encoder, tokenizer, prompts, device, max_len) -> [tokens_i, dim]`` per prompt.
         predict: ``(dit, noisy latents, sigma [B], prompt embeds [B, L, D], mask [B, L]) -> velocity``.
         pad_prompts_to_max: Wan's DiT sees prompts zero-padded to the full length; Qwen-Image's a mask.
+        guide: ``(velocity with the prompt, with the negative prompt, scale) -> velocity``: classifier-free
+            guidance as the family's pipeline combines the two.
     """
 
     name: str
@@ -51,6 +54,7 @@ class DiffusionFamily:
     encode_prompts: Callable[..., list[torch.Tensor]]
     predict: PredictFn
     pad_prompts_to_max: bool
+    guide: GuideFn
 
 
 def _qwen_encode(encoder: nn.Module, tokenizer: Any, prompts: list[str], device: torch.device, max_len: int) -> list:
@@ -83,12 +87,23 @@ def _wan_encode(encoder: nn.Module, tokenizer: Any, prompts: list[str], device: 
     return [h[:n] for h, n in zip(last, lengths, strict=True)]
 
 
+def _qwen_pack(latents: torch.Tensor) -> torch.Tensor:
+    """``[b, c, 1, h, w]`` latents as Qwen-Image's tokens of 2x2 patches (QwenImagePipeline._pack_latents)."""
+    b, c, _, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def _qwen_unpack(tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    b, c, _, h, w = shape
+    return tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, 1, h, w)
+
+
 def _qwen_predict(dit: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
-    """Pack 2x2 latent patches into tokens (QwenImagePipeline._pack_latents), predict, unpack."""
-    b, c, f, h, w = latents.shape
+    """Pack 2x2 latent patches into tokens, predict, unpack."""
+    b, _, f, h, w = latents.shape
     if f != 1:
         raise ValueError(f"Qwen-Image trains on images (1 frame); got latents of {f} frames (data.num_frames)")
-    tokens = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+    tokens = _qwen_pack(latents)
     out = dit(
         hidden_states=tokens,
         timestep=sigma.to(tokens.dtype),  # the pipeline passes t / 1000, which is sigma
@@ -97,7 +112,21 @@ def _qwen_predict(dit: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, em
         img_shapes=[[(1, h // 2, w // 2)]] * b,
         return_dict=False,
     )[0]
-    return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, 1, h, w)
+    return _qwen_unpack(out, latents.shape)
+
+
+def _qwen_guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """QwenImagePipeline's true CFG: the guided velocity rescaled, token by token, to the norm of the one
+    with the prompt."""
+    cond_tokens, uncond_tokens = _qwen_pack(cond), _qwen_pack(uncond)
+    combined = uncond_tokens + scale * (cond_tokens - uncond_tokens)
+    rescaled = combined * (cond_tokens.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+    return _qwen_unpack(rescaled, cond.shape)
+
+
+def _wan_guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """WanPipeline's classifier-free guidance."""
+    return uncond + scale * (cond - uncond)
 
 
 def _wan_predict(dit: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
@@ -117,6 +146,7 @@ FAMILIES: dict[str, DiffusionFamily] = {
         encode_prompts=_qwen_encode,
         predict=_qwen_predict,
         pad_prompts_to_max=False,
+        guide=_qwen_guide,
     ),
     "WanTransformer3DModel": DiffusionFamily(
         name="wan",
@@ -128,6 +158,7 @@ FAMILIES: dict[str, DiffusionFamily] = {
         encode_prompts=_wan_encode,
         predict=_wan_predict,
         pad_prompts_to_max=True,
+        guide=_wan_guide,
     ),
 }
 

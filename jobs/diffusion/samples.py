@@ -1,6 +1,8 @@
 """Samples while training: fixed prompts, fixed seed, a few Euler steps with the current (offloaded) DiT.
 
-The prompts are encoded once when the job starts; the VAE decodes the latents. Each prompt gives one PNG
+The prompts (and, with ``guidance_scale`` above 1, the negative prompt) are encoded once when the job starts;
+each Euler step then calls the DiT with the prompt and with the negative prompt and combines the two as the
+family's pipeline does (families.py ``guide``). The VAE decodes the latents. Each prompt gives one PNG
 (one per frame for video), named ``sample-<prompt>.png`` or ``sample-<prompt>-f<frame>.png``, written
 into the checkpoint directory of the same step, so samples are checkpoint artifacts.
 """
@@ -21,8 +23,15 @@ from jobs.diffusion.model import compute_dtype, family_of_model
 class Sampler:
     """Generates the ``sample`` section's images with a DiT; owns the prompt embeddings and the VAE."""
 
-    def __init__(self, sample_spec: Any, prompt_embeds: list[torch.Tensor], encoders: Any) -> None:
+    def __init__(
+        self,
+        sample_spec: Any,
+        prompt_embeds: list[torch.Tensor],
+        encoders: Any,
+        negative_embeds: torch.Tensor | None = None,
+    ) -> None:
         self.spec, self.prompt_embeds, self.encoders = sample_spec, prompt_embeds, encoders
+        self.negative_embeds = negative_embeds  # None: no guidance (guidance_scale 1)
 
     def write(self, model: nn.Module, directory: Path) -> list[str]:
         """Generate with ``model`` and write the PNGs into ``directory`` (a checkpoint being written)."""
@@ -52,17 +61,31 @@ class Sampler:
                 # Each prompt's noise from its own generator: adding a prompt does not change the others.
                 generator = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + index)
                 noise = torch.randn((1, *self.latent_shape()), generator=generator).to(device)
-                padded, mask = pad_prompts([embeds], family, family.max_sequence_length)
-                padded, mask = padded.to(device, dtype), mask.to(device)
+                prompt = self._padded(embeds, family, device, dtype)
+                negative = self._padded(self.negative_embeds, family, device, dtype)
 
-                def velocity(x: torch.Tensor, sigma: torch.Tensor, padded=padded, mask=mask) -> torch.Tensor:
-                    return family.predict(model, x.to(dtype), sigma, padded, mask).float()
+                def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt=prompt, negative=negative) -> torch.Tensor:
+                    cond = family.predict(model, x.to(dtype), sigma, *prompt).float()
+                    if negative is None:
+                        return cond
+                    uncond = family.predict(model, x.to(dtype), sigma, *negative).float()
+                    return family.guide(cond, uncond, self.spec.guidance_scale)
 
                 latents = euler_sample(velocity, noise, family.name, self.spec.num_inference_steps)
                 images.append(self.encoders.decode(latents)[0])
             return images
         finally:
             model.train(was_training)
+
+    @staticmethod
+    def _padded(
+        embeds: torch.Tensor | None, family: Any, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One prompt's embeddings as the DiT takes them (padded, with the mask), on ``device``."""
+        if embeds is None:
+            return None
+        padded, mask = pad_prompts([embeds], family, family.max_sequence_length)
+        return padded.to(device, dtype), mask.to(device)
 
 
 def write_pngs(images: list[torch.Tensor], directory: Path) -> list[str]:

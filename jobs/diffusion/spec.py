@@ -117,6 +117,14 @@ class SampleSpec(Section):
     width: int = Field(512, gt=0, multiple_of=16)
     num_frames: int = Field(1, gt=0, description="video frames (Wan: 4k+1); each frame is one PNG")
     seed: int = 0
+    guidance_scale: float = Field(
+        1.0,
+        ge=1.0,
+        le=30.0,
+        description="classifier-free guidance against negative_prompt (two DiT calls a step); 1 = off. "
+        "Qwen-Image's pipeline uses 4 (true_cfg_scale), Wan's 5",
+    )
+    negative_prompt: str = Field(" ", max_length=2000, description="the prompt guidance steers away from")
 
 
 class TimestepRange(Section):

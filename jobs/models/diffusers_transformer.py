@@ -98,11 +98,13 @@ def make_sampler(spec: JobSpec, device: torch.device) -> Any:
     from jobs.diffusion.samples import Sampler
 
     encoders = Encoders.load(spec, device, with_text=True, with_vae=True)
-    embeds = encoders.encode_prompts(list(spec.sample.prompts))
+    guided = spec.sample.guidance_scale > 1
+    embeds = encoders.encode_prompts([*spec.sample.prompts, *([spec.sample.negative_prompt] if guided else [])])
     if encoders.manager is not None:
         encoders.manager.remove()
     encoders.text_encoder = encoders.tokenizer = encoders.manager = None
-    return Sampler(spec.sample, embeds, encoders)
+    negative = embeds.pop() if guided else None
+    return Sampler(spec.sample, embeds, encoders, negative_embeds=negative)
 
 
 def run_cache_task(spec: JobSpec, **kwargs: Any) -> tuple[Literal["succeeded", "paused", "cancelled"], int]:
