@@ -63,22 +63,17 @@ class FlatGroup:
         unpack; with the copy already there, the requester alone (each other member asks for itself), so a
         unit's onload, one request per member, walks the members once rather than once per member.
         ``requester=None``: every member gets its view (a whole unit's onload or prefetch)."""
-        if self._device_span is None:
+        fresh = self._device_span is None
+        if fresh:
             pending, self._in_ring = copy_into_ring(self.copies, self.span, self.placement, 0, prefetch)
             self._device_span, self._event = pending.tensor, pending.event
+        if fresh or requester is None:
             views = self._views()
             attached = 0
             for index, member in enumerate(self.members):
                 if member.pending is None and (
                     requester is None or member is requester or member.holds > 0 or member.live_tokens > 0
                 ):
-                    attached += self._attach(index, member, views)
-            self.copies.stats.hold(attached)
-        elif requester is None:
-            views = self._views()
-            attached = 0
-            for index, member in enumerate(self.members):
-                if member.pending is None:
                     attached += self._attach(index, member, views)
             self.copies.stats.hold(attached)
         elif requester.pending is None:
