@@ -77,16 +77,16 @@ class OffloadOptions:
             raise ValueError(f"prefetch must be an integer >= 0 (0 = no prefetch); got {self.prefetch!r}")
         if self.granularity not in ("leaf", "block"):
             raise ValueError(f"granularity must be 'leaf' or 'block'; got {self.granularity!r}")
-        if isinstance(self.gpu_memory_budget, str) and self.gpu_memory_budget != AUTO_BUDGET:
+        if self.gpu_memory_budget != AUTO_BUDGET:
             try:
                 self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
             except ValueError:
+                if not isinstance(self.gpu_memory_budget, str):  # a negative count or a bool: its own message
+                    raise
                 raise ValueError(
                     "gpu_memory_budget must be a byte count, a size like '8GiB' or '512MB', or 'auto' (measured "
                     f"after the second step); got {self.gpu_memory_budget!r}"
                 ) from None
-        elif self.gpu_memory_budget != AUTO_BUDGET:
-            self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
         self.gpu_memory_limit = parse_bytes(self.gpu_memory_limit, name="gpu_memory_limit")
         if self.gpu_memory_limit == 0:
             raise ValueError("gpu_memory_limit must be a positive size such as '24GiB' (or None for the whole device)")
