@@ -27,13 +27,13 @@ class PrefetchSchedule:
         self.unit_of: dict[int, OffloadUnit] = {}  # id(offloader) -> the first unit that used it
         self.backward_order: list[OffloadUnit] = []
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
-        self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed after step 1)
+        self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed once applied)
         self.kept_bytes = 0  # their bytes
         self.step = 0
 
     @property
     def streaming(self) -> set[int]:
-        """ids of the units that still copy after the budget (``unit.streams``; none until step 1 fixed them)."""
+        """ids of the units that still copy after the budget (``unit.streams``; none while step 1 records)."""
         return set() if self.recording else {id(u) for u in self.order if u.streams}
 
     # ----------------------------------------------------------------- what happened

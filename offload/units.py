@@ -43,8 +43,9 @@ class OffloadUnit:
         self.backward_index: int | None = None  # position in the recorded backward order
         self.backward_step = -1  # the step whose backward last used this unit
         self.keep_for_backward = False  # the last unit of forward is the first of backward
-        # False once the memory budget keeps every tensor of the unit on the device (decided after the first
-        # step, never changed after): its hooks then skip the onload/offload bookkeeping.
+        # False once the memory budget keeps every tensor of the unit on the device (decided between steps, once:
+        # after the first, or after the second for a measured "auto" budget): its hooks then skip the
+        # onload/offload bookkeeping.
         self.streams = True
 
     @property
