@@ -57,18 +57,19 @@ class Sampler:
         model.eval()
         try:
             images = []
+            negative = self._padded(self.negative_embeds, family, device, dtype)  # the same for every prompt
             for index, embeds in enumerate(self.prompt_embeds):
                 # Each prompt's noise from its own generator: adding a prompt does not change the others.
                 generator = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + index)
                 noise = torch.randn((1, *self.latent_shape()), generator=generator).to(device)
                 prompt = self._padded(embeds, family, device, dtype)
-                negative = self._padded(self.negative_embeds, family, device, dtype)
 
-                def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt=prompt, negative=negative) -> torch.Tensor:
-                    cond = family.predict(model, x.to(dtype), sigma, *prompt).float()
+                def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt=prompt) -> torch.Tensor:
+                    x = x.to(dtype)
+                    cond = family.predict(model, x, sigma, *prompt).float()
                     if negative is None:
                         return cond
-                    uncond = family.predict(model, x.to(dtype), sigma, *negative).float()
+                    uncond = family.predict(model, x, sigma, *negative).float()
                     return family.guide(cond, uncond, self.spec.guidance_scale)
 
                 latents = euler_sample(velocity, noise, family.name, self.spec.num_inference_steps)
