@@ -14,7 +14,7 @@ import torch
 
 from offload.arena import PinnedArenaPool, aligned
 from offload.layout import shaped_like
-from offload.offloaders import StaticParamOffloader, copy_into_ring
+from offload.offloaders import BufferOffloader, StaticParamOffloader, copy_into_ring, frozen_fingerprint
 from offload.transfers import CopyEngine, PendingCopy, in_backward
 
 if TYPE_CHECKING:
@@ -57,6 +57,12 @@ class FlatGroup:
         self.members.append(member)
         member.group = self
 
+    @property
+    def frozen(self) -> bool:
+        """Whether a ring slot that still holds the span's copy may be reused (ring.py): frozen weights and
+        buffers, whose in-place writes show in their version counters; not a subclass that keeps more."""
+        return all(type(m) in (StaticParamOffloader, BufferOffloader) for m in self.members)
+
     def onload(self, requester: StaticParamOffloader | None, prefetch: bool) -> None:
         """Copy the span (unless a copy is still alive) and hand views to the members that need one now:
         with a new copy, the requester and any member a running forward holds or a pending backward will
@@ -65,7 +71,8 @@ class FlatGroup:
         ``requester=None``: every member gets its view (a whole unit's onload or prefetch)."""
         fresh = self._device_span is None
         if fresh:
-            pending, self._in_ring = copy_into_ring(self.copies, self.span, self.placement, 0, prefetch)
+            fingerprint = frozen_fingerprint(self.span, [m.tensor for m in self.members]) if self.frozen else None
+            pending, self._in_ring = copy_into_ring(self.copies, self.span, self.placement, 0, prefetch, fingerprint)
             self._device_span, self._event = pending.tensor, pending.event
         if fresh or requester is None:
             views = self._views()

@@ -110,18 +110,44 @@ class TensorOffloader:
 
 
 def copy_into_ring(
-    copies: CopyEngine, host: torch.Tensor, placement: Placement | None, offset: int, prefetch: bool
+    copies: CopyEngine,
+    host: torch.Tensor,
+    placement: Placement | None,
+    offset: int,
+    prefetch: bool,
+    fingerprint: tuple[int, ...] | None = None,
 ) -> tuple[PendingCopy, Placement | None]:
     """Copy ``host`` to the device: into its planned ring slot when the slot is free for its unit, else into
-    allocator memory (counted as a ring overflow). Returns the copy and the placement it holds, if any."""
+    allocator memory (counted as a ring overflow). Returns the copy and the placement it holds, if any.
+
+    ``fingerprint``: for a frozen tensor, the version counters that change when it is written in place
+    (``frozen_fingerprint``). If the slot still holds this copy with that fingerprint, it is not made again
+    (ring.py); ``None`` (a tensor that changes between steps, or one whose slot keeps derived data): always copy.
+    """
     if placement is not None and placement.claim():
         out = placement.region(offset, host)
-        pending = copies.to_device(host, prefetch=prefetch, out=out, after=placement.free_event)
+        if fingerprint is not None and placement.still_holds(offset, host, fingerprint):
+            # No copy: the compute stream already waited for the one that wrote these bytes (when it used
+            # them, or when the slot was released); a later copy into the slot that may still run ahead of
+            # this use (the unit's other tensors) is waited for through the slot's last write.
+            pending = PendingCopy(out, placement.slot.write_event, planned=True)
+            copies.stats.reused_bytes += host.numel() * host.element_size()
+        else:
+            pending = copies.to_device(host, prefetch=prefetch, out=out, after=placement.free_event)
+        placement.copied(offset, host, fingerprint)
         placement.hold(pending.event)
         return pending, placement
     if placement is not None:
         copies.stats.ring_overflows += 1
     return copies.to_device(host, prefetch=prefetch), None
+
+
+def frozen_fingerprint(host: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """The version counters of a frozen host copy and the parameters or buffers over it. An in-place write
+    through either (``load_state_dict``, ``param.mul_()`` under ``no_grad``, a buffer copied back) changes one
+    of them; the engine's own ``.data`` swaps do not. A write through ``.data`` is invisible to it, as it is
+    to autograd."""
+    return (host._version, *(t._version for t in tensors))
 
 
 class StaticParamOffloader(TensorOffloader):
@@ -141,7 +167,10 @@ class StaticParamOffloader(TensorOffloader):
         if self.group is not None:
             self.group.onload(self, prefetch)  # one copy for the whole block; it calls attach()
             return
-        pending, self._in_ring = copy_into_ring(self.copies, self.host, self.placement, self.slot_offset, prefetch)
+        fingerprint = frozen_fingerprint(self.host, [self.tensor]) if self.kind in ("static", "buffer") else None
+        pending, self._in_ring = copy_into_ring(
+            self.copies, self.host, self.placement, self.slot_offset, prefetch, fingerprint
+        )
         self.attach(pending)
 
     def attach(self, pending: PendingCopy) -> None:

@@ -6,6 +6,13 @@ copy into a slot waits (on the copy stream) for the event recorded when its prev
 the compute stream. If a slot is still held by another unit when a copy wants it (a schedule the plan did
 not foresee: a module called out of order, a hold the user keeps), that copy takes ordinary device memory
 instead and is counted in ``stats().ring_overflows``: correct, only not planned.
+
+A slot also remembers what its unit last copied into it. A frozen weight's copy that finds its slot still
+holding exactly those bytes (no other unit wrote the slot since, and neither the host copy nor the parameter
+was written in place: their version counters are unchanged) is not made again. That is the case at both
+turnarounds of a step: the backward ends with the units the next forward starts with, and the forward ends
+with the units the backward starts with, so the last units through each slot are reused
+(``stats().reused_bytes``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from offload.plan import MemoryPlan, _slot_stride
 class RingSlot:
     """One slot: a device byte range, the unit holding it, and the events that order its reuse."""
 
-    __slots__ = ("buffer", "free_event", "owner", "room", "users", "write_event")
+    __slots__ = ("buffer", "contents", "contents_of", "free_event", "owner", "room", "users", "write_event")
 
     def __init__(self, buffer: torch.Tensor, room: torch.Tensor) -> None:
         self.buffer = buffer
@@ -27,6 +34,10 @@ class RingSlot:
         self.users = 0
         self.free_event: torch.cuda.Event | None = None  # recorded when the last user let go
         self.write_event: torch.cuda.Event | None = None  # the last copy into the slot
+        # What ``contents_of`` (the placement that claimed the slot last) copied into it: offset -> (the host
+        # tensor copied, its fingerprint then). Cleared when another placement claims the slot.
+        self.contents: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
+        self.contents_of: Placement | None = None
 
 
 class Placement:
@@ -39,10 +50,27 @@ class Placement:
 
     def claim(self) -> bool:
         """Take the slot for this unit; False while another unit still holds it."""
-        if self.slot.owner is None or self.slot.owner is self:
-            self.slot.owner = self
+        slot = self.slot
+        if slot.owner is None or slot.owner is self:
+            slot.owner = self
+            if slot.contents_of is not self:  # another unit wrote here since: nothing in it is this unit's
+                slot.contents.clear()
+                slot.contents_of = self
             return True
         return False
+
+    def still_holds(self, offset: int, host: torch.Tensor, fingerprint: tuple[int, ...]) -> bool:
+        """Whether the claimed slot still holds this unit's copy of ``host`` at ``offset``, as ``fingerprint``
+        (version counters) says it was when copied."""
+        held = self.slot.contents.get(offset)
+        return held is not None and held[0] is host and held[1] == fingerprint
+
+    def copied(self, offset: int, host: torch.Tensor, fingerprint: tuple[int, ...] | None) -> None:
+        """A copy of ``host`` into the claimed slot at ``offset`` was queued (``None``: not reusable)."""
+        if fingerprint is None:
+            self.slot.contents.pop(offset, None)
+        else:
+            self.slot.contents[offset] = (host, fingerprint)
 
     def region(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A device view at ``offset`` with the shape, dtype and (dense) strides of host tensor ``like``."""

@@ -26,6 +26,8 @@ class OffloadStats:
         ring_overflows: copies that found their ring slot held by another unit and took allocator memory.
         kept_resident_bytes: frozen weight bytes ``gpu_memory_budget`` holds on the device for good (a set
             budget's from step 1 on, a measured ``"auto"`` one's from step 2 on); never copied again.
+        reused_bytes: frozen weight bytes not copied because their ring slot still held them (ring.py):
+            the units at each end of the forward, reused by the backward or the next forward.
     """
 
     h2d_bytes: int = 0
@@ -44,6 +46,7 @@ class OffloadStats:
     planned_device_bytes: int = 0
     ring_overflows: int = 0
     kept_resident_bytes: int = 0
+    reused_bytes: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         """JSON-able numbers, for progress reports."""
@@ -64,6 +67,7 @@ class StatsCounter:
         self.planned_device_bytes = 0
         self.ring_overflows = 0
         self.kept_resident_bytes = 0
+        self.reused_bytes = 0
         self._step_start = (0, 0)
         self.last_step = (0, 0)
         self.last_step_gbps = (0.0, 0.0)
@@ -119,4 +123,5 @@ class StatsCounter:
             planned_device_bytes=self.planned_device_bytes,
             ring_overflows=self.ring_overflows,
             kept_resident_bytes=self.kept_resident_bytes,
+            reused_bytes=self.reused_bytes,
         )
