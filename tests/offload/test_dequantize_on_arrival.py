@@ -134,8 +134,10 @@ def test_dequantization_runs_once_per_unit_visit(monkeypatch: pytest.MonkeyPatch
     for (done, copies, in_layer), (_, torchao_copies, torchao_in_layer) in zip(arrival, torchao, strict=True):
         # One dequantization per payload copy, none inside the layers: forward's, and backward's (a
         # checkpoint's recompute and the backward share the copy). torchao's path dequantizes in every call:
-        # with checkpointing 3 per weight and step (forward, recompute, backward), over the same copies.
-        assert done == copies == torchao_copies and in_layer == 0
+        # with checkpointing 3 per weight and step (forward, recompute, backward), over as many copies or
+        # more (a unit whose payloads and rooms are still in its ring slot is neither copied nor dequantized
+        # again: test_ring_reuse.py; torchao's path keeps nothing dequantized, so it copies every visit).
+        assert done == copies <= torchao_copies and in_layer == 0
         assert 0 < copies <= 2 * 6
         assert torchao_in_layer > done if checkpointing else torchao_in_layer >= done
 
@@ -179,7 +181,7 @@ def test_a_block_units_nf4_weights_are_dequantized_in_one_call_per_visit(
         model(torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
         manager.after_backward()
         copies = sum(1 for address in copied if address in payloads)
-        assert copies >= 2 * 3  # each block's two weights, at least once (forward)
+        assert copies >= 2  # each block's two weights, at least once (forward), unless still in the ring
         assert calls == [2] * (copies // 2)  # one call per block visit, covering both of its weights
     manager.remove()
 

@@ -129,3 +129,32 @@ def test_buffers_a_forward_updates_are_not_reused_stale() -> None:
     expected, got = run(False), run(True)
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("granularity", ["block", "leaf"])
+def test_nf4_units_still_in_their_slot_skip_the_copy_and_the_dequantization(granularity: str) -> None:
+    """A unit's NF4 payloads and their dequantized rooms are reused together; the training stays bitwise."""
+    from tests.offload.test_quantized import WIDTH as Q_WIDTH
+    from tests.offload.test_quantized import make
+    from tests.offload.test_quantized import train as train_quantized
+
+    expected = train_quantized(make("nf4", "non_reentrant"), None)
+    model = make("nf4", "non_reentrant")
+    options = OffloadOptions(granularity=granularity, prefetch=1)
+    got = train_quantized(model, {"options": options})
+    assert got[0] == expected[0]
+    for name, value in expected[1].items():
+        assert torch.equal(got[1][name], value), name
+
+    model = make("nf4", "non_reentrant")
+    manager = OffloadTrainingManager(model, "cpu", options=options)
+    dequantizers = [o for o in manager._offloaders.values() if hasattr(o, "dequantizations")]
+    for _ in range(3):
+        model(torch.randn(2, 8, Q_WIDTH, dtype=torch.bfloat16)).float().sum().backward()
+        manager.after_backward()
+    done = sum(o.dequantizations for o in dequantizers)
+    # Three blocks, each needed twice a step: without reuse 3 * 2 * 3 visits per weight. Step 1 records (no
+    # reuse); the other two each reuse at least the blocks at the turnarounds.
+    assert manager.stats().reused_bytes > 0
+    assert done < len(dequantizers) * 2 * 3
+    manager.remove()

@@ -251,3 +251,37 @@ def test_a_job_taken_back_before_its_process_starts_is_not_run(
     assert after.status is JobStatus.QUEUED and after.pid is None
     assert [e.type for e in store.list_events(job.id, limit=100) if e.attempt == 1 and e.type != "status"] == []
     assert not (tmp_path / "taken" / "output").exists()
+
+
+PREPARED_ALLOCATOR = """
+import os, sys
+from service.executor.child import _prepare_process
+_prepare_process(sys.argv[1] or None, None if sys.argv[1] else 1)
+print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "unset"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("device", "users", "expected"),
+    [
+        ("0", None, "expandable_segments:True"),  # a GPU job: reserved memory tracks allocated memory
+        ("0", "max_split_size_mb:128", "max_split_size_mb:128"),  # the user's own setting is kept
+        ("", None, "unset"),  # a CPU job has no CUDA allocator to configure
+    ],
+)
+def test_a_gpu_jobs_process_uses_expandable_segments_unless_the_user_chose(
+    device: str, users: str | None, expected: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if users is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = users
+    done = subprocess.run(
+        [sys.executable, "-c", PREPARED_ALLOCATOR, device],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == expected
