@@ -280,6 +280,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
             prefetch=2 if "prefetch 2" in mode else 1,
             granularity="block" if "block units" in mode else "leaf",
             dequantize_on_arrival="torchao in the layer" not in mode,
+            reuse_ring_slots="no slot reuse" not in mode,
         )
         manager = OffloadTrainingManager(model, "cuda", options=options)
         if "one call per weight" in mode:  # each weight in a batch of its own: the engine before ArrivalBatch
@@ -304,7 +305,8 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     if manager is not None:
         stats = manager.stats()
         note = (
-            f"h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB/step at {stats.last_step_h2d_gbps:.0f} GB/s, "
+            f"h2d {stats.last_step_h2d_bytes / 1e9:.2f} GB/step at {stats.last_step_h2d_gbps:.0f} GB/s "
+            f"({stats.reused_bytes / (steps + 2) / 1e9:.2f} GB/step reused from the ring), "
             f"pinned {stats.pinned_reserved_bytes / 2**30:.2f} GiB, device ring {manager.plan.ring_bytes / 2**30:.2f} "
             f"GiB (rooms {manager.plan.room_bytes / 2**30:.2f})"
         )
@@ -385,6 +387,7 @@ LORA_MODES = [
     "nf4 offloaded (dequantize on arrival, eager kernel)",
     "nf4 offloaded, prefetch 2",
     "nf4 offloaded, block units",
+    "nf4 offloaded, block units (no slot reuse)",  # every visit copies and dequantizes: the reuse's baseline
     "nf4 offloaded, block units, one call per weight",  # as before ArrivalBatch: the same-run baseline
     "nf4 offloaded, block units, prefetch 2",
     "nf4 offloaded (no index asserts)",

@@ -136,6 +136,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
                 gpu_memory_budget=spec.offload.gpu_memory_budget,
                 gpu_memory_limit=limit,
                 dequantize_on_arrival=spec.offload.dequantize_on_arrival,
+                reuse_ring_slots=spec.offload.reuse_ring_slots,
             ),
             initialize=source.fill if source is not None else None,
         )

@@ -189,6 +189,11 @@ class OffloadSpec(Section):
         description="model.quantize: nf4: dequantize each streamed weight once per visit on the copy stream (false: "
         "torchao dequantizes inside every call, and the rooms beside the ring slots are not allocated)",
     )
+    reuse_ring_slots: bool = Field(
+        True,
+        description="a frozen weight whose ring slot still holds it from its last visit is not copied again "
+        "(false: copy on every visit)",
+    )
 
     @field_validator("gpu_memory_budget", "gpu_memory_limit")
     @classmethod

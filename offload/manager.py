@@ -109,7 +109,7 @@ class OffloadTrainingManager:
         self.measured_budget: int | None = None
         pin = self.options.pin_memory and can_pin_memory()
         self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes), pin=pin)
-        self.ring = DeviceRing(self.plan, self.device)
+        self.ring = DeviceRing(self.plan, self.device, reuse=self.options.reuse_ring_slots)
         self._stats.planned_device_bytes = self.ring.nbytes
         self._offloaders: dict[int, TensorOffloader] = {}
         self._placements: dict[int, tuple[int, Placement]] = {}  # id(unit) -> its ring class and placement

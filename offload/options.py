@@ -63,6 +63,9 @@ class OffloadOptions:
         dequantize_on_arrival: a streamed NF4 weight is dequantized once per visit, on the copy stream, into
             room beside its payload in the device ring, and computed with as a plain tensor
             (dequantize_on_arrival.py); ``False`` leaves the dequantization to torchao inside every call.
+        reuse_ring_slots: a frozen weight whose ring slot still holds its bytes from its last visit (the
+            step's two turnarounds) is not copied again (ring.py); ``False`` copies on every visit, for
+            comparison, or for code that writes frozen weights through ``.data``, which no version counter sees.
     """
 
     prefetch: int = 1
@@ -71,6 +74,7 @@ class OffloadOptions:
     gpu_memory_limit: int | str | None = None
     pin_memory: bool = True
     dequantize_on_arrival: bool = True
+    reuse_ring_slots: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:

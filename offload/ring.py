@@ -25,9 +25,19 @@ from offload.plan import MemoryPlan, _slot_stride
 class RingSlot:
     """One slot: a device byte range, the unit holding it, and the events that order its reuse."""
 
-    __slots__ = ("buffer", "contents", "contents_of", "free_event", "owner", "room", "users", "write_event")
+    __slots__ = (
+        "buffer",
+        "contents",
+        "contents_of",
+        "free_event",
+        "owner",
+        "remembers",
+        "room",
+        "users",
+        "write_event",
+    )
 
-    def __init__(self, buffer: torch.Tensor, room: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, room: torch.Tensor, remembers: bool = True) -> None:
         self.buffer = buffer
         self.room = room  # where the slot's weights dequantized on arrival are written (plan.py)
         self.owner: object | None = None
@@ -38,6 +48,7 @@ class RingSlot:
         # tensor copied, its fingerprint then). Cleared when another placement claims the slot.
         self.contents: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
         self.contents_of: Placement | None = None
+        self.remembers = remembers  # False: OffloadOptions(reuse_ring_slots=False), every visit copies
 
 
 class Placement:
@@ -67,7 +78,7 @@ class Placement:
 
     def copied(self, offset: int, host: torch.Tensor, fingerprint: tuple[int, ...] | None) -> None:
         """A copy of ``host`` into the claimed slot at ``offset`` was queued (``None``: not reusable)."""
-        if fingerprint is None:
+        if fingerprint is None or not self.slot.remembers:
             self.slot.contents.pop(offset, None)
         else:
             self.slot.contents[offset] = (host, fingerprint)
@@ -116,7 +127,7 @@ class Placement:
 class DeviceRing:
     """The ring's one allocation and its slots, built from a :class:`MemoryPlan`."""
 
-    def __init__(self, plan: MemoryPlan, device: torch.device) -> None:
+    def __init__(self, plan: MemoryPlan, device: torch.device, reuse: bool = True) -> None:
         self.nbytes = plan.ring_bytes
         self.buffer = torch.empty(max(self.nbytes - plan.room_bytes, 1), dtype=torch.uint8, device=device)
         # A separate allocation: a dequantization reads the slot's payload while it writes the room.
@@ -129,6 +140,7 @@ class DeviceRing:
                     RingSlot(
                         self.buffer[klass.offset + i * stride : klass.offset + i * stride + klass.slot_bytes],
                         self.rooms[klass.room_offset + i * room_stride :][: klass.room_bytes],
+                        remembers=reuse,
                     )
                     for i in range(klass.depth)
                 ]

@@ -111,6 +111,19 @@ def test_lora_through_the_engine_trains_the_same_adapters(tmp_path: Path, roots:
     assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_offload_reuse_ring_slots_reaches_the_engine(tmp_path: Path, roots: PathRoots, reuse: bool) -> None:
+    """The frozen base streams; with reuse (the default) the turnarounds' units are not copied again, and the
+    trained adapters are the same either way."""
+    data = merged(TINY_LM, lora={"target_modules": ["to_q", "to_v"], "rank": 4}, training={"steps": 4})
+    offload = {"enable_model_cpu_offload": True, "granularity": "block", "reuse_ring_slots": reuse}
+    run(data, tmp_path / "plain", roots)
+    _, events = run(merged(data, offload=offload), tmp_path / "offloaded", roots)
+    reused = [e["offload"]["reused_bytes"] for e in events if e["type"] == "step"]
+    assert (reused[-1] > 0) is reuse
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "offloaded"))
+
+
 def test_epochs_count_steps_from_the_data(tmp_path: Path, roots: PathRoots) -> None:
     data = merged(TINY_LM, training={"steps": None, "epochs": 2, "gradient_accumulation_steps": 2})
     data["training"].pop("steps")

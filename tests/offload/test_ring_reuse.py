@@ -158,3 +158,15 @@ def test_nf4_units_still_in_their_slot_skip_the_copy_and_the_dequantization(gran
     assert manager.stats().reused_bytes > 0
     assert done < len(dequantizers) * 2 * 3
     manager.remove()
+
+
+def test_reuse_ring_slots_false_copies_every_visit() -> None:
+    model = _deep_stack("non_reentrant")
+    options = OffloadOptions(granularity="block", prefetch=1, reuse_ring_slots=False)
+    manager = OffloadTrainingManager(model, "cpu", options=options)
+    for _ in range(3):
+        x = torch.randn(8, WIDTH)
+        F.mse_loss(model(x), x).backward()
+        manager.after_backward()
+    assert manager.stats().reused_bytes == 0
+    manager.remove()
