@@ -16,12 +16,20 @@ import torch
 
 from offload.options import AUTO_BUDGET
 
-__all__ = ["AUTO_BUDGET", "MEASURED_AFTER_STEPS", "measured_budget"]
+__all__ = ["AUTO_BUDGET", "MEASURED_AFTER_STEPS", "measured_budget", "start_measuring"]
 MEASURED_AFTER_STEPS = 2
 # Kept free under the ceiling: allocator fragmentation (reserved above allocated: 1.5 GiB of a 24 GiB job
 # in bench/RESULTS.md's DiT rows) and what later steps allocate that the measured ones did not.
 MARGIN_FRACTION = 1 / 16
 MIN_MARGIN_BYTES = 512 << 20
+
+
+def start_measuring(device: torch.device) -> None:
+    """Measure this manager's steps from here: the CUDA peak statistics are process-wide since their last
+    reset, so a process that ran something larger before (an earlier job in a notebook, a test) would
+    otherwise measure that and get no budget at all."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def measured_budget(device: torch.device, gpu_memory_limit: int | None) -> int | None:

@@ -105,8 +105,11 @@ class OffloadTrainingManager:
         # The forward and backward orders are recorded during the first step; prefetching and the budget
         # follow them after.
         self._schedule = PrefetchSchedule(self.options.prefetch)
-        # gpu_memory_budget='auto': the bytes measured after step 2 (None before, and on the CPU).
+        # gpu_memory_budget='auto': the bytes measured after step 2 (None before, and on the CPU), from the peak
+        # reserved since here (the ring below included).
         self.measured_budget: int | None = None
+        if self.options.gpu_memory_budget == auto_budget.AUTO_BUDGET:
+            auto_budget.start_measuring(self.device)
         pin = self.options.pin_memory and can_pin_memory()
         self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes), pin=pin)
         self.ring = DeviceRing(self.plan, self.device, reuse=self.options.reuse_ring_slots)
