@@ -310,7 +310,14 @@ def main() -> None:
         ),
         "seed": (
             f"the seed's schedule: leaf units, prefetch 0, limit {args.limit}",
-            {"enable_model_cpu_offload": True, "granularity": "leaf", "prefetch": 0, **limited},
+            # The seed copies on every visit: no ring slot reuse (ring.py).
+            {
+                "enable_model_cpu_offload": True,
+                "granularity": "leaf",
+                "prefetch": 0,
+                "reuse_ring_slots": False,
+                **limited,
+            },
         ),
     }
     if not args.build_each:

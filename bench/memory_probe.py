@@ -57,8 +57,8 @@ def main() -> None:
     print(f"resident non-reentrant: {peak(model, None)} GiB above weights")
     model.cpu()
     for name, opts, reentrant in [
-        ("seed", OffloadOptions(prefetch=0), False),
-        ("seed reentrant", OffloadOptions(prefetch=0), True),
+        ("seed", OffloadOptions(prefetch=0, reuse_ring_slots=False), False),
+        ("seed reentrant", OffloadOptions(prefetch=0, reuse_ring_slots=False), True),
         ("default", OffloadOptions(), False),
         ("block", OffloadOptions(granularity="block"), False),
     ]:

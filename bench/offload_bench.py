@@ -100,7 +100,8 @@ def toy_step(
 
 MODES = {
     # name: (OffloadOptions or None for no manager, CPU optimizer fused?)
-    "ferry-prefetch0-leaf (seed)": (OffloadOptions(prefetch=0, granularity="leaf"), False),
+    # The seed's schedule copies on every visit: no ring slot reuse (ring.py) in its row.
+    "ferry-prefetch0-leaf (seed)": (OffloadOptions(prefetch=0, granularity="leaf", reuse_ring_slots=False), False),
     "ferry-default": (OffloadOptions(), True),
     "ferry-leaf": (OffloadOptions(granularity="leaf"), True),
     "ferry-block": (OffloadOptions(granularity="block"), True),

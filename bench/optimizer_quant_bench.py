@@ -71,7 +71,9 @@ def toy(
         model = fsdp2_wrap(model, list(model.layers))
         optimizer = fused_or_not(list(model.parameters()))
     else:
-        options = OffloadOptions(prefetch=0) if mode == "reference (seed schedule)" else OffloadOptions()
+        # The seed's schedule copies on every visit: no ring slot reuse (ring.py) in its row.
+        seed = OffloadOptions(prefetch=0, reuse_ring_slots=False)
+        options = seed if mode == "reference (seed schedule)" else OffloadOptions()
         manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, options=options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
         if mode in ("ferry exact", "ferry delayed_update"):
@@ -274,7 +276,8 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         model = copy.deepcopy(bf16)  # FSDP2 takes the model over; the other modes keep the original
         model = fsdp2_wrap(model, list(model.blocks))
     elif mode == "reference (seed schedule, bf16)":
-        manager = OffloadTrainingManager(model, "cuda", options=OffloadOptions(prefetch=0))
+        options = OffloadOptions(prefetch=0, reuse_ring_slots=False)  # the seed copies on every visit
+        manager = OffloadTrainingManager(model, "cuda", options=options)
     else:
         options = OffloadOptions(
             prefetch=2 if "prefetch 2" in mode else 1,
