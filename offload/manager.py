@@ -373,7 +373,8 @@ class OffloadTrainingManager:
             # The planned slots counted every unit; the units the budget keeps resident no longer take turns
             # in them, so the ones that still stream take their class's slots in turn again (two units
             # copied one after the other never share a slot).
-            streaming = [u for u in self._schedule.order if u.streams]
+            # A unit the budget holds from forward to backward has left the ring too.
+            streaming = [u for u in self._schedule.order if u.streams and u.in_ring]
             self.ring.reassign([self._placements[id(u)] for u in streaming if id(u) in self._placements])
 
     def stats(self) -> OffloadStats:

@@ -29,6 +29,7 @@ class PrefetchSchedule:
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
         self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed once applied)
         self.kept_bytes = 0  # their bytes
+        self.held_for_backward_bytes = 0  # trainable bytes the rest of the budget holds from forward to backward
         self.step = 0
 
     @property
@@ -120,6 +121,35 @@ class PrefetchSchedule:
             last_streamed = [u for u in self.order if u.streams][-1:]
             for unit in last_streamed:
                 unit.keep_for_backward = True
+        self.held_for_backward_bytes = 0
+        if gpu_memory_budget:
+            self.held_for_backward_bytes = self.hold_trainables_for_backward(gpu_memory_budget - self.kept_bytes)
+
+    def hold_trainables_for_backward(self, room: int) -> int:
+        """With the budget's frozen weights placed, hold units with trainable host masters (optimizer offload)
+        from their forward to their backward while their bytes fit ``room``: each is then copied once a step
+        instead of twice. They cannot stay for good (the CPU optimizer changes the master every step), and
+        they leave the ring: a unit held across the turnaround would keep its slot from the units that take
+        turns in it. Returns the bytes held at the turnaround, the step's peak for them.
+
+        Only the weights autograd saves for the backward stay (a checkpointed forward saves none, and its
+        recompute copies again). From the forward's end: those are held the shortest time."""
+        held = 0
+        for unit in reversed(self.order):
+            streamed = [o for o in unit.offloaders if o.kind != "always_on_device" and id(o) not in self.kept]
+            if not streamed or not any(o.kind == "trainable" for o in streamed):
+                continue
+            nbytes = sum(o.nbytes for o in streamed)
+            if held + nbytes > room:
+                continue
+            unit.keep_for_backward = True
+            unit.in_ring = False
+            for offloader in streamed:
+                offloader.leave_ring()
+            held += nbytes
+        if held:
+            log.info("gpu_memory_budget: %d bytes of trainable weights held from forward to backward", held)
+        return held
 
     def keep_resident_within(self, budget: int) -> set[int]:
         """Hold units on the device for good while their frozen tensors fit the budget; returns the ids of the

@@ -47,6 +47,9 @@ class OffloadUnit:
         # after the first, or after the second for a measured "auto" budget): its hooks then skip the
         # onload/offload bookkeeping.
         self.streams = True
+        # False once the budget holds the unit's trainable weights from forward to backward: they copy into
+        # memory of their own, and the unit takes no turn in its ring class.
+        self.in_ring = True
 
     @property
     def streamed_bytes(self) -> int:
