@@ -12,19 +12,21 @@ from offload import OffloadOptions, OffloadTrainingManager
 from tests.offload.models import WIDTH, make_stack
 
 
-def _run(budget: int | None, checkpointing: str | None, attach: bool) -> tuple[list[float], dict, list[int]]:
+def _run(
+    budget: int | None, checkpointing: str | None, attach: bool, device: str = "cpu"
+) -> tuple[list[float], dict, list[int]]:
     model = make_stack("full", checkpointing)
     manager = None
     if budget != -1:
         options = OffloadOptions(gpu_memory_budget=budget)
-        manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, options=options)
+        manager = OffloadTrainingManager(model, device, enable_optimizer_cpu_offload=True, options=options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if manager is not None and attach:
         manager.attach_optimizer(optimizer)
     generator = torch.Generator().manual_seed(1)
     losses, copied = [], []
     for _ in range(4):
-        x = torch.randn(8, WIDTH, generator=generator)
+        x = torch.randn(8, WIDTH, generator=generator).to(device)
         loss = F.mse_loss(model(x), x + 1)
         loss.backward()
         losses.append(loss.item())
@@ -35,7 +37,7 @@ def _run(budget: int | None, checkpointing: str | None, attach: bool) -> tuple[l
         optimizer.zero_grad()
     if manager is not None:
         manager.remove()
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}, copied
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, copied
 
 
 @pytest.mark.parametrize("attach", [False, True], ids=["optimizer-after", "attach_optimizer"])
@@ -78,3 +80,18 @@ def test_a_checkpointed_forward_saves_no_weights_so_nothing_is_held_across_it() 
     assert held[0] == expected[0]
     for name, value in expected[1].items():
         assert torch.equal(held[1][name], value), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attach", [False, True], ids=["optimizer-after", "attach_optimizer"])
+def test_held_trainables_train_bitwise_as_streamed_ones_on_gpu(attach: bool) -> None:
+    """The same CPU optimizer over the same gradients: holding the device copies (no second copy, memory of
+    their own instead of the ring) changes nothing in the numbers."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA; run `pytest -m gpu` on a GPU box")
+    streamed = _run(None, None, attach, device="cuda")
+    held = _run(1 << 30, None, attach, device="cuda")
+    assert held[0] == streamed[0]
+    for name, value in streamed[1].items():
+        assert torch.equal(held[1][name], value), name
+    assert held[2][-1] < streamed[2][-1]
