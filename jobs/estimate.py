@@ -125,6 +125,11 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
             )
         if budget:
             notes.append(f"gpu_memory_budget keeps up to {_gib(budget)} resident")
+            if plan.device_trainable_bytes:
+                notes.append(
+                    f"of it {_gib(plan.device_trainable_bytes)} for the first trainable weights, kept on the device "
+                    "with their gradients and optimizer state (updated there, not by the CPU)"
+                )
         elif measured:
             notes.append(
                 "gpu_memory_budget 'auto': after two steps, weights fill what the limit leaves above their peak "
@@ -179,7 +184,12 @@ def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
         enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
         options=OffloadOptions(
-            prefetch=offload.prefetch, granularity=offload.granularity, pin_memory=False, dequantize_on_arrival=arrival
+            prefetch=offload.prefetch,
+            granularity=offload.granularity,
+            pin_memory=False,
+            dequantize_on_arrival=arrival,
+            # With optimizer offload a set budget keeps the first trainables on the device (no host copies).
+            gpu_memory_budget=offload.gpu_memory_budget,
         ),
         **sizes,
     )

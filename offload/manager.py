@@ -140,7 +140,8 @@ class OffloadTrainingManager:
 
     def _wants_host_copy(self, tensor: torch.Tensor) -> bool:
         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
-        return not trainable or self.enable_optimizer_cpu_offload
+        # With a budget, some trainable parameters stay on the device with their optimizer (plan.py).
+        return not trainable or (self.enable_optimizer_cpu_offload and id(tensor) not in self.plan.device_trainables)
 
     def _make_unit(self, plan: UnitPlan, layout: UnitLayout) -> OffloadUnit:
         by_id = {id(t): (name, t) for name, t in plan.tensors}
@@ -312,6 +313,7 @@ class OffloadTrainingManager:
             delayed_update=delayed_update,
             warmup_steps=warmup_steps,
             cpu_threads=cpu_threads,
+            on_device=self.plan.device_trainables,
         )
         for offloader in trainable.values():
             offloader.before_read = self._stepper.before_read
@@ -358,7 +360,9 @@ class OffloadTrainingManager:
         first_step = self._schedule.recording
         budget = self.options.gpu_memory_budget  # an int, None or "auto" (OffloadOptions.__post_init__)
         measured = budget == auto_budget.AUTO_BUDGET
-        self._schedule.end_step(None if measured else parse_bytes(budget))
+        # What the trainables kept on the device with their optimizer took of a set budget is spent (plan.py).
+        left = None if measured else max((parse_bytes(budget) or 0) - self.plan.device_trainable_bytes, 0)
+        self._schedule.end_step(left)
         applied = first_step
         if measured and self._schedule.step == auto_budget.MEASURED_AFTER_STEPS:
             # No unit is held between steps: the measured budget is applied as a set one is after step 1.

@@ -77,6 +77,7 @@ class StepDuringBackward:
         delayed_update: bool = False,
         warmup_steps: int = 10,
         cpu_threads: int | None = None,
+        on_device: frozenset[int] = frozenset(),
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1; got {accumulation_steps}")
@@ -92,12 +93,23 @@ class StepDuringBackward:
         self._group_of: dict[int, dict[str, Any]] = {}
         self._single: dict[int, torch.optim.Optimizer] = {}
         self._standin: dict[int, torch.nn.Parameter] = {}
+        # Parameters the budget keeps on the device with their optimizer (plan.py): stepped there, in the
+        # user's optimizer.step(), by a view of the optimizer over them alone.
+        self._on_device: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
+        for group in optimizer.param_groups:
+            kept = [p for p in group["params"] if id(p) in on_device]
+            if kept:
+                self._on_device.append((group, kept))
+        self._device_view = one_parameter_view(optimizer, {}, torch.empty(0)) if self._on_device else None
         for group in optimizer.param_groups:
             for param in group["params"]:
+                if id(param) in on_device:
+                    continue
                 if id(param) not in offloaders:
                     raise ValueError(
                         "attach_optimizer needs every parameter of the optimizer to be a trainable parameter the "
-                        "manager keeps on the CPU (enable_optimizer_cpu_offload=True); one is not"
+                        "manager keeps on the CPU (enable_optimizer_cpu_offload=True) or with its optimizer on the "
+                        "device (gpu_memory_budget); one is neither"
                     )
                 self._group_of[id(param)] = group
                 self._standin[id(param)] = standin = torch.nn.Parameter(torch.empty(0))
@@ -135,6 +147,9 @@ class StepDuringBackward:
             # released (set to None), never zeroed in place.
             for offloader in self._offloaders:
                 offloader.tensor.grad = None
+            for _, params in self._on_device:
+                for param in params:
+                    param.grad = None
 
         # An LR scheduler checks that its own wrapper of step() is still in place; ours keeps its promise
         # (it sets ``_opt_called`` as that wrapper does).
@@ -149,6 +164,11 @@ class StepDuringBackward:
             self.wait()
             return self._original_step(closure)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's wrapper sets
+        if self._device_view is not None:
+            # Exact even under delayed_update: the GPU's update is queued behind its backward and is short.
+            # The groups' hyperparameters as they are now (an LR scheduler steps them after this call).
+            self._device_view.param_groups = [{**group, "params": params} for group, params in self._on_device]
+            type(self.optimizer).step(self._device_view)
         return None
 
     # ----------------------------------------------------------------- what the manager tells us

@@ -100,6 +100,9 @@ class MemoryPlan:
         pinned_reserved_bytes / pinned_requested_bytes: what the arena reserves / what the tensors need.
         streamed_bytes: bytes of every streamed tensor once (one pass of the model over the link).
         largest_unit_bytes: the largest slot.
+        device_trainables: ids of the trainable parameters that stay on the device with their optimizer
+            although optimizer offload is on (``trainables_on_device``); ``device_trainable_bytes``: the
+            budget they take (``OPTIMIZER_ON_DEVICE_FACTOR`` times their bytes).
     """
 
     units: list[UnitPlan]
@@ -112,6 +115,8 @@ class MemoryPlan:
     pinned_requested_bytes: int
     streamed_bytes: int
     largest_unit_bytes: int
+    device_trainables: frozenset[int] = frozenset()
+    device_trainable_bytes: int = 0
 
     def describe(self) -> str:
         """One line for logs and estimate notes."""
@@ -169,8 +174,12 @@ def plan_memory(
     def trainable(tensor: torch.Tensor) -> bool:
         return isinstance(tensor, nn.Parameter) and tensor.requires_grad
 
+    on_device, on_device_bytes = trainables_on_device(
+        units, options.gpu_memory_budget if enable_optimizer_cpu_offload else None, size
+    )
+
     def hosted(tensor: torch.Tensor) -> bool:
-        return not trainable(tensor) or enable_optimizer_cpu_offload
+        return not trainable(tensor) or (enable_optimizer_cpu_offload and id(tensor) not in on_device)
 
     placed: set[int] = set()
     host_sizes: list[int] = []
@@ -209,7 +218,44 @@ def plan_memory(
         pinned_requested_bytes=arena.requested_bytes,
         streamed_bytes=streamed,
         largest_unit_bytes=max((c.slot_bytes for c in classes), default=0),
+        device_trainables=frozenset(on_device),
+        device_trainable_bytes=on_device_bytes,
     )
+
+
+# Device bytes per byte of a trainable weight kept on the device with its optimizer: the weight, its gradient
+# and AdamW's two moments (SGD with momentum needs three, plain SGD two: the budget is then not filled).
+OPTIMIZER_ON_DEVICE_FACTOR = 4
+
+
+def trainables_on_device(
+    units: list[UnitPlan], budget: int | str | None, size: Callable[[torch.Tensor], int]
+) -> tuple[set[int], int]:
+    """With optimizer offload and a set ``gpu_memory_budget``: the trainable parameters that stay on the device
+    with their optimizer, and the budget they take. Returns (their ids, bytes).
+
+    With optimizer offload the step is the CPU optimizer's (bench/RESULTS.md: a fused CPU AdamW over 168M
+    parameters takes longer than the toy's whole GPU step), so the budget goes first to taking updates off
+    the CPU: each parameter kept on the device is updated there by the user's own optimizer, in
+    ``optimizer.step()``. From the model's first parameters on (registration order, the forward's for a
+    stack of layers): in an exact step the next forward waits first for the first layers' updates, whose
+    gradients the backward makes last. Up to the first one that does not fit, so the kept ones are a prefix.
+    ``"auto"`` is measured after the optimizer exists, too late to choose where its state lives: none.
+    """
+    if not isinstance(budget, int) or budget <= 0:
+        return set(), 0
+    chosen: set[int] = set()
+    used = 0
+    for unit in units:
+        for _, tensor in unit.tensors:
+            if not (isinstance(tensor, nn.Parameter) and tensor.requires_grad) or id(tensor) in chosen:
+                continue
+            need = OPTIMIZER_ON_DEVICE_FACTOR * size(tensor)
+            if used + need > budget:
+                return chosen, used
+            chosen.add(id(tensor))
+            used += need
+    return chosen, used
 
 
 def _ring(

@@ -62,6 +62,18 @@ def _meta_lm(data: dict[str, Any]) -> torch.nn.Module:
     return meta_model(TransformerLMSpec(**data["model"]))
 
 
+def test_a_budget_with_optimizer_offload_keeps_the_first_trainables_on_the_device(tmp_path: Path) -> None:
+    """The estimate plans it as the engine does: fewer host copies (the arena matches a real step's), and a
+    note that says what the budget keeps with its optimizer on the device."""
+    events: list[JobEvent] = []
+    data = merged(BIG_TOY, offload={**BOTH, "gpu_memory_budget": "32MiB"}, training={"steps": 1})
+    estimate = estimate_memory(spec_from(data))
+    assert estimate.pinned_host_bytes < estimate_memory(spec_from(merged(BIG_TOY, offload=BOTH))).pinned_host_bytes
+    assert any("kept on the device with their gradients and optimizer state" in note for note in estimate.notes)
+    run_job(spec_from(data), output_dir=tmp_path, report=events.append)
+    assert next(e for e in events if isinstance(e, StepEvent)).pinned_bytes == estimate.pinned_host_bytes
+
+
 def test_pinned_estimate_matches_the_engine_arena(tmp_path: Path) -> None:
     events: list[JobEvent] = []
     data = merged(BIG_TOY, offload=BOTH, training={"steps": 1})
