@@ -92,9 +92,11 @@ def test_the_merge_answer_gives_its_archive() -> None:
     assert read == {"url": "/x.tar", "name": "step-4-merged.tar", "bytes": 10}
 
 
-def test_the_offload_figures_say_what_the_budget_keeps_on_the_gpu() -> None:
+def test_the_offload_figures_say_what_the_budget_keeps_on_the_gpu_and_what_the_ring_reused() -> None:
     from offload import OffloadStats
 
-    stats = OffloadStats(last_step_h2d_gbps=54.2, copy_wait_seconds=0.5, h2d_bytes=10, kept_resident_bytes=15 << 30)
+    stats = OffloadStats(
+        last_step_h2d_gbps=54.2, copy_wait_seconds=0.5, h2d_bytes=10, kept_resident_bytes=15 << 30, reused_bytes=7
+    )
     read = read_with("m.offloadFigures(a.off)", off=dataclasses.asdict(stats))
-    assert read == {"h2d": 54.2, "d2h": 0.0, "copyWait": 0.5, "h2dBytes": 10, "kept": 15 << 30}
+    assert read == {"h2d": 54.2, "d2h": 0.0, "copyWait": 0.5, "h2dBytes": 10, "kept": 15 << 30, "reused": 7}

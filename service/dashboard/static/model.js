@@ -169,6 +169,7 @@ export function offloadFigures(off) {
     copyWait: off?.copy_wait_seconds ?? null,
     h2dBytes: off?.h2d_bytes ?? null,
     kept: off?.kept_resident_bytes ?? null,
+    reused: off?.reused_bytes ?? null,
   };
 }
 

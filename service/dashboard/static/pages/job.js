@@ -184,5 +184,6 @@ function offloadStat(last, job) {
   if (!isNum(o.h2d)) return stat("Offload", DASH, { id: "offload", sub: "no offload figures (offload off or not started)" });
   return stat("Offload H→D", `${num(o.h2d, 3)} GB/s`, { id: "offload",
     sub: `D→H ${num(o.d2h, 3)} GB/s · ${num(o.copyWait, 3)} s waiting on copies in all`
-      + (isNum(o.kept) && o.kept > 0 ? ` · ${bytes(o.kept)} of weights kept on the GPU` : "") });
+      + (isNum(o.kept) && o.kept > 0 ? ` · ${bytes(o.kept)} of weights kept on the GPU` : "")
+      + (isNum(o.reused) && o.reused > 0 ? ` · ${bytes(o.reused)} reused from the ring in all` : "") });
 }
