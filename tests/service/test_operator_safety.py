@@ -76,6 +76,10 @@ def test_data_directory_0700_files_0600_and_a_full_queue_says_when_to_retry(make
             time.sleep(0.2)
         for job in (running, queued):
             client.post(f"/v1/jobs/{job['id']}/cancel")
+        # Cancelling is asynchronous: until the job has stopped, a checkpoint it is writing (a temporary folder
+        # renamed into place) can vanish under the walk below.
+        for job in (running, queued):
+            wait_status(client, job["id"], "cancelled")
     data = server.data_dir
     assert mode(data) == 0o700 and mode(data / "jobs") == 0o700
     assert mode(data / "ferry.sqlite3") == 0o600
