@@ -81,8 +81,10 @@ def train(
     micro_batches: int = 1,
     seed: int = 1,
     between_steps: Callable[[nn.Module, OffloadTrainingManager | None], None] | None = None,
+    attach: dict | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], OffloadTrainingManager | None]:
-    """Train with AdamW; ``offload`` holds the manager's keyword arguments (None = no manager).
+    """Train with AdamW; ``offload`` holds the manager's keyword arguments (None = no manager), ``attach``
+    those of ``manager.attach_optimizer`` (None = the optimizer steps after ``after_backward``).
 
     Returns the losses, the final state dict (on the CPU) and the manager (already removed).
     """
@@ -92,6 +94,8 @@ def train(
     else:
         model.to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if manager is not None and attach is not None:
+        manager.attach_optimizer(optimizer, **attach)
     generator = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from offload import OffloadOptions, OffloadTrainingManager, plan_memory
 from offload.plan import OPTIMIZER_ON_DEVICE_FACTOR
-from tests.offload.models import WIDTH, Stack, make_stack
+from tests.offload.models import Stack, make_stack, train
 
 
 def _bytes(module: torch.nn.Module) -> int:
@@ -21,32 +20,26 @@ def _bytes(module: torch.nn.Module) -> int:
 def _run(
     budget: int | None, checkpointing: str | None = None, attach: bool = False, device: str = "cpu", delayed=False
 ) -> tuple[list[float], dict, list[int], OffloadTrainingManager | None]:
-    """Four AdamW steps of the full stack; ``budget=-1``: no manager at all."""
-    model = make_stack("full", checkpointing)
-    manager = None
+    """Four AdamW steps of the full stack (``models.train``), and the bytes each step copied to the device;
+    ``budget=-1``: no manager at all."""
+    offload = None
     if budget != -1:
-        options = OffloadOptions(gpu_memory_budget=budget)
-        manager = OffloadTrainingManager(model, device, enable_optimizer_cpu_offload=True, options=options)
-    else:
-        model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if manager is not None and attach:
-        manager.attach_optimizer(optimizer, delayed_update=delayed, warmup_steps=1)
-    generator = torch.Generator().manual_seed(1)
-    losses, copied = [], []
-    for _ in range(4):
-        x = torch.randn(8, WIDTH, generator=generator).to(device)
-        loss = F.mse_loss(model(x), x + 1)
-        loss.backward()
-        losses.append(loss.item())
+        offload = {"enable_optimizer_cpu_offload": True, "options": OffloadOptions(gpu_memory_budget=budget)}
+    copied: list[int] = []
+
+    def count(model: torch.nn.Module, manager: OffloadTrainingManager | None) -> None:
         if manager is not None:
-            manager.after_backward()
-            copied.append(manager.stats().last_step_h2d_bytes)
-        optimizer.step()
-        optimizer.zero_grad()
-    if manager is not None:
-        manager.remove()
-    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, copied, manager
+            copied.append(manager.stats().last_step_h2d_bytes)  # the step's, set by after_backward
+
+    losses, state, manager = train(
+        make_stack("full", checkpointing),
+        steps=4,
+        offload=offload,
+        device=device,
+        between_steps=count,
+        attach={"delayed_update": delayed, "warmup_steps": 1} if attach else None,
+    )
+    return losses, state, copied, manager
 
 
 def _assert_same(got: tuple, expected: tuple) -> None:
@@ -110,16 +103,8 @@ def test_the_budget_holds_only_what_fits() -> None:
     # Block 0 and its optimizer; of the fc1's worth left, what the prefix rule takes on the device (block 1's
     # norm), and the rest holds whatever else fits from the forward's end.
     options = OffloadOptions(gpu_memory_budget=OPTIMIZER_ON_DEVICE_FACTOR * _bytes(model.blocks[0]) + layer)
-    manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, options=options)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(2):
-        x = torch.randn(8, WIDTH)
-        F.mse_loss(model(x), x).backward()
-        manager.after_backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert 0 < manager._schedule.held_for_backward_bytes <= layer
-    manager.remove()
+    _, _, manager = train(model, steps=2, offload={"enable_optimizer_cpu_offload": True, "options": options})
+    assert manager is not None and 0 < manager._schedule.held_for_backward_bytes <= layer
 
 
 def test_delayed_update_keeps_the_device_parameters_exact() -> None:
