@@ -47,6 +47,7 @@ class FlatGroup:
         # waits for. Views over allocator memory (a ring overflow) are made anew and never kept.
         self._ring_views: dict[int, list[torch.Tensor | None]] = {}
         self._index: dict[int, int] = {}  # id(member) -> its position in the span
+        self.frozen = True  # every member so far may be reused from its ring slot (add)
 
     def host_view(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """The slot for the ``index``-th tensor inside the span."""
@@ -56,12 +57,10 @@ class FlatGroup:
         self._index[id(member)] = len(self.members)
         self.members.append(member)
         member.group = self
-
-    @property
-    def frozen(self) -> bool:
-        """Whether a ring slot that still holds the span's copy may be reused (ring.py): frozen weights and
-        buffers, whose in-place writes show in their version counters; not a subclass that keeps more."""
-        return all(type(m) in (StaticParamOffloader, BufferOffloader) for m in self.members)
+        # Whether a ring slot that still holds the span's copy may be reused (ring.py): frozen weights and
+        # buffers, whose in-place writes show in their version counters; not a subclass that keeps more.
+        # Members are added at setup only, so it is decided here rather than on every onload.
+        self.frozen = self.frozen and type(member) in (StaticParamOffloader, BufferOffloader)
 
     def onload(self, requester: StaticParamOffloader | None, prefetch: bool) -> None:
         """Copy the span (unless a copy is still alive) and hand views to the members that need one now:
