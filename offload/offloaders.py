@@ -134,7 +134,7 @@ def copy_into_ring(
             copies.stats.reused_bytes += host.numel() * host.element_size()
         else:
             pending = copies.to_device(host, prefetch=prefetch, out=out, after=placement.free_event)
-        placement.copied(offset, host, fingerprint)
+            placement.copied(offset, host, fingerprint)
         placement.hold(pending.event)
         return pending, placement
     if placement is not None:
