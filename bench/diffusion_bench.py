@@ -284,29 +284,20 @@ def main() -> None:
     weights = sum(p.numel() for p in meta_dit(probe.model).parameters())
     weight_bytes = 2 * weights
     limited = {} if args.tiny else {"gpu_memory_limit": args.limit}
+    ferry = {
+        "enable_model_cpu_offload": True,
+        "granularity": "block",
+        "prefetch": 1,
+        "gpu_memory_budget": None if args.tiny else args.budget,
+        **limited,
+    }
     configs = {
         "resident": ("no offload, no limit (weights resident)", {}),
-        "ferry": (
-            f"model offload, block units, prefetch 1, budget {args.budget}, limit {args.limit}",
-            {
-                "enable_model_cpu_offload": True,
-                "granularity": "block",
-                "prefetch": 1,
-                "gpu_memory_budget": None if args.tiny else args.budget,
-                **limited,
-            },
-        ),
+        "ferry": (f"model offload, block units, prefetch 1, budget {args.budget}, limit {args.limit}", ferry),
         # The same schedule with every visit copied: the same-run baseline of the ring slots' reuse.
         "ferry-copy-all": (
             f"as Ferry's, reuse_ring_slots: false (every visit copies), budget {args.budget}, limit {args.limit}",
-            {
-                "enable_model_cpu_offload": True,
-                "granularity": "block",
-                "prefetch": 1,
-                "gpu_memory_budget": None if args.tiny else args.budget,
-                "reuse_ring_slots": False,
-                **limited,
-            },
+            {**ferry, "reuse_ring_slots": False},
         ),
         "seed": (
             f"the seed's schedule: leaf units, prefetch 0, limit {args.limit}",
