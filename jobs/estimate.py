@@ -19,7 +19,7 @@ from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
 from jobs.sizes import human_bytes
 from jobs.spec import JobSpec
-from offload import MemoryPlan, OffloadOptions, parse_bytes, plan_memory
+from offload import MemoryPlan, parse_bytes, plan_memory
 from offload.options import AUTO_BUDGET
 from offload.quantized import planned_sizes
 
@@ -183,14 +183,9 @@ def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
         model,
         enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
-        options=OffloadOptions(
-            prefetch=offload.prefetch,
-            granularity=offload.granularity,
-            pin_memory=False,
-            dequantize_on_arrival=arrival,
-            # With optimizer offload a set budget keeps the first trainables on the device (no host copies).
-            gpu_memory_budget=offload.gpu_memory_budget,
-        ),
+        # The job's own options (with optimizer offload a set budget keeps the first trainables on the device,
+        # with no host copies), over a dry-run arena.
+        options=offload.engine_options(pin_memory=False),
         **sizes,
     )
 

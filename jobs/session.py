@@ -23,7 +23,7 @@ from jobs.spec import JobSpec
 from jobs.telemetry import peak_rss_bytes
 from jobs.training_state import load_training_state, restore_rng
 from jobs.weight_sources import WeightSource
-from offload import OffloadOptions, OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
+from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +130,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
             device,
             enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
             cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
-            options=OffloadOptions(
-                prefetch=spec.offload.prefetch,
-                granularity=spec.offload.granularity,
-                gpu_memory_budget=spec.offload.gpu_memory_budget,
-                gpu_memory_limit=limit,
-                dequantize_on_arrival=spec.offload.dequantize_on_arrival,
-                reuse_ring_slots=spec.offload.reuse_ring_slots,
-            ),
+            options=spec.offload.engine_options(gpu_memory_limit=limit),
             initialize=source.fill if source is not None else None,
         )
         if checkpoint is not None and source is not None:

@@ -8,6 +8,7 @@ specs arrive over HTTP and must not name code to run. Field-level rules live on 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -22,7 +23,7 @@ from jobs.models.transformer_lm import TransformerLMSpec as TransformerLMSpec
 from jobs.sections import Dtype as Dtype
 from jobs.sections import Section, broken_rules, confined_path
 from jobs.spec_llm import EvalSpec, InstructionFields, TextSamplesSpec, TrackingSpec
-from offload import parse_bytes
+from offload import OffloadOptions, parse_bytes
 from offload.options import AUTO_BUDGET
 
 # Bounds a run can hold: a step counter and a sample count (steps x batch) stay far inside int64.
@@ -225,6 +226,13 @@ class OffloadSpec(Section):
                 ]
             )
         return self
+
+    def engine_options(self, **overrides: Any) -> OffloadOptions:
+        """The engine options this section sets (every ``OffloadOptions`` field it has), then ``overrides``:
+        one mapping for the training job, the cache job's encoders and the estimate, so a new option reaches
+        all three."""
+        names = {f.name for f in dataclasses.fields(OffloadOptions)}
+        return OffloadOptions(**{**{n: getattr(self, n) for n in names if n in type(self).model_fields}, **overrides})
 
     @model_validator(mode="after")
     def _check_delayed_update_needs_optimizer_offload(self) -> OffloadSpec:

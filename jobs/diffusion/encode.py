@@ -7,7 +7,6 @@ Everything returned is on the CPU: callers cache it or put it in a batch.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,7 @@ import torch
 
 from jobs.diffusion.components import load_text_encoder, load_tokenizer, load_vae
 from jobs.diffusion.families import DiffusionFamily
-from offload import OffloadOptions, OffloadTrainingManager
-
-
-def engine_options(offload_spec: Any) -> OffloadOptions:
-    """The engine options the ``offload`` section sets (every OffloadOptions field it has)."""
-    names = {f.name for f in dataclasses.fields(OffloadOptions)}
-    return OffloadOptions(**{name: getattr(offload_spec, name) for name in names if hasattr(offload_spec, name)})
+from offload import OffloadTrainingManager
 
 
 class Encoders:
@@ -55,7 +48,7 @@ class Encoders:
         encoders = cls(family, device, encoder, tokenizer, vae)
         if encoder is not None:
             if spec.offload.enable_model_cpu_offload:
-                encoders.manager = OffloadTrainingManager(encoder, device, options=engine_options(spec.offload))
+                encoders.manager = OffloadTrainingManager(encoder, device, options=spec.offload.engine_options())
             else:
                 encoder.to(device)
         if vae is not None:
