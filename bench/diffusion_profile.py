@@ -33,6 +33,7 @@ import yaml
 # The tree the caller's PYTHONPATH names comes first (an A/B run points it at another checkout's engine).
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from bench.diffusion_bench import dit_job, make_pipeline_dir, write_synthetic_cache
+from bench.trace_summary import summarize
 from jobs import PathRoots, load_job_spec, run_job
 from jobs.events import event_to_wire
 
@@ -184,47 +185,6 @@ class StepProbe:
 
     def figures(self) -> dict[str, Any]:
         return {**self.rows, "full_gc_ms": self.full_gc_ms}
-
-
-def summarize(trace: dict[str, Any]) -> str:
-    """Busy time and idle gaps of the compute stream and the host-to-device copy stream; host sync calls."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not gpu:
-        return "no device activity in the trace"
-    streams: dict[Any, list[dict]] = {}
-    for e in gpu:
-        streams.setdefault((e.get("cat") == "gpu_memcpy", e["args"].get("stream")), []).append(e)
-    start = min(e["ts"] for e in gpu)
-    end = max(e["ts"] + e["dur"] for e in gpu)
-    lines = [f"window {(end - start) / 1e3:.1f} ms"]
-    for (is_copy, stream), items in sorted(streams.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
-        items.sort(key=lambda e: e["ts"])
-        busy = sum(e["dur"] for e in items)
-        gaps, last = [], start
-        for e in items:
-            if e["ts"] - last > 50:
-                gaps.append((e["ts"] - last, last - start, e["name"][:60]))
-            last = max(last, e["ts"] + e["dur"])
-        bins = [0.0] * 20
-        width = (end - start) / 20
-        for e in items:
-            for b in range(int((e["ts"] - start) // width), min(19, int((e["ts"] + e["dur"] - start) // width)) + 1):
-                lo, hi = start + b * width, start + (b + 1) * width
-                bins[b] += max(0.0, min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"]))
-        lines.append(
-            f"{'copy' if is_copy else 'kernel'} stream {stream}: {len(items)} ops, busy {busy / 1e3:.1f} ms, "
-            f"idle gaps >50us: {len(gaps)} totalling {sum(g[0] for g in gaps) / 1e3:.1f} ms; "
-            f"busy % per 1/20 of the window: {[round(100 * b / width) for b in bins]}"
-        )
-        for gap, at, name in sorted(gaps, reverse=True)[:8]:
-            lines.append(f"    gap {gap / 1e3:.2f} ms at {at / 1e3:.1f} ms, before {name}")
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
-    for word in ("Synchronize", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaHostAlloc", "cudaEventQuery"):
-        hits = [e for e in runtime if word in e["name"]]
-        if hits:
-            lines.append(f"host {word}: {len(hits)} calls, {sum(e['dur'] for e in hits) / 1e3:.2f} ms")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
