@@ -95,7 +95,7 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
             return
         slot = self._in_ring.slot
         room = self._in_ring.room_region(self.room_offset, self.like)
-        event = _dequantize_on(self.copies, pending, slot.room.view(self._dtype), slot.buffer, span_layout([self]))
+        event = _dequantize_on(self.copies, pending, (room.view(-1),), slot.buffer, span_layout([self]))
         if event is not None:
             self._in_ring.wrote(event)  # a release with no wait before it must still wait for this
         self.dequantizations += 1
@@ -124,7 +124,7 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
 
 
 def _dequantize_on(
-    copies: Any, pending: PendingCopy, rooms: torch.Tensor, payloads: torch.Tensor, layout: SpanLayout
+    copies: Any, pending: PendingCopy, rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout
 ) -> torch.cuda.Event | None:
     """Dequantize ``layout``'s weights on the stream of the copy ``pending`` (the last one of them); returns
     the event the compute stream waits for (None on the compute stream itself, where stream order suffices)."""
@@ -159,7 +159,7 @@ class ArrivalBatch:
         self._attached = 0
         self._live: tuple[list[DequantizedParamOffloader], list[torch.Tensor], torch.cuda.Event | None] | None = None
         self._in_ring: Placement | None = None
-        self._views_over: dict[int, list[tuple]] = {}  # slot address -> each member's (payload, room)
+        self._views_over: dict[int, tuple[list[tuple], tuple]] = {}  # slot -> members' (payload, room), flat rooms
         self.calls = 0  # dequantization calls made (one per unit visit)
 
     def onload(self, requester: DequantizedParamOffloader, prefetch: bool) -> None:
@@ -186,11 +186,12 @@ class ArrivalBatch:
         arriving = [m for m in self.members if m.pending is None and m.placement is placement]
         # Each member's payload place and room in this slot: made once per slot (a unit lands in one of
         # prefetch + 1 slots), not on every visit.
-        views = _kept(self._views_over, placement.slot.buffer.data_ptr(), lambda: self._views_in(placement))
+        views, flat = _kept(self._views_over, placement.slot.buffer.data_ptr(), lambda: self._views_in(placement))
         layout = self.layout
         if len(arriving) < len(self.members):  # some were on the device already (outside the ring)
             views = [v for v, m in zip(views, self.members, strict=True) if m in arriving]
             layout = span_layout(arriving)
+            flat = _flat(views)
         # The whole unit's payloads and their dequantized rooms may still be in the slot from its last visit
         # (ring.py): then neither the copies nor the dequantization are made again. Keyed by the first
         # member's place; the fingerprint is every payload's version counter (torchao's in-place writes go
@@ -211,7 +212,7 @@ class ArrivalBatch:
             placement.hold(pending.event)
             placement.copied(first.slot_offset, first.host, fingerprint)
             slot = placement.slot
-            event = _dequantize_on(requester.copies, pending, slot.room.view(self.dtype), slot.buffer, layout)
+            event = _dequantize_on(requester.copies, pending, flat, slot.buffer, layout)
             if event is not None:
                 placement.wrote(event)  # a release with no wait before it must still wait for this
             self.calls += 1
@@ -220,12 +221,13 @@ class ArrivalBatch:
         self._live, self._in_ring = (arriving, [room for _, room in views], event), placement
         return True
 
-    def _views_in(self, placement: Placement) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each member's (payload place, room) in ``placement``'s slot."""
-        return [
+    def _views_in(self, placement: Placement) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple]:
+        """Each member's (payload place, room) in ``placement``'s slot, and the rooms as the kernel takes them."""
+        views = [
             (placement.region(m.slot_offset, m.host), placement.room_region(m.room_offset, m.like))
             for m in self.members
         ]
+        return views, _flat(views)
 
     def detached(self) -> None:
         """A member let go of its room; with the last one the slot is released."""
@@ -237,6 +239,11 @@ class ArrivalBatch:
 
     def forget(self) -> None:
         self._views_over.clear()
+
+
+def _flat(views: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """The rooms of (payload, room) pairs as the dequantization kernel takes them: flat views."""
+    return tuple(room.view(-1) for _, room in views)
 
 
 def _kept(cache: dict[int, Any], address: int, make: Any) -> Any:

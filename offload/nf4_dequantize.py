@@ -1,11 +1,17 @@
 """torchao's NF4 dequantization run over a payload's plain inner tensors, written into device buffers: the
 kernels that ``dequantize_on_arrival.py`` calls right after a unit's NF4 payloads reach its ring slot.
 
-The code is torchao's own ``NF4Tensor.get_original_weight`` (so the values are torchao's, bit for bit), run over
-plain tensors rather than the tensor subclass: eagerly, or on CUDA traced by ``torch.compile`` into one graph
-per unit layout, with no subclass guards to run per call. ``COMPILE_ON_CUDA``, ``COMPILE_ON_CPU`` and
-``COMPILE_OPTIONS`` let the benchmarks compare the kernels; a compile failure falls back to eager, once, with
-a warning.
+The arithmetic is torchao's own (``NF4Tensor.dequantize`` for the 4-bit codes, ``dequantize_scalers`` for the
+double-quantized block scales, the same bf16 multiply), run over plain tensors rather than the tensor
+subclass: eagerly, or on CUDA traced by ``torch.compile`` into one graph per unit layout, with no subclass
+guards to run per call. Only where each value goes is written differently from ``get_original_weight``: that
+interleaves the high and low nibbles' values with ``torch.stack``, which inductor materializes into a
+temporary and then copies (two passes over the weight, the second with strided reads); here each output
+element picks its own nibble by index, so the whole weight is one pointwise kernel that writes its room
+once (bench/RESULTS.md, issue 18: a block's six weights went from 0.93 to ~0.2 ms on the H200). The values
+are torchao's bit for bit (tests/offload/test_quantized.py and test_dequantize_on_arrival.py compare them
+with ``NF4Tensor.get_original_weight``). ``COMPILE_ON_CUDA``, ``COMPILE_ON_CPU`` and ``COMPILE_OPTIONS`` let
+the benchmarks compare the kernels; a compile failure falls back to eager, once, with a warning.
 """
 
 from __future__ import annotations
@@ -24,14 +30,13 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _kernels() -> tuple[Callable[..., None], Callable[..., None]]:
+def _kernels() -> tuple[Callable[..., None], Callable[..., None], Callable[[torch.Tensor], torch.Tensor]]:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
     class NF4Parts:
-        """What torchao's ``NF4Tensor.get_original_weight`` reads, as plain attributes: its own code then
-        runs over plain tensors (eager, or traced by torch.compile without the subclass)."""
+        """What torchao's ``NF4Tensor.get_original_weight`` reads, as plain attributes: torchao's dequantization
+        methods then run over plain tensors (eager, or traced by torch.compile without the subclass)."""
 
-        get_original_weight = NF4Tensor.get_original_weight
         dequantize_scalers = NF4Tensor.dequantize_scalers
         dequantize = staticmethod(NF4Tensor.dequantize)
 
@@ -44,17 +49,43 @@ def _kernels() -> tuple[Callable[..., None], Callable[..., None]]:
             self.shape, self.dtype = shape, dtype
             self.block_size, self.scaler_block_size = blocks
 
+        def weight(self) -> torch.Tensor:
+            """``get_original_weight``'s values, each element computed where it lands (module docstring)."""
+            codes = self.quantized_data.unsqueeze(-1).expand(-1, 2)  # byte i holds elements 2i (high) and 2i+1
+            low = torch.arange(2, device=codes.device).expand(codes.shape) == 1
+            codes = torch.where(low, codes & 0b1111, codes >> 4).to(torch.long).reshape(-1)
+            values = self.dequantize(codes, self.nf4)
+            scalers = self.dequantize_scalers(self.quantized_scalers, self.quantization_factor, self.scaler_block_size)
+            repeated = scalers.unsqueeze(-1).expand(scalers.size(0), self.block_size).reshape(-1)
+            return (values * repeated).reshape(self.shape)
+
     def dequantize_all_into(outs: list[torch.Tensor], inners: list[dict[str, torch.Tensor]], metas: tuple) -> None:
         for out, inner, (shape, dtype, blocks) in zip(outs, inners, metas, strict=True):
-            out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
+            out.copy_(NF4Parts(inner, shape, dtype, blocks).weight())
 
-    def dequantize_spans_into(rooms: torch.Tensor, payloads: tuple[torch.Tensor, ...], weights: tuple) -> None:
-        for at, parts, (shape, dtype, blocks) in weights:
+    def dequantize_spans_into(
+        rooms: tuple[torch.Tensor, ...], payloads: tuple[torch.Tensor, ...], weights: tuple
+    ) -> None:
+        # Each weight's room is an input of its own (flat, non-overlapping views of the slot's room): written
+        # as views of one room tensor, the six copies would be functionalized into a chain of slice_scatters
+        # that inductor lowers to one kernel over the whole room, every element evaluating all six branches.
+        for room, (parts, (shape, dtype, blocks)) in zip(rooms, weights, strict=True):
             inner = {name: payloads[i][o : o + n].view(size) for name, i, o, n, size in parts}
-            out = rooms[at : at + shape.numel()].view(shape)
-            out.copy_(NF4Parts(inner, shape, dtype, blocks).get_original_weight())
+            room.view(shape).copy_(NF4Parts(inner, shape, dtype, blocks).weight())
 
-    return dequantize_all_into, dequantize_spans_into
+    def weight_of(tensor: torch.Tensor) -> torch.Tensor:
+        blocks = (tensor.block_size, tensor.scaler_block_size)  # type: ignore[attr-defined]
+        inner = {name: getattr(tensor, name) for name in NF4_INNER}
+        return NF4Parts(inner, tensor.shape, tensor.dtype, blocks).weight()
+
+    return dequantize_all_into, dequantize_spans_into, weight_of
+
+
+def nf4_weight_function() -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function of an NF4 tensor giving torchao's ``get_original_weight()`` values, computed as this module's
+    kernels compute them (one pointwise pass). Traceable by ``torch.compile`` with the NF4 tensor as input;
+    get it outside the compiled function (dynamo would trace the cached builder and its class body)."""
+    return _kernels()[2]
 
 
 def _eager() -> Callable[..., None]:
@@ -72,10 +103,10 @@ def _compiled(spans: bool = False) -> Callable[..., None]:
     # One graph per unit signature (dynamic=False: the weights' shapes and places in the slot, the same for
     # every block of a stack), so a block's six weights are one call: dynamo's guards and the wrappers run
     # once per unit visit, not once per weight (each call costs ~80-100 us of host time on a step the host
-    # bounds). With ``spans`` the graph's inputs are just the slot's two buffers, whatever the number of
-    # weights: lists of views would each be guarded, and many mutated views of one buffer make AOTAutograd
-    # regenerate them from a synthetic base in Python on every call. The copies into the rooms stay in the
-    # graph, so the kernels write them directly. emulate_precision_casts rounds each intermediate as eager
+    # bounds). With ``spans`` the payloads are the slot's buffer (viewed once per dtype), whatever the number
+    # of weights, and the rooms one flat view per weight, made once per slot: views that do not overlap, so
+    # AOTAutograd needs no synthetic base for them. The copies into the rooms stay in the graph, so the
+    # kernels write them directly. emulate_precision_casts rounds each intermediate as eager
     # does: torchao's values, bit for bit.
     kernel = _eager_spans() if spans else _eager()
     return torch.compile(kernel, fullgraph=True, dynamic=False, options=dict(COMPILE_OPTIONS))
@@ -86,6 +117,8 @@ COMPILE_ON_CPU = False  # only to account the compiled path's host time on the C
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 _COMPILE_FAILED: list[BaseException] = []
 
+# NF4Tensor's inner tensors (its ``__tensor_flatten__`` names, spelled out: dynamo traces attribute reads).
+NF4_INNER = ("quantized_scalers", "quantization_factor", "quantized_data", "nf4", "scaler_mean")
 NF4Meta = tuple[torch.Size, torch.dtype, tuple[int, int]]  # a weight's shape, dtype, block and scaler block sizes
 
 
@@ -120,12 +153,12 @@ def dequantize_nf4_into(
 
 
 NF4Part = tuple[str, int, int, int, torch.Size]  # an inner tensor: name, its dtype's index, offset, numel, shape
-# The payloads' dtypes, and per weight: its room offset (elements), its inner tensors, its meta.
-SpanLayout = tuple[tuple[torch.dtype, ...], tuple[tuple[int, tuple[NF4Part, ...], NF4Meta], ...]]
+# The payloads' dtypes, and per weight: its inner tensors and its meta (its room is passed beside the layout).
+SpanLayout = tuple[tuple[torch.dtype, ...], tuple[tuple[tuple[NF4Part, ...], NF4Meta], ...]]
 
 
 def span_layout(weights: list[DequantizedParamOffloader]) -> SpanLayout:
-    """Where ``weights`` (of one ring slot) lie in the slot and its room: ``dequantize_nf4_spans_into``'s layout.
+    """Where ``weights`` (of one ring slot) lie in the slot: ``dequantize_nf4_spans_into``'s layout.
     Offsets are in elements of each inner tensor's dtype, so the graph reads typed views of the slot and
     casts no bytes itself (a dtype view inside the graph is an op of its own per inner tensor, per call)."""
     dtypes: list[torch.dtype] = []
@@ -138,14 +171,14 @@ def span_layout(weights: list[DequantizedParamOffloader]) -> SpanLayout:
             offset = weight.slot_offset + at
             assert offset % dtype.itemsize == 0  # the arena's and the plan's alignment
             parts.append((name, dtypes.index(dtype), offset // dtype.itemsize, nbytes // dtype.itemsize, shape))
-        laid.append((weight.room_offset // weight.like.dtype.itemsize, tuple(parts), weight.meta))
+        laid.append((tuple(parts), weight.meta))
     return tuple(dtypes), tuple(laid)
 
 
-def dequantize_nf4_spans_into(rooms: torch.Tensor, payloads: torch.Tensor, layout: SpanLayout) -> None:
-    """``dequantize_nf4_all_into`` for weights laid out in two buffers: ``payloads`` (a ring slot's bytes,
-    ``uint8``) holds each weight's inner tensors where ``layout`` says, and its dequantized form goes into
-    ``rooms`` (the slot's room, viewed as the weights' dtype) at its element offset."""
+def dequantize_nf4_spans_into(rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout) -> None:
+    """``dequantize_nf4_all_into`` for weights laid out in a slot: ``payloads`` (a ring slot's bytes, ``uint8``)
+    holds each weight's inner tensors where ``layout`` says, and its dequantized form goes into its room,
+    ``rooms[i]`` (a flat view of the slot's room at the weight's offset)."""
     dtypes, weights = layout
     typed = tuple(payloads.view(dtype) for dtype in dtypes)
-    _run(rooms.device.type, spans=True, args=(rooms, typed, weights))
+    _run(payloads.device.type, spans=True, args=(rooms, typed, weights))

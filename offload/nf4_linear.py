@@ -38,14 +38,19 @@ def is_nf4(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "NF4Tensor" and type(tensor).__module__.startswith("torchao.")
 
 
-def _to_dtype(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return weight.to(dtype)  # NF4Tensor.to(dtype) is torchao's dequantization
-
-
 @functools.cache
 def _compiled_dequantize() -> Any:
+    from offload.nf4_dequantize import nf4_weight_function
+
+    # torchao's values computed in one pointwise pass (nf4_dequantize.py): ``NF4Tensor.to(dtype)`` itself,
+    # compiled, is two kernels, its final interleave filling a temporary that a second kernel copies out.
+    weight_of = nf4_weight_function()
+
+    def to_dtype(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return weight_of(weight).to(dtype)
+
     # One graph per weight shape (dynamic=False): a model has a handful of projection shapes.
-    return torch.compile(_to_dtype, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+    return torch.compile(to_dtype, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
 
 
 _COMPILE_FAILED: list[BaseException] = []

@@ -5,6 +5,7 @@ every engine mode, with and without checkpointing: test_quantized.py, which runs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -220,3 +221,86 @@ def test_an_adapter_still_sees_a_quantized_base_between_steps() -> None:
     state = model.state_dict()  # a checkpoint between steps: the NF4 base, as saved without the engine
     assert all(is_nf4(state[f"blocks.{i}.{n}.weight"]) for i in range(3) for n in ("up", "down"))
     manager.remove()
+
+
+def _block_in_a_slot(device: str) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, tuple, tuple]:
+    """Four NF4 weights of a block's shapes packed in one slot buffer as the ring lays them out: the NF4
+    tensors, the slot, its room, the flat room views and the span layout."""
+    from torchao.quantization import to_nf4
+
+    from offload.nf4_dequantize import SpanLayout
+    from offload.quantized import aligned
+
+    torch.manual_seed(0)
+    shapes = [(WIDTH, WIDTH), (WIDTH, WIDTH), (4 * WIDTH, WIDTH), (WIDTH, 4 * WIDTH)]
+    nf4s = [to_nf4(torch.randn(s, device=device, dtype=torch.bfloat16), 64, 256) for s in shapes]
+    slot = torch.zeros(sum(aligned(stored_bytes(t)) for t in nf4s), dtype=torch.uint8, device=device)
+    room = torch.zeros(sum(t.numel() for t in nf4s), dtype=torch.bfloat16, device=device)
+    dtypes: list[torch.dtype] = []
+    weights, at = [], 0
+    for t in nf4s:
+        payload = QuantizedPayload(t, slot[at : at + stored_bytes(t)])
+        parts = []
+        for name, offset, nbytes, shape, dtype in payload.layout:
+            dtypes.append(dtype) if dtype not in dtypes else None
+            index = dtypes.index(dtype)
+            parts.append((name, index, (at + offset) // dtype.itemsize, nbytes // dtype.itemsize, shape))
+        weights.append((tuple(parts), (t.shape, t.dtype, (t.block_size, t.scaler_block_size))))
+        at = at + aligned(stored_bytes(t))
+    layout: SpanLayout = (tuple(dtypes), tuple(weights))
+    starts = [0, *itertools.accumulate(t.numel() for t in nf4s)]  # each weight's room, one after another
+    rooms = tuple(room[a:b] for a, b in itertools.pairwise(starts))
+    return nf4s, slot, room, rooms, layout
+
+
+def test_a_slots_weights_dequantize_into_their_rooms_with_torchaos_values() -> None:
+    from offload.nf4_dequantize import dequantize_nf4_spans_into
+
+    nf4s, slot, room, rooms, layout = _block_in_a_slot("cpu")
+    dequantize_nf4_spans_into(rooms, slot, layout)
+    assert torch.equal(room, torch.cat([t.get_original_weight().reshape(-1) for t in nf4s]))
+
+
+def test_the_compiled_dequantization_is_one_pointwise_pass_per_weight() -> None:
+    """What inductor is given: no ``stack`` (a temporary it fills and then copies: two passes over each weight)
+    and no ``slice_scatter`` chain over the slot's room (one kernel in which every element evaluates every
+    weight's branch). Both slowed a block's dequantization 4.5x on the H200 (bench/RESULTS.md, issue 18)."""
+    from torch._functorch.aot_autograd import aot_function
+
+    from offload import nf4_dequantize as kernels
+
+    nf4s, slot, room, rooms, layout = _block_in_a_slot("cpu")
+    dtypes, weights = layout
+    typed = tuple(slot.view(dtype) for dtype in dtypes)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(graph: torch.fx.GraphModule, _: object) -> torch.fx.GraphModule:
+        graphs.append(graph)
+        return graph
+
+    # AOTAutograd's functionalized graph, as inductor receives it (the rooms are inputs it mutates).
+    traced = aot_function(lambda r, p: kernels._eager_spans()(r, p, weights), fw_compiler=keep)
+    with torch.no_grad():
+        traced(rooms, typed)
+    assert torch.equal(room, torch.cat([t.get_original_weight().reshape(-1) for t in nf4s]))
+    ops = {str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function"}
+    assert not {op for op in ops if "scatter" in op or "cat" in op or "stack" in op}, ops
+
+
+@pytest.mark.gpu
+def test_a_blocks_compiled_dequantization_is_one_kernel_per_weight_on_gpu() -> None:
+    from offload import nf4_dequantize as kernels
+    from offload.nf4_dequantize import dequantize_nf4_spans_into
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    nf4s, slot, room, rooms, layout = _block_in_a_slot("cuda")
+    dequantize_nf4_spans_into(rooms, slot, layout)  # compiles
+    room.zero_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        dequantize_nf4_spans_into(rooms, slot, layout)
+        torch.cuda.synchronize()
+    launched = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not kernels._COMPILE_FAILED
+    assert len(launched) == len(nf4s), [e.name for e in launched]
+    assert torch.equal(room, torch.cat([t.get_original_weight().reshape(-1) for t in nf4s]))

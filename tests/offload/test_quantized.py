@@ -321,9 +321,42 @@ def test_nf4_linear_dequantizes_in_one_kernel_on_gpu() -> None:
 
     with torch.no_grad():
         assert kernels(lambda: layer(x)) <= 3  # dequantize + matmul (cuBLAS may split it)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            layer(x)
+            torch.cuda.synchronize()
+        generated = [
+            e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "triton" in e.name
+        ]
+        assert len(generated) == 1, generated  # the dequantization: one pass, no temporary copied out
         assert kernels(lambda: _torchao_linear(x, layer)) > 6  # torchao eager: the comparison this beats
     before = torch.cuda.memory_allocated()
     out = layer(x)  # with autograd: saves the NF4 weight only
     held = torch.cuda.memory_allocated() - before
     assert held < 1024 * 2048 * 2 // 4, held  # far less than the bf16 weight (4 MiB): just the output
     del out
+
+
+def test_the_compiled_layers_dequantization_is_one_pointwise_pass_with_torchaos_values() -> None:
+    """``CompiledNF4Linear``'s dequantization as inductor receives it: torchao's values, and no ``stack``/``cat``
+    (torchao's final interleave, which inductor fills into a temporary and copies out: two kernels a weight)."""
+    from torch._functorch.aot_autograd import aot_function
+    from torchao.quantization import to_nf4
+
+    from offload import nf4_linear
+
+    torch.manual_seed(0)
+    weight = to_nf4(torch.randn(256, 512, dtype=torch.bfloat16), 64, 256)
+    compiled = nf4_linear._compiled_dequantize()  # what the layer calls on a GPU; here compiled for the CPU
+    assert torch.equal(compiled(weight, torch.bfloat16), weight.to(torch.bfloat16))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(graph: torch.fx.GraphModule, _: object) -> torch.fx.GraphModule:
+        graphs.append(graph)
+        return graph
+
+    traced = aot_function(lambda w: compiled._torchdynamo_orig_callable(w, torch.bfloat16), fw_compiler=keep)
+    with torch.no_grad():
+        assert torch.equal(traced(weight), weight.to(torch.bfloat16))
+    ops = {str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function"}
+    assert ops and not {op for op in ops if "cat" in op or "stack" in op}, ops
