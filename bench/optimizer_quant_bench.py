@@ -2,7 +2,7 @@
 and LoRA on a 3.2B stack with an NF4 base, offloaded and resident; the reference (the seed's serialized
 schedule) and FSDP2 CPU offload beside each row, every mode with the fused AdamW kernel.
 
-Run on a GPU box:  python bench/optimizer_quant_bench.py [--workloads toy,lora4k,lora16k,kernels] [--steps 6]
+Run on a GPU box:  python bench/optimizer_quant_bench.py [--workloads toy,lora4k,lora16k,kernels] [--steps 6] [--trace DIR]
 Prints a table; ``--write`` puts it into bench/RESULTS.md between its markers (the rest of the file stays).
 Models and helpers come from bench/offload_bench.py.
 """
@@ -14,6 +14,8 @@ import copy
 import datetime
 import functools
 import gc
+import itertools
+import json
 import statistics
 import sys
 import time
@@ -28,6 +30,7 @@ from bench.link_rate import pinned_h2d_gbps
 from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
 from bench.offload_bench import timed_steps as measure
 from bench.provenance import commit
+from bench.trace_summary import summarize, top_kernels
 from offload import OffloadOptions, OffloadTrainingManager
 from offload import nf4_dequantize as kernels
 from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
@@ -37,11 +40,18 @@ from offload.quantized import quantize_frozen_weights, stored_bytes
 RESULTS = Path(__file__).with_name("RESULTS.md")
 START, END = "<!-- optimizer_quant_bench:start -->", "<!-- optimizer_quant_bench:end -->"
 ROWS: list[str] = []
+TRACE_DIR: list[Path] = []  # --trace: where each lora row's profiled steps go
 
 
 def row(workload: str, mode: str, ms: float, alloc: float, reserved: float, note: str = "") -> None:
     line = f"| {workload} | {mode} | {ms:.1f} | {alloc:.2f} | {reserved:.2f} | {note} |"
     ROWS.append(line)
+    print(line, flush=True)
+
+
+def note(line: str) -> None:
+    """A line of figures between the table's rows (printed, and kept for RESULTS.md)."""
+    ROWS.append(f"\n{line}\n")
     print(line, flush=True)
 
 
@@ -177,8 +187,7 @@ def cpu_adamw_alone(threads: int | None = None, with_copies: bool = False) -> No
         ", ".join(f"{k} {statistics.median(v[1:]) * 1e3:.1f} ms" for k, v in timings.items()),
     )
     torch.set_num_threads(previous)
-    ROWS.append(f"\n{line}\n")
-    print(line, flush=True)
+    note(line)
 
 
 class _CopyLoad:
@@ -250,8 +259,7 @@ def toy_losses() -> None:
                 f"delayed_update (warm-up {warmup}) {delayed[-1]:.5f} ({gap:.2f}% apart); the same stale "
                 f"schedule as a plain resident loop {by_hand[-1]:.5f} ({hand_gap:.2f}% apart from exact)"
             )
-            ROWS.append(f"\n{line}\n")
-            print(line, flush=True)
+            note(line)
 
 
 # ---------------------------------------------------------------------------------------------- lora
@@ -313,6 +321,8 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         optimizer.zero_grad()
 
     ms, alloc, reserved = measure(step, steps)
+    if TRACE_DIR:
+        profile_steps(step, TRACE_DIR[0] / f"lora{tokens}-{mode.replace(' ', '_').replace(',', '')}.json", mode)
     note = ""
     if manager is not None:
         stats = manager.stats()
@@ -339,6 +349,20 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     if kernels.COMPILE_OPTIONS.pop("assert_indirect_indexing", None) is not None:
         kernels._compiled.cache_clear()
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
+
+
+def profile_steps(step: Callable[[], None], path: Path, mode: str, count: int = 2) -> None:
+    """``count`` steps under torch.profiler: the chrome trace to ``path``, and printed, where each stream's time
+    went and the kernels that took the most of it (the device's view of the row's step time)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(count):
+            step()
+        torch.cuda.synchronize()
+    profiler.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    print(f"PROFILE {mode}, {count} steps:\n{summarize(trace)}\n{top_kernels(trace)}", flush=True)
 
 
 def dequantize_kernels() -> None:
@@ -371,8 +395,86 @@ def dequantize_kernels() -> None:
         for name, run in forms.items():
             host, total = _per_call(run)
             line = f"dequantize {shape[0]}x{shape[1]}, {name}: host {host:.0f} us/call, host+device {total:.0f} us/call"
-            ROWS.append(f"\n{line}\n")
-            print(line, flush=True)
+            note(line)
+
+
+def block_dequantization() -> None:
+    """One block's six NF4 weights (the lora stack's shapes) dequantized from a ring slot into its room in one
+    call, as a unit's visit makes it: host time, device time, kernels per call. The engine's kernel against
+    the one it replaced (torchao's ``get_original_weight`` written into slices of the room, one graph)."""
+    from torchao.quantization import to_nf4
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    from offload.quantized import QuantizedPayload, aligned
+
+    torch.manual_seed(0)
+    d, ff = 4096, 16384
+    nf4s = [
+        to_nf4(torch.randn(s, device="cuda", dtype=torch.bfloat16), 64, 256) for s in [(d, d)] * 4 + [(ff, d), (d, ff)]
+    ]
+    slot = torch.empty(sum(aligned(stored_bytes(t)) for t in nf4s), dtype=torch.uint8, device="cuda")
+    room = torch.empty(sum(t.numel() for t in nf4s), dtype=torch.bfloat16, device="cuda")
+    dtypes: list[torch.dtype] = []
+    weights, at = [], 0
+    for t in nf4s:
+        parts = []
+        for name, offset, nbytes, shape, dtype in QuantizedPayload(t, slot[at : at + stored_bytes(t)]).layout:
+            dtypes += [] if dtype in dtypes else [dtype]
+            parts.append((name, dtypes.index(dtype), (at + offset) // dtype.itemsize, nbytes // dtype.itemsize, shape))
+        weights.append((tuple(parts), (t.shape, t.dtype, (t.block_size, t.scaler_block_size))))
+        at = at + aligned(stored_bytes(t))
+    layout = (tuple(dtypes), tuple(weights))
+    starts = [0, *itertools.accumulate(t.numel() for t in nf4s)]  # each weight's room, one after another
+    rooms = tuple(room[a:b] for a, b in itertools.pairwise(starts))
+    typed = tuple(slot.view(dtype) for dtype in dtypes)
+    expected = torch.cat([t.get_original_weight().reshape(-1) for t in nf4s])
+
+    def before(room: torch.Tensor, payloads: tuple[torch.Tensor, ...]) -> None:  # the engine's kernel until 2026-12-01
+        for start, (parts, (shape, dtype, blocks)) in zip(starts, weights, strict=False):
+            inner = {name: payloads[i][o : o + n].view(size) for name, i, o, n, size in parts}
+            out = room[start : start + shape.numel()].view(shape)
+            out.copy_(NF4Tensor.get_original_weight(_Parts(inner, shape, dtype, blocks)))
+
+    old = torch.compile(before, fullgraph=True, dynamic=False, options=dict(kernels.COMPILE_OPTIONS))
+    forms = {
+        "engine (one pointwise kernel per weight, its own room)": lambda: kernels.dequantize_nf4_spans_into(
+            rooms, slot, layout
+        ),
+        "before (torchao's get_original_weight into slices of one room)": lambda: old(room, typed),
+    }
+    for name, run in forms.items():
+        room.zero_()
+        run()
+        equal = torch.equal(room, expected)
+        host, total = _per_call(run)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for _ in range(10):
+                run()
+            torch.cuda.synchronize()
+        launched = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device = sum(e.device_time for e in launched) / 10
+        line = (
+            f"dequantize a block (6 weights, 201M values) into its room, {name}: host {host:.0f} us/call, "
+            f"host+device {total:.0f} us/call, device {device:.0f} us/call in {len(launched) / 10:.0f} kernels; "
+            f"torchao's values bit for bit: {equal}"
+        )
+        note(line)
+
+
+class _Parts:
+    """The attributes torchao's ``NF4Tensor.get_original_weight`` reads, over plain inner tensors."""
+
+    def __init__(self, inner: dict[str, torch.Tensor], shape: torch.Size, dtype: torch.dtype, blocks: tuple) -> None:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+        self.quantized_data, self.nf4 = inner["quantized_data"], inner["nf4"]
+        self.quantized_scalers, self.quantization_factor = inner["quantized_scalers"], inner["quantization_factor"]
+        self.scaler_mean, self.shape, self.dtype = inner["scaler_mean"], shape, dtype
+        self.block_size, self.scaler_block_size = blocks
+        self.dequantize, self._scalers = NF4Tensor.dequantize, NF4Tensor.dequantize_scalers
+
+    def dequantize_scalers(self, *args: object) -> torch.Tensor:
+        return self._scalers(self, *args)
 
 
 def _per_call(run: Callable[[], object], calls: int = 50) -> tuple[float, float]:
@@ -439,7 +541,9 @@ def main() -> None:
     parser.add_argument(
         "--worker-threads", default="", help="extra toy rows with these CPU optimizer thread counts, e.g. 16,14,12"
     )
+    parser.add_argument("--trace", type=Path, default=None, help="lora: profile two steps of each row, traces here")
     args = parser.parse_args()
+    TRACE_DIR.extend([args.trace] if args.trace else [])
     if not torch.cuda.is_available():
         sys.exit("optimizer_quant_bench needs a CUDA GPU")
     # The kernel variants compile the one dequantization function under several options (a graph per
@@ -448,7 +552,7 @@ def main() -> None:
     h2d = pinned_h2d_gbps()
     for name in args.workloads.split(","):
         if name == "kernels":
-            runs = [dequantize_kernels]
+            runs = [dequantize_kernels, block_dequantization]
         elif name == "toy":
             threads = [int(t) for t in args.worker_threads.split(",") if t]
             runs = [lambda m=m: toy(m, args.steps) for m in TOY_MODES]
