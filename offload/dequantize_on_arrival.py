@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from offload.arena import aligned
 from offload.nf4_dequantize import NF4Meta, SpanLayout, dequantize_nf4_spans_into, span_layout
 from offload.nf4_linear import is_nf4
 from offload.offloaders import copy_into_ring
@@ -142,9 +143,10 @@ def _dequantize_on(
 
 
 class ArrivalBatch:
-    """A unit's NF4 weights dequantized on arrival, brought in together: each payload is copied into its place
-    in the unit's ring slot, then one call dequantizes them all into the slot's room (a block's six weights:
-    one call, where per-weight calls cost ~80-100 us of host time each). As ``FlatGroup`` does for a span, the
+    """A unit's NF4 weights dequantized on arrival, brought in together: their payloads are copied into their
+    places in the unit's ring slot (one copy for payloads that lie in the arena as in the slot: ``copy_runs``),
+    then one call dequantizes them all into the slot's room (a block's six weights: one call, where per-weight
+    calls cost ~80-100 us of host time each). As ``FlatGroup`` does for a span, the
     device copies live while any member is attached to them: the requester and any member a forward holds or
     a backward will unpack are attached at once, every other member when it asks (no copy, no dequantization).
     """
@@ -152,14 +154,15 @@ class ArrivalBatch:
     def __init__(self, members: list[DequantizedParamOffloader]) -> None:
         self.dtype = members[0].like.dtype  # the rooms are viewed as one dtype (the manager groups by it)
         assert all(m.like.dtype == self.dtype for m in members)
-        self.members = members
-        self.layout = span_layout(members)  # their places in the slot and the room: fixed
+        self.members = sorted(members, key=lambda m: m.slot_offset)  # in slot order, for the copy runs
+        self.layout = span_layout(self.members)  # their places in the slot and the room: fixed
+        self.runs = copy_runs(self.members)  # the copies a whole unit's arrival takes (one, as a rule)
         for member in members:
             member.batch = self
         self._attached = 0
         self._live: tuple[list[DequantizedParamOffloader], list[torch.Tensor], torch.cuda.Event | None] | None = None
         self._in_ring: Placement | None = None
-        self._views_over: dict[int, tuple[list[tuple], tuple]] = {}  # slot -> members' (payload, room), flat rooms
+        self._views_over: dict[int, tuple[list[tuple], tuple, list]] = {}  # slot -> _views_in's views
         self.calls = 0  # dequantization calls made (one per unit visit)
 
     def onload(self, requester: DequantizedParamOffloader, prefetch: bool) -> None:
@@ -186,12 +189,13 @@ class ArrivalBatch:
         arriving = [m for m in self.members if m.pending is None and m.placement is placement]
         # Each member's payload place and room in this slot: made once per slot (a unit lands in one of
         # prefetch + 1 slots), not on every visit.
-        views, flat = _kept(self._views_over, placement.slot.buffer.data_ptr(), lambda: self._views_in(placement))
+        views, flat, runs = _kept(self._views_over, placement.slot.buffer.data_ptr(), lambda: self._views_in(placement))
         layout = self.layout
-        if len(arriving) < len(self.members):  # some were on the device already (outside the ring)
+        if len(arriving) < len(self.members):  # some were on the device already (outside the ring): one by one
             views = [v for v, m in zip(views, self.members, strict=True) if m in arriving]
             layout = span_layout(arriving)
             flat = _flat(views)
+            runs = [(m.host, payload) for m, (payload, _) in zip(arriving, views, strict=True)]
         # The whole unit's payloads and their dequantized rooms may still be in the slot from its last visit
         # (ring.py): then neither the copies nor the dequantization are made again. Keyed by the first
         # member's place; the fingerprint is every payload's version counter (torchao's in-place writes go
@@ -204,10 +208,8 @@ class ArrivalBatch:
             requester.copies.stats.reused_bytes += sum(m.nbytes for m in arriving)
         else:
             pending = None
-            for member, (payload, _) in zip(arriving, views, strict=True):
-                pending = member.copies.to_device(
-                    member.host, prefetch=prefetch, out=payload, after=placement.free_event
-                )
+            for host, region in runs:
+                pending = requester.copies.to_device(host, prefetch=prefetch, out=region, after=placement.free_event)
             assert pending is not None  # the requester itself arrives
             placement.hold(pending.event)
             placement.copied(first.slot_offset, first.host, fingerprint)
@@ -221,13 +223,15 @@ class ArrivalBatch:
         self._live, self._in_ring = (arriving, [room for _, room in views], event), placement
         return True
 
-    def _views_in(self, placement: Placement) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple]:
-        """Each member's (payload place, room) in ``placement``'s slot, and the rooms as the kernel takes them."""
+    def _views_in(self, placement: Placement) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple, list]:
+        """Each member's (payload place, room) in ``placement``'s slot, the rooms as the kernel takes them, and
+        each copy run's (host bytes, slot region)."""
         views = [
             (placement.region(m.slot_offset, m.host), placement.room_region(m.room_offset, m.like))
             for m in self.members
         ]
-        return views, _flat(views)
+        runs = [(host, placement.region(self.members[start].slot_offset, host)) for start, host in self.runs]
+        return views, _flat(views), runs
 
     def detached(self) -> None:
         """A member let go of its room; with the last one the slot is released."""
@@ -239,6 +243,38 @@ class ArrivalBatch:
 
     def forget(self) -> None:
         self._views_over.clear()
+
+
+def copy_runs(members: list[DequantizedParamOffloader]) -> list[tuple[int, torch.Tensor]]:
+    """The copies that bring ``members`` (in slot order) into their slot: each run is (its first member's index,
+    the host bytes it copies). Members whose payloads follow one another in the pinned arena exactly as they do
+    in the slot (the plan lays out both in the same order, each payload aligned: a block's NF4 weights, unless
+    an arena chunk ends among them) form one run, copied at once with the alignment padding between them: one
+    copy launch and its events per block instead of one per weight (host time on a step the host bounds)."""
+    runs: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    for index in range(1, len(members) + 1):
+        if index < len(members) and _follows(members[index - 1], members[index]):
+            continue
+        first, last = members[start], members[index - 1]
+        nbytes = last.slot_offset - first.slot_offset + last.nbytes
+        host = first.host if start == index - 1 else first.host.as_strided((nbytes,), (1,), first.host.storage_offset())
+        runs.append((start, host))
+        start = index
+    return runs
+
+
+def _follows(before: DequantizedParamOffloader, after: DequantizedParamOffloader) -> bool:
+    """Whether ``after``'s payload comes right after ``before``'s, padded to the alignment, in the slot and in
+    the same pinned storage (nothing else lies between them in either, so the padding may be copied)."""
+    gap = aligned(before.nbytes)
+    host_before, host_after = before.host, after.host
+    return (
+        after.slot_offset - before.slot_offset == gap
+        and host_after.untyped_storage().data_ptr() == host_before.untyped_storage().data_ptr()
+        and (host_after.storage_offset() - host_before.storage_offset()) * host_before.element_size() == gap
+        and host_before.dtype == host_after.dtype == torch.uint8
+    )
 
 
 def _flat(views: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
