@@ -79,9 +79,7 @@ class CopyEngine:
             if after is not None:
                 stream.wait_event(after)  # the slot's previous unit is done on the compute stream
             tensor = out if out is not None else self._empty_like(host)
-            self._copy(tensor, host, "h2d", stream)
-            event = torch.cuda.Event()
-            event.record(stream)
+            event = self._copy(tensor, host, "h2d", stream)  # its timing's end marks the copy's end too
         return PendingCopy(tensor, event, planned=out is not None)
 
     def _empty_like(self, host: torch.Tensor) -> torch.Tensor:
@@ -130,10 +128,8 @@ class CopyEngine:
             return event
         self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
-            self._copy(host, device_tensor, "d2h", self.d2h_stream)
+            event = self._copy(host, device_tensor, "d2h", self.d2h_stream)
             device_tensor.record_stream(self.d2h_stream)
-            event = torch.cuda.Event()
-            event.record(self.d2h_stream)
         return event
 
     # ------------------------------------------------------------------ timing
@@ -141,15 +137,21 @@ class CopyEngine:
     def _cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, kind: str, stream: torch.cuda.Stream | None) -> None:
+    def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, kind: str, stream: torch.cuda.Stream | None
+    ) -> torch.cuda.Event | None:
+        """Queue the copy on ``stream`` between two timing events; returns the second, recorded right after the
+        copy, which is also what a waiter waits for: a separate completion event would be one more event
+        created, recorded and destroyed per copy (host time per copy launch, on a step the host bounds)."""
         if stream is None:
             dst.copy_(src)
-            return
+            return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         dst.copy_(src, non_blocking=True)
         end.record(stream)
         self._timed.append((kind, start, end))
+        return end
 
     def end_step(self) -> None:
         """Close the step's byte counts now and the timing of the step before it (copy seconds each way, time

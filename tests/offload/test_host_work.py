@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import ClassVar
 
 import pytest
 import torch
@@ -82,3 +83,53 @@ def test_training_with_the_shortcuts_equals_training_without_offload(checkpointi
     options = OffloadOptions(granularity="block", gpu_memory_budget=_block_bytes(model) + 64)
     losses, _, _ = train(model, offload={"options": options})
     assert losses == reference
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event`` on a machine without CUDA: counts the events a copy makes."""
+
+    made: ClassVar[list[_FakeEvent]] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.recorded = 0
+        _FakeEvent.made.append(self)
+
+    def record(self, stream: object = None) -> None:
+        self.recorded += 1
+
+
+class _FakeStream:
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+
+def test_a_side_stream_copy_makes_two_events_its_timing_and_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each CUDA event is created, recorded and destroyed by the host: on a step the host bounds (the LoRA NF4
+    step, bench/RESULTS.md) a copy's events are launch time. The copy's timing ends where the copy ends, so
+    the timing's end event is what a waiter waits for: two events per copy, not three."""
+    import contextlib
+
+    from offload.stats import StatsCounter
+    from offload.transfers import CopyEngine
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    copies = CopyEngine(torch.device("cpu"), StatsCounter())
+    copies.h2d_stream, copies.d2h_stream = _FakeStream(), _FakeStream()  # type: ignore[assignment]
+    _FakeEvent.made.clear()
+    host = torch.arange(16.0)
+    pending = copies.to_device(host, prefetch=True)
+    assert torch.equal(pending.tensor, host)
+    assert len(_FakeEvent.made) == 2 and all(e.enable_timing and e.recorded == 1 for e in _FakeEvent.made)
+    assert pending.event is _FakeEvent.made[1]  # the timing's end
+    _FakeEvent.made.clear()
+    back = torch.empty(16)
+    done = copies.to_host_async(pending.tensor, back)
+    assert torch.equal(back, host)
+    assert len(_FakeEvent.made) == 2 and done is _FakeEvent.made[1]
