@@ -128,9 +128,9 @@ class CopyEngine:
             return event
         self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
-            event = self._copy(host, device_tensor, "d2h", self.d2h_stream)
+            done = self._copy(host, device_tensor, "d2h", self.d2h_stream)
             device_tensor.record_stream(self.d2h_stream)
-        return event
+        return done
 
     # ------------------------------------------------------------------ timing
     @property
