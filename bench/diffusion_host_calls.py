@@ -7,7 +7,8 @@ not. Steps 3-6 of a job are profiled (the first step records the schedule and ap
 Run:  python bench/diffusion_host_calls.py --layers 60 --budget 1.5MiB     (offloaded, ~1/3 of blocks kept)
       python bench/diffusion_host_calls.py --layers 60 --resident
 Prints calls and self time per step by area (offload/, torch's checkpoint, peft, diffusers, builtins, ...) and
-the engine's functions. Nothing is written to bench/RESULTS.md.
+the engine's functions (``--save p.prof`` keeps the profile, e.g. for ``pstats``' callers). Nothing is
+written to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=60)
     parser.add_argument("--budget", default=None, help="offload.gpu_memory_budget (tiny DiT: ~76 KiB a block)")
     parser.add_argument("--resident", action="store_true", help="no offload")
+    parser.add_argument("--save", type=Path, default=None, help="also write the profile here (pstats, for callers)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ferry-host-calls-"))
     models, data = work / "models", work / "data"
@@ -80,6 +82,8 @@ def main() -> None:
 
     roots = PathRoots(model_roots=[models], data_roots=[data])
     run_job(load_job_spec(yaml.safe_dump(spec), roots), output_dir=work / "out", report=report)
+    if args.save is not None:
+        profile.dump_stats(args.save)
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     by_area: dict[str, list[float]] = {}
     for (filename, _, _), (_, calls, self_s, _, _) in stats.items():

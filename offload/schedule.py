@@ -5,6 +5,7 @@ backward). The hooks tell it what happened; the units' own onload/prefetch API d
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from offload.offloaders import TensorOffloader
 from offload.units import OffloadUnit
@@ -27,6 +28,7 @@ class PrefetchSchedule:
         self.unit_of: dict[int, OffloadUnit] = {}  # id(offloader) -> the first unit that used it
         self.backward_order: list[OffloadUnit] = []
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
+        self._backward_prefetch: dict[int, Callable[[], None]] = {}  # id(unit) -> copies those needs ahead
         self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed once applied)
         self.kept_bytes = 0  # their bytes
         self.held_for_backward_bytes = 0  # trainable bytes the rest of the budget holds from forward to backward
@@ -86,11 +88,28 @@ class PrefetchSchedule:
         for candidate in self.backward_order[unit.backward_index + 1 :]:
             if ahead >= self.prefetch:
                 break
-            needs = self.backward_needs[id(candidate)]
-            if needs:
-                for offloader in needs:
-                    offloader.prefetch()
+            prefetch = self._backward_prefetch.get(id(candidate))
+            if prefetch is not None:
+                prefetch()
                 ahead += 1
+
+    def _prefetcher(self, unit: OffloadUnit) -> Callable[[], None] | None:
+        """What prefetches ``unit``'s backward needs: the unit's own ``prefetch`` when backward needs every
+        tensor of it that streams (a checkpointed block: its recompute onloads it all), which walks a block's
+        span once; else each needed tensor's (a DiT block's ~40 per-tensor calls, where one does; host time
+        on a step the host bounds). None when backward onloads nothing of it."""
+        needs = self.backward_needs.get(id(unit), [])
+        if not needs:
+            return None
+        streamed = {id(o) for o in unit.offloaders if o.kind != "always_on_device" and id(o) not in self.kept}
+        if {id(o) for o in needs} == streamed:
+            return unit.prefetch
+
+        def each() -> None:
+            for offloader in needs:
+                offloader.prefetch()
+
+        return each
 
     # ----------------------------------------------------------------- step boundaries
     def end_step(self, gpu_memory_budget: int | None) -> None:
@@ -114,6 +133,8 @@ class PrefetchSchedule:
             unit.keep_for_backward = False
         for key, needs in self.backward_needs.items():
             self.backward_needs[key] = [o for o in needs if id(o) not in kept]
+        prefetchers = {id(u): self._prefetcher(u) for u in self.backward_order}
+        self._backward_prefetch = {key: prefetch for key, prefetch in prefetchers.items() if prefetch is not None}
         if self.order and self.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
             # The last unit of forward is the first of backward; so is the last one that streams (the units
             # after it are resident): keeping it saves a copy the backward would wait for at once.

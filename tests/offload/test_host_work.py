@@ -133,3 +133,29 @@ def test_a_side_stream_copy_makes_two_events_its_timing_and_its_end(monkeypatch:
     done = copies.to_host_async(pending.tensor, back)
     assert torch.equal(back, host)
     assert len(_FakeEvent.made) == 2 and done is _FakeEvent.made[1]
+
+
+@pytest.mark.parametrize("checkpointing", ["non_reentrant", "reentrant"])
+def test_backward_prefetches_a_checkpointed_block_by_its_span_not_tensor_by_tensor(
+    monkeypatch: pytest.MonkeyPatch, checkpointing: str
+) -> None:
+    """A checkpointed block's recompute onloads all of it, so backward's prefetch of the next block is the
+    unit's own prefetch, one walk over its span, not one call per tensor (a DiT block has ~40)."""
+    model = make_stack("adapter", checkpointing)
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block", prefetch=1))
+    per_tensor: Counter = Counter()
+    prefetch = TensorOffloader.prefetch
+
+    def counted(self: TensorOffloader) -> None:
+        per_tensor["in a block" if self.group is not None else "elsewhere"] += 1  # elsewhere: what backward unpacks
+        prefetch(self)
+
+    x = torch.randn(4, WIDTH)
+    F.mse_loss(model(x), x).backward()  # the first step records the order
+    manager.after_backward()
+    monkeypatch.setattr(TensorOffloader, "prefetch", counted)
+    F.mse_loss(model(x), x).backward()
+    manager.after_backward()
+    assert per_tensor["in a block"] == 0
+    assert manager._schedule._backward_prefetch, "backward prefetched nothing: the test would not test it"
+    manager.remove()
