@@ -6,6 +6,9 @@ Every figure comes from a real job (``jobs.run_job``, what the service's worker 
 on a synthetic cache of 1024 x 1024 latents (128 x 128 x 16, 4096 image tokens) and 64-token prompts; the
 text encoder has Qwen2.5-VL 7B's shape. Beside each step time: the copy floor (the streamed bytes twice,
 at the pinned host-to-device rate measured in the same run) and the resident step (no offload, no limit).
+``--only resident,resident-link-busy,ferry`` adds the resident job run while host-to-device copies keep the
+link busy in the background (bench/copy_load.py): what copies cost a step the host bounds, apart from the
+engine's own work.
 
 Run on a GPU box:  python bench/diffusion_bench.py [--steps 4] [--limit 24GiB] [--budget 14GiB] [--service [--service-rows resident,ferry]]
 Check on a CPU:    python bench/diffusion_bench.py --tiny --no-write
@@ -31,6 +34,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.copy_load import BackgroundCopies
 from bench.link_rate import pinned_h2d_gbps
 from bench.provenance import commit
 from jobs import PathRoots, load_job_spec, run_job
@@ -293,6 +297,9 @@ def main() -> None:
     }
     configs = {
         "resident": ("no offload, no limit (weights resident)", {}),
+        # The resident job while copies it does not make keep the link busy: what a step's copies cost the
+        # host apart from the engine's own work (bench/copy_load.py).
+        "resident-link-busy": ("no offload, no limit, link busy (host-to-device copies in the background)", {}),
         "ferry": (f"model offload, block units, prefetch 1, budget {args.budget}, limit {args.limit}", ferry),
         # The same schedule with every visit copied: the same-run baseline of the ring slots' reuse.
         "ferry-copy-all": (
@@ -376,12 +383,20 @@ def rows_or_failure(
     try:
         steps = args.seed_steps if key == "seed" else args.steps
         job = dit_job(key, "qwen-image-shape", steps=steps, device=device, offload=offload)
-        if args.service and key in args.service_rows.split(","):
-            events = run_through_service(job, work, models, data, timeout=540)
-            label += " — through the service (POST /v1/jobs)"
-        else:
-            events = run(job, roots, work / f"out-{key}")
-        rows[key] = {"label": label, **step_figures(events, 1), "job_s": time.perf_counter() - started}
+        load = BackgroundCopies(directions=("h2d",)) if key == "resident-link-busy" and device == "cuda" else None
+        try:
+            if args.service and key in args.service_rows.split(","):
+                events = run_through_service(job, work, models, data, timeout=540)
+                label += " — through the service (POST /v1/jobs)"
+            else:
+                events = run(job, roots, work / f"out-{key}")
+        finally:
+            if load is not None:
+                load.stop()
+        busy = {"load_gbps": load.gbps()} if load is not None else {}
+        if key == "resident-link-busy" and load is None:
+            label += " — no GPU here, so no copies ran"
+        rows[key] = {"label": label, **step_figures(events, 1), **busy, "job_s": time.perf_counter() - started}
     except Exception as error:  # reported beside the others, not fatal
         failures[key] = f"{type(error).__name__}: {error}"[:400]
     print(key, rows.get(key) or failures[key], flush=True)
@@ -516,6 +531,13 @@ def render(
         lines.append(f"Ferry's copy waits per step (s): {', '.join(f'{w:.2f}' for w in ferry['copy_wait_steps'])}")
         lines.append(
             f"Ferry's weights reused from their ring slots instead of copied: {ferry['reused_gb']:.2f} GB/step"
+        )
+    if resident and "resident-link-busy" in rows:
+        busy = rows["resident-link-busy"]
+        lines.append(
+            f"Link busy, same run: the resident step {resident:.2f} s alone, {busy['step_s']:.2f} s while host-to-device "
+            f"copies ran in the background at {busy.get('load_gbps', float('nan')):.0f} GB/s "
+            f"({busy['step_s'] / resident:.2f}x): what the copies alone cost the host's step, apart from the engine."
         )
     if "ferry" in rows and "ferry-copy-all" in rows:
         copy_all = rows["ferry-copy-all"]

@@ -45,3 +45,34 @@ def test_rounds_pool_every_step_and_keep_each_rounds_median() -> None:
     assert pooled["step_s"] == pytest.approx(1.7) and pooled["min_step_s"] == 1.0
     assert (pooled["peak_alloc_gib"], pooled["peak_reserved_gib"]) == (2.5, 3.0)
     assert pooled["round_medians_s"] == [1.2, 2.2]
+
+
+def test_the_link_busy_row_is_set_beside_the_resident_step() -> None:
+    """The resident job under background copies is reported as a ratio to the resident step of the same run."""
+    from types import SimpleNamespace
+
+    resident = {**_round([1.0, 1.2, 1.4], 40.0, 41.0), "label": "no offload", "pinned_gib": 0.0, "h2d_gb": 0.0}
+    busy = {**resident, "label": "link busy", "step_s": 1.5, "load_gbps": 53.2}
+    args = SimpleNamespace(
+        steps=4, seed_steps=2, prompts=4, limit="24GiB", budget="14GiB", service=False, service_rows="ferry",
+        only="resident,resident-link-busy", rounds=1, build_each=False,
+    )  # fmt: skip
+    report = diffusion_bench.render(
+        {"resident": resident, "resident-link-busy": busy},
+        {},
+        None,
+        h2d=55.0,
+        weights=10**9,
+        weight_bytes=2 * 10**9,
+        args=args,
+        device="cpu",
+    )
+    assert "the resident step 1.20 s alone, 1.50 s while host-to-device copies ran" in report
+    assert "at 53 GB/s (1.25x)" in report
+
+
+def test_background_copies_refuse_an_unknown_direction() -> None:
+    from bench.copy_load import BackgroundCopies
+
+    with pytest.raises(ValueError, match="directions must be some of 'h2d', 'd2h'"):
+        BackgroundCopies(directions=("sideways",))
