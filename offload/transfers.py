@@ -49,7 +49,10 @@ class CopyEngine:
         self.d2h_stream = torch.cuda.Stream(device) if cuda and side_streams else None
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._closing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # the last step's, read next step
-        self._last_wait: tuple[torch.cuda.Event, torch.cuda.Stream] | None = None
+        self._last_wait: tuple[torch.cuda.Event, tuple] | None = None  # the event, the stream (its ids)
+        # The device whose current stream ``wait`` reads: this one, or the current device now (where the side
+        # streams above were made too).
+        self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else -1
 
     # ------------------------------------------------------------------ host -> device
     def to_device(
@@ -88,21 +91,25 @@ class CopyEngine:
     def wait(self, pending: PendingCopy) -> torch.Tensor:
         """Make the current stream wait for ``pending`` (a GPU-side wait, not a host sync)."""
         if pending.event is not None:
-            stream = torch.cuda.current_stream(self.device)
             # A block's tensors share their span's copy event: the stream waits (and is timed) once for it,
-            # not once per tensor (host time on the critical path when the step is launch-bound).
-            if self._last_wait is None or self._last_wait[0] is not pending.event or self._last_wait[1] != stream:
+            # not once per tensor (host time on the critical path when the step is launch-bound). The current
+            # stream is compared by its ids: the ``Stream`` object ``torch.cuda.current_stream`` builds costs
+            # a device guard and a Python object per call, microseconds for each of a DiT block's ~40 tensors.
+            current = torch._C._cuda_getCurrentStream(self._device_index)
+            last = self._last_wait
+            if last is None or last[0] is not pending.event or last[1] != current:
+                stream = torch.cuda.current_stream(self.device)
                 before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 before.record(stream)
                 stream.wait_event(pending.event)
                 after.record(stream)
                 self._timed.append(("wait", before, after))
-                self._last_wait = (pending.event, stream)
+                self._last_wait = (pending.event, current)
             # A copy allocated on the copy stream: tell the allocator the compute stream uses it too, so its
             # memory is not handed out again before the compute stream is done with it. Ring memory is
             # never handed back, so it needs none of this.
             if not pending.planned:
-                pending.tensor.record_stream(stream)
+                pending.tensor.record_stream(torch.cuda.current_stream(self.device))
             pending.event = None
         return pending.tensor
 

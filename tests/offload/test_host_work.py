@@ -159,3 +159,35 @@ def test_backward_prefetches_a_checkpointed_block_by_its_span_not_tensor_by_tens
     assert per_tensor["in a block"] == 0
     assert manager._schedule._backward_prefetch, "backward prefetched nothing: the test would not test it"
     manager.remove()
+
+
+def test_a_blocks_tensors_sharing_one_copy_event_are_waited_for_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block's ~40 tensors arrive in one copy and share its event: the compute stream waits for it once, and
+    the tensors after the first cost no ``torch.cuda.current_stream`` (a device guard and a Python ``Stream``
+    object each, microseconds per tensor on a step the host bounds). A new event, or another stream, waits."""
+    from offload.stats import StatsCounter
+    from offload.transfers import CopyEngine, PendingCopy
+
+    current = {"stream": (3, 0, 1)}  # the ids torch._C._cuda_getCurrentStream gives: stream, device, type
+    streams_built: list[_FakeStream] = []
+
+    def built(device: object = None) -> _FakeStream:
+        streams_built.append(_FakeStream())
+        return streams_built[-1]
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", built)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: current["stream"], raising=False)
+    copies = CopyEngine(torch.device("cpu"), StatsCounter())
+    span = torch.zeros(64)
+    first, second = _FakeEvent(), _FakeEvent()
+    _FakeEvent.made.clear()
+    block = [PendingCopy(span[i : i + 1], first, planned=True) for i in range(40)]
+    for pending in block:
+        assert copies.wait(pending) is pending.tensor and pending.event is None
+    assert len(streams_built) == 1 and len(_FakeEvent.made) == 2  # one wait, timed by two events
+    copies.wait(PendingCopy(span, second, planned=True))
+    assert len(streams_built) == 2  # another copy's event
+    current["stream"] = (4, 0, 1)  # code that runs on another stream (torch.cuda.stream(...))
+    copies.wait(PendingCopy(span, second, planned=True))
+    assert len(streams_built) == 3
