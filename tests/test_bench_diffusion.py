@@ -76,3 +76,12 @@ def test_background_copies_refuse_an_unknown_direction() -> None:
 
     with pytest.raises(ValueError, match="directions must be some of 'h2d', 'd2h'"):
         BackgroundCopies(directions=("sideways",))
+
+
+def test_background_copies_say_so_when_their_process_cannot_copy() -> None:
+    """The copies run in a process of their own; one that fails (no CUDA device) is an error at once, not a wait
+    for a load that never starts."""
+    from bench.copy_load import BackgroundCopies
+
+    with pytest.raises(RuntimeError, match="exited .* before copying"):
+        BackgroundCopies(directions=("h2d",), device="cpu", timeout=60)
