@@ -383,7 +383,8 @@ def rows_or_failure(
     try:
         steps = args.seed_steps if key == "seed" else args.steps
         job = dit_job(key, "qwen-image-shape", steps=steps, device=device, offload=offload)
-        load = BackgroundCopies(directions=("h2d",)) if key == "resident-link-busy" and device == "cuda" else None
+        link_busy = key == "resident-link-busy"
+        load = BackgroundCopies(directions=("h2d",)) if link_busy and device == "cuda" else None
         try:
             if args.service and key in args.service_rows.split(","):
                 events = run_through_service(job, work, models, data, timeout=540)
@@ -394,7 +395,7 @@ def rows_or_failure(
             if load is not None:
                 load.stop()
         busy = {"load_gbps": load.gbps()} if load is not None else {}
-        if key == "resident-link-busy" and load is None:
+        if link_busy and load is None:
             label += " — no GPU here, so no copies ran"
         rows[key] = {"label": label, **step_figures(events, 1), **busy, "job_s": time.perf_counter() - started}
     except Exception as error:  # reported beside the others, not fatal

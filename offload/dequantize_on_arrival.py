@@ -230,7 +230,7 @@ class ArrivalBatch:
             (placement.region(m.slot_offset, m.host), placement.room_region(m.room_offset, m.like))
             for m in self.members
         ]
-        runs = [(host, placement.region(self.members[start].slot_offset, host)) for start, host in self.runs]
+        runs = [(host, placement.region(offset, host)) for offset, host in self.runs]
         return views, _flat(views), runs
 
     def detached(self) -> None:
@@ -246,8 +246,8 @@ class ArrivalBatch:
 
 
 def copy_runs(members: list[DequantizedParamOffloader]) -> list[tuple[int, torch.Tensor]]:
-    """The copies that bring ``members`` (in slot order) into their slot: each run is (its first member's index,
-    the host bytes it copies). Members whose payloads follow one another in the pinned arena exactly as they do
+    """The copies that bring ``members`` (in slot order) into their slot: each run is (its slot offset, the host
+    bytes it copies). Members whose payloads follow one another in the pinned arena exactly as they do
     in the slot (the plan lays out both in the same order, each payload aligned: a block's NF4 weights, unless
     an arena chunk ends among them) form one run, copied at once with the alignment padding between them: one
     copy launch and its events per block instead of one per weight (host time on a step the host bounds)."""
@@ -259,7 +259,7 @@ def copy_runs(members: list[DequantizedParamOffloader]) -> list[tuple[int, torch
         first, last = members[start], members[index - 1]
         nbytes = last.slot_offset - first.slot_offset + last.nbytes
         host = first.host if start == index - 1 else first.host.as_strided((nbytes,), (1,), first.host.storage_offset())
-        runs.append((start, host))
+        runs.append((first.slot_offset, host))
         start = index
     return runs
 
