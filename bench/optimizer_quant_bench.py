@@ -385,7 +385,7 @@ def block_dequantization() -> None:
     from torchao.quantization import to_nf4
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
-    from offload.quantized import QuantizedPayload, aligned
+    from offload.quantized import aligned
 
     torch.manual_seed(0)
     d, ff = 4096, 16384
@@ -394,16 +394,8 @@ def block_dequantization() -> None:
     ]
     slot = torch.empty(sum(aligned(stored_bytes(t)) for t in nf4s), dtype=torch.uint8, device="cuda")
     room = torch.empty(sum(t.numel() for t in nf4s), dtype=torch.bfloat16, device="cuda")
-    dtypes: list[torch.dtype] = []
-    weights, at = [], 0
-    for t in nf4s:
-        parts = []
-        for name, offset, nbytes, shape, dtype in QuantizedPayload(t, slot[at : at + stored_bytes(t)]).layout:
-            dtypes += [] if dtype in dtypes else [dtype]
-            parts.append((name, dtypes.index(dtype), (at + offset) // dtype.itemsize, nbytes // dtype.itemsize, shape))
-        weights.append((tuple(parts), (t.shape, t.dtype, (t.block_size, t.scaler_block_size))))
-        at = at + aligned(stored_bytes(t))
-    layout = (tuple(dtypes), tuple(weights))
+    layout = kernels.pack_nf4_into(slot, nf4s)
+    dtypes, weights = layout
     starts = [0, *itertools.accumulate(t.numel() for t in nf4s)]  # each weight's room, one after another
     rooms = tuple(room[a:b] for a, b in itertools.pairwise(starts))
     typed = tuple(slot.view(dtype) for dtype in dtypes)

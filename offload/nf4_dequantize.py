@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from offload.arena import aligned
+from offload.quantized import QuantizedPayload, stored_bytes
 
 if TYPE_CHECKING:
     from offload.dequantize_on_arrival import DequantizedParamOffloader
@@ -157,7 +161,7 @@ NF4Part = tuple[str, int, int, int, torch.Size]  # an inner tensor: name, its dt
 SpanLayout = tuple[tuple[torch.dtype, ...], tuple[tuple[tuple[NF4Part, ...], NF4Meta], ...]]
 
 
-def span_layout(weights: list[DequantizedParamOffloader]) -> SpanLayout:
+def span_layout(weights: Sequence[DequantizedParamOffloader | PackedNF4]) -> SpanLayout:
     """Where ``weights`` (of one ring slot) lie in the slot: ``dequantize_nf4_spans_into``'s layout.
     Offsets are in elements of each inner tensor's dtype, so the graph reads typed views of the slot and
     casts no bytes itself (a dtype view inside the graph is an op of its own per inner tensor, per call)."""
@@ -173,6 +177,28 @@ def span_layout(weights: list[DequantizedParamOffloader]) -> SpanLayout:
             parts.append((name, dtypes.index(dtype), offset // dtype.itemsize, nbytes // dtype.itemsize, shape))
         laid.append((tuple(parts), weight.meta))
     return tuple(dtypes), tuple(laid)
+
+
+@dataclass(frozen=True)
+class PackedNF4:
+    """An NF4 weight's payload packed at ``slot_offset`` of a buffer, without an engine: what ``span_layout``
+    reads of a ``DequantizedParamOffloader``."""
+
+    payload: QuantizedPayload
+    slot_offset: int
+    meta: NF4Meta
+
+
+def pack_nf4_into(slot: torch.Tensor, nf4s: list[torch.Tensor]) -> SpanLayout:
+    """Pack ``nf4s``' payloads into ``slot`` one after another, each aligned, as the ring lays out a unit's NF4
+    weights, and return their layout: a unit's dequantization without an engine (benchmarks, tests)."""
+    packed, at = [], 0
+    for nf4 in nf4s:
+        nbytes = stored_bytes(nf4)
+        meta = (nf4.shape, nf4.dtype, (nf4.block_size, nf4.scaler_block_size))  # type: ignore[attr-defined]
+        packed.append(PackedNF4(QuantizedPayload(nf4, slot[at : at + nbytes]), at, meta))
+        at += aligned(nbytes)
+    return span_layout(packed)
 
 
 def dequantize_nf4_spans_into(rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout) -> None:

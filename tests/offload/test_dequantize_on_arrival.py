@@ -269,7 +269,7 @@ def _block_in_a_slot(device: str) -> tuple[list[torch.Tensor], torch.Tensor, tor
     tensors, the slot, its room, the flat room views and the span layout."""
     from torchao.quantization import to_nf4
 
-    from offload.nf4_dequantize import SpanLayout
+    from offload.nf4_dequantize import pack_nf4_into
     from offload.quantized import aligned
 
     torch.manual_seed(0)
@@ -277,18 +277,7 @@ def _block_in_a_slot(device: str) -> tuple[list[torch.Tensor], torch.Tensor, tor
     nf4s = [to_nf4(torch.randn(s, device=device, dtype=torch.bfloat16), 64, 256) for s in shapes]
     slot = torch.zeros(sum(aligned(stored_bytes(t)) for t in nf4s), dtype=torch.uint8, device=device)
     room = torch.zeros(sum(t.numel() for t in nf4s), dtype=torch.bfloat16, device=device)
-    dtypes: list[torch.dtype] = []
-    weights, at = [], 0
-    for t in nf4s:
-        payload = QuantizedPayload(t, slot[at : at + stored_bytes(t)])
-        parts = []
-        for name, offset, nbytes, shape, dtype in payload.layout:
-            dtypes.append(dtype) if dtype not in dtypes else None
-            index = dtypes.index(dtype)
-            parts.append((name, index, (at + offset) // dtype.itemsize, nbytes // dtype.itemsize, shape))
-        weights.append((tuple(parts), (t.shape, t.dtype, (t.block_size, t.scaler_block_size))))
-        at = at + aligned(stored_bytes(t))
-    layout: SpanLayout = (tuple(dtypes), tuple(weights))
+    layout = pack_nf4_into(slot, nf4s)
     starts = [0, *itertools.accumulate(t.numel() for t in nf4s)]  # each weight's room, one after another
     rooms = tuple(room[a:b] for a, b in itertools.pairwise(starts))
     return nf4s, slot, room, rooms, layout
