@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from jobs.diffusion.block_checkpoint import enable_block_checkpointing
 from jobs.diffusion.components import load_transformer
 from jobs.diffusion.families import FAMILIES, DiffusionFamily
 from jobs.diffusion.flow_match import flow_matching_loss, noisy_latents
@@ -71,7 +72,7 @@ def apply_dit_lora(model: Any, lora: Any) -> nn.Module:
 
 
 def enable_dit_checkpointing(model: Any) -> None:
-    model.enable_gradient_checkpointing()
+    enable_block_checkpointing(model)
 
 
 def has_lora(model: nn.Module) -> bool:
