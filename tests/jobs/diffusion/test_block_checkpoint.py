@@ -54,8 +54,11 @@ def _batch(frames: int = 1) -> dict[str, torch.Tensor]:
     }
 
 
-def _lora_dit(build: Callable[[int], nn.Module], targets: list[str], layers: int, checkpointing: bool) -> nn.Module:
-    model = apply_dit_lora(build(layers), SimpleNamespace(rank=4, alpha=None, dropout=0.0, target_modules=targets))
+def _lora_dit(
+    build: Callable[[int], nn.Module], targets: list[str], layers: int, checkpointing: bool, dropout: float = 0.0
+) -> nn.Module:
+    lora = SimpleNamespace(rank=4, alpha=None, dropout=dropout, target_modules=targets)
+    model = apply_dit_lora(build(layers), lora)
     if checkpointing:
         enable_dit_checkpointing(model)
     return model.train()
@@ -73,9 +76,10 @@ def test_checkpointed_lora_gradients_equal_the_plain_ones_bitwise(build, targets
     # The adapters sit in the blocks and the patch embedding is frozen, so the first block's input needs no
     # gradient: the reentrant checkpoint would leave every adapter without one unless that input gets
     # requires_grad.
+    # LoRA dropout: the recompute must draw the forward's masks.
     batch = _batch(frames)
-    plain = _gradients(_lora_dit(build, targets, 3, checkpointing=False), batch)
-    checkpointed = _gradients(_lora_dit(build, targets, 3, checkpointing=True), batch)
+    plain = _gradients(_lora_dit(build, targets, 3, checkpointing=False, dropout=0.1), batch)
+    checkpointed = _gradients(_lora_dit(build, targets, 3, checkpointing=True, dropout=0.1), batch)
     assert plain.keys() == checkpointed.keys()
     assert sum(grad is not None for grad in checkpointed.values()) > 20
     for name, grad in plain.items():
@@ -163,3 +167,25 @@ def test_a_frozen_block_with_inputs_needing_no_gradient_is_left_without_one() ->
     trainable = _Block()
     out = checkpoint_block(trainable, x)
     assert out.requires_grad and not x.requires_grad  # the caller's tensor is not changed
+
+
+@pytest.mark.gpu
+def test_checkpointed_lora_gradients_equal_the_plain_ones_on_a_gpu() -> None:
+    # On CUDA the recompute restores the device's random state too (dropout draws the forward's mask).
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    batch = {key: value.cuda() for key, value in _batch().items()}
+    grads = []
+    for checkpointing in (False, True):
+        model = apply_dit_lora(
+            _qwen(3), SimpleNamespace(rank=4, alpha=None, dropout=0.1, target_modules=QWEN_TARGETS)
+        ).cuda()
+        if checkpointing:
+            enable_dit_checkpointing(model)
+        torch.manual_seed(3)
+        grads.append(_gradients(model.train(), batch))
+    assert sum(grad is not None for grad in grads[1].values()) > 20
+    for name, grad in grads[0].items():
+        assert (grad is None) == (grads[1][name] is None), name
+        if grad is not None:
+            torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
