@@ -119,7 +119,8 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
     else:
         raise ValueError(f"training.gradient_checkpointing is not supported for {type(model).__name__}")
     if getattr(model, "_require_grads_hook", None) is None:  # not already hooked by transformers
-        model.enable_input_require_grads()
+        enable = model.enable_input_require_grads
+        enable()
 
 
 FAMILY = ModelFamily(
