@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from jobs.diffusion.block_checkpoint import enable_block_checkpointing
+from jobs.activation_checkpointing import enable_block_checkpointing
 from jobs.diffusion.components import load_transformer
 from jobs.diffusion.families import FAMILIES, DiffusionFamily
 from jobs.diffusion.flow_match import flow_matching_loss, noisy_latents

@@ -106,7 +106,7 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
     embeddings do not give: ``enable_input_require_grads`` makes the embeddings' output require it (what
     transformers does itself for models fed ``input_ids``, and peft when it wraps a model that is not
     quantized). The decoder layers return one tensor, so no output goes without a gradient (the case
-    ``jobs/diffusion/block_checkpoint.py`` handles for the DiT).
+    ``jobs/activation_checkpointing.py`` handles for the DiT).
     """
     enable: Any
     kwargs = {"use_reentrant": True}

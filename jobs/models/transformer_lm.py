@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from safetensors.torch import load_file
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from jobs.activation_checkpointing import checkpoint_block
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily, Problem, linear_module_names
 from jobs.sections import Dtype, Section, broken_rules, confined_path
@@ -131,9 +131,9 @@ class TransformerLM(nn.Module):
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)
         for block in self.blocks:
             if self.gradient_checkpointing and self.training:
-                # Non-reentrant checkpointing re-runs the block in backward; the offload engine sees the
-                # recompute through its forward hooks and keeps the block's weights on the device for it.
-                x = checkpoint(block, x, use_reentrant=False)
+                # The block re-runs in backward (jobs/activation_checkpointing.py); the offload engine sees
+                # the recompute through its forward hooks and keeps the block's weights on the device for it.
+                x = checkpoint_block(block, x)
             else:
                 x = block(x)
         logits = self.lm_head(self.norm(x))

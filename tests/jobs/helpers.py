@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +97,19 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs"
+
+
+def python_calls(run: Callable[[], object]) -> int:
+    """The Python function calls ``run()`` makes (``sys.setprofile``): deterministic, unlike its wall time."""
+    calls = 0
+
+    def count(_frame: object, event: str, _arg: object) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,10 +12,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from jobs import run_job
-from jobs.diffusion.block_checkpoint import checkpoint_block
+from jobs.activation_checkpointing import checkpoint_block
 from jobs.diffusion.model import apply_dit_lora, enable_dit_checkpointing, flow_loss
 from jobs.events import event_to_wire
 from tests.jobs.diffusion.helpers import QWEN_TARGETS, WAN_TARGETS, cache_job, spec_from, train_job
+from tests.jobs.helpers import python_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -115,21 +115,6 @@ def test_a_checkpointed_lora_job_trains_and_saves_exactly_as_one_without(roots, 
         assert all(torch.equal(weights[name][k], weights["plain"][k]) for k in weights["plain"]), name
 
 
-def _python_calls(run: Callable[[], object]) -> int:
-    calls = 0
-
-    def count(_frame: object, event: str, _arg: object) -> None:
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_checkpointing_adds_little_host_work_to_a_training_step() -> None:
     # The H200's DiT step is bound by the host issuing kernels, so Python calls are step time. Recomputing
     # the blocks' forward costs its calls once more: 1.41x the calls of the same step without checkpointing
@@ -138,7 +123,7 @@ def test_checkpointing_adds_little_host_work_to_a_training_step() -> None:
     batch = _batch()
     plain, checkpointed = (_lora_dit(_qwen, QWEN_TARGETS, 6, checkpointing=flag) for flag in (False, True))
     _gradients(plain, batch), _gradients(checkpointed, batch)  # warm up: first-call imports and caches
-    ratio = _python_calls(lambda: _gradients(checkpointed, batch)) / _python_calls(lambda: _gradients(plain, batch))
+    ratio = python_calls(lambda: _gradients(checkpointed, batch)) / python_calls(lambda: _gradients(plain, batch))
     assert ratio < 1.6, ratio
 
 

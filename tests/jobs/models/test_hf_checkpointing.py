@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from torch import nn
 from jobs import PathRoots, run_job
 from jobs.events import event_to_wire
 from jobs.models.hf_causal_lm import enable_hf_gradient_checkpointing
-from tests.jobs.helpers import merged, spec_from
+from tests.jobs.helpers import merged, python_calls, spec_from
 from tests.jobs.models.test_hf_causal_lm import TINY_HF, save_tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -65,21 +63,6 @@ def _tiny_lora_llama(checkpointing: bool) -> nn.Module:
     return get_peft_model(model, LoraConfig(r=4, target_modules=targets)).train()
 
 
-def _python_calls(run: Callable[[], object]) -> int:
-    calls = 0
-
-    def count(_frame: object, event: str, _arg: object) -> None:
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_checkpointing_adds_little_host_work_to_a_training_step() -> None:
     # Recomputing the layers costs their forward's Python calls once more: 1.95x the calls of the step without
     # checkpointing here (the forward is nearly all the step's Python). The non-reentrant checkpoint also runs
@@ -91,6 +74,6 @@ def test_checkpointing_adds_little_host_work_to_a_training_step() -> None:
 
     plain, checkpointed = _tiny_lora_llama(False), _tiny_lora_llama(True)
     step(plain), step(checkpointed)  # warm up: first-call imports and caches
-    ratio = _python_calls(lambda: step(checkpointed)) / _python_calls(lambda: step(plain))
+    ratio = python_calls(lambda: step(checkpointed)) / python_calls(lambda: step(plain))
     assert ratio < 2.3, ratio
     assert all(p.grad is not None for n, p in checkpointed.named_parameters() if p.requires_grad)

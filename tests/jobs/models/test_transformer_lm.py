@@ -11,7 +11,7 @@ from jobs import PathRoots
 from jobs.models import build_model
 from jobs.models.names import builtin_module_names
 from jobs.spec import TransformerLMSpec
-from tests.jobs.helpers import TINY_LM, merged, spec_from
+from tests.jobs.helpers import TINY_LM, merged, python_calls, spec_from
 
 SPEC = TransformerLMSpec(
     kind="transformer_lm", vocab_size=260, hidden_size=16, num_layers=2, num_heads=2, max_seq_len=8
@@ -44,6 +44,40 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
         loss_fn(model, {"input_ids": ids, "labels": ids}).backward()
         grads.append(model.blocks[0].attn.to_q.weight.grad)
     assert torch.allclose(grads[0], grads[1])
+
+
+def test_checkpointing_with_frozen_embeddings_gives_the_same_gradients_bitwise() -> None:
+    # LoRA's case: nothing before the first block trains, so the reentrant checkpoint reaches the blocks only
+    # if their input is made to require grad.
+    ids = torch.randint(260, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        model, loss_fn = build_model(SPEC.model_copy(update={"num_layers": 3}), seed=0)
+        model.train().requires_grad_(False)
+        for block in model.blocks:
+            block.requires_grad_(True)
+        model.gradient_checkpointing = checkpointing
+        loss_fn(model, {"input_ids": ids, "labels": ids}).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    assert all(grads[1][n] is not None and torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_checkpointing_adds_little_host_work_to_a_training_step() -> None:
+    # The non-reentrant checkpoint ran hooks for every tensor a block saves: 10.5x the Python calls of this
+    # tiny model's step without checkpointing; the reentrant one (jobs/activation_checkpointing.py) 2.8x.
+    ids = torch.randint(260, (2, 8), generator=torch.Generator().manual_seed(0))
+    calls = []
+    for checkpointing in (False, True):
+        model, loss_fn = build_model(SPEC, seed=0)
+        model.train().gradient_checkpointing = checkpointing
+
+        def step(model=model, loss_fn=loss_fn) -> None:
+            loss_fn(model, {"input_ids": ids, "labels": ids}).backward()
+
+        step()  # warm up: first-call imports and caches
+        calls.append(python_calls(step))
+    assert calls[1] / calls[0] < 4, calls
 
 
 def test_module_names_follow_the_seed_lora_targets() -> None:

@@ -1,15 +1,18 @@
-"""Gradient checkpointing of a DiT's blocks with torch's reentrant checkpoint, the variant with the least host work.
+"""Activation checkpointing of a model's blocks with torch's reentrant checkpoint, the variant with the least host work.
 
-diffusers' default checkpoint function is torch's non-reentrant one. It runs Python hooks for every tensor a
-block saves: two when the forward saves it, one more in the recompute and one when backward unpacks it. A
-Qwen-Image block saves about 120 tensors, so on the 60-layer DiT those hooks are most of the step's Python
-calls: 516k calls per step with the non-reentrant variant against 184k with this one
+Used for a DiT's blocks (diffusers calls ``checkpoint_block`` as its ``gradient_checkpointing_func``) and for
+Ferry's own ``transformer_lm``; ``hf_causal_lm`` asks transformers for the same variant.
+
+torch's non-reentrant checkpoint (diffusers' default) runs Python hooks for every tensor a block saves: two
+when the forward saves it, one more in the recompute and one when backward unpacks it. A Qwen-Image block
+saves about 120 tensors, so on the 60-layer DiT those hooks are most of the step's Python calls: 516k calls
+per step with the non-reentrant variant against 184k with this one
 (``python bench/diffusion_host_calls.py --layers 60 --resident``, the same tiny DiT). The H200's DiT step is
 bound by the host issuing kernels (bench/RESULTS.md), so host work per step is step time, offloaded or not.
 
 The reentrant variant runs the block under ``no_grad`` in forward, keeps only its inputs, and in backward
 recomputes the block and backpropagates through it inside one autograd node. The values and gradients are the
-same: tests/jobs/diffusion/test_block_checkpoint.py checks the gradients bitwise on the CPU against training
+same: tests/jobs/diffusion/test_block_checkpoint.py checks a DiT's gradients bitwise on the CPU against training
 without checkpointing, and whole jobs' losses and saved adapters with and without the offload engine (which
 supports both variants).
 
@@ -37,7 +40,7 @@ from torch.utils.checkpoint import CheckpointFunction, checkpoint, detach_variab
 
 
 def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """diffusers' ``gradient_checkpointing_func``: ``block(*args)`` checkpointed (module docstring)."""
+    """``block(*args)`` checkpointed (module docstring); diffusers' ``gradient_checkpointing_func``."""
     if kwargs:
         return checkpoint(block.__call__, *args, use_reentrant=False, **kwargs)
     args = _with_an_input_that_requires_grad(block, args)
