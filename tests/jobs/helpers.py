@@ -13,7 +13,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from jobs import JobSpec, PathRoots, load_job_spec
+from jobs import JobSpec, PathRoots, load_job_spec, run_job
+from jobs.events import event_to_wire
 
 TOY: dict[str, Any] = {
     "name": "toy",
@@ -113,3 +114,12 @@ def python_calls(run: Callable[[], object]) -> int:
     finally:
         sys.setprofile(None)
     return calls
+
+
+def losses_and_saved(spec: JobSpec, output_dir: Path, saved: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A job run to success: its step losses, and the tensors of the file ``saved`` in its last checkpoint."""
+    events: list[dict[str, Any]] = []
+    outcome = run_job(spec, output_dir=output_dir, report=lambda event: events.append(event_to_wire(event)))
+    assert outcome.status == "succeeded", events[-1]
+    assert outcome.checkpoint is not None
+    return [e["loss"] for e in events if e["type"] == "step"], load_file(str(Path(outcome.checkpoint) / saved))

@@ -8,15 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from jobs import run_job
 from jobs.activation_checkpointing import checkpoint_block
-from jobs.diffusion.model import apply_dit_lora, enable_dit_checkpointing, flow_loss
-from jobs.events import event_to_wire
+from jobs.diffusion.model import LORA_WEIGHTS, apply_dit_lora, enable_dit_checkpointing, flow_loss
 from tests.jobs.diffusion.helpers import QWEN_TARGETS, WAN_TARGETS, cache_job, spec_from, train_job
-from tests.jobs.helpers import python_calls
+from tests.jobs.helpers import losses_and_saved, python_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -98,15 +96,7 @@ def test_a_checkpointed_lora_job_trains_and_saves_exactly_as_one_without(roots, 
     }
     losses, weights = {}, {}
     for name, job in runs.items():
-        events: list[dict] = []
-        outcome = run_job(
-            spec_from(job, roots),
-            output_dir=tmp_path / name,
-            report=lambda e, events=events: events.append(event_to_wire(e)),
-        )
-        assert outcome.status == "succeeded", events[-1]
-        losses[name] = [e["loss"] for e in events if e["type"] == "step"]
-        weights[name] = load_file(str(tmp_path / name / "checkpoints/step-00000003/pytorch_lora_weights.safetensors"))
+        losses[name], weights[name] = losses_and_saved(spec_from(job, roots), tmp_path / name, LORA_WEIGHTS)
     for name in ("checkpointed", "offloaded"):
         assert losses[name] == losses["plain"] and len(losses[name]) == 3, name
         # Every saved adapter, also the last block's text-side ones that get no gradient (its text output is

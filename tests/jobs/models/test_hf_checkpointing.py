@@ -6,13 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from jobs import PathRoots, run_job
-from jobs.events import event_to_wire
+from jobs import PathRoots
 from jobs.models.hf_causal_lm import enable_hf_gradient_checkpointing
-from tests.jobs.helpers import merged, python_calls, spec_from
+from tests.jobs.helpers import losses_and_saved, merged, python_calls, spec_from
 from tests.jobs.models.test_hf_causal_lm import TINY_HF, save_tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -24,22 +22,17 @@ def test_a_checkpointed_lora_job_trains_and_saves_exactly_as_one_without(tmp_pat
     # each layer under the engine's saved-tensor hooks.
     save_tiny_llama(roots.model_roots[0] / "tiny-llama")
     lora = {"target_modules": ["q_proj", "v_proj", "down_proj"], "rank": 4, "alpha": 8, "dropout": 0.1}
+    resident = {"enable_model_cpu_offload": False}
     runs = {
-        "plain": merged(TINY_HF, lora=lora, training={"gradient_checkpointing": False}, offload={}),
-        "checkpointed": merged(TINY_HF, lora=lora, offload={}),
+        "plain": merged(TINY_HF, lora=lora, training={"gradient_checkpointing": False}, offload=resident),
+        "checkpointed": merged(TINY_HF, lora=lora, offload=resident),
         "offloaded": merged(TINY_HF, lora=lora),
     }
     losses, adapters = {}, {}
     for name, data in runs.items():
-        events: list[dict] = []
-        outcome = run_job(
-            spec_from(data, roots),
-            output_dir=tmp_path / name,
-            report=lambda e, events=events: events.append(event_to_wire(e)),
+        losses[name], adapters[name] = losses_and_saved(
+            spec_from(data, roots), tmp_path / name, "adapter_model.safetensors"
         )
-        assert outcome.status == "succeeded", events[-1]
-        losses[name] = [e["loss"] for e in events if e["type"] == "step"]
-        adapters[name] = load_file(str(Path(outcome.checkpoint) / "adapter_model.safetensors"))
     assert len(losses["plain"]) == 4 and len(set(losses["plain"])) > 1
     for name in ("checkpointed", "offloaded"):
         assert losses[name] == losses["plain"], name
