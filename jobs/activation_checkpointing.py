@@ -1,4 +1,4 @@
-"""Activation checkpointing of a model's blocks with torch's reentrant checkpoint, the variant with the least host work.
+"""Activation checkpointing of a model's blocks with torch's reentrant checkpoint: the least host work.
 
 Used for a DiT's blocks (diffusers calls ``checkpoint_block`` as its ``gradient_checkpointing_func``) and for
 Ferry's own ``transformer_lm``; ``hf_causal_lm`` asks transformers for the same variant.
@@ -73,7 +73,9 @@ class _ReentrantCheckpoint(CheckpointFunction):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("the reentrant checkpoint of a DiT block works with .backward() only, not .grad()")
+            raise RuntimeError(
+                "a block checkpointed by checkpoint_block works with .backward() only, not torch.autograd.grad()"
+            )
         inputs = list(ctx.inputs)
         for index, tensor in zip(ctx.tensor_indices, ctx.saved_tensors, strict=True):
             inputs[index] = tensor
