@@ -50,7 +50,7 @@ def row(workload: str, mode: str, ms: float, alloc: float, reserved: float, note
     print(line, flush=True)
 
 
-def note(line: str) -> None:
+def line_between_rows(line: str) -> None:
     """A line of figures between the table's rows (printed, and kept for RESULTS.md)."""
     ROWS.append(f"\n{line}\n")
     print(line, flush=True)
@@ -188,7 +188,7 @@ def cpu_adamw_alone(threads: int | None = None, with_copies: bool = False) -> No
         ", ".join(f"{k} {statistics.median(v[1:]) * 1e3:.1f} ms" for k, v in timings.items()),
     )
     torch.set_num_threads(previous)
-    note(line)
+    line_between_rows(line)
 
 
 def stale_by_hand(lr: float, warmup: int, steps: int = 100) -> list[float]:
@@ -234,7 +234,7 @@ def toy_losses() -> None:
                 f"delayed_update (warm-up {warmup}) {delayed[-1]:.5f} ({gap:.2f}% apart); the same stale "
                 f"schedule as a plain resident loop {by_hand[-1]:.5f} ({hand_gap:.2f}% apart from exact)"
             )
-            note(line)
+            line_between_rows(line)
 
 
 # ---------------------------------------------------------------------------------------------- lora
@@ -298,9 +298,11 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     # The resident step while the link carries copies it does not make: what the copies alone cost a step
     # that the host bounds (bench/copy_load.py), beside the engine's own host work in the offloaded rows.
     load = BackgroundCopies(directions=("h2d",)) if "background copies" in mode else None
-    ms, alloc, reserved = measure(step, steps)
-    if load is not None:
-        load.stop()
+    try:
+        ms, alloc, reserved = measure(step, steps)
+    finally:
+        if load is not None:
+            load.stop()
     if TRACE_DIR:
         profile_steps(step, TRACE_DIR[0] / f"lora{tokens}-{mode.replace(' ', '_').replace(',', '')}.json", mode)
     note = load.describe() if load is not None else ""
@@ -375,7 +377,7 @@ def dequantize_kernels() -> None:
         for name, run in forms.items():
             host, total = _per_call(run)
             line = f"dequantize {shape[0]}x{shape[1]}, {name}: host {host:.0f} us/call, host+device {total:.0f} us/call"
-            note(line)
+            line_between_rows(line)
 
 
 def block_dequantization() -> None:
@@ -430,7 +432,7 @@ def block_dequantization() -> None:
             f"host+device {total:.0f} us/call, device {device:.0f} us/call in {len(launched) / 10:.0f} kernels; "
             f"torchao's values bit for bit: {equal}"
         )
-        note(line)
+        line_between_rows(line)
 
 
 class _Parts:

@@ -152,13 +152,9 @@ def test_checkpointed_lora_gradients_equal_the_plain_ones_on_a_gpu() -> None:
     batch = {key: value.cuda() for key, value in _batch().items()}
     grads = []
     for checkpointing in (False, True):
-        model = apply_dit_lora(
-            _qwen(3), SimpleNamespace(rank=4, alpha=None, dropout=0.1, target_modules=QWEN_TARGETS)
-        ).cuda()
-        if checkpointing:
-            enable_dit_checkpointing(model)
+        model = _lora_dit(_qwen, QWEN_TARGETS, 3, checkpointing, dropout=0.1).cuda()
         torch.manual_seed(3)
-        grads.append(_gradients(model.train(), batch))
+        grads.append(_gradients(model, batch))
     assert sum(grad is not None for grad in grads[1].values()) > 20
     for name, grad in grads[0].items():
         assert (grad is None) == (grads[1][name] is None), name
