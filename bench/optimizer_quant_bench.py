@@ -259,6 +259,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     for layer in converted:
         layer.__class__ = CompiledNF4Linear
     kernels.COMPILE_ON_CUDA = "eager kernel" not in mode
+    kernels.GRAPHS_ON_CUDA = "no dequantization graphs" not in mode
     if "no index asserts" in mode:  # the nibbles index a 16-entry table: always in bounds
         kernels.COMPILE_OPTIONS["assert_indirect_indexing"] = False
         kernels._compiled.cache_clear()
@@ -322,12 +323,16 @@ def lora(mode: str, steps: int, tokens: int) -> None:
             batches = {id(o.batch): o.batch for o in dequantizers if o.batch is not None}.values()
             calls = sum(b.calls for b in batches) / (steps + 2)
             note += f"; dequantized on arrival {per_step:.2f}x per weight and step in {calls:.0f} calls, {kernel} kernel{failed}"
+            graphs = kernels._SLOT_GRAPHS
+            if kernels.GRAPHS_ON_CUDA:
+                failed = f" (capture failed: {graphs.failed[0]!r:.80})" if graphs.failed else ""
+                note += f", {graphs.replays} CUDA graph replays in all{failed}"
         manager.remove()
     if mode.startswith(("nf4 resident", "bf16 resident")):
         model.to("cpu")
     for layer in converted:
         layer.__class__ = torch.nn.Linear
-    kernels.COMPILE_ON_CUDA = True
+    kernels.COMPILE_ON_CUDA = kernels.GRAPHS_ON_CUDA = True
     if kernels.COMPILE_OPTIONS.pop("assert_indirect_indexing", None) is not None:
         kernels._compiled.cache_clear()
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
@@ -410,13 +415,24 @@ def block_dequantization() -> None:
             out.copy_(NF4Tensor.get_original_weight(_Parts(inner, shape, dtype, blocks)))
 
     old = torch.compile(before, fullgraph=True, dynamic=False, options=dict(kernels.COMPILE_OPTIONS))
+
+    def engine(graphs: bool) -> Callable[[], None]:
+        def run() -> None:
+            kernels.GRAPHS_ON_CUDA = graphs
+            try:
+                kernels.dequantize_nf4_spans_into(rooms, slot, layout)
+            finally:
+                kernels.GRAPHS_ON_CUDA = True
+
+        return run
+
     forms = {
-        "engine (one pointwise kernel per weight, its own room)": lambda: kernels.dequantize_nf4_spans_into(
-            rooms, slot, layout
-        ),
+        "engine, replayed as a CUDA graph (SlotGraphs)": engine(True),
+        "engine, the compiled call (one pointwise kernel per weight, its own room)": engine(False),
         "before (torchao's get_original_weight into slices of one room)": lambda: old(room, typed),
     }
     for name, run in forms.items():
+        run()  # compiles; a graph is captured on a slot's second call
         room.zero_()
         run()
         equal = torch.equal(room, expected)
@@ -476,6 +492,7 @@ LORA_MODES = [
     "nf4 offloaded (dequantize on arrival, eager kernel)",
     "nf4 offloaded, prefetch 2",
     "nf4 offloaded, block units",
+    "nf4 offloaded, block units (no dequantization graphs)",  # the compiled call each visit: SlotGraphs' baseline
     "nf4 offloaded, block units (no slot reuse)",  # every visit copies and dequantizes: the reuse's baseline
     "nf4 offloaded, block units, one call per weight",  # as before ArrivalBatch: the same-run baseline
     "nf4 offloaded, block units, prefetch 2",

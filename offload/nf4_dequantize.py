@@ -204,7 +204,87 @@ def pack_nf4_into(slot: torch.Tensor, nf4s: list[torch.Tensor]) -> SpanLayout:
 def dequantize_nf4_spans_into(rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout) -> None:
     """``dequantize_nf4_all_into`` for weights laid out in a slot: ``payloads`` (a ring slot's bytes, ``uint8``)
     holds each weight's inner tensors where ``layout`` says, and its dequantized form goes into its room,
-    ``rooms[i]`` (a flat view of the slot's room at the weight's offset)."""
+    ``rooms[i]`` (a flat view of the slot's room at the weight's offset). On CUDA, a slot seen before replays
+    the call's CUDA graph (``SlotGraphs``)."""
+    graphed = payloads.device.type == "cuda" and GRAPHS_ON_CUDA and COMPILE_ON_CUDA and not _COMPILE_FAILED
+    if graphed and _SLOT_GRAPHS.replay(rooms, payloads, layout):
+        return
     dtypes, weights = layout
     typed = tuple(payloads.view(dtype) for dtype in dtypes)
     _run(payloads.device.type, spans=True, args=(rooms, typed, weights))
+
+
+class SlotGraphs:
+    """A unit's dequantization replayed as a CUDA graph: ~10 us of host time per visit instead of ~210.
+
+    The compiled call is still a Python call: dynamo's guards, inductor's wrapper and one Triton launch per
+    weight, about 210 us of host time per block on the H200 (bench/RESULTS.md, issue 18), on a forward the host
+    bounds. Its inputs and outputs are a ring slot's payloads and room, whose addresses recur every step (a
+    unit lands in one of a few slots), so the call is captured once per (slot, layout) and replayed after, on
+    the current stream (the copy stream: ordered after the copy, as the call was). The graph reads the
+    payloads and writes the rooms at those addresses, so it stays valid while the buffers there keep that
+    layout: a ring re-made at the same addresses has it, one re-made elsewhere gets graphs of its own. A
+    slot's first call is the compiled call itself (it may compile, and autotuning synchronizes), its second
+    is captured. Capture is ``thread_local``: a loader thread pinning memory meanwhile does not invalidate it.
+    A capture that fails turns graphs off, once, with a warning; the compiled call writes the same values.
+    """
+
+    MAX_GRAPHS = 32  # a ring has prefetch + 1 slots, and a model a few unit layouts
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._called: set[tuple] = set()  # keys the compiled call has run for (compiled and tuned)
+        self.failed: list[BaseException] = []
+        self.captures = 0
+        self.replays = 0
+
+    def replay(self, rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout) -> bool:
+        """Replay (capturing first if need be) the call for these buffers; False: make the call instead."""
+        if self.failed:
+            return False
+        key = (payloads.data_ptr(), tuple(room.data_ptr() for room in rooms), layout)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._called:  # the first call may compile and autotune (it syncs): not under capture
+                if len(self._called) >= self.MAX_GRAPHS:
+                    self._called.clear()
+                self._called.add(key)
+                return False
+            graph = self._capture(rooms, payloads, layout)
+            if graph is None:
+                return False
+            if len(self._graphs) >= self.MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[key] = graph
+        graph.replay()
+        self.replays += 1
+        return True
+
+    def _capture(
+        self, rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout
+    ) -> torch.cuda.CUDAGraph | None:
+        dtypes, weights = layout
+        typed = tuple(payloads.view(dtype) for dtype in dtypes)
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end, not torch.cuda.graph(): that synchronizes the device, collects garbage and empties
+        # the allocator's cache on entry, none of which a capture of kernels over fixed buffers needs.
+        try:
+            with torch.no_grad():
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    _compiled(spans=True)(rooms, typed, weights)
+                finally:
+                    graph.capture_end()
+        except Exception as error:  # e.g. a kernel that synchronizes: the plain call writes the same values
+            self.failed.append(error)
+            log.warning("NF4 dequantization on arrival runs without CUDA graphs (capture failed: %r)", error)
+            return None
+        self.captures += 1
+        return graph
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+
+GRAPHS_ON_CUDA = True  # bench/optimizer_quant_bench.py measures with and without
+_SLOT_GRAPHS = SlotGraphs()

@@ -318,12 +318,13 @@ def test_the_compiled_dequantization_is_one_pointwise_pass_per_weight() -> None:
 
 
 @pytest.mark.gpu
-def test_a_blocks_compiled_dequantization_is_one_kernel_per_weight_on_gpu() -> None:
+def test_a_blocks_compiled_dequantization_is_one_kernel_per_weight_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from offload import nf4_dequantize as kernels
     from offload.nf4_dequantize import dequantize_nf4_spans_into
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setattr(kernels, "GRAPHS_ON_CUDA", False)  # the compiled call's own kernels
     nf4s, slot, room, rooms, layout = _block_in_a_slot("cuda")
     dequantize_nf4_spans_into(rooms, slot, layout)  # compiles
     room.zero_()
@@ -334,3 +335,54 @@ def test_a_blocks_compiled_dequantization_is_one_kernel_per_weight_on_gpu() -> N
     assert not kernels._COMPILE_FAILED
     assert len(launched) == len(nf4s), [e.name for e in launched]
     assert torch.equal(room, torch.cat([t.get_original_weight().reshape(-1) for t in nf4s]))
+
+
+@pytest.mark.gpu
+def test_a_slots_dequantization_is_replayed_as_a_cuda_graph_over_the_live_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled call costs ~210 us of host time per block visit; a slot seen before replays it as a CUDA
+    graph instead (its first call is the compiled call). The replay reads the payloads there now (a later
+    unit's weights in the same slot) and writes torchao's values; another slot gets a graph of its own."""
+    from torchao.quantization import to_nf4
+
+    from offload import nf4_dequantize as kernels
+    from offload.nf4_dequantize import SlotGraphs, dequantize_nf4_spans_into, pack_nf4_into
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    graphs = SlotGraphs()
+    monkeypatch.setattr(kernels, "_SLOT_GRAPHS", graphs)
+    nf4s, slot, room, rooms, layout = _block_in_a_slot("cuda")
+
+    def expected(weights: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.get_original_weight().reshape(-1) for t in weights])
+
+    stream = torch.cuda.Stream()  # the engine dequantizes on its copy stream
+    with torch.cuda.stream(stream):
+        dequantize_nf4_spans_into(rooms, slot, layout)  # compiles and tunes: not captured
+        assert (graphs.captures, graphs.replays) == (0, 0)
+        room.zero_()
+        dequantize_nf4_spans_into(rooms, slot, layout)  # captured, then replayed
+    torch.cuda.synchronize()
+    assert (graphs.captures, graphs.replays) == (1, 1) and not graphs.failed
+    assert torch.equal(room, expected(nf4s))
+
+    others = [to_nf4(torch.randn(t.shape, device="cuda", dtype=torch.bfloat16), 64, 256) for t in nf4s]
+    assert pack_nf4_into(slot, others) == layout  # the next unit in the same slot: same layout, new bytes
+    with torch.cuda.stream(stream):
+        dequantize_nf4_spans_into(rooms, slot, layout)
+    torch.cuda.synchronize()
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    assert torch.equal(room, expected(others))
+
+    slot2, room2 = slot.clone(), torch.zeros_like(room)
+    rooms2 = tuple(room2[r.storage_offset() : r.storage_offset() + r.numel()] for r in rooms)
+    with torch.cuda.stream(stream):
+        dequantize_nf4_spans_into(rooms2, slot2, layout)  # its first call: the compiled call
+        assert (graphs.captures, graphs.replays) == (1, 2)
+        room2.zero_()
+        dequantize_nf4_spans_into(rooms2, slot2, layout)
+    torch.cuda.synchronize()
+    assert (graphs.captures, graphs.replays) == (2, 3)
+    assert torch.equal(room2, expected(others)) and torch.equal(room, expected(others))

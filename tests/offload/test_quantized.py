@@ -127,6 +127,7 @@ def test_quantized_offloaded_matches_quantized_resident_on_gpu(
     from offload import nf4_dequantize
 
     resident_losses, resident = train(make(method, checkpointing, compiled), None, device="cuda")
+    replays = nf4_dequantize._SLOT_GRAPHS.replays
     in_layer = {"options": OffloadOptions(dequantize_on_arrival=False)}
     block = {"options": OffloadOptions(granularity="block", prefetch=2)}  # a block's weights in one call
     for offload in ({}, {"enable_optimizer_cpu_offload": True}, block, in_layer):
@@ -135,6 +136,8 @@ def test_quantized_offloaded_matches_quantized_resident_on_gpu(
         for name in resident:
             torch.testing.assert_close(trained[name], resident[name], rtol=2e-2, atol=2e-3, msg=name)
     assert not nf4_dequantize._COMPILE_FAILED  # the NF4 dequantization on arrival ran compiled
+    assert not nf4_dequantize._SLOT_GRAPHS.failed
+    assert (nf4_dequantize._SLOT_GRAPHS.replays > replays) == (method == "nf4")  # and replayed from CUDA graphs
 
 
 @pytest.mark.gpu
