@@ -416,11 +416,14 @@ def block_dequantization() -> None:
 
     old = torch.compile(before, fullgraph=True, dynamic=False, options=dict(kernels.COMPILE_OPTIONS))
 
+    side = torch.cuda.Stream()  # the engine's copy stream (graphs are captured on a side stream only)
+
     def engine(graphs: bool) -> Callable[[], None]:
         def run() -> None:
             kernels.GRAPHS_ON_CUDA = graphs
             try:
-                kernels.dequantize_nf4_spans_into(rooms, slot, layout)
+                with torch.cuda.stream(side):
+                    kernels.dequantize_nf4_spans_into(rooms, slot, layout)
             finally:
                 kernels.GRAPHS_ON_CUDA = True
 

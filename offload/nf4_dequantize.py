@@ -263,6 +263,11 @@ class SlotGraphs:
     def _capture(
         self, rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout
     ) -> torch.cuda.CUDAGraph | None:
+        # Capture needs a side stream (the engine's copy stream); on the default stream torch refuses, and some
+        # versions refuse only after putting the CUDA RNG into capture mode, which then fails every later
+        # random op. So the compute stream (a unit onloaded without prefetch) makes the compiled call.
+        if torch.cuda.current_stream(payloads.device) == torch.cuda.default_stream(payloads.device):
+            return None
         dtypes, weights = layout
         typed = tuple(payloads.view(dtype) for dtype in dtypes)
         graph = torch.cuda.CUDAGraph()

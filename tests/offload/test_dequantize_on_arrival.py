@@ -342,8 +342,9 @@ def test_a_slots_dequantization_is_replayed_as_a_cuda_graph_over_the_live_buffer
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The compiled call costs ~210 us of host time per block visit; a slot seen before replays it as a CUDA
-    graph instead (its first call is the compiled call). The replay reads the payloads there now (a later
-    unit's weights in the same slot) and writes torchao's values; another slot gets a graph of its own."""
+    graph instead (its first call is the compiled call, and the default stream never captures). The replay
+    reads the payloads there now (a later unit's weights in the same slot) and writes torchao's values;
+    another slot gets a graph of its own."""
     from torchao.quantization import to_nf4
 
     from offload import nf4_dequantize as kernels
@@ -358,18 +359,22 @@ def test_a_slots_dequantization_is_replayed_as_a_cuda_graph_over_the_live_buffer
     def expected(weights: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([t.get_original_weight().reshape(-1) for t in weights])
 
+    for _ in range(3):  # on the default stream (the compute stream's, no prefetch): the compiled call, no capture
+        dequantize_nf4_spans_into(rooms, slot, layout)
+    assert (graphs.captures, graphs.replays) == (0, 0) and not graphs.failed
+    torch.randn(1, device="cuda")  # the CUDA RNG was left alone (a refused capture can leave it broken)
     stream = torch.cuda.Stream()  # the engine dequantizes on its copy stream
+    room.zero_()
+    stream.wait_stream(torch.cuda.current_stream())  # after the writes made on the default stream
     with torch.cuda.stream(stream):
-        dequantize_nf4_spans_into(rooms, slot, layout)  # compiles and tunes: not captured
-        assert (graphs.captures, graphs.replays) == (0, 0)
-        room.zero_()
-        dequantize_nf4_spans_into(rooms, slot, layout)  # captured, then replayed
+        dequantize_nf4_spans_into(rooms, slot, layout)  # compiled before: captured, then replayed
     torch.cuda.synchronize()
     assert (graphs.captures, graphs.replays) == (1, 1) and not graphs.failed
     assert torch.equal(room, expected(nf4s))
 
     others = [to_nf4(torch.randn(t.shape, device="cuda", dtype=torch.bfloat16), 64, 256) for t in nf4s]
     assert pack_nf4_into(slot, others) == layout  # the next unit in the same slot: same layout, new bytes
+    stream.wait_stream(torch.cuda.current_stream())  # after the writes made on the default stream
     with torch.cuda.stream(stream):
         dequantize_nf4_spans_into(rooms, slot, layout)
     torch.cuda.synchronize()
@@ -378,6 +383,7 @@ def test_a_slots_dequantization_is_replayed_as_a_cuda_graph_over_the_live_buffer
 
     slot2, room2 = slot.clone(), torch.zeros_like(room)
     rooms2 = tuple(room2[r.storage_offset() : r.storage_offset() + r.numel()] for r in rooms)
+    stream.wait_stream(torch.cuda.current_stream())  # after the writes made on the default stream
     with torch.cuda.stream(stream):
         dequantize_nf4_spans_into(rooms2, slot2, layout)  # its first call: the compiled call
         assert (graphs.captures, graphs.replays) == (1, 2)
