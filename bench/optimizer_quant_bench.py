@@ -263,6 +263,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     if "no index asserts" in mode:  # the nibbles index a 16-entry table: always in bounds
         kernels.COMPILE_OPTIONS["assert_indirect_indexing"] = False
         kernels._compiled.cache_clear()
+        kernels._SLOT_GRAPHS.clear()  # its graphs replay the kernels compiled before
     if mode.startswith(("nf4 resident", "bf16 resident")):
         model.to("cuda")
     elif mode == "fsdp2 (bf16)":
@@ -335,6 +336,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     kernels.COMPILE_ON_CUDA = kernels.GRAPHS_ON_CUDA = True
     if kernels.COMPILE_OPTIONS.pop("assert_indirect_indexing", None) is not None:
         kernels._compiled.cache_clear()
+        kernels._SLOT_GRAPHS.clear()  # its graphs replay the kernels compiled before
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
 
 

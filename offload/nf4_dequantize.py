@@ -215,11 +215,12 @@ def dequantize_nf4_spans_into(rooms: tuple[torch.Tensor, ...], payloads: torch.T
 
 
 class SlotGraphs:
-    """A unit's dequantization replayed as a CUDA graph: ~10 us of host time per visit instead of ~210.
+    """A unit's dequantization replayed as a CUDA graph: 33 us of host time per block visit instead of 286.
 
     The compiled call is still a Python call: dynamo's guards, inductor's wrapper and one Triton launch per
-    weight, about 210 us of host time per block on the H200 (bench/RESULTS.md, issue 18), on a forward the host
-    bounds. Its inputs and outputs are a ring slot's payloads and room, whose addresses recur every step (a
+    weight (286 us of host time per block of the LoRA stack on the H200, against 33 replayed; bench/RESULTS.md,
+    issue 18). A step the GPU bounds does not gain from it (that stack's did not move); one the host bounds
+    does. Its inputs and outputs are a ring slot's payloads and room, whose addresses recur every step (a
     unit lands in one of a few slots), so the call is captured once per (slot, layout) and replayed after, on
     the current stream (the copy stream: ordered after the copy, as the call was). The graph reads the
     payloads and writes the rooms at those addresses, so it stays valid while the buffers there keep that
@@ -227,6 +228,8 @@ class SlotGraphs:
     slot's first call is the compiled call itself (it may compile, and autotuning synchronizes), its second
     is captured. Capture is ``thread_local``: a loader thread pinning memory meanwhile does not invalidate it.
     A capture that fails turns graphs off, once, with a warning; the compiled call writes the same values.
+    (A capture that fails after it began may leave torch's CUDA RNG in capture mode, which fails later random
+    ops: not expected of these pointwise kernels, which neither synchronize nor allocate.)
     """
 
     MAX_GRAPHS = 32  # a ring has prefetch + 1 slots, and a model a few unit layouts
@@ -288,7 +291,9 @@ class SlotGraphs:
         return graph
 
     def clear(self) -> None:
+        """Forget every graph (they replay the kernels compiled when captured: clear with ``_compiled``)."""
         self._graphs.clear()
+        self._called.clear()
 
 
 GRAPHS_ON_CUDA = True  # bench/optimizer_quant_bench.py measures with and without
