@@ -262,8 +262,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     kernels.GRAPHS_ON_CUDA = "no dequantization graphs" not in mode
     if "no index asserts" in mode:  # the nibbles index a 16-entry table: always in bounds
         kernels.COMPILE_OPTIONS["assert_indirect_indexing"] = False
-        kernels._compiled.cache_clear()
-        kernels._SLOT_GRAPHS.clear()  # its graphs replay the kernels compiled before
+        kernels.forget_compiled_kernels()
     if mode.startswith(("nf4 resident", "bf16 resident")):
         model.to("cuda")
     elif mode == "fsdp2 (bf16)":
@@ -326,8 +325,8 @@ def lora(mode: str, steps: int, tokens: int) -> None:
             note += f"; dequantized on arrival {per_step:.2f}x per weight and step in {calls:.0f} calls, {kernel} kernel{failed}"
             graphs = kernels._SLOT_GRAPHS
             if kernels.GRAPHS_ON_CUDA:
-                failed = f" (capture failed: {graphs.failed[0]!r:.80})" if graphs.failed else ""
-                note += f", {graphs.replays} CUDA graph replays in all{failed}"
+                capture_failed = f" (capture failed: {graphs.failed[0]!r:.80})" if graphs.failed else ""
+                note += f", {graphs.replays} CUDA graph replays in all{capture_failed}"
         manager.remove()
     if mode.startswith(("nf4 resident", "bf16 resident")):
         model.to("cpu")
@@ -335,8 +334,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         layer.__class__ = torch.nn.Linear
     kernels.COMPILE_ON_CUDA = kernels.GRAPHS_ON_CUDA = True
     if kernels.COMPILE_OPTIONS.pop("assert_indirect_indexing", None) is not None:
-        kernels._compiled.cache_clear()
-        kernels._SLOT_GRAPHS.clear()  # its graphs replay the kernels compiled before
+        kernels.forget_compiled_kernels()
     row(f"lora {tokens} tokens", mode, ms, alloc, reserved, note)
 
 

@@ -291,10 +291,17 @@ class SlotGraphs:
         return graph
 
     def clear(self) -> None:
-        """Forget every graph (they replay the kernels compiled when captured: clear with ``_compiled``)."""
+        """Forget every graph (``forget_compiled_kernels`` does, with the compiled kernels they replay)."""
         self._graphs.clear()
         self._called.clear()
 
 
 GRAPHS_ON_CUDA = True  # bench/optimizer_quant_bench.py measures with and without
 _SLOT_GRAPHS = SlotGraphs()
+
+
+def forget_compiled_kernels() -> None:
+    """Compile the dequantization afresh at its next call (after a change to ``COMPILE_OPTIONS``), and forget
+    the slots' graphs with it: they replay the kernels compiled when they were captured."""
+    _compiled.cache_clear()
+    _SLOT_GRAPHS.clear()
