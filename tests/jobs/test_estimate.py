@@ -130,6 +130,8 @@ def gpu_configs() -> list[Path]:
 def test_estimate_is_within_25_percent_of_the_measured_peak(config: Path, tmp_path: Path) -> None:
     write_corpus(tmp_path / "example_dataset", documents=4000)
     data = yaml.safe_load(config.read_text())
+    if data["data"]["kind"] == "text":  # a dependency of Ferry's, which a GPU box with torch alone may lack
+        pytest.importorskip("datasets", reason="text data is read with Hugging Face datasets")
     data["training"].pop("epochs", None)
     data["training"].update(steps=3)
     data["training"]["scheduler"] = {"kind": "constant", "warmup_steps": 0}
