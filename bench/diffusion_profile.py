@@ -8,7 +8,12 @@ Prints one JSON line of figures (and the trace summary). Per step beside its tim
 inside ``train_step`` (queueing forward, backward and the optimizer; close to the step time when the host is
 what bounds it), ``gc_ms`` and ``gen2`` (the garbage collector's pauses in the step), ``copy_wait_s`` (the
 compute stream's waits for copies, one step late), and the allocator's retries and device mallocs (a cache
-flushed near ``gpu_memory_limit`` synchronizes the device). ``full_gc_ms``: one full collection over the
+flushed near ``gpu_memory_limit`` synchronizes the device). What the host's main thread did inside
+``train_step``: ``on_cpu_s`` and ``runnable_s`` (from /proc/thread-self/schedstat: time on a core, and time
+ready to run but waiting for one: other work on the machine took its core), ``preempted`` (involuntary context
+switches), ``process_cpu_s`` (every thread of the process), and ``cpu_mhz`` (the mean clock of the cores the
+process may run on, read after the step): a slow host-bound step is slow for one of these reasons, or because
+each call took longer on the same core (``on_cpu_s`` grows with the step). ``full_gc_ms``: one full collection over the
 job's objects with none frozen, timed after the last step (what a full collection costs without the
 runner's ``gc.freeze``). Nothing is written to bench/RESULTS.md: the numbers
 recorded there come from bench/diffusion_bench.py.
@@ -20,6 +25,8 @@ import argparse
 import gc
 import gzip
 import json
+import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -49,9 +56,18 @@ def main() -> None:
     parser.add_argument("--resident", action="store_true", help="no offload, no limit")
     parser.add_argument("--trace", default=None, help="write a chrome trace (.json.gz) of the last step here")
     parser.add_argument("--trace-cpu", action="store_true", help="trace host ops too (a large trace at 60 layers)")
+    parser.add_argument(
+        "--full-mask",
+        action="store_true",
+        help="pass the prompt mask even where no prompt is padded (the DiT then runs its masked attention)",
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     args = parser.parse_args()
+    if args.full_mask:  # the A/B of jobs/diffusion/batches.padded_mask: every batch keeps its mask
+        import jobs.diffusion.batches
+
+        jobs.diffusion.batches.padded_mask = lambda mask: mask  # type: ignore[assignment]
     work = Path(tempfile.mkdtemp(prefix="ferry-dit-profile-"))
     models, data = work / "models", work / "data"
     data.mkdir(parents=True)
@@ -131,6 +147,7 @@ class StepProbe:
         self.cuda = device == "cuda"
         self.rows: dict[str, list[float]] = {k: [] for k in ("issue_s", "gc_ms", "gen2", "copy_wait_s")}
         self.rows.update({k: [] for k in ("alloc_retries", "device_mallocs", "device_frees")})
+        self.rows.update({k: [] for k in ("on_cpu_s", "runnable_s", "preempted", "process_cpu_s", "cpu_mhz")})
         self.full_gc_ms = 0.0
         self._gc = [0.0, 0]  # pause seconds and full collections since the last step event
         self._gc_start = 0.0
@@ -140,9 +157,15 @@ class StepProbe:
         step = jobs.runner.train_step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
+            host = host_counters()
             begun = time.perf_counter()
             loss = step(*args, **kwargs)
             self.rows["issue_s"].append(round(time.perf_counter() - begun, 4))
+            for key, now, before in zip(
+                ("on_cpu_s", "runnable_s", "preempted", "process_cpu_s"), host_counters(), host, strict=True
+            ):
+                self.rows[key].append(round(now - before, 4))
+            self.rows["cpu_mhz"].append(mean_cpu_mhz())
             return loss
 
         jobs.runner.train_step = timed_step  # type: ignore[assignment]
@@ -185,6 +208,28 @@ class StepProbe:
 
     def figures(self) -> dict[str, Any]:
         return {**self.rows, "full_gc_ms": self.full_gc_ms}
+
+
+def host_counters() -> tuple[float, float, int, float]:
+    """The calling thread's time on a core and time runnable but waiting (seconds; 0 where the kernel keeps no
+    schedstat), its involuntary context switches, and the whole process's CPU time."""
+    try:
+        on_cpu, waiting, _ = (int(v) for v in Path("/proc/thread-self/schedstat").read_text().split())
+    except (OSError, ValueError):
+        on_cpu = waiting = 0
+    switches = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_nivcsw
+    return on_cpu / 1e9, waiting / 1e9, switches, time.process_time()
+
+
+def mean_cpu_mhz() -> float:
+    """The mean current clock of the cores this process may run on (0 where cpufreq is not exposed)."""
+    clocks = []
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            clocks.append(int(Path(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq").read_text()) / 1e3)
+        except (OSError, ValueError):
+            continue
+    return round(statistics.mean(clocks), 0) if clocks else 0.0
 
 
 if __name__ == "__main__":
