@@ -91,18 +91,22 @@ class DiffusionBatches:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         noise = torch.randn(latents.shape, generator=generator)
         sigma, weight = self.timesteps.draw(generator, len(members))
-        return {
-            "latents": latents,
-            "noise": noise,
-            "sigma": sigma,
-            "weight": weight,
-            "prompt_embeds": embeds,
-            "prompt_mask": mask,
-        }
+        batch = {"latents": latents, "noise": noise, "sigma": sigma, "weight": weight, "prompt_embeds": embeds}
+        if padded_mask(mask) is not None:  # read here, on the CPU: on the device it would cost a sync a step
+            batch["prompt_mask"] = mask
+        return batch
 
     @property
     def max_length(self) -> int:
         return self.family.max_sequence_length
+
+
+def padded_mask(mask: torch.Tensor) -> torch.Tensor | None:
+    """``mask`` if some prompt in it is padded, else ``None``: QwenImagePipeline.encode_prompt drops a mask
+    that is all ones, so its DiT attends without one (on the flash kernel; a masked attention runs another
+    kernel, slower, and issuing it took the most host time of any op in the 60-layer step on the H200,
+    bench/RESULTS.md). Training, and the samples, run the attention the pipeline runs."""
+    return None if bool(mask.all()) else mask
 
 
 def pad_prompts(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-PredictFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PredictFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 GuideFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 # The prompt template Qwen-Image's pipeline wraps every prompt in; its first 34 tokens are dropped after encoding.
@@ -39,7 +39,8 @@ class DiffusionFamily:
         pipeline_class: the diffusers pipeline whose ``save_lora_weights`` / ``load_lora_weights`` we match.
         max_sequence_length: prompt tokens kept, as the pipeline's default.
         encode_prompts: ``(text_encoder, tokenizer, prompts, device, max_len) -> [tokens_i, dim]`` per prompt.
-        predict: ``(dit, noisy latents, sigma [B], prompt embeds [B, L, D], mask [B, L]) -> velocity``.
+        predict: ``(dit, noisy latents, sigma [B], prompt embeds [B, L, D], mask [B, L]) -> velocity``; the mask
+            is ``None`` when no prompt is padded (batches.padded_mask).
         pad_prompts_to_max: Wan's DiT sees prompts zero-padded to the full length; Qwen-Image's a mask.
         guide: ``(velocity with the prompt, with the negative prompt, scale) -> velocity``: classifier-free
             guidance as the family's pipeline combines the two.
@@ -98,7 +99,9 @@ def _qwen_unpack(tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, 1, h, w)
 
 
-def _qwen_predict(dit: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
+def _qwen_predict(
+    dit: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor | None
+):
     """Pack 2x2 latent patches into tokens, predict, unpack."""
     b, _, f, h, w = latents.shape
     if f != 1:
@@ -129,7 +132,9 @@ def _wan_guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.
     return uncond + scale * (cond - uncond)
 
 
-def _wan_predict(dit: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
+def _wan_predict(
+    dit: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor | None
+):
     """Wan's DiT takes the 5-D latents and the timestep on the 0-1000 scale; padding tokens are zeros."""
     del mask  # the pipeline passes zero-padded embeddings and no mask
     return dit(hidden_states=latents, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]

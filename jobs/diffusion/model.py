@@ -42,12 +42,13 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def flow_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The flow-matching loss of one micro-batch (flow_match.py has the objective and its weighting)."""
+    """The flow-matching loss of one micro-batch (flow_match.py has the objective and its weighting). A batch
+    has ``prompt_mask`` only when a prompt in it is padded (batches.padded_mask)."""
     dtype = compute_dtype(model)
     latents, noise, sigma = batch["latents"], batch["noise"], batch["sigma"]
     noisy = noisy_latents(latents, noise, sigma).to(dtype)
     prediction = family_of_model(model).predict(
-        model, noisy, sigma, batch["prompt_embeds"].to(dtype), batch["prompt_mask"]
+        model, noisy, sigma, batch["prompt_embeds"].to(dtype), batch.get("prompt_mask")
     )
     return flow_matching_loss(prediction, latents, noise, batch["weight"])
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.diffusion.batches import pad_prompts
+from jobs.diffusion.batches import pad_prompts, padded_mask
 from jobs.diffusion.flow_match import euler_sample
 from jobs.diffusion.model import compute_dtype, family_of_model
 
@@ -81,12 +81,13 @@ class Sampler:
     @staticmethod
     def _padded(
         embeds: torch.Tensor | None, family: Any, device: torch.device, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One prompt's embeddings as the DiT takes them (padded, with the mask), on ``device``."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One prompt's embeddings as the DiT takes them (padded, with the mask if padded), on ``device``."""
         if embeds is None:
             return None
         padded, mask = pad_prompts([embeds], family, family.max_sequence_length)
-        return padded.to(device, dtype), mask.to(device)
+        kept = padded_mask(mask)
+        return padded.to(device, dtype), (kept.to(device) if kept is not None else None)
 
 
 def write_pngs(images: list[torch.Tensor], directory: Path) -> list[str]:
