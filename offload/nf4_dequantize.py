@@ -135,10 +135,15 @@ def dequantize_nf4_all_into(
     _run(outs[0].device.type, spans=False, args=(outs, inners, metas))
 
 
+def _compiles(device: str) -> bool:
+    """Whether a call on ``device`` runs the compiled kernel: where asked for, until a compile fails."""
+    return ((device == "cuda" and COMPILE_ON_CUDA) or (device == "cpu" and COMPILE_ON_CPU)) and not _COMPILE_FAILED
+
+
 def _run(device: str, *, spans: bool, args: tuple) -> None:
     """One dequantization call: compiled where asked for (until a compile fails), else torchao's eager ops."""
     with torch.no_grad():
-        if ((device == "cuda" and COMPILE_ON_CUDA) or (device == "cpu" and COMPILE_ON_CPU)) and not _COMPILE_FAILED:
+        if _compiles(device):
             try:
                 # The same cache keys as the callers before (the benchmark reads ``_compiled()`` as the engine's).
                 (_compiled(spans=True) if spans else _compiled())(*args)
@@ -206,7 +211,7 @@ def dequantize_nf4_spans_into(rooms: tuple[torch.Tensor, ...], payloads: torch.T
     holds each weight's inner tensors where ``layout`` says, and its dequantized form goes into its room,
     ``rooms[i]`` (a flat view of the slot's room at the weight's offset). On CUDA, a slot seen before replays
     the call's CUDA graph (``SlotGraphs``)."""
-    graphed = payloads.device.type == "cuda" and GRAPHS_ON_CUDA and COMPILE_ON_CUDA and not _COMPILE_FAILED
+    graphed = payloads.device.type == "cuda" and GRAPHS_ON_CUDA and _compiles("cuda")  # graphs replay the kernel
     if graphed and _SLOT_GRAPHS.replay(rooms, payloads, layout):
         return
     dtypes, weights = layout
