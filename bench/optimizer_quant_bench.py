@@ -32,7 +32,7 @@ from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
 from bench.offload_bench import timed_steps as measure
 from bench.provenance import commit
 from bench.trace_summary import summarize, top_kernels
-from offload import OffloadOptions, OffloadTrainingManager
+from offload import OffloadOptions, OffloadTrainingManager, dequantize_on_arrival
 from offload import nf4_dequantize as kernels
 from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
 from offload.nf4_linear import CompiledNF4Linear, is_nf4
@@ -260,6 +260,10 @@ def lora(mode: str, steps: int, tokens: int) -> None:
         layer.__class__ = CompiledNF4Linear
     kernels.COMPILE_ON_CUDA = "eager kernel" not in mode
     kernels.GRAPHS_ON_CUDA = "no dequantization graphs" not in mode
+    # ", budget 2GiB": blocks kept on the GPU for good, dequantized once (their bf16 form is what the budget
+    # counts); "(kept quantized)": as before, torchao's NF4 tensor kept, dequantized inside the layer per call.
+    dequantize_on_arrival.KEEP_DEQUANTIZED = "kept quantized" not in mode
+    budget = mode.split(", budget ", 1)[1].split(" ", 1)[0] if ", budget " in mode else None
     if "no index asserts" in mode:  # the nibbles index a 16-entry table: always in bounds
         kernels.COMPILE_OPTIONS["assert_indirect_indexing"] = False
         kernels.forget_compiled_kernels()
@@ -277,6 +281,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
             granularity="block" if "block units" in mode else "leaf",
             dequantize_on_arrival="torchao in the layer" not in mode,
             reuse_ring_slots="no slot reuse" not in mode,
+            gpu_memory_budget=budget,
         )
         manager = OffloadTrainingManager(model, "cuda", options=options)
         if "one call per weight" in mode:  # each weight in a batch of its own: the engine before ArrivalBatch
@@ -499,6 +504,10 @@ LORA_MODES = [
     "nf4 offloaded, block units (no slot reuse)",  # every visit copies and dequantizes: the reuse's baseline
     "nf4 offloaded, block units, one call per weight",  # as before ArrivalBatch: the same-run baseline
     "nf4 offloaded, block units, prefetch 2",
+    "nf4 offloaded, block units, budget 2GiB",  # 5 of the 16 blocks kept, dequantized once
+    "nf4 offloaded, block units, budget 3GiB",  # 7 of them
+    "nf4 offloaded, block units, budget 4GiB",  # 10 of them
+    "nf4 offloaded, block units, budget 2GiB (kept quantized)",  # the same budget's NF4 units as before
     "nf4 offloaded (no index asserts)",
     "nf4 offloaded, block units (no index asserts)",
     "nf4 offloaded, block units, prefetch 2 (no index asserts)",

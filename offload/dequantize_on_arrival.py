@@ -18,21 +18,29 @@ the payload's inner tensors as plain tensors (nf4_dequantize.py): on CUDA compil
 straight into the slot (no tensor subclass reaches the compiler, so no subclass guards run per call),
 elsewhere eager.
 
-What keeps torchao's path: a copy that did not land in the ring (a ring overflow, or a unit the memory budget
-keeps on the device for good, whose bf16 form would cost 3.5x its device memory), an unstreamed model, and
-int8 (torchao's int8 linear scales after the matmul, so a dequantized weight would not give its values).
+A weight the memory budget keeps out of the ring (a unit kept on the device for good, or held from forward
+to backward) is dequantized into memory of its own, and its payload's device copy is dropped: kept for good,
+it is dequantized once for the whole run and computes as a plain tensor from then on. The budget counts its
+dequantized bytes (``resident_nbytes``, 3.5x its NF4 bytes), so a budget keeps 3.5x fewer NF4 units than it
+would keep them quantized; kept quantized instead, torchao's layer would dequantize the weight in every call
+(three times a step with checkpointing, on the compute stream), more device time than streaming it takes,
+while an NF4 step rarely waits on the link it would save (its weights are a quarter of bf16's).
+
+What keeps torchao's path: a copy that did not land in its ring slot (a ring overflow), an unstreamed model,
+and int8 (torchao's int8 linear scales after the matmul, so a dequantized weight would not give its values).
 ``OffloadOptions(dequantize_on_arrival=False)`` turns it off.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from offload.arena import aligned
-from offload.nf4_dequantize import NF4Meta, SpanLayout, dequantize_nf4_spans_into, span_layout
+from offload.nf4_dequantize import NF4Meta, PackedNF4, SpanLayout, dequantize_nf4_spans_into, span_layout
 from offload.nf4_linear import is_nf4
 from offload.offloaders import copy_into_ring
 from offload.quantized import QuantizedParamOffloader, is_quantized
@@ -40,6 +48,11 @@ from offload.transfers import PendingCopy
 
 if TYPE_CHECKING:
     from offload.ring import Placement
+
+
+# A weight kept out of the ring is kept dequantized (module docstring); False keeps it torchao's NF4 tensor, as
+# before: bench/optimizer_quant_bench.py's same-run baseline.
+KEEP_DEQUANTIZED = True
 
 
 def dequantizes_on_arrival(tensor: torch.Tensor) -> bool:
@@ -81,6 +94,15 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
         self.dequantizations = 0
         self.batch: ArrivalBatch | None = None  # its unit's NF4 weights (set by the manager)
         self._in_batch = False  # attached to its batch's device copy (released through the batch)
+        self._own_room = False  # out of the ring (the budget's): dequantized into memory of its own
+
+    @property
+    def resident_nbytes(self) -> int:
+        return self.dequantized_nbytes if KEEP_DEQUANTIZED else self.nbytes
+
+    def leave_ring(self) -> None:
+        super().leave_ring()
+        self._own_room = KEEP_DEQUANTIZED
 
     def onload(self, prefetch: bool = False) -> None:
         if self.batch is not None and self.placement is not None:
@@ -91,7 +113,10 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
     def onload_alone(self, prefetch: bool) -> None:
         """Copy and dequantize this weight by itself (or, outside the ring, keep torchao's path)."""
         pending, self._in_ring = copy_into_ring(self.copies, self.host, self.placement, self.slot_offset, prefetch)
-        if self._in_ring is None:  # allocator memory (an overflow, a unit kept for good): torchao's path
+        if self._in_ring is None and self._own_room:  # kept out of the ring by the budget
+            self._dequantize_into_own_room(pending)
+            return
+        if self._in_ring is None:  # allocator memory (a ring overflow): torchao's path
             self.attach(pending)
             return
         slot = self._in_ring.slot
@@ -101,6 +126,21 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
             self._in_ring.wrote(event)  # a release with no wait before it must still wait for this
         self.dequantizations += 1
         self.attach_room(room, event)
+
+    def _dequantize_into_own_room(self, pending: PendingCopy) -> None:
+        """Dequantize the payload's device copy ``pending`` into a new tensor and compute with that; the payload's
+        copy is dropped (only the dequantized form stays on the device)."""
+        stream = self.copies.h2d_stream if pending.event is not None else None  # where _dequantize_on runs it
+        # Allocated on the stream that writes it (the allocator's reuse is safe per stream); the compute
+        # stream's wait records its use of it (CopyEngine.wait, an unplanned copy).
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            room = torch.empty(self._shape, dtype=self._dtype, device=pending.tensor.device)
+        layout = span_layout([PackedNF4(self.payload, 0, self.meta)])  # the payload alone, at offset 0
+        # No CUDA graph: the addresses are the allocator's, seen once.
+        event = _dequantize_on(self.copies, pending, (room.view(-1),), pending.tensor, layout, graphs=False)
+        self.dequantizations += 1
+        plain = nn.Parameter(room, requires_grad=False)
+        self._swap_in(PendingCopy(room, event, planned=False), plain, self.dequantized_nbytes)
 
     def attach_room(self, room: torch.Tensor, event: torch.cuda.Event | None, in_batch: bool = False) -> None:
         """Make the parameter the plain tensor over ``room`` (dequantized, or being dequantized until ``event``)."""
@@ -125,7 +165,12 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
 
 
 def _dequantize_on(
-    copies: Any, pending: PendingCopy, rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout
+    copies: Any,
+    pending: PendingCopy,
+    rooms: tuple[torch.Tensor, ...],
+    payloads: torch.Tensor,
+    layout: SpanLayout,
+    graphs: bool = True,
 ) -> torch.cuda.Event | None:
     """Dequantize ``layout``'s weights on the stream of the copy ``pending`` (the last one of them); returns
     the event the compute stream waits for (None on the compute stream itself, where stream order suffices)."""
@@ -133,10 +178,10 @@ def _dequantize_on(
     # into this slot, which waits for the slot's release anyway), else on the compute stream.
     stream = copies.h2d_stream if pending.event is not None else None
     if stream is None:
-        dequantize_nf4_spans_into(rooms, payloads, layout)
+        dequantize_nf4_spans_into(rooms, payloads, layout, graphs)
         return None
     with torch.cuda.stream(stream):
-        dequantize_nf4_spans_into(rooms, payloads, layout)
+        dequantize_nf4_spans_into(rooms, payloads, layout, graphs)
         event = torch.cuda.Event()
         event.record(stream)
     return event

@@ -206,12 +206,14 @@ def pack_nf4_into(slot: torch.Tensor, nf4s: list[torch.Tensor]) -> SpanLayout:
     return span_layout(packed)
 
 
-def dequantize_nf4_spans_into(rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout) -> None:
+def dequantize_nf4_spans_into(
+    rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout, graphs: bool = True
+) -> None:
     """``dequantize_nf4_all_into`` for weights laid out in a slot: ``payloads`` (a ring slot's bytes, ``uint8``)
     holds each weight's inner tensors where ``layout`` says, and its dequantized form goes into its room,
     ``rooms[i]`` (a flat view of the slot's room at the weight's offset). On CUDA, a slot seen before replays
-    the call's CUDA graph (``SlotGraphs``)."""
-    graphed = payloads.device.type == "cuda" and GRAPHS_ON_CUDA and _compiles("cuda")  # graphs replay the kernel
+    the call's CUDA graph (``SlotGraphs``), unless ``graphs`` is False (buffers that do not recur)."""
+    graphed = graphs and payloads.device.type == "cuda" and GRAPHS_ON_CUDA and _compiles("cuda")
     if graphed and _SLOT_GRAPHS.replay(rooms, payloads, layout):
         return
     dtypes, weights = layout

@@ -50,6 +50,12 @@ class TensorOffloader:
         return self.pending is not None
 
     @property
+    def resident_nbytes(self) -> int:
+        """Device bytes the tensor takes while a memory budget keeps it outside the ring: what it streams as,
+        for every kind but an NF4 weight kept in its dequantized form (dequantize_on_arrival.py)."""
+        return self.nbytes
+
+    @property
     def device_copy(self) -> torch.Tensor | None:
         return self.pending.tensor if self.pending is not None else None
 

@@ -160,7 +160,7 @@ class PrefetchSchedule:
             streamed = [o for o in unit.offloaders if o.kind != "always_on_device" and id(o) not in self.kept]
             if not streamed or not any(o.kind == "trainable" for o in streamed):
                 continue
-            nbytes = sum(o.nbytes for o in streamed)
+            nbytes = sum(o.resident_nbytes for o in streamed)
             if held + nbytes > room:
                 continue
             unit.keep_for_backward = True
@@ -185,7 +185,7 @@ class PrefetchSchedule:
         frozen = {
             id(u): [o for o in u.offloaders if o.kind in ("static", "buffer") and o.holds == 0] for u in self.order
         }
-        size = {key: sum(o.nbytes for o in offloaders) for key, offloaders in frozen.items()}
+        size = {key: sum(o.resident_nbytes for o in offloaders) for key, offloaders in frozen.items()}
         candidates = [u for u in self.order if size[id(u)] > 0]
         largest = max((size[id(u)] for u in candidates), default=0)
         small = [u for u in candidates if size[id(u)] * 16 < largest]
@@ -193,7 +193,7 @@ class PrefetchSchedule:
         used, kept = 0, set()
         for unit in small + spread(large, budget - sum(size[id(u)] for u in small), size) + large[::-1]:
             offloaders = [o for o in frozen[id(unit)] if id(o) not in kept]  # a tied weight is held once
-            nbytes = sum(o.nbytes for o in offloaders)
+            nbytes = sum(o.resident_nbytes for o in offloaders)
             if not offloaders or used + nbytes > budget:
                 continue
             for offloader in offloaders:

@@ -1,6 +1,6 @@
 """Dequantize on arrival: a streamed NF4 weight computes as the plain tensor the engine dequantized it into,
-once per unit visit, with torchao's values bit for bit; kept units and an unstreamed model keep torchao's
-in-layer path; the memory plan holds room for the dequantized form. (Offloaded == resident training for
+once per unit visit, with torchao's values bit for bit; a unit the budget keeps is dequantized once for the
+run; an unstreamed model keeps torchao's in-layer path; the memory plan holds room for the dequantized form. (Offloaded == resident training for
 every engine mode, with and without checkpointing: test_quantized.py, which runs this path by default.)"""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 pytest.importorskip("torchao")
 
 from offload import OffloadOptions, OffloadTrainingManager
-from offload.dequantize_on_arrival import dequantized_bytes
+from offload.dequantize_on_arrival import DequantizedParamOffloader, dequantized_bytes
 from offload.nf4_dequantize import dequantize_nf4_into
 from offload.nf4_linear import NF4Linear, is_nf4
 from offload.quantized import QuantizedPayload, is_quantized, quantize_frozen_weights, stored_bytes
@@ -81,17 +81,47 @@ def test_a_streamed_nf4_weight_computes_as_a_plain_dequantized_tensor(
     manager.remove()
 
 
-@pytest.mark.parametrize("options", [{"dequantize_on_arrival": False}, {"gpu_memory_budget": 1 << 30}])
-def test_turned_off_or_kept_on_the_device_a_weight_stays_torchaos(options: dict) -> None:
+def test_turned_off_a_weight_stays_torchaos() -> None:
     model = make("nf4", "non_reentrant")
-    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(**options))
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(dequantize_on_arrival=False))
     seen = _weights_seen_in_compute(model)
-    for _ in range(2):  # the budget keeps units resident from the second step
+    for _ in range(2):
         seen.clear()
         model(torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
         manager.after_backward()
     assert seen and all(is_nf4(w) for _, _, w in seen)  # torchao dequantizes inside the layer
     manager.remove()
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
+def test_a_weight_the_budget_keeps_is_dequantized_once_and_computes_as_a_plain_tensor(
+    checkpointing: str | None,
+) -> None:
+    """Kept on the device for good, an NF4 weight is dequantized once, into memory of its own, and the layer
+    computes with that plain tensor from then on: no dequantization in later steps, none inside the layer
+    (torchao's path would dequantize in every call), and the budget is charged its dequantized bytes."""
+    model = make("nf4", checkpointing)
+    dequantized = {id(p): p.to(torch.bfloat16) for p in model.parameters() if is_nf4(p)}
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(gpu_memory_budget=1 << 30))
+    offloaders = [o for o in manager._offloaders.values() if isinstance(o, DequantizedParamOffloader)]
+    seen = _weights_seen_in_compute(model)
+    done = []
+    for _ in range(4):  # the budget keeps units resident from the end of the first step
+        seen.clear()
+        model(torch.randn(2, 8, WIDTH, dtype=torch.bfloat16)).float().sum().backward()
+        manager.after_backward()
+        done.append(sum(o.dequantizations for o in offloaders))
+        assert len(seen) == 6 * (2 if checkpointing else 1)
+        for key, kind, weight in seen:
+            assert kind is nn.Parameter and not is_quantized(weight)
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, dequantized[key])
+    # Kept when the budget is applied, at the end of the first step: no dequantization in any step after it.
+    assert done[3] == done[2] == done[1] == done[0]
+    assert all(o.resident and not is_quantized(o.tensor) for o in offloaders)  # only the plain form is there
+    kept = manager._schedule.kept_bytes
+    assert kept >= sum(dequantized_bytes(o.tensor) for o in offloaders) > 3 * sum(o.nbytes for o in offloaders)
+    manager.remove()
+    assert all(is_nf4(p) and p.device.type == "cpu" for p in model.parameters() if id(p) in dequantized)
 
 
 def _dequantizations(monkeypatch: pytest.MonkeyPatch, checkpointing: str | None, arrival: bool) -> list[tuple]:
