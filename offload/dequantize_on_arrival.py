@@ -21,8 +21,8 @@ elsewhere eager.
 A weight the memory budget keeps out of the ring (a unit kept on the device for good, or held from forward
 to backward) is dequantized into memory of its own, and its payload's device copy is dropped: kept for good,
 it is dequantized once for the whole run and computes as a plain tensor from then on. The budget counts its
-dequantized bytes (``resident_nbytes``, 3.5x its NF4 bytes), so a budget keeps 3.5x fewer NF4 units than it
-would keep them quantized; kept quantized instead, torchao's layer would dequantize the weight in every call
+dequantized bytes (``resident_nbytes``, 3.8x its NF4 bytes), so a budget keeps 3.8x fewer NF4 units than it
+would keep quantized; kept quantized instead, torchao's layer would dequantize the weight in every call
 (three times a step with checkpointing, on the compute stream), more device time than streaming it takes,
 while an NF4 step rarely waits on the link it would save (its weights are a quarter of bf16's).
 
@@ -111,7 +111,8 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
             self.onload_alone(prefetch)
 
     def onload_alone(self, prefetch: bool) -> None:
-        """Copy and dequantize this weight by itself (or, outside the ring, keep torchao's path)."""
+        """Copy and dequantize this weight by itself: into its ring slot's room, into memory of its own when the
+        budget keeps it out of the ring, or (a ring overflow) not at all, torchao's path."""
         pending, self._in_ring = copy_into_ring(self.copies, self.host, self.placement, self.slot_offset, prefetch)
         if self._in_ring is None and self._own_room:  # kept out of the ring by the budget
             self._dequantize_into_own_room(pending)
