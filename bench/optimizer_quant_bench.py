@@ -86,7 +86,7 @@ def toy(
         seed = OffloadOptions(prefetch=0, reuse_ring_slots=False)
         # ", budget 1GiB": the first layers stay on the GPU with their optimizer (4 bytes of budget per byte of
         # weight: 3 of the 10 layers in 1 GiB, 7 in 2 GiB), what is left holds others from forward to backward.
-        budget = mode.rsplit(", budget ", 1)[1] if ", budget " in mode else None
+        budget = _budget_of(mode)
         options = seed if mode == "reference (seed schedule)" else OffloadOptions(gpu_memory_budget=budget)
         manager = OffloadTrainingManager(model, "cuda", enable_optimizer_cpu_offload=True, options=options)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
@@ -237,6 +237,11 @@ def toy_losses() -> None:
             line_between_rows(line)
 
 
+def _budget_of(mode: str) -> str | None:
+    """A mode's ``gpu_memory_budget``: the size after ", budget " ("..., budget 2GiB (kept quantized)": 2GiB)."""
+    return mode.split(", budget ", 1)[1].split(" ", 1)[0] if ", budget " in mode else None
+
+
 # ---------------------------------------------------------------------------------------------- lora
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -263,7 +268,7 @@ def lora(mode: str, steps: int, tokens: int) -> None:
     # ", budget 2GiB": blocks kept on the GPU for good, dequantized once (their bf16 form is what the budget
     # counts); "(kept quantized)": as before, torchao's NF4 tensor kept, dequantized inside the layer per call.
     dequantize_on_arrival.KEEP_DEQUANTIZED = "kept quantized" not in mode
-    budget = mode.split(", budget ", 1)[1].split(" ", 1)[0] if ", budget " in mode else None
+    budget = _budget_of(mode)
     if "no index asserts" in mode:  # the nibbles index a 16-entry table: always in bounds
         kernels.COMPILE_OPTIONS["assert_indirect_indexing"] = False
         kernels.forget_compiled_kernels()

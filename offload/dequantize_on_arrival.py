@@ -131,7 +131,7 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
     def _dequantize_into_own_room(self, pending: PendingCopy) -> None:
         """Dequantize the payload's device copy ``pending`` into a new tensor and compute with that; the payload's
         copy is dropped (only the dequantized form stays on the device)."""
-        stream = self.copies.h2d_stream if pending.event is not None else None  # where _dequantize_on runs it
+        stream = _stream_of(self.copies, pending)  # where _dequantize_on runs it
         # Allocated on the stream that writes it (the allocator's reuse is safe per stream); the compute
         # stream's wait records its use of it (CopyEngine.wait, an unplanned copy).
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -165,6 +165,13 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
         super().detach()
 
 
+def _stream_of(copies: Any, pending: PendingCopy) -> torch.cuda.Stream | None:
+    """The stream a dequantization after the copy ``pending`` runs on: the copy stream when prefetched (ordered
+    after the copy, and before the next copy into its slot, which waits for the slot's release anyway), else
+    None, the compute stream."""
+    return copies.h2d_stream if pending.event is not None else None
+
+
 def _dequantize_on(
     copies: Any,
     pending: PendingCopy,
@@ -175,9 +182,7 @@ def _dequantize_on(
 ) -> torch.cuda.Event | None:
     """Dequantize ``layout``'s weights on the stream of the copy ``pending`` (the last one of them); returns
     the event the compute stream waits for (None on the compute stream itself, where stream order suffices)."""
-    # The copy's stream: on the copy stream when prefetched (ordered after the copy, and before the next copy
-    # into this slot, which waits for the slot's release anyway), else on the compute stream.
-    stream = copies.h2d_stream if pending.event is not None else None
+    stream = _stream_of(copies, pending)
     if stream is None:
         dequantize_nf4_spans_into(rooms, payloads, layout, graphs)
         return None

@@ -1,7 +1,8 @@
 """Dequantize on arrival: a streamed NF4 weight computes as the plain tensor the engine dequantized it into,
 once per unit visit, with torchao's values bit for bit; a unit the budget keeps is dequantized once for the
-run; an unstreamed model keeps torchao's in-layer path; the memory plan holds room for the dequantized form. (Offloaded == resident training for
-every engine mode, with and without checkpointing: test_quantized.py, which runs this path by default.)"""
+run; an unstreamed model keeps torchao's in-layer path; the memory plan holds room for the dequantized form.
+(Offloaded == resident training for every engine mode, with and without checkpointing: test_quantized.py,
+which runs this path by default.)"""
 
 from __future__ import annotations
 
