@@ -116,7 +116,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     if checkpoint is not None and source is None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
     if family.build_data is not None:
-        data, text = family.build_data(spec, device), None
+        data, text = family.build_data(spec, device, model), None
     else:
         data, text = _build_data(spec, family)
     sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None

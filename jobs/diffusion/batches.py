@@ -14,6 +14,7 @@ import torch
 from jobs.diffusion.data import Row, bucketed_batches, image_size, load_pixels, read_rows, target_size
 from jobs.diffusion.families import DiffusionFamily
 from jobs.diffusion.flow_match import TrainingTimesteps
+from jobs.diffusion.modulation_table import ModulationTable
 
 
 class SampleSource(Protocol):
@@ -65,8 +66,10 @@ class DiffusionBatches:
         batch_size: int,
         seed: int,
         repeat: int = 1,
+        modulation: ModulationTable | None = None,
     ) -> None:
         self.source, self.family, self.timesteps = source, family, timesteps
+        self.modulation = modulation  # the DiT's precomputed modulation: each batch carries its rows
         self.batch_size, self.seed = batch_size, seed
         self.shapes = [source.latent_shape(i) for i in range(len(source))] * repeat
         self._epoch: tuple[int, list[list[int]]] | None = None
@@ -94,6 +97,8 @@ class DiffusionBatches:
         batch = {"latents": latents, "noise": noise, "sigma": sigma, "weight": weight, "prompt_embeds": embeds}
         if padded_mask(mask) is not None:  # read here, on the CPU: on the device it would cost a sync a step
             batch["prompt_mask"] = mask
+        if self.modulation is not None:  # looked up here, where sigma is on the CPU
+            batch["modulation"] = self.modulation.rows_for(sigma)
         return batch
 
     @property

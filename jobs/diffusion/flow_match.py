@@ -58,6 +58,7 @@ class TrainingTimesteps:
     """
 
     def __init__(self, family: str, timestep_range: tuple[float, float], weighting: str) -> None:
+        self.family = family
         self.sigmas = sigmas(family, TRAIN_STEPS)
         self.weights = bell_weights(self.sigmas * TRAIN_STEPS) if weighting == "bell" else torch.ones(TRAIN_STEPS)
         # DiffSynth's boundaries: indices [min * N, max * N) of the descending schedule (index 0 = most noise).

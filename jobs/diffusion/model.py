@@ -19,6 +19,7 @@ from jobs.activation_checkpointing import enable_block_checkpointing
 from jobs.diffusion.components import load_transformer
 from jobs.diffusion.families import FAMILIES, DiffusionFamily
 from jobs.diffusion.flow_match import flow_matching_loss, noisy_latents
+from jobs.diffusion.modulation_table import feed_modulation
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 TRANSFORMER_DIR = "transformer"
@@ -43,10 +44,12 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 def flow_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The flow-matching loss of one micro-batch (flow_match.py has the objective and its weighting). A batch
-    has ``prompt_mask`` only when a prompt in it is padded (batches.padded_mask)."""
+    has ``prompt_mask`` only when a prompt in it is padded (batches.padded_mask), and ``modulation`` when the
+    DiT's modulation is precomputed (modulation_table.py)."""
     dtype = compute_dtype(model)
     latents, noise, sigma = batch["latents"], batch["noise"], batch["sigma"]
     noisy = noisy_latents(latents, noise, sigma).to(dtype)
+    feed_modulation(model, batch.get("modulation"))
     prediction = family_of_model(model).predict(
         model, noisy, sigma, batch["prompt_embeds"].to(dtype), batch.get("prompt_mask")
     )

@@ -18,6 +18,7 @@ from torch import nn
 from jobs.diffusion.batches import pad_prompts, padded_mask
 from jobs.diffusion.flow_match import euler_sample
 from jobs.diffusion.model import compute_dtype, family_of_model
+from jobs.diffusion.modulation_table import feed_modulation, modulation_table
 
 
 class Sampler:
@@ -66,6 +67,8 @@ class Sampler:
 
                 def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt=prompt) -> torch.Tensor:
                     x = x.to(dtype)
+                    table = modulation_table(model)  # its rows: one sync per Euler step, samples only
+                    feed_modulation(model, table.rows_for(sigma).to(device) if table is not None else None)
                     cond = family.predict(model, x, sigma, *prompt).float()
                     if negative is None:
                         return cond

@@ -30,6 +30,12 @@ class DiffusersTransformerSpec(Section):
     dtype: Dtype = "bfloat16"
     text_encoder_dtype: Dtype | None = Field(None, description="default: dtype")
     vae_dtype: Dtype = Field("float32", description="the VAE encodes and decodes in this dtype")
+    precompute_modulation: bool | None = Field(
+        None,
+        description="Qwen-Image: compute every block's timestep modulation (img_mod.1, txt_mod.1: a third of the "
+        "DiT's weights) once per timestep into host memory, so model offload never streams those weights; needs "
+        "them frozen (LoRA). Default: on for LoRA under model offload",
+    )
 
     @field_validator("path")
     @classmethod

@@ -7,6 +7,8 @@ samples). Data is either ``image_caption`` (encoded on the fly by the pipeline's
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,6 +25,7 @@ from jobs.weights import WeightsFormat
 if TYPE_CHECKING:
     from jobs.spec import JobSpec
 
+log = logging.getLogger(__name__)
 _PROMPT_TOKENS_GUESS = 256  # the fit check's prompt length when no cache says better
 
 
@@ -68,8 +71,9 @@ def _token_counts(spec: JobSpec, read_manifest: Any) -> tuple[int, int]:
     return frames * data.max_pixels // 256, data.max_sequence_length or _PROMPT_TOKENS_GUESS
 
 
-def build_diffusion_data(spec: JobSpec, device: torch.device) -> Any:
-    """Batches from the cache, or from the images with the encoders loaded for the whole job."""
+def build_diffusion_data(spec: JobSpec, device: torch.device, model: nn.Module) -> Any:
+    """Batches from the cache, or from the images with the encoders loaded for the whole job; each batch
+    carries its rows of the DiT's precomputed modulation when the job uses one (`uses_modulation_table`)."""
     from jobs.diffusion.batches import DiffusionBatches, OnTheFlySamples, SampleSource
     from jobs.diffusion.cache import CachedSamples
     from jobs.diffusion.encode import Encoders
@@ -84,10 +88,52 @@ def build_diffusion_data(spec: JobSpec, device: torch.device) -> Any:
         source = CachedSamples(data.path)
     else:
         source = OnTheFlySamples(data, Encoders.load(spec, device, with_text=True, with_vae=True))
-    repeat = data.repeat
+    modulation = _modulation_table(spec, model, timesteps, device) if uses_modulation_table(spec) else None
     return DiffusionBatches(
-        source, family, timesteps, batch_size=spec.training.batch_size, seed=spec.training.seed, repeat=repeat
+        source,
+        family,
+        timesteps,
+        batch_size=spec.training.batch_size,
+        seed=spec.training.seed,
+        repeat=data.repeat,
+        modulation=modulation,
     )
+
+
+def uses_modulation_table(spec: JobSpec) -> bool:
+    """``model.precompute_modulation``, or by default: a LoRA job under model offload whose DiT allows it."""
+    from jobs.diffusion.families import transformer_config
+    from jobs.diffusion.modulation_table import modulation_problem
+
+    model: Any = spec.model
+    if model.precompute_modulation is not None:
+        return bool(model.precompute_modulation)
+    return (
+        spec.offload.enable_model_cpu_offload
+        and spec.lora is not None
+        and modulation_problem(transformer_config(model.path)) is None
+    )
+
+
+def _modulation_table(spec: JobSpec, model: nn.Module, timesteps: Any, device: torch.device) -> Any:
+    """The table for the timesteps training draws and the samples' Euler steps, installed on ``model``."""
+    import contextlib
+
+    from accelerate.utils import get_mixed_precision_context_manager
+
+    from jobs.diffusion.flow_match import sigmas
+    from jobs.diffusion.modulation_table import precompute_modulation
+
+    wanted = [timesteps.sigmas[timesteps.first : timesteps.last]]
+    if spec.sample is not None:
+        wanted.append(sigmas(timesteps.family, spec.sample.num_inference_steps))
+    mixed = spec.training.mixed_precision != "no"
+    # The forward's own autocast (accelerator.autocast() in train_step), so each row is the value it computes.
+    autocast = (lambda: get_mixed_precision_context_manager(True)) if mixed else contextlib.nullcontext
+    started = time.perf_counter()
+    table = precompute_modulation(model, torch.cat(wanted).float(), device, autocast)
+    log.info("precomputed the DiT's modulation in %.1f s: %s", time.perf_counter() - started, table)
+    return table
 
 
 def make_sampler(spec: JobSpec, device: torch.device) -> Any:
@@ -161,6 +207,18 @@ def _check_frames(spec: JobSpec) -> list[Problem]:
     return problems
 
 
+def _check_modulation_table(spec: JobSpec) -> list[Problem]:
+    if not getattr(spec.model, "precompute_modulation", None):
+        return []
+    from jobs.diffusion.families import transformer_config
+    from jobs.diffusion.modulation_table import modulation_problem
+
+    problem = modulation_problem(transformer_config(spec.model.path))
+    if problem is None and spec.lora is None:
+        problem = "a full fine-tune trains img_mod.1 and txt_mod.1; the table needs them frozen (add a lora section)"
+    return [("model.precompute_modulation", f"{problem}; set it to false or leave it out")] if problem else []
+
+
 FAMILY = ModelFamily(
     kind="diffusers_transformer",
     spec=DiffusersTransformerSpec,
@@ -172,7 +230,7 @@ FAMILY = ModelFamily(
     lora_target_names=lambda spec: linear_module_names(meta_dit(spec)),
     enable_gradient_checkpointing=enable_dit_checkpointing,
     weights_format=WeightsFormat("diffusers", save_dit, load_dit),
-    rules=(_check_cache_task, _check_cache_data, _check_encoders_present, _check_frames),
+    rules=(_check_cache_task, _check_cache_data, _check_encoders_present, _check_frames, _check_modulation_table),
     shrink_hint="data.max_pixels",
     apply_lora=apply_dit_lora,
     build_data=build_diffusion_data,

@@ -56,8 +56,9 @@ class ModelFamily:
         keeps_packed_documents_apart: The model takes position ids that restart per document, so packed
             sequences need no mask between documents (``data.packing: packed`` is refused otherwise).
         apply_lora: ``apply_lora(model, lora_spec) -> nn.Module``; None: peft's ``get_peft_model`` (jobs/lora.py).
-        build_data: ``build_data(job_spec, device) -> BatchSource`` for data only this family reads (its
-            batches may need the family's own encoders); None: jobs.data.build_data.
+        build_data: ``build_data(job_spec, device, model) -> BatchSource`` for data only this family reads
+            (its batches may need the family's own encoders, or values precomputed from the built model's
+            frozen layers); None: jobs.data.build_data.
         make_sampler: ``make_sampler(job_spec, device) -> Sampler | None``: what writes samples into each
             checkpoint (``sampler.write(model, directory) -> [file names]``, ``sampler.close()``).
         tasks: Jobs other than training this family runs, by ``task:`` name:
@@ -84,7 +85,7 @@ class ModelFamily:
     synthetic_width: Callable[[Any], int] | None = None
     keeps_packed_documents_apart: bool = False
     apply_lora: Callable[[nn.Module, Any], nn.Module] | None = None
-    build_data: Callable[[JobSpec, torch.device], Any] | None = None
+    build_data: Callable[[JobSpec, torch.device, nn.Module], Any] | None = None
     make_sampler: Callable[[JobSpec, torch.device], Any] | None = None
     tasks: Mapping[str, Callable[..., tuple[Literal["succeeded", "paused", "cancelled"], int]]] = field(
         default_factory=dict
