@@ -109,7 +109,8 @@ class ModulationTable:
 
     def install(self, dit: nn.Module) -> None:
         """Put the lookups in place of the base layers (kept here, off the model) and mark the DiT."""
-        for block_index, block in enumerate(dit.transformer_blocks):  # type: ignore[union-attr,arg-type]
+        blocks: Any = dit.transformer_blocks
+        for block_index, block in enumerate(blocks):
             for stream, name in enumerate(STREAMS):
                 owner, attribute, _ = _base_linear(getattr(block, name)[1], getattr(block, name))
                 self._replaced.append((owner, attribute, getattr(owner, attribute)))
@@ -183,7 +184,7 @@ def precompute_modulation(
     return table
 
 
-def _base_linear(layer: nn.Module, sequential: nn.Module) -> tuple[nn.Module, str, nn.Module]:
+def _base_linear(layer: nn.Module, sequential: nn.Module) -> tuple[nn.Module, str, nn.Linear]:
     """(owner, attribute, Linear): the frozen Linear itself, or the ``base_layer`` of peft's LoRA wrapper."""
     base = getattr(layer, "base_layer", None)
     if isinstance(base, nn.Linear):
@@ -205,7 +206,8 @@ def _timestep_as_dit_sees(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """sigma -> the value Qwen-Image's time embedding receives: cast to the latents' dtype by the caller
     (families._qwen_predict), then to the hidden states' (the DiT's forward); as float64 for lookups."""
-    latents_dtype: Any = dit.img_in.weight.dtype  # compute_dtype: the latents follow the base weights
+    img_in: Any = dit.img_in
+    latents_dtype = img_in.weight.dtype  # compute_dtype: the latents follow the base weights
     hidden_dtype = _hidden_dtype(dit, device, autocast)
     return lambda sigma: sigma.to(latents_dtype).to(hidden_dtype).double()
 
