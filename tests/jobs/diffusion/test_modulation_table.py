@@ -157,3 +157,21 @@ def test_precompute_modulation_is_refused_where_it_cannot_apply(roots) -> None:
         "a full fine-tune trains img_mod.1 and txt_mod.1; the table needs them frozen (add a lora section); "
         "set it to false or leave it out"
     )
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_batch_of_one_gets_bitwise_the_dits_own_loss_and_gradients() -> None:
+    # cuBLAS picks its kernel by shape: the table's rows are computed with the shape a batch of one computes.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plain = _lora_dit(torch.bfloat16).cuda()
+    tabled = copy.deepcopy(plain).cpu()  # built as the job builds it: weights on the CPU, rows on the GPU
+    table = precompute_modulation(tabled, SCHEDULE, torch.device("cuda"), contextlib.nullcontext)
+    tabled.cuda()
+    for seed in range(3):
+        batch = {key: value.cuda() for key, value in _batch(1, seed).items()}
+        want_loss, want = _loss_and_grads(plain, batch)
+        rows = table.rows_for(batch["sigma"]).cuda()
+        got_loss, got = _loss_and_grads(tabled, {**batch, "modulation": rows})
+        assert torch.equal(want_loss, got_loss)
+        assert want.keys() == got.keys() and all(torch.equal(want[name], got[name]) for name in want)
