@@ -365,6 +365,7 @@ def main() -> None:
                     h2d=h2d,
                     weights=weights,
                     weight_bytes=weight_bytes,
+                    modulation_bytes=modulation_bytes,
                     args=args,
                     device=device,
                 )
