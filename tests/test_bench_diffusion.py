@@ -64,6 +64,7 @@ def test_the_link_busy_row_is_set_beside_the_resident_step() -> None:
         h2d=55.0,
         weights=10**9,
         weight_bytes=2 * 10**9,
+        modulation_bytes=0,
         args=args,
         device="cpu",
     )
@@ -85,3 +86,41 @@ def test_background_copies_say_so_when_their_process_cannot_copy() -> None:
 
     with pytest.raises(RuntimeError, match="exited .* before copying"):
         BackgroundCopies(directions=("h2d",), device="cpu", timeout=60)
+
+
+def test_ferry_with_the_modulation_table_is_set_beside_the_same_schedule_streaming_it() -> None:
+    """Each row's copy floor counts what it streams: Ferry's not the modulation layers, the A/B row all of them."""
+    from types import SimpleNamespace
+
+    def row(label: str, step: float, h2d_gb: float) -> dict:
+        figures = {**_round([step, step], 20.0, 21.0), "label": label, "pinned_gib": 1.0, "h2d_gb": h2d_gb}
+        return {
+            **figures,
+            "round_medians_s": [step],
+            "h2d_gbps_steps": [55.0],
+            "copy_wait_steps": [0.0],
+            "reused_gb": 0,
+        }
+
+    rows = {
+        "resident": row("no offload", 1.0, 0.0),
+        "ferry": row("ferry", 1.1, 24.0),
+        "ferry-streamed-modulation": row("streamed", 1.4, 50.0),
+    }
+    args = SimpleNamespace(
+        steps=4, seed_steps=2, prompts=4, limit="24GiB", budget="10GB", service=False, service_rows="ferry",
+        only="resident,ferry,ferry-streamed-modulation", rounds=1, build_each=False,
+    )  # fmt: skip
+    report = diffusion_bench.render(
+        rows, {}, None, h2d=50.0, weights=20 * 10**9, weight_bytes=40 * 10**9, modulation_bytes=14 * 10**9,
+        args=args, device="cpu",
+    )  # fmt: skip
+    # Floors: (40 - 10) GB twice at 50 GB/s = 1.20 s streamed, (40 - 14 - 10) GB twice = 0.64 s with the table.
+    assert (
+        "with 10GB kept resident 1.20 s, and without the 14.0 GB of modulation layers the table replaces 0.64 s"
+        in report
+    )
+    assert "| ferry | 1.10 | 1.10x | 1.72x |" in report and "| streamed | 1.40 | 1.40x | 1.17x |" in report
+    assert (
+        "Ferry 1.10 s copying 24.0 GB per step; with the modulation layers streamed 1.40 s, 50.0 GB (0.79x)" in report
+    )
