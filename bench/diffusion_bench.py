@@ -342,6 +342,20 @@ def main() -> None:
         share_one_dit_build()
     rows, failures, encoder = {}, {}, None
     rounds: dict[str, list[dict[str, Any]]] = {}
+
+    def rendered() -> str:
+        return render(
+            rows,
+            failures,
+            encoder,
+            h2d=h2d,
+            weights=weights,
+            weight_bytes=weight_bytes,
+            modulation_bytes=modulation_bytes,
+            args=args,
+            device=device,
+        )
+
     order = args.only.split(",")
     order += [key for key in order if key != "encoder"] * (args.rounds - 1)
     for key in order:  # in the order given: a run cut short keeps the first rows
@@ -357,34 +371,12 @@ def main() -> None:
                 rounds.setdefault(key, []).append(rows[key])
                 rows[key] = pool_rounds(rounds[key])
         if not args.no_write:  # after every row: a run cut short still leaves what it measured
-            write_section(
-                render(
-                    rows,
-                    failures,
-                    encoder,
-                    h2d=h2d,
-                    weights=weights,
-                    weight_bytes=weight_bytes,
-                    modulation_bytes=modulation_bytes,
-                    args=args,
-                    device=device,
-                )
-            )
+            write_section(rendered())
         gc.collect()  # the finished job's model and engine hold reference cycles (hooks)
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()  # each row's peak is its own, not the resident row's
-    report = render(
-        rows,
-        failures,
-        encoder,
-        h2d=h2d,
-        weights=weights,
-        weight_bytes=weight_bytes,
-        modulation_bytes=modulation_bytes,
-        args=args,
-        device=device,
-    )
+    report = rendered()
     print("\n" + report)
     if not args.no_write:
         write_section(report)
@@ -578,20 +570,16 @@ def render(
             f"copies ran in the background at {busy.get('load_gbps', float('nan')):.0f} GB/s "
             f"({busy['step_s'] / resident:.2f}x): what the copies alone cost the host's step, apart from the engine."
         )
-    if "ferry" in rows and "ferry-streamed-modulation" in rows:
-        streamed = rows["ferry-streamed-modulation"]
-        lines.append(
-            f"Precomputed modulation, same run: Ferry {rows['ferry']['step_s']:.2f} s copying "
-            f"{rows['ferry']['h2d_gb']:.1f} GB per step; with the modulation layers streamed {streamed['step_s']:.2f} s, "
-            f"{streamed['h2d_gb']:.1f} GB ({rows['ferry']['step_s'] / streamed['step_s']:.2f}x)."
-        )
-    if "ferry" in rows and "ferry-copy-all" in rows:
-        copy_all = rows["ferry-copy-all"]
-        lines.append(
-            f"Ring slot reuse, same run: Ferry {rows['ferry']['step_s']:.2f} s copying {rows['ferry']['h2d_gb']:.1f} GB "
-            f"per step; every visit copied {copy_all['step_s']:.2f} s, {copy_all['h2d_gb']:.1f} GB "
-            f"({rows['ferry']['step_s'] / copy_all['step_s']:.2f}x)."
-        )
+    for key, what, baseline in (
+        ("ferry-streamed-modulation", "Precomputed modulation", "with the modulation layers streamed"),
+        ("ferry-copy-all", "Ring slot reuse", "every visit copied"),
+    ):
+        if "ferry" in rows and key in rows:  # Ferry's row beside its same-run A/B row
+            ferry, other = rows["ferry"], rows[key]
+            lines.append(
+                f"{what}, same run: Ferry {ferry['step_s']:.2f} s copying {ferry['h2d_gb']:.1f} GB per step; "
+                f"{baseline} {other['step_s']:.2f} s, {other['h2d_gb']:.1f} GB ({ferry['step_s'] / other['step_s']:.2f}x)."
+            )
     if encoder:
         lines.append(
             f"\nCache job (`task: cache`) with a text encoder of Qwen2.5-VL 7B's shape (random init, bf16) under "
