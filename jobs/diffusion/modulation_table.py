@@ -151,7 +151,7 @@ def precompute_modulation(
     Each block's two base layers visit ``device`` once, one after the other (226 MB for Qwen-Image), and
     compute one row per timestep as the DiT would for a batch of one. Refuses layers that train.
     """
-    problem = modulation_problem({"_class_name": type(dit).__name__, **dict(dit.config)})  # type: ignore[arg-type]
+    problem = modulation_problem({"_class_name": type(dit).__name__, **dict(dit.config)}) or trained_modulation(dit)  # type: ignore[arg-type]
     if problem:
         raise ValueError(f"model.precompute_modulation: {problem}")
     as_dit_sees = _timestep_as_dit_sees(dit, device, autocast)
@@ -167,11 +167,6 @@ def precompute_modulation(
             for stream, name in enumerate(STREAMS):
                 sequential = getattr(block, name)
                 _, _, linear = _base_linear(sequential[1], sequential)
-                if any(p.requires_grad for p in linear.parameters()):
-                    raise ValueError(
-                        f"model.precompute_modulation: transformer_blocks.{block_index}.{name}.1 trains; the table "
-                        "needs its base weights frozen (LoRA); set it to false for a full fine-tune"
-                    )
                 weight, bias = linear.weight.to(device), None if linear.bias is None else linear.bias.to(device)
                 # One row at a time: the call a batch of one makes in training, so its values are bitwise the same.
                 out = torch.cat([F.linear(sequential[0](t), weight, bias) for t in temb]).cpu()
@@ -182,6 +177,23 @@ def precompute_modulation(
     table = ModulationTable(keys, rows, as_dit_sees)
     table.install(dit)
     return table
+
+
+def trained_modulation(dit: nn.Module) -> str | None:
+    """What trains of the modulation's inputs and base layers (the time embedding, img_mod.1, txt_mod.1), or
+    None: a table holds their outputs, so they must stay frozen."""
+    embedder: Any = dit.time_text_embed
+    if any(p.requires_grad for p in embedder.parameters()):
+        return "time_text_embed trains (a LoRA target matches it); the table needs the time embedding frozen"
+    blocks: Any = dit.transformer_blocks
+    for block_index, block in enumerate(blocks):
+        for name in STREAMS:
+            _, _, linear = _base_linear(getattr(block, name)[1], getattr(block, name))
+            if any(p.requires_grad for p in linear.parameters()):
+                return (
+                    f"transformer_blocks.{block_index}.{name}.1 trains; the table needs its base weights frozen (LoRA)"
+                )
+    return None
 
 
 def _base_linear(layer: nn.Module, sequential: nn.Module) -> tuple[nn.Module, str, nn.Linear]:

@@ -116,13 +116,19 @@ def uses_modulation_table(spec: JobSpec) -> bool:
 
 
 def _modulation_table(spec: JobSpec, model: nn.Module, timesteps: Any, device: torch.device) -> Any:
-    """The table for the timesteps training draws and the samples' Euler steps, installed on ``model``."""
+    """The table for the timesteps training draws and the samples' Euler steps, installed on ``model``; None
+    (with a warning) when the default would need a layer that trains (set ``true``, the job fails instead)."""
     import contextlib
 
     from accelerate.utils import get_mixed_precision_context_manager
 
     from jobs.diffusion.flow_match import sigmas
-    from jobs.diffusion.modulation_table import precompute_modulation
+    from jobs.diffusion.modulation_table import precompute_modulation, trained_modulation
+
+    trained = trained_modulation(model)
+    if trained is not None and spec.model.precompute_modulation is None:
+        log.warning("model.precompute_modulation is off for this job: %s", trained)
+        return None
 
     wanted = [timesteps.sigmas[timesteps.first : timesteps.last]]
     if spec.sample is not None:

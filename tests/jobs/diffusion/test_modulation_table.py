@@ -108,11 +108,28 @@ def test_an_unknown_timestep_and_a_call_without_rows_are_refused() -> None:
             img_shapes=[[(1, 4, 4)]])  # fmt: skip
 
 
-def test_a_trainable_modulation_layer_is_refused() -> None:
+def test_a_trainable_modulation_layer_or_time_embedding_is_refused() -> None:
     dit = _lora_dit(torch.float32)
     dit.transformer_blocks[1].txt_mod[1].base_layer.weight.requires_grad_(True)
     with pytest.raises(ValueError, match=r"transformer_blocks.1.txt_mod.1 trains"):
         precompute_modulation(dit, SCHEDULE, torch.device("cpu"), contextlib.nullcontext)
+    dit = _lora_dit(torch.float32)
+    dit.time_text_embed.timestep_embedder.linear_2.bias.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"time_text_embed trains"):
+        precompute_modulation(dit, SCHEDULE, torch.device("cpu"), contextlib.nullcontext)
+
+
+def test_by_default_a_job_whose_lora_trains_the_time_embedding_streams_the_modulation(
+    roots, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _run(cache_job(), roots, tmp_path / "cache-job")
+    lora = {"target_modules": [*QWEN_TARGETS, "linear_1"], "rank": 4}  # linear_1: the timestep embedder's
+    offload = {"enable_model_cpu_offload": True}
+    plain = _run(train_job(lora=lora, training={"steps": 2}), roots, tmp_path / "plain")
+    with caplog.at_level("WARNING"):
+        offloaded = _run(train_job(lora=lora, offload=offload, training={"steps": 2}), roots, tmp_path / "offload")
+    assert "model.precompute_modulation is off for this job: time_text_embed trains" in caplog.text
+    assert [e["loss"] for e in plain if e["type"] == "step"] == [e["loss"] for e in offloaded if e["type"] == "step"]
 
 
 def _onloaded_per_step(events: list[dict]) -> list[int]:
