@@ -90,15 +90,24 @@ def _with_layers(spec: JobSpec, layers: int) -> JobSpec:
 
 def _estimate_built(spec: JobSpec) -> MemoryEstimate:
     model = _shapes_only_model(spec)
+    lora = _lora_bytes(model, spec)  # before precomputed layers leave: their adapters stay
+    family = family_of(spec.model)
+    before = _tensor_bytes(model.parameters())
+    if family.drop_precomputed is not None:
+        family.drop_precomputed(spec, model)
+    precomputed = before - _tensor_bytes(model.parameters())
     total = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
-    lora = _lora_bytes(model, spec)
     trainable = lora if spec.lora is not None else total
     offload = spec.offload
     optimizer_state = _OPTIMIZER_STATES[spec.training.optimizer] * trainable
     # torch's foreach Adam(W) step allocates one temporary the size of the trainable weights.
     step_temp = trainable if spec.training.optimizer != "sgd" else 0
-    activations = family_of(spec.model).activation_bytes(spec, model)
+    activations = family.activation_bytes(spec, model)
     notes = [f"weights {_gib(total)}, trainable {_gib(trainable)}, activations {_gib(activations)}"]
+    if precomputed:
+        notes.append(
+            f"{_gib(precomputed)} of weights precomputed once and kept on the host (model.precompute_modulation)"
+        )
 
     if not offload.enable_model_cpu_offload:
         resident = total + lora + trainable + optimizer_state  # weights (+ adapters), gradients, state

@@ -115,6 +115,19 @@ def uses_modulation_table(spec: JobSpec) -> bool:
     )
 
 
+def drop_precomputed_modulation(spec: JobSpec, model: nn.Module) -> None:
+    """For the fit check: the meta DiT without the modulation layers a table replaces (they never reach the
+    device), when the job uses one."""
+    if not uses_modulation_table(spec):
+        return
+    from jobs.diffusion.modulation_table import STREAMS
+
+    blocks: Any = model.transformer_blocks
+    for block in blocks:
+        for name in STREAMS:
+            getattr(block, name)[1] = nn.Identity()
+
+
 def _modulation_table(spec: JobSpec, model: nn.Module, timesteps: Any, device: torch.device) -> Any:
     """The table for the timesteps training draws and the samples' Euler steps, installed on ``model``; None
     (with a warning) when the default would need a layer that trains (set ``true``, the job fails instead)."""
@@ -240,6 +253,7 @@ FAMILY = ModelFamily(
     shrink_hint="data.max_pixels",
     apply_lora=apply_dit_lora,
     build_data=build_diffusion_data,
+    drop_precomputed=drop_precomputed_modulation,
     make_sampler=make_sampler,
     tasks={"cache": run_cache_task},
 )

@@ -63,6 +63,9 @@ class ModelFamily:
             checkpoint (``sampler.write(model, directory) -> [file names]``, ``sampler.close()``).
         tasks: Jobs other than training this family runs, by ``task:`` name:
             ``run(job_spec, device=, report=, should_stop=) -> (status, step)``.
+        drop_precomputed: ``drop_precomputed(job_spec, meta_model)`` removes, for the fit check, the layers whose
+            outputs the job computes once before training and keeps on the host (the DiT's modulation table), so
+            the check sizes what the device holds and the engine streams; None: nothing is precomputed.
         build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
             with its weights on the meta device and the source that fills the offload engine's pinned host
             copies directly (jobs/weight_sources.py); None when the family can only be built in memory.
@@ -90,6 +93,7 @@ class ModelFamily:
     tasks: Mapping[str, Callable[..., tuple[Literal["succeeded", "paused", "cancelled"], int]]] = field(
         default_factory=dict
     )
+    drop_precomputed: Callable[[JobSpec, nn.Module], None] | None = None
     build_on_meta: Callable[[Any, int, torch.device], tuple[nn.Module, WeightSource]] | None = None
 
     def __post_init__(self) -> None:
