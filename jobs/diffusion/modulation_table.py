@@ -154,12 +154,13 @@ def precompute_modulation(
     problem = modulation_problem({"_class_name": type(dit).__name__, **dict(dit.config)}) or trained_modulation(dit)  # type: ignore[arg-type]
     if problem:
         raise ValueError(f"model.precompute_modulation: {problem}")
-    as_dit_sees = _timestep_as_dit_sees(dit, device, autocast)
+    hidden_dtype = _hidden_dtype(dit, device, autocast)
+    as_dit_sees = _timestep_as_dit_sees(dit, hidden_dtype)
     keys = torch.unique(as_dit_sees(sigmas.cpu()))  # sorted
     blocks: Any = dit.transformer_blocks
     with torch.no_grad(), autocast():
         embedder: Any = dit.time_text_embed
-        hidden = torch.empty(1, 1, device=device, dtype=_hidden_dtype(dit, device, autocast))
+        hidden = torch.empty(1, 1, device=device, dtype=hidden_dtype)
         with _on(embedder, device):
             temb = [embedder(key.view(1).to(device, hidden.dtype), hidden) for key in keys]
         rows: torch.Tensor | None = None
@@ -213,14 +214,11 @@ def _hidden_dtype(dit: nn.Module, device: torch.device, autocast: Callable[[], A
         return img_in(torch.zeros(1, img_in.in_features, device=device, dtype=img_in.weight.dtype)).dtype
 
 
-def _timestep_as_dit_sees(
-    dit: nn.Module, device: torch.device, autocast: Callable[[], AbstractContextManager[Any]]
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def _timestep_as_dit_sees(dit: nn.Module, hidden_dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """sigma -> the value Qwen-Image's time embedding receives: cast to the latents' dtype by the caller
     (families._qwen_predict), then to the hidden states' (the DiT's forward); as float64 for lookups."""
     img_in: Any = dit.img_in
     latents_dtype = img_in.weight.dtype  # compute_dtype: the latents follow the base weights
-    hidden_dtype = _hidden_dtype(dit, device, autocast)
     return lambda sigma: sigma.to(latents_dtype).to(hidden_dtype).double()
 
 

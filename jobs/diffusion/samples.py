@@ -18,7 +18,7 @@ from torch import nn
 from jobs.diffusion.batches import pad_prompts, padded_mask
 from jobs.diffusion.flow_match import euler_sample
 from jobs.diffusion.model import compute_dtype, family_of_model
-from jobs.diffusion.modulation_table import feed_modulation, modulation_table
+from jobs.diffusion.modulation_table import modulation_table
 
 
 class Sampler:
@@ -59,6 +59,7 @@ class Sampler:
         try:
             images = []
             negative = self._padded(self.negative_embeds, family, device, dtype)  # the same for every prompt
+            table = modulation_table(model)  # a precomputed modulation: each Euler step feeds its rows
             for index, embeds in enumerate(self.prompt_embeds):
                 # Each prompt's noise from its own generator: adding a prompt does not change the others.
                 generator = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + index)
@@ -67,8 +68,8 @@ class Sampler:
 
                 def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt=prompt) -> torch.Tensor:
                     x = x.to(dtype)
-                    table = modulation_table(model)  # its rows: one sync per Euler step, samples only
-                    feed_modulation(model, table.rows_for(sigma).to(device) if table is not None else None)
+                    if table is not None:  # looked up on the CPU: one sync per Euler step, samples only
+                        table.feed(table.rows_for(sigma).to(device))
                     cond = family.predict(model, x, sigma, *prompt).float()
                     if negative is None:
                         return cond
