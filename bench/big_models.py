@@ -324,8 +324,8 @@ def full3b(args: argparse.Namespace) -> dict[str, Any]:
 
 def cpu_adamw_step_s(numel: int) -> float:
     """One fused CPU AdamW step over ``numel`` bf16 parameters with gradients (state made by a first step)."""
-    from jobs.optim import build_optimizer
-    from jobs.spec import TrainingSpec
+    from jobs.spec.job import TrainingSpec
+    from jobs.train.optim import build_optimizer
 
     param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16))
     param.grad = torch.full_like(param, 1e-3)

@@ -39,8 +39,8 @@ class MixResult:
 def build_replay_job(db_path: Path, events: int) -> None:
     """A finished job of ``events`` step events in a fresh database, before any server opens it."""
     sys.path.insert(0, str(REPO))
-    from service.status import JobStatus
-    from service.store import JobStore
+    from service.queue.status import JobStatus
+    from service.queue.store import JobStore
 
     store = JobStore(db_path)
     store.create_job(job_id=REPLAY_JOB, name="replay", spec_text="name: replay\n", spec={"name": "replay"})

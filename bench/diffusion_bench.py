@@ -38,8 +38,8 @@ from bench.copy_load import BackgroundCopies
 from bench.link_rate import pinned_h2d_gbps
 from bench.provenance import commit
 from jobs import PathRoots, load_job_spec, run_job
-from jobs.diffusion.cache import CacheWriter, model_fingerprint
 from jobs.events import event_to_wire
+from jobs.models.diffusion.data.cache import CacheWriter, model_fingerprint
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 ONLY_DEFAULT = "encoder,resident,ferry,seed"
@@ -66,7 +66,7 @@ def make_pipeline_dir(root: Path, *, tiny: bool) -> Path:
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig
 
-    from tests.jobs.diffusion.pipelines import byte_tokenizer
+    from tests.jobs.models.diffusion.pipelines import byte_tokenizer
 
     with init_empty_weights():
         QwenImageTransformer2DModel(**(TINY_DIT if tiny else QWEN_IMAGE_DIT)).save_config(str(root / "transformer"))
@@ -108,8 +108,8 @@ def share_one_dit_build() -> None:
     without the last job's LoRA (a 20B build costs more device-machine time than the steps measured)."""
     import dataclasses
 
-    from jobs.diffusion.modulation_table import modulation_table
     from jobs.models import registry
+    from jobs.models.diffusion.modulation_table import modulation_table
 
     family = registry.FAMILIES["diffusers_transformer"]
     built: dict[tuple, Any] = {}
@@ -287,7 +287,7 @@ def main() -> None:
     h2d = pinned_h2d_gbps() if device == "cuda" else float("nan")
     dim = (TINY_DIT if args.tiny else QWEN_IMAGE_DIT)["joint_attention_dim"]
     write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=64, dim=dim)
-    from jobs.models.diffusers_transformer import meta_dit
+    from jobs.models.diffusion.family import meta_dit
 
     probe = load_job_spec(
         yaml.safe_dump(dit_job("probe", "qwen-image-shape", steps=1, device=device, offload={})), roots

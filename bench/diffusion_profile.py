@@ -64,10 +64,10 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
     args = parser.parse_args()
-    if args.full_mask:  # the A/B of jobs/diffusion/batches.padded_mask: every batch keeps its mask
-        import jobs.diffusion.batches
+    if args.full_mask:  # the A/B of jobs/models/diffusion/batches.padded_mask: every batch keeps its mask
+        import jobs.models.diffusion.data.batches
 
-        jobs.diffusion.batches.padded_mask = lambda mask: mask  # type: ignore[assignment]
+        jobs.models.diffusion.data.batches.padded_mask = lambda mask: mask  # type: ignore[assignment]
     work = Path(tempfile.mkdtemp(prefix="ferry-dit-profile-"))
     models, data = work / "models", work / "data"
     data.mkdir(parents=True)
@@ -139,10 +139,10 @@ def main() -> None:
 
 
 class StepProbe:
-    """Per-step host and allocator figures, gathered around ``jobs.runner.train_step`` and the step events."""
+    """Per-step host and allocator figures, gathered around ``jobs.train.runner.train_step`` and the step events."""
 
     def __init__(self, device: str) -> None:
-        import jobs.runner
+        import jobs.train.runner
 
         self.cuda = device == "cuda"
         self.rows: dict[str, list[float]] = {k: [] for k in ("issue_s", "gc_ms", "gen2", "copy_wait_s")}
@@ -154,7 +154,7 @@ class StepProbe:
         self._copy_wait = 0.0
         self._memory = self._memory_counts()
         gc.callbacks.append(self._on_gc)
-        step = jobs.runner.train_step
+        step = jobs.train.runner.train_step
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:
             host = host_counters()
@@ -168,7 +168,7 @@ class StepProbe:
             self.rows["cpu_mhz"].append(mean_cpu_mhz())
             return loss
 
-        jobs.runner.train_step = timed_step  # type: ignore[assignment]
+        jobs.train.runner.train_step = timed_step  # type: ignore[assignment]
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":

@@ -1,4 +1,4 @@
-"""Database bytes per step of a long job, with and without the step-event retention (service/retention.py).
+"""Database bytes per step of a long job, with and without the step-event retention (service/queue/retention.py).
 
 Writes the step events of an N-step job the way a job's process does (batches of 64) into a fresh store,
 compacting as the scheduler does (every 640 steps here), and reports the events kept and the file's size.
@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "RESULTS.md"
 START, END = "<!-- event_retention:start -->", "<!-- event_retention:end -->"
 
-from service.retention import StepRetention  # noqa: E402
-from service.store import JobStore  # noqa: E402
+from service.queue.retention import StepRetention  # noqa: E402
+from service.queue.store import JobStore  # noqa: E402
 
 
 def step(n: int, total: int) -> dict:

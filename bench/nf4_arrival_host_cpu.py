@@ -28,8 +28,8 @@ from bench.offload_bench import LoraModel
 from offload import OffloadOptions, OffloadTrainingManager
 from offload import dequantize_on_arrival as arrival
 from offload import nf4_dequantize as nf4_kernels
-from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
-from offload.quantized import quantize_frozen_weights
+from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
+from offload.quant.quantized import quantize_frozen_weights
 
 
 def make_stack() -> LoraModel:

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.offload_bench import LoraModel
 from bench.offload_bench import timed_steps as measure
 from offload import OffloadTrainingManager
-from offload.nf4_linear import CompiledNF4Linear, dequantize, is_nf4
-from offload.quantized import quantize_frozen_weights
+from offload.quant.nf4_linear import CompiledNF4Linear, dequantize, is_nf4
+from offload.quant.quantized import quantize_frozen_weights
 
 
 def one_call() -> None:

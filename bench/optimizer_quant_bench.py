@@ -34,9 +34,9 @@ from bench.provenance import commit
 from bench.trace_summary import summarize, top_kernels
 from offload import OffloadOptions, OffloadTrainingManager, dequantize_on_arrival
 from offload import nf4_dequantize as kernels
-from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
-from offload.nf4_linear import CompiledNF4Linear, is_nf4
-from offload.quantized import quantize_frozen_weights, stored_bytes
+from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
+from offload.quant.nf4_linear import CompiledNF4Linear, is_nf4
+from offload.quant.quantized import quantize_frozen_weights, stored_bytes
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 START, END = "<!-- optimizer_quant_bench:start -->", "<!-- optimizer_quant_bench:end -->"
@@ -367,7 +367,7 @@ def dequantize_kernels() -> None:
     the kernel that dequantizes on arrival (compiled, with and without inductor's index asserts)."""
     from torchao.quantization import to_nf4
 
-    from offload.quantized import QuantizedPayload
+    from offload.quant.quantized import QuantizedPayload
 
     for shape in ((4096, 4096), (16384, 4096)):
         nf4 = to_nf4(torch.randn(shape, device="cuda", dtype=torch.bfloat16), 64, 256)
@@ -402,7 +402,7 @@ def block_dequantization() -> None:
     from torchao.quantization import to_nf4
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
-    from offload.quantized import aligned
+    from offload.quant.quantized import aligned
 
     torch.manual_seed(0)
     d, ff = 4096, 16384

@@ -28,7 +28,7 @@ def build_db(db: Path) -> None:
     sys.path.insert(0, str(REPO))
     from jobs.events import StepEvent
     from offload.stats import OffloadStats
-    from service.store import JobStore
+    from service.queue.store import JobStore
 
     store = JobStore(db)
     store.create_job(job_id="job-1", name="bench", spec_text="name: bench\n", spec={"name": "bench"})
@@ -45,9 +45,9 @@ def measure(which: str, db: Path, requests: int, rounds: int) -> float:
     """Microseconds of CPU per request, the least over ``rounds`` (run in this process)."""
     sys.path.insert(0, str(REPO))
     if which == "ferry":
-        from service.app import create_app
+        from service.api.app import create_app
+        from service.queue.store import JobStore
         from service.settings import Settings
-        from service.store import JobStore
 
         settings = Settings(data_dir=db.parent, _env_file=None)
         app = create_app(settings)

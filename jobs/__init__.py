@@ -1,7 +1,7 @@
 """Job specs, models, data and the training runner.
 
 The names below are imported on first use (PEP 562), not with the package: ``import jobs.events`` or
-``jobs.checkpoint`` must not pull in torch, so that the service's API process, which reads events and
+``jobs.checkpoints.directory`` must not pull in torch, so that the service's API process, which reads events and
 checkpoint manifests, stays free of it (only the spec checker and job processes import torch).
 
 Example:
@@ -16,30 +16,30 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jobs.checkpoint import CheckpointInfo, list_checkpoints
+    from jobs.checkpoints.directory import CheckpointInfo, list_checkpoints
     from jobs.errors import JobSpecError, OutOfMemoryHint, SpecProblem
-    from jobs.estimate import MemoryEstimate, estimate_memory
-    from jobs.loading import job_spec_schema, line_of, load_job_spec
+    from jobs.fit.estimate import MemoryEstimate, estimate_memory
     from jobs.paths import PathRoots
-    from jobs.runner import JobOutcome, run_job, train_step
-    from jobs.spec import JobSpec
+    from jobs.spec.job import JobSpec
+    from jobs.spec.loading import job_spec_schema, line_of, load_job_spec
+    from jobs.train.runner import JobOutcome, run_job, train_step
 
 _HOME = {
-    "CheckpointInfo": "jobs.checkpoint",
-    "list_checkpoints": "jobs.checkpoint",
+    "CheckpointInfo": "jobs.checkpoints.directory",
+    "list_checkpoints": "jobs.checkpoints.directory",
     "JobSpecError": "jobs.errors",
     "OutOfMemoryHint": "jobs.errors",
     "SpecProblem": "jobs.errors",
-    "MemoryEstimate": "jobs.estimate",
-    "estimate_memory": "jobs.estimate",
-    "job_spec_schema": "jobs.loading",
-    "line_of": "jobs.loading",
-    "load_job_spec": "jobs.loading",
+    "MemoryEstimate": "jobs.fit.estimate",
+    "estimate_memory": "jobs.fit.estimate",
+    "job_spec_schema": "jobs.spec.loading",
+    "line_of": "jobs.spec.loading",
+    "load_job_spec": "jobs.spec.loading",
     "PathRoots": "jobs.paths",
-    "JobOutcome": "jobs.runner",
-    "run_job": "jobs.runner",
-    "train_step": "jobs.runner",
-    "JobSpec": "jobs.spec",
+    "JobOutcome": "jobs.train.runner",
+    "run_job": "jobs.train.runner",
+    "train_step": "jobs.train.runner",
+    "JobSpec": "jobs.spec.job",
 }
 __all__ = [
     "CheckpointInfo",

@@ -12,7 +12,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jobs.errors import JobSpecError, OutOfMemoryHint
-from jobs.estimate import estimate_memory
 from jobs.events import (
     CacheProgressEvent,
     CheckpointEvent,
@@ -24,11 +23,12 @@ from jobs.events import (
     StartedEvent,
     StepEvent,
 )
-from jobs.loading import job_spec_schema, load_job_spec
+from jobs.fit.estimate import estimate_memory
 from jobs.paths import PathRoots
-from jobs.preflight import preflight_problems
-from jobs.runner import run_job
-from jobs.spec import JobSpec
+from jobs.spec.job import JobSpec
+from jobs.spec.loading import job_spec_schema, load_job_spec
+from jobs.spec.preflight import preflight_problems
+from jobs.train.runner import run_job
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from jobs.export import merge_lora_checkpoint  # peft and transformers: only this command needs them
+    from jobs.checkpoints.export import merge_lora_checkpoint  # peft and transformers: only this command needs them
 
     try:
         merged = merge_lora_checkpoint(args.checkpoint, args.output, archive=not args.no_archive)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offload.arena import PinnedArenaPool
-    from offload.dequantize_on_arrival import DequantizedParamOffloader
     from offload.devices import set_gpu_memory_limit
     from offload.manager import OffloadTrainingManager
     from offload.offloaders import (
@@ -28,14 +27,15 @@ if TYPE_CHECKING:
     )
     from offload.options import OffloadOptions, parse_bytes
     from offload.plan import MemoryPlan, plan_memory
-    from offload.quantized import QuantizedParamOffloader, quantize_frozen_weights
+    from offload.quant.dequantize_on_arrival import DequantizedParamOffloader
+    from offload.quant.quantized import QuantizedParamOffloader, quantize_frozen_weights
     from offload.stats import OffloadStats
     from offload.trainable import TrainableParamOffloader
     from offload.units import OffloadUnit, discover_units
 
 _HOME = {
     "PinnedArenaPool": "offload.arena",
-    "DequantizedParamOffloader": "offload.dequantize_on_arrival",
+    "DequantizedParamOffloader": "offload.quant.dequantize_on_arrival",
     "set_gpu_memory_limit": "offload.devices",
     "OffloadTrainingManager": "offload.manager",
     "AlwaysOnGPUParamOffloader": "offload.offloaders",
@@ -47,8 +47,8 @@ _HOME = {
     "parse_bytes": "offload.options",
     "MemoryPlan": "offload.plan",
     "plan_memory": "offload.plan",
-    "QuantizedParamOffloader": "offload.quantized",
-    "quantize_frozen_weights": "offload.quantized",
+    "QuantizedParamOffloader": "offload.quant.quantized",
+    "quantize_frozen_weights": "offload.quant.quantized",
     "OffloadStats": "offload.stats",
     "OffloadUnit": "offload.units",
     "discover_units": "offload.units",

@@ -13,8 +13,6 @@ from torch.utils.hooks import RemovableHandle
 
 from offload import auto_budget
 from offload.arena import PinnedArenaPool, aligned
-from offload.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
-from offload.dequantize_on_arrival import room_bytes as arrival_room_bytes
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.flat import FlatGroup
 from offload.layout import shaped_like
@@ -27,7 +25,9 @@ from offload.offloaders import (
 from offload.optimizer_step import StepDuringBackward
 from offload.options import OffloadOptions, parse_bytes
 from offload.plan import UnitLayout, plan_memory
-from offload.quantized import QuantizedParamOffloader, is_quantized, link_bytes, stored_bytes
+from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
+from offload.quant.dequantize_on_arrival import room_bytes as arrival_room_bytes
+from offload.quant.quantized import QuantizedParamOffloader, is_quantized, link_bytes, stored_bytes
 from offload.ring import DeviceRing, Placement
 from offload.saved_tensors import SavedTensorRouter
 from offload.schedule import PrefetchSchedule

@@ -28,7 +28,7 @@ from torch import nn
 
 from offload.arena import PinnedArenaPool, aligned
 from offload.options import OffloadOptions
-from offload.quantized import is_quantized
+from offload.quant.quantized import is_quantized
 from offload.units import UnitPlan, discover_units
 
 SLOT_ALIGNMENT = 512  # slot starts: generous for vectorized kernels reading the weights in place

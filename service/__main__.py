@@ -9,7 +9,7 @@ import sys
 import uvicorn
 from pydantic import ValidationError
 
-from .settings import Settings
+from service.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,19 +26,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ferry: {problem['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     if settings.executor == "local":
-        from .devices import query_gpus, unlisted_devices_problem
+        from service.workers.devices import query_gpus, unlisted_devices_problem
 
         problem = unlisted_devices_problem(settings, query_gpus())
         if problem:
             print(f"ferry: {problem}", file=sys.stderr)
             return 2
-    from .data_dir import holder_pid, in_use_message
+    from service.queue.data_dir import holder_pid, in_use_message
 
     holder = holder_pid(settings.data_dir)
     if holder is not None:  # the lifespan would refuse too; say it before importing the app
         print(f"ferry: {in_use_message(settings.data_dir, holder)}", file=sys.stderr)
         return 2
-    from .app import create_app  # after the settings check: a refused start should be instant
+    from service.api.app import create_app  # after the settings check: a refused start should be instant
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Event streams end by themselves on shutdown (sse-starlette); this bounds any other request still open.

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-MIN_TOKEN_LENGTH = 16  # for a token that serves other machines (service/access.py enforces it per request)
+MIN_TOKEN_LENGTH = 16  # for a token that serves other machines (service/api/access.py enforces it per request)
 # jobs.paths.BUNDLED_DATA, computed here so that reading the settings does not import jobs (and torch).
 _BUNDLED_DATA = Path(__file__).resolve().parents[1] / "configs" / "data"
 
@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     # storage every node mounts at the same path (NFS, a cluster filesystem); None = data_dir. The SQLite
     # queue stays in data_dir, on the service's own disk: events reach it through Ray, never over NFS.
     shared_dir: Path | None = None
-    # Keep one spawned process per worker with torch and `jobs` already imported (service/executor/spares.py),
+    # Keep one spawned process per worker with torch and `jobs` already imported (service/workers/executor/spares.py),
     # so a job reaches its first step in tens of milliseconds instead of seconds of imports
     # (bench/service_bench.py); costs one idle process's host memory per worker (no GPU memory).
     warm_start: bool = True
@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     # One line per request costs CPU on every poll of every dashboard; errors are logged either way.
     access_log: bool = False
     # Per-step events: every one of a job's first N steps, then per window of steps its last, lowest-loss and
-    # highest-loss step (service/retention.py), so a long job's database stays small.
+    # highest-loss step (service/queue/retention.py), so a long job's database stays small.
     events_keep_first_steps: int = Field(1000, ge=0)
     events_step_window: int = Field(100, ge=1)
     # Below this much free space on the data directory's disk, /ready says so and submits get 507.

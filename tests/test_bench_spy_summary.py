@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bench.spy_summary import BACKWARD, ENGINE, MAIN, summarize, tally
 
-STEP = "thread (10): MainThread;<module> (bench/diffusion_profile.py:1);train_step (jobs/runner.py:66)"
+STEP = "thread (10): MainThread;<module> (bench/diffusion_profile.py:1);train_step (jobs/train/runner.py:66)"
 BACKWARD_ROOT = "thread (11);BackwardCFunction.apply (torch/autograd/function.py:317)"
 RAW = "\n".join(
     [
@@ -17,8 +17,8 @@ RAW = "\n".join(
         f"{BACKWARD_ROOT};unpack (offload/saved_tensors.py:135);unpack_hook (torch/utils/checkpoint.py:1);"
         "forward (diffusers/models/transformers/transformer_qwenimage.py:700) 3",
         f"{BACKWARD_ROOT};_engine_run_backward (torch/autograd/graph.py:869) 4",
-        "thread (10): MainThread;<module> (bench/diffusion_profile.py:1);load (jobs/diffusion/model.py:9) 50",
-        "thread (12): ThreadPoolExecutor-0_0;fill (jobs/diffusion/components.py:112) 40",
+        "thread (10): MainThread;<module> (bench/diffusion_profile.py:1);load (jobs/models/diffusion/model.py:9) 50",
+        "thread (12): ThreadPoolExecutor-0_0;fill (jobs/models/diffusion/components.py:112) 40",
     ]
 )
 

@@ -45,7 +45,7 @@ def test_dockerfile_runs_the_service_as_a_non_root_user_with_a_data_volume() -> 
 
 
 def test_port_and_health_path_exist_in_the_app(tmp_path: Path) -> None:
-    from service.app import create_app
+    from service.api.app import create_app
     from service.settings import Settings
 
     exposed = re.search(r"^EXPOSE (\d+)$", DOCKERFILE, flags=re.M).group(1)

@@ -10,10 +10,10 @@ from pathlib import Path
 from jobs.events import EVENT_TYPES
 from jobs.models.family import ModelFamily
 from offload import OffloadStats
-from service.status import ALLOWED, JobStatus
+from service.queue.status import ALLOWED, JobStatus
 
 REPO = Path(__file__).resolve().parents[1]
-TABLE_START = "<!-- status-table: generated from service/status.py ALLOWED; tests/test_docs.py checks it -->"
+TABLE_START = "<!-- status-table: generated from service/queue/status.py ALLOWED; tests/test_docs.py checks it -->"
 TABLE_END = "<!-- /status-table -->"
 
 

@@ -13,7 +13,9 @@ import offload
 HEAVY = ("torch", "transformers", "diffusers", "peft", "datasets")
 
 
-@pytest.mark.parametrize("module", ["jobs.events", "jobs.checkpoint", "jobs.spec_text", "offload.stats", "offload"])
+@pytest.mark.parametrize(
+    "module", ["jobs.events", "jobs.checkpoints.directory", "jobs.spec.text", "offload.stats", "offload"]
+)
 def test_light_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from jobs.models.family import activation_element_size
 
 if TYPE_CHECKING:
-    from jobs.spec import JobSpec
+    from jobs.spec.job import JobSpec
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from jobs.sections import Section
-from jobs.weight_sources import WeightSource
-from jobs.weights import TRAINABLE_SAFETENSORS, WeightsFormat
+from jobs.checkpoints.weights import TRAINABLE_SAFETENSORS, WeightsFormat
+from jobs.models.weight_sources import WeightSource
+from jobs.spec.sections import Section
 
 if TYPE_CHECKING:
-    from jobs.spec import JobSpec
+    from jobs.spec.job import JobSpec
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 Problem = tuple[str, str]  # (dotted path in the job spec, message)
@@ -44,7 +44,7 @@ class ModelFamily:
         lora_target_names: ``names(model_spec) -> list[str] | None``: the Linear modules LoRA may
             target, checked at submit time; None when they are known only once the model is loaded.
         module_names_from_files: ``names(model_spec) -> list[str]``: every module name, read from the
-            model's files (a ``config.json``) at submit time by jobs/preflight.py, for families whose
+            model's files (a ``config.json``) at submit time by jobs/spec/preflight.py, for families whose
             ``lora_target_names`` is None; LoRA targets matching none of them are refused before queueing.
         peft_task_type: peft's ``task_type`` for LoRA (``"CAUSAL_LM"`` lets peft's Auto classes load it).
         enable_gradient_checkpointing: Turns activation checkpointing on for a built model; None when
@@ -55,7 +55,7 @@ class ModelFamily:
         synthetic_width: ``width(model_spec)`` of synthetic regression inputs, for families trained on it.
         keeps_packed_documents_apart: The model takes position ids that restart per document, so packed
             sequences need no mask between documents (``data.packing: packed`` is refused otherwise).
-        apply_lora: ``apply_lora(model, lora_spec) -> nn.Module``; None: peft's ``get_peft_model`` (jobs/lora.py).
+        apply_lora: ``apply_lora(model, lora_spec) -> nn.Module``; None: peft's ``get_peft_model`` (jobs/train/lora.py).
         build_data: ``build_data(job_spec, device, model) -> BatchSource`` for data only this family reads
             (its batches may need the family's own encoders, or values precomputed from the built model's
             frozen layers); None: jobs.data.build_data.
@@ -68,7 +68,7 @@ class ModelFamily:
             the check sizes what the device holds and the engine streams; None: nothing is precomputed.
         build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
             with its weights on the meta device and the source that fills the offload engine's pinned host
-            copies directly (jobs/weight_sources.py); None when the family can only be built in memory.
+            copies directly (jobs/models/weight_sources.py); None when the family can only be built in memory.
     """
 
     kind: str

@@ -9,16 +9,16 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
-from jobs.export import HF_PRETRAINED
+from jobs.checkpoints.export import HF_PRETRAINED
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily
 from jobs.models.hf_names import hf_module_names
 from jobs.models.transformer_lm import lm_loss
-from jobs.sections import Dtype, Section, confined_path
-from jobs.weight_sources import RandomSource, SafetensorsSource, WeightSource
+from jobs.models.weight_sources import RandomSource, SafetensorsSource, WeightSource
+from jobs.spec.sections import Dtype, Section, confined_path
 
 if TYPE_CHECKING:
-    from jobs.spec import JobSpec
+    from jobs.spec.job import JobSpec
 
 
 class HFCausalLMSpec(Section):
@@ -106,7 +106,7 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
     require grad, which LoRA's frozen embeddings do not give: ``enable_input_require_grads`` makes the
     embeddings' output require it (what transformers does itself for models fed ``input_ids``, and peft when
     it wraps a model that is not quantized). The decoder layers return one tensor, so no output goes without
-    a gradient (the case ``jobs/activation_checkpointing.py`` handles for the DiT).
+    a gradient (the case ``jobs/train/activation_checkpointing.py`` handles for the DiT).
     """
     enable: Any
     kwargs = {"use_reentrant": True}

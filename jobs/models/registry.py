@@ -17,7 +17,8 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field
 
-from jobs.models import diffusers_transformer, hf_causal_lm, toy_mlp, transformer_lm
+from jobs.models import hf_causal_lm, toy_mlp, transformer_lm
+from jobs.models.diffusion import family as diffusion
 from jobs.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -26,7 +27,7 @@ FAMILIES: dict[str, ModelFamily] = {
         toy_mlp.FAMILY,
         transformer_lm.FAMILY,
         hf_causal_lm.FAMILY,
-        diffusers_transformer.FAMILY,
+        diffusion.FAMILY,
     )
 }
 

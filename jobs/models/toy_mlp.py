@@ -9,10 +9,10 @@ from pydantic import Field
 from torch import nn
 
 from jobs.models.family import ModelFamily, activation_element_size, linear_module_names
-from jobs.sections import Dtype, Section
+from jobs.spec.sections import Dtype, Section
 
 if TYPE_CHECKING:
-    from jobs.spec import JobSpec
+    from jobs.spec.job import JobSpec
 
 
 class ToyMLPSpec(Section):

@@ -18,14 +18,14 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from safetensors.torch import load_file
 from torch import nn
 
-from jobs.activation_checkpointing import checkpoint_block
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily, Problem, linear_module_names
-from jobs.sections import Dtype, Section, broken_rules, confined_path
-from jobs.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
+from jobs.models.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
+from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
+from jobs.train.activation_checkpointing import checkpoint_block
 
 if TYPE_CHECKING:
-    from jobs.spec import JobSpec
+    from jobs.spec.job import JobSpec
 
 BYTE_VOCAB = 257  # the built-in byte tokenizer's vocabulary (jobs/data/tokenizers.py)
 
@@ -131,7 +131,7 @@ class TransformerLM(nn.Module):
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)
         for block in self.blocks:
             if self.gradient_checkpointing and self.training:
-                # The block re-runs in backward (jobs/activation_checkpointing.py); the offload engine sees
+                # The block re-runs in backward (jobs/train/activation_checkpointing.py); the offload engine sees
                 # the recompute through its forward hooks and keeps the block's weights on the device for it.
                 x = checkpoint_block(block, x)
             else:

@@ -21,7 +21,7 @@ def roots_for(data: dict, tmp_path: Path) -> PathRoots:
     """Roots in tmp_path holding whatever relative paths the config names (stand-ins), or the repository
     as data root when the config uses data shipped in it."""
     if data.get("model", {}).get("kind") == "diffusers_transformer":
-        from tests.jobs.diffusion.pipelines import stand_in_roots  # a tiny pipeline, images, a cache
+        from tests.jobs.models.diffusion.pipelines import stand_in_roots  # a tiny pipeline, images, a cache
 
         return stand_in_roots(data, tmp_path)
     if (REPO / data.get("data", {}).get("path", "/nonexistent")).exists():

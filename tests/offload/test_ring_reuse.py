@@ -134,9 +134,9 @@ def test_buffers_a_forward_updates_are_not_reused_stale() -> None:
 @pytest.mark.parametrize("granularity", ["block", "leaf"])
 def test_nf4_units_still_in_their_slot_skip_the_copy_and_the_dequantization(granularity: str) -> None:
     """A unit's NF4 payloads and their dequantized rooms are reused together; the training stays bitwise."""
-    from tests.offload.test_quantized import WIDTH as Q_WIDTH
-    from tests.offload.test_quantized import make
-    from tests.offload.test_quantized import train as train_quantized
+    from tests.offload.quant.test_quantized import WIDTH as Q_WIDTH
+    from tests.offload.quant.test_quantized import make
+    from tests.offload.quant.test_quantized import train as train_quantized
 
     expected = train_quantized(make("nf4", "non_reentrant"), None)
     model = make("nf4", "non_reentrant")

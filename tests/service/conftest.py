@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.spec_checker import SpecCheckerProcess
+from service.checking.checker import SpecCheckerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-0123456789"

@@ -17,12 +17,11 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 import service.__main__ as service_main
-from service.app import create_app
-from service.data_dir import DataDirInUse, DataDirLock
+from service.api.app import create_app
+from service.checking.checker import SpecChecker
+from service.queue.data_dir import DataDirInUse, DataDirLock
 from service.settings import Settings
-from service.spec_checker import SpecChecker
-
-from .conftest import TOKEN, Server, spec_yaml, submit, wait_status
+from tests.service.conftest import TOKEN, Server, spec_yaml, submit, wait_status
 
 
 def mode(path: Path) -> int:
@@ -118,7 +117,7 @@ def test_a_short_token_on_a_public_bind_is_refused_at_start() -> None:
 
 
 def test_gc_frozen_after_start_up(tmp_path: Path, spec_checker: SpecChecker) -> None:
-    from service.executor.local import LocalProcessExecutor
+    from service.workers.executor.local import LocalProcessExecutor
 
     settings = Settings(data_dir=tmp_path, devices="cpu", warm_start=False, _env_file=None)
     app = create_app(settings, executor=LocalProcessExecutor(warm=[]), spec_checker=spec_checker)

@@ -1,6 +1,6 @@
 // Turns the service's JSON into the plain shapes the pages draw. Every field read here is one the API
 // declares: each function that takes an API object names its OpenAPI schema with `@param {Schema} name`,
-// and tests/service/test_dashboard_contract.py fails when a field read from it is missing from
+// and tests/service/dashboard/test_dashboard_contract.py fails when a field read from it is missing from
 // /openapi.json. No guessed spellings, no copy of the server's tables: what a job allows comes with it
 // (`allowed_actions`).
 

@@ -8,7 +8,7 @@ import pytest
 
 from jobs.data.formats import IGNORE, RecordError, record_example
 from jobs.data.tokenizers import HFTokenizer
-from jobs.spec import TextDataSpec
+from jobs.spec.job import TextDataSpec
 from tests.jobs.llm_helpers import save_bpe_tokenizer
 
 

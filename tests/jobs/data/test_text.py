@@ -13,7 +13,7 @@ from jobs.data.packing import concatenate
 from jobs.data.records import iter_records
 from jobs.data.text import PackedText
 from jobs.data.tokenizers import ByteTokenizer, HFTokenizer
-from jobs.spec import TextDataSpec
+from jobs.spec.job import TextDataSpec
 
 
 def test_reads_jsonl_and_text(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from torch import nn
 from jobs.models.family import ModelFamily
 from jobs.models.registry import FAMILIES, family_of
 from jobs.models.toy_mlp import build_toy_mlp, toy_activation_bytes, toy_loss
-from jobs.sections import Section
-from jobs.spec import JobSpec
+from jobs.spec.job import JobSpec
+from jobs.spec.sections import Section
 
 
 def test_model_section_accepts_exactly_the_registered_families() -> None:

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from jobs import PathRoots
 from jobs.models import build_model
 from jobs.models.names import builtin_module_names
-from jobs.spec import TransformerLMSpec
+from jobs.spec.job import TransformerLMSpec
 from tests.jobs.helpers import TINY_LM, merged, python_calls, spec_from
 
 SPEC = TransformerLMSpec(
@@ -65,7 +65,7 @@ def test_checkpointing_with_frozen_embeddings_gives_the_same_gradients_bitwise()
 
 def test_checkpointing_adds_little_host_work_to_a_training_step() -> None:
     # The non-reentrant checkpoint ran hooks for every tensor a block saves: 10.5x the Python calls of this
-    # tiny model's step without checkpointing; the reentrant one (jobs/activation_checkpointing.py) 2.8x.
+    # tiny model's step without checkpointing; the reentrant one (jobs/train/activation_checkpointing.py) 2.8x.
     ids = torch.randint(260, (2, 8), generator=torch.Generator().manual_seed(0))
     calls = []
     for checkpointing in (False, True):

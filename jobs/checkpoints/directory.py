@@ -1,0 +1,198 @@
+"""Checkpoint directories: written to a temp directory and renamed into place, with a SHA-256 manifest.
+
+Layout: ``output_dir/checkpoints/step-00000010/`` holding ``manifest.json`` (step, spec, files with their
+SHA-256), the trainable weights and ``training_state.pt``. A directory without a manifest, or whose files do
+not match it, is never resumed from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+EXPORTS_DIR = "exports"  # beside checkpoints/: merged models and other exports (jobs/checkpoints/export.py)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A saved checkpoint as its manifest describes it.
+
+    Attributes:
+        name: Directory name, ``step-00000010``.
+        step: Optimizer steps completed when it was saved.
+        path: Absolute path of the directory.
+        created: ISO-8601 UTC time of saving.
+        files: ``[{name, bytes, sha256}]`` for every file except the manifest.
+        eval_loss: The eval loss measured at this step, when the job evaluates.
+    """
+
+    name: str
+    step: int
+    path: str
+    created: str
+    files: list[dict[str, Any]] = field(default_factory=list)
+    eval_loss: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def checkpoints_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    spec: dict[str, Any],
+    write: Callable[[Path], None],
+    *,
+    keep_last: int | None = None,
+    eval_loss: float | None = None,
+) -> CheckpointInfo:
+    """Save a checkpoint atomically and prune old ones.
+
+    Args:
+        output_dir: The job's output directory.
+        step: Optimizer steps completed.
+        spec: The resolved job spec (JSON-able), stored in the manifest.
+        write: Writes the checkpoint's files into the directory it is given.
+        keep_last: Keep only this many newest checkpoints (None keeps all), and the best one.
+        eval_loss: The eval loss at this step, recorded so the best checkpoint can be found and kept.
+
+    Returns:
+        The new checkpoint.
+    """
+    root = checkpoints_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{checkpoint_name(step)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        # Files in subfolders too (a full fine-tune's transformer/), named by their relative path.
+        files = [_describe(p, tmp) for p in sorted(tmp.rglob("*")) if p.is_file()]
+        created = datetime.now(UTC).isoformat(timespec="seconds")
+        manifest = {"step": step, "created": created, "spec": spec, "files": files, "eval_loss": eval_loss}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        for path in tmp.rglob("*"):
+            _fsync(path)
+        final = root / checkpoint_name(step)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync(root)
+    if keep_last is not None:
+        prune_checkpoints(output_dir, keep_last)
+    return CheckpointInfo(final.name, step, str(final), created, files, eval_loss)
+
+
+def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``output_dir``, oldest first (files are not re-hashed; see `verify`)."""
+    root = checkpoints_dir(output_dir)
+    infos = []
+    for directory in sorted(root.glob("step-*")) if root.is_dir() else []:
+        try:
+            manifest = json.loads((directory / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue  # incomplete or foreign directory
+        infos.append(
+            CheckpointInfo(
+                directory.name,
+                int(manifest["step"]),
+                str(directory.resolve()),
+                manifest["created"],
+                manifest["files"],
+                manifest.get("eval_loss"),
+            )
+        )
+    return sorted(infos, key=lambda info: info.step)
+
+
+def read_manifest(info: CheckpointInfo) -> dict[str, Any]:
+    return json.loads((Path(info.path) / MANIFEST).read_text())
+
+
+def verify(info: CheckpointInfo) -> bool:
+    """True when every file exists with the size and SHA-256 its manifest records."""
+    for entry in info.files:
+        path = Path(info.path) / entry["name"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+            return False
+    return True
+
+
+def latest_valid_checkpoint(output_dir: Path) -> CheckpointInfo | None:
+    """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
+    for info in reversed(list_checkpoints(output_dir)):
+        if verify(info):
+            return info
+        log.warning("checkpoint %s does not match its manifest; skipping it", info.path)
+    return None
+
+
+def best_checkpoint(checkpoints: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """The checkpoint with the lowest eval loss (the earliest among equals); None when none was evaluated."""
+    evaluated = [c for c in checkpoints if c.eval_loss is not None]
+    return min(evaluated, key=lambda c: (c.eval_loss, c.step)) if evaluated else None
+
+
+def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints and the best one, and leftovers of interrupted saves."""
+    checkpoints = list_checkpoints(output_dir)
+    best = best_checkpoint(checkpoints)
+    for info in checkpoints[:-keep_last]:
+        if best is None or info.name != best.name:
+            shutil.rmtree(info.path, ignore_errors=True)
+    for leftover in checkpoints_dir(output_dir).glob(".tmp-*"):
+        if leftover.is_dir() and not _written_by_live_save(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _written_by_live_save(directory: Path) -> bool:
+    # A temp dir modified in the last minute may belong to a save in progress in another process.
+    return (datetime.now().timestamp() - directory.stat().st_mtime) < 60
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``; an existing ``dst`` (a re-save of the same step) is swapped out first."""
+    if dst.exists():
+        trash = dst.with_name(f".tmp-old-{dst.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(dst, trash)
+        os.rename(src, dst)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(src, dst)  # atomic on POSIX: readers see no directory or a complete one
+
+
+def _describe(path: Path, root: Path) -> dict[str, Any]:
+    return {"name": path.relative_to(root).as_posix(), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in chunks (checkpoints, cache shards and merged archives)."""
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,144 @@
+"""Checkpoints that load without Ferry: ``save_pretrained`` for full fine-tunes, merged LoRA models, archives.
+
+A full fine-tune of a Hugging Face model is saved as ``save_pretrained`` writes it (``config.json``,
+``generation_config.json``, ``model.safetensors``) with the tokenizer beside it, so
+``AutoModelForCausalLM.from_pretrained(checkpoint_dir)`` loads it. A LoRA checkpoint is merged into its
+base model with peft's ``merge_and_unload`` into a directory of the same shape, and packed into one
+archive for download.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tarfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobs.checkpoints.directory import EXPORTS_DIR
+from jobs.checkpoints.weights import WeightsFormat, is_peft_model, load_trainable
+
+log = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def save_pretrained_full(model: nn.Module, directory: Path) -> None:
+    """Write a full Hugging Face model with ``save_pretrained`` from CPU copies of its current weights.
+
+    The offload engine may hold weights on the device or in pinned buffers; the state dict handed over
+    is read from wherever they are now (a device-to-host copy: a sync point).
+    """
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+    hf_model: Any = model  # a transformers PreTrainedModel (config, save_pretrained)
+    use_cache = hf_model.config.use_cache
+    hf_model.config.use_cache = True  # off for training (jobs/models/hf_causal_lm.py); on for whoever loads it
+    try:
+        hf_model.save_pretrained(str(directory), state_dict=state)
+    finally:
+        hf_model.config.use_cache = use_cache
+
+
+def save_hf_checkpoint(model: nn.Module, directory: Path) -> None:
+    """A Hugging Face model's checkpoint: its LoRA adapter in peft's layout, or the whole model pretrained-style."""
+    if is_peft_model(model):
+        from jobs.train.lora import save_adapter
+
+        save_adapter(model, directory)
+    else:
+        save_pretrained_full(model, directory)
+
+
+# Written as Hugging Face loads it; read back (resume) by the same loader as trainable safetensors, since
+# save_pretrained names the tensors as the model's state dict does.
+HF_PRETRAINED = WeightsFormat("hf_pretrained", save_hf_checkpoint, load_trainable)
+
+
+def save_tokenizer(tokenizer: Any, directory: Path) -> None:
+    """The job's Hugging Face tokenizer (with a chat template given in the spec) beside the weights."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        hf.save_pretrained(str(directory))
+
+
+def merge_lora_checkpoint(checkpoint: Path, output: Path | None = None, *, archive: bool = True) -> Path:
+    """Merge the LoRA adapter of ``checkpoint`` into its base model and save the result as a full model.
+
+    Args:
+        checkpoint: A checkpoint directory of a LoRA job on an ``hf_causal_lm`` model.
+        output: Where the merged model goes; default: ``<output_dir>/exports/<checkpoint>-merged``.
+        archive: Also write ``<output>.tar`` (one file to download).
+
+    Returns:
+        The merged model's directory (``AutoModelForCausalLM.from_pretrained`` loads it).
+
+    Raises:
+        ValueError: not a LoRA checkpoint of a Hugging Face model, or its base model is gone.
+
+    Example:
+        >>> merge_lora_checkpoint(Path("out/chat/checkpoints/step-00000100"))
+        PosixPath('out/chat/exports/step-00000100-merged')
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = Path(checkpoint)
+    spec = _lora_spec(checkpoint)
+    base_path = Path(spec["model"]["path"])
+    if not (base_path / "config.json").is_file():
+        raise ValueError(f"the base model {base_path} of {checkpoint} is gone; it is needed to merge the adapter")
+    output = Path(output) if output else checkpoint.parent.parent / EXPORTS_DIR / f"{checkpoint.name}-merged"
+    dtype = getattr(torch, spec["model"].get("dtype", "float32"))
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, local_files_only=True)
+    merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()
+    tmp = output.with_name(f".tmp-{output.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        merged.save_pretrained(str(tmp))
+        _copy_tokenizer(checkpoint, base_path, spec, tmp)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.rename(output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if archive:
+        archive_directory(output)
+    log.info("merged %s into %s", checkpoint, output)
+    return output
+
+
+def archive_directory(directory: Path) -> Path:
+    """``<directory>.tar`` holding the directory's files (uncompressed: weights do not compress)."""
+    target = directory.with_name(directory.name + ".tar")
+    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+    with tarfile.open(tmp, "w") as tar:
+        for path in sorted(directory.iterdir()):
+            tar.add(path, arcname=f"{directory.name}/{path.name}")
+    tmp.rename(target)  # a reader sees no archive or a complete one
+    return target
+
+
+def _lora_spec(checkpoint: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+    except (OSError, ValueError):
+        raise ValueError(f"{checkpoint} is not a Ferry checkpoint (no readable manifest.json)") from None
+    spec = manifest["spec"]
+    if not (checkpoint / "adapter_config.json").is_file() or spec.get("model", {}).get("kind") != "hf_causal_lm":
+        raise ValueError(
+            f"{checkpoint} is not a LoRA checkpoint of an hf_causal_lm model; only those can be merged "
+            "(a full fine-tune's checkpoint is already a whole model)"
+        )
+    return spec
+
+
+def _copy_tokenizer(checkpoint: Path, base_path: Path, spec: dict[str, Any], target: Path) -> None:
+    """The tokenizer saved with the checkpoint, else the spec's tokenizer directory."""
+    tokenizer = spec.get("data", {}).get("tokenizer", {})
+    source = checkpoint if (checkpoint / "tokenizer_config.json").is_file() else Path(tokenizer.get("path", base_path))
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)

@@ -1,0 +1,202 @@
+"""A fit check before queueing: peak device memory and pinned host memory, without loading any weight.
+
+The model is built on the meta device (shapes only) and the offload engine's own unit discovery cuts it
+into units, so the streaming window is the engine's, not a guess. Activations follow the model family's
+own formula (``ModelFamily.activation_bytes``, e.g. per-layer terms for decoder LMs). The device number is what
+``torch.cuda.max_memory_allocated`` should report; the CUDA context (~0.5 GiB) and allocator slack come on
+top of it in ``nvidia-smi``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from jobs.fit.sizes import human_bytes
+from jobs.models.names import lora_target_matches
+from jobs.models.registry import family_of
+from jobs.spec.job import JobSpec
+from offload import MemoryPlan, parse_bytes, plan_memory
+from offload.options import AUTO_BUDGET
+from offload.quant.quantized import planned_sizes
+
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+_LORA_BYTES = 4  # peft keeps adapters in float32 even on a bf16 base model (autocast_adapter_dtype)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated memory for a job.
+
+    Attributes:
+        peak_device_bytes: Peak bytes allocated by PyTorch on the device.
+        pinned_host_bytes: Page-locked host bytes the offload engine reserves (0 without model offload).
+        notes: How the numbers were reached, largest contributions first.
+        device_ring_bytes: the engine's planned device memory for streamed weights (its ``plan_memory``).
+    """
+
+    peak_device_bytes: int
+    pinned_host_bytes: int
+    notes: list[str] = field(default_factory=list)
+    device_ring_bytes: int = 0
+
+
+# Deeper than this, a model of repeated layers is estimated from two shallower copies of it (see below).
+MAX_BUILT_LAYERS = 64
+
+
+def estimate_memory(spec: JobSpec) -> MemoryEstimate:
+    """Estimate peak device bytes and pinned host bytes for ``spec`` (no weights are read or allocated).
+
+    Example:
+        >>> estimate = estimate_memory(load_job_spec(Path("configs/cpu_smoke.yaml").read_text()))
+        >>> estimate.peak_device_bytes > 0
+        True
+    """
+    layers = getattr(spec.model, "num_layers", None)
+    if isinstance(layers, int) and layers > MAX_BUILT_LAYERS:
+        return _extrapolated(spec, layers)
+    return _estimate_built(spec)
+
+
+def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:
+    """The estimate of a model of ``layers`` identical layers from the ones of 32 and 64 layers.
+
+    Even on the meta device, building a module costs time and memory per layer (``num_layers: 200000``
+    took 27 s and 1 GB of a server request). Every figure grows by the same amount per layer once the
+    streaming window is full, so two shallow copies give the deep one exactly (weights, gradients, states,
+    activations, the pinned arena up to its chunk rounding).
+    """
+    low, high = MAX_BUILT_LAYERS // 2, MAX_BUILT_LAYERS
+    small, large = (_estimate_built(_with_layers(spec, n)) for n in (low, high))
+
+    def grow(a: int, b: int) -> int:
+        return int(b + (b - a) * (layers - high) / (high - low))
+
+    return MemoryEstimate(
+        peak_device_bytes=grow(small.peak_device_bytes, large.peak_device_bytes),
+        pinned_host_bytes=grow(small.pinned_host_bytes, large.pinned_host_bytes),
+        notes=[f"{layers} layers: extrapolated from {low} and {high} layers (same layers, so it grows by layer)"],
+        device_ring_bytes=large.device_ring_bytes,  # the window, full from a few layers on
+    )
+
+
+def _with_layers(spec: JobSpec, layers: int) -> JobSpec:
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"num_layers": layers})})
+
+
+def _estimate_built(spec: JobSpec) -> MemoryEstimate:
+    model = _shapes_only_model(spec)
+    lora = _lora_bytes(model, spec)  # before precomputed layers leave: their adapters stay
+    family = family_of(spec.model)
+    before = _tensor_bytes(model.parameters())
+    if family.drop_precomputed is not None:
+        family.drop_precomputed(spec, model)
+    precomputed = before - _tensor_bytes(model.parameters())
+    total = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
+    trainable = lora if spec.lora is not None else total
+    offload = spec.offload
+    optimizer_state = _OPTIMIZER_STATES[spec.training.optimizer] * trainable
+    # torch's foreach Adam(W) step allocates one temporary the size of the trainable weights.
+    step_temp = trainable if spec.training.optimizer != "sgd" else 0
+    activations = family.activation_bytes(spec, model)
+    notes = [f"weights {_gib(total)}, trainable {_gib(trainable)}, activations {_gib(activations)}"]
+    if precomputed:
+        notes.append(
+            f"{_gib(precomputed)} of weights precomputed once and kept on the host (model.precompute_modulation)"
+        )
+
+    if not offload.enable_model_cpu_offload:
+        resident = total + lora + trainable + optimizer_state  # weights (+ adapters), gradients, state
+        notes.append("no offload: weights, gradients and optimizer state all on the device")
+        pinned = ring = 0
+    else:
+        plan = engine_plan(model, spec)
+        ring = window = plan.ring_bytes
+        if spec.lora is None and offload.enable_optimizer_cpu_offload:
+            window += plan.largest_unit_bytes  # a unit's gradients sit on the device until copied out
+        measured = offload.gpu_memory_budget == AUTO_BUDGET  # fills what the limit leaves: not in the bound
+        budget = 0 if measured else min(parse_bytes(offload.gpu_memory_budget) or 0, total)
+        if offload.enable_optimizer_cpu_offload:
+            resident, step_temp = window + budget, 0
+            notes.append(
+                f"model + optimizer offload: device ring {_gib(window)} (the engine's plan: prefetch + 1 slots "
+                "per repeated unit, with their gradients); trainable weights and optimizer state on the host"
+            )
+        else:
+            resident = window + budget + 2 * trainable + optimizer_state  # weights, gradients, state
+            notes.append(
+                f"model offload: device ring {_gib(window)} (the engine's plan); trainable weights, gradients "
+                "and optimizer state on the device"
+            )
+        if budget:
+            notes.append(f"gpu_memory_budget keeps up to {_gib(budget)} resident")
+            if plan.device_trainable_bytes:
+                notes.append(
+                    f"of it {_gib(plan.device_trainable_bytes)} for the first trainable weights, kept on the device "
+                    "with their gradients and optimizer state (updated there, not by the CPU)"
+                )
+        elif measured:
+            notes.append(
+                "gpu_memory_budget 'auto': after two steps, weights fill what the limit leaves above their peak "
+                "(this estimate is the streamed peak; the device then holds up to the limit less a margin)"
+            )
+        pinned = plan.pinned_reserved_bytes
+        if spec.lora is not None and offload.enable_optimizer_cpu_offload:
+            pinned += 2 * lora  # adapters and their gradients on the host (peft adds them after the base)
+        needed = plan.pinned_requested_bytes
+        if needed and pinned > 1.1 * needed:
+            notes.append(f"pinned arena reserves {_gib(pinned)} for {_gib(needed)} of host copies (chunk rounding)")
+    peak = resident + max(activations, step_temp)
+    notes.append(
+        f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
+        f"temporaries {_gib(step_temp)}); excludes the CUDA context"
+    )
+    return MemoryEstimate(int(peak), int(pinned), notes, device_ring_bytes=ring)
+
+
+def _shapes_only_model(spec: JobSpec) -> nn.Module:
+    return family_of(spec.model).meta_model(spec.model).to(getattr(torch, spec.model.dtype))
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _lora_bytes(model: nn.Module, spec: JobSpec) -> int:
+    if spec.lora is None:
+        return 0
+    total = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        targeted = any(lora_target_matches(name, target) for target in spec.lora.target_modules)
+        if targeted and weight is not None and weight.dim() == 2:
+            total += spec.lora.rank * sum(weight.shape) * _LORA_BYTES
+    return total
+
+
+def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
+    """The offload engine's own memory plan for ``spec``'s model (``offload.plan_memory``, the function the
+    engine builds itself from). Under LoRA the base model is frozen, as peft leaves it."""
+    if spec.lora is not None:
+        model.requires_grad_(False)
+    offload = spec.offload
+    quantize = getattr(spec.model, "quantize", None)
+    # A quantized base: the stored bytes in the arena and the ring, and rooms for NF4 dequantized on arrival.
+    arrival = offload.dequantize_on_arrival
+    sizes = planned_sizes(model, quantize, dequantize_on_arrival=arrival) if quantize is not None else {}
+    return plan_memory(
+        model,
+        enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
+        cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
+        # The job's own options (with optimizer offload a set budget keeps the first trainables on the device,
+        # with no host copies), over a dry-run arena.
+        options=offload.engine_options(pin_memory=False),
+        **sizes,
+    )
+
+
+_gib = human_bytes  # the notes' sizes

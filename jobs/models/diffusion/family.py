@@ -1,0 +1,266 @@
+"""``model.kind: diffusers_transformer``: Qwen-Image and Wan DiTs trained with flow matching.
+
+The registry entry; the pieces live in jobs/models/diffusion/ (families, flow matching, data, the encoder cache,
+samples). Data is either ``image_caption`` (encoded on the fly by the pipeline's own encoders) or
+``diffusion_cache`` (written once by a ``task: cache`` job, DiffSynth-Studio's split training).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+
+from jobs.checkpoints.weights import WeightsFormat
+from jobs.models.diffusion.model import (
+    apply_dit_lora,
+    build_dit,
+    enable_dit_checkpointing,
+    flow_loss,
+    load_dit,
+    save_dit,
+)
+from jobs.models.diffusion.spec import DiffusersTransformerSpec
+from jobs.models.diffusion.variants import family_of as pipeline_family
+from jobs.models.family import ModelFamily, Problem, activation_element_size, linear_module_names
+
+if TYPE_CHECKING:
+    from jobs.spec.job import JobSpec
+
+log = logging.getLogger(__name__)
+_PROMPT_TOKENS_GUESS = 256  # the fit check's prompt length when no cache says better
+
+
+def meta_dit(spec: DiffusersTransformerSpec) -> nn.Module:
+    """The DiT's shapes on the meta device, from transformer/config.json alone."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_family(spec.path).transformer_class)
+    with init_empty_weights(include_buffers=True):
+        return cls.from_config(cls.load_config(str(Path(spec.path) / "transformer")))
+
+
+def dit_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
+    """Tokens x width per block, for an MMDiT block (attention, modulation, a 4x MLP on both streams).
+
+    Image tokens: ``max_pixels / 256`` (8x VAE, 2x2 patches; frames multiply). With gradient checkpointing
+    each block keeps its two inputs, and one block's internals (about 14 h + 2 ffn per token) exist at once.
+    """
+    from jobs.models.diffusion.data.cache import read_manifest
+
+    e = activation_element_size(spec)
+    config: Any = model.config
+    h = config.num_attention_heads * config.attention_head_dim
+    layers = config.num_layers
+    image_tokens, prompt_tokens = _token_counts(spec, read_manifest)
+    n = spec.training.batch_size * (image_tokens + prompt_tokens)
+    block = n * (14 * h + 2 * 4 * h) * e
+    if spec.training.gradient_checkpointing:
+        return layers * n * h * e + 2 * block
+    return layers * block + block
+
+
+def _token_counts(spec: JobSpec, read_manifest: Any) -> tuple[int, int]:
+    data: Any = spec.data  # image_caption or diffusion_cache (data_kinds)
+    if data.kind == "diffusion_cache":
+        manifest = read_manifest(data.path) or {"shards": []}
+        rows = [r for s in manifest["shards"] for r in s["rows"]] or [
+            {"latents_shape": [1, 1, 64, 64], "prompt_tokens": 1}
+        ]
+        image = max(r["latents_shape"][1] * r["latents_shape"][2] * r["latents_shape"][3] // 4 for r in rows)
+        return image, max(r["prompt_tokens"] for r in rows)
+    frames = (data.num_frames - 1) // 4 + 1
+    return frames * data.max_pixels // 256, data.max_sequence_length or _PROMPT_TOKENS_GUESS
+
+
+def build_diffusion_data(spec: JobSpec, device: torch.device, model: nn.Module) -> Any:
+    """Batches from the cache, or from the images with the encoders loaded for the whole job; each batch
+    carries its rows of the DiT's precomputed modulation when the job uses one (`uses_modulation_table`)."""
+    from jobs.models.diffusion.data.batches import DiffusionBatches, OnTheFlySamples, SampleSource
+    from jobs.models.diffusion.data.cache import CachedSamples
+    from jobs.models.diffusion.encode import Encoders
+    from jobs.models.diffusion.flow_match import TrainingTimesteps
+
+    family = pipeline_family(spec.model.path)
+    window = spec.training.timestep_range
+    timesteps = TrainingTimesteps(family.name, (window.min, window.max), spec.training.timestep_weighting)
+    data: Any = spec.data  # image_caption or diffusion_cache (data_kinds)
+    source: SampleSource
+    if data.kind == "diffusion_cache":
+        source = CachedSamples(data.path)
+    else:
+        source = OnTheFlySamples(data, Encoders.load(spec, device, with_text=True, with_vae=True))
+    modulation = _modulation_table(spec, model, timesteps, device) if uses_modulation_table(spec) else None
+    return DiffusionBatches(
+        source,
+        family,
+        timesteps,
+        batch_size=spec.training.batch_size,
+        seed=spec.training.seed,
+        repeat=data.repeat,
+        modulation=modulation,
+    )
+
+
+def uses_modulation_table(spec: JobSpec) -> bool:
+    """``model.precompute_modulation``, or by default: a LoRA job under model offload whose DiT allows it."""
+    from jobs.models.diffusion.modulation_table import modulation_problem
+    from jobs.models.diffusion.variants import transformer_config
+
+    model: Any = spec.model
+    if model.precompute_modulation is not None:
+        return bool(model.precompute_modulation)
+    return (
+        spec.offload.enable_model_cpu_offload
+        and spec.lora is not None
+        and modulation_problem(transformer_config(model.path)) is None
+    )
+
+
+def drop_precomputed_modulation(spec: JobSpec, model: nn.Module) -> None:
+    """For the fit check: the meta DiT without the modulation layers a table replaces (they never reach the
+    device), when the job uses one."""
+    if not uses_modulation_table(spec):
+        return
+    from jobs.models.diffusion.modulation_table import STREAMS
+
+    blocks: Any = model.transformer_blocks
+    for block in blocks:
+        for name in STREAMS:
+            getattr(block, name)[1] = nn.Identity()
+
+
+def _modulation_table(spec: JobSpec, model: nn.Module, timesteps: Any, device: torch.device) -> Any:
+    """The table for the timesteps training draws and the samples' Euler steps, installed on ``model``; None
+    (with a warning) when the default would need a layer that trains (set ``true``, the job fails instead)."""
+    import contextlib
+
+    from accelerate.utils import get_mixed_precision_context_manager
+
+    from jobs.models.diffusion.flow_match import sigmas
+    from jobs.models.diffusion.modulation_table import precompute_modulation, trained_modulation
+
+    trained = trained_modulation(model)
+    if trained is not None and spec.model.precompute_modulation is None:
+        log.warning("model.precompute_modulation is off for this job: %s", trained)
+        return None
+
+    wanted = [timesteps.sigmas[timesteps.first : timesteps.last]]
+    if spec.sample is not None:
+        wanted.append(sigmas(timesteps.family, spec.sample.num_inference_steps))
+    mixed = spec.training.mixed_precision != "no"
+    # The forward's own autocast (accelerator.autocast() in train_step), so each row is the value it computes.
+    autocast = (lambda: get_mixed_precision_context_manager(True)) if mixed else contextlib.nullcontext
+    started = time.perf_counter()
+    table = precompute_modulation(model, torch.cat(wanted).float(), device, autocast)
+    log.info("precomputed the DiT's modulation in %.1f s: %s", time.perf_counter() - started, table)
+    return table
+
+
+def make_sampler(spec: JobSpec, device: torch.device) -> Any:
+    """The sample section's sampler: prompts encoded now (then the text encoder is dropped), the VAE kept."""
+    if spec.sample is None:
+        return None
+    from jobs.models.diffusion.encode import Encoders
+    from jobs.models.diffusion.samples import Sampler
+
+    encoders = Encoders.load(spec, device, with_text=True, with_vae=True)
+    guided = spec.sample.guidance_scale > 1
+    embeds = encoders.encode_prompts([*spec.sample.prompts, *([spec.sample.negative_prompt] if guided else [])])
+    if encoders.manager is not None:
+        encoders.manager.remove()
+    encoders.text_encoder = encoders.tokenizer = encoders.manager = None
+    negative = embeds.pop() if guided else None
+    return Sampler(spec.sample, embeds, encoders, negative_embeds=negative)
+
+
+def run_cache_task(spec: JobSpec, **kwargs: Any) -> tuple[Literal["succeeded", "paused", "cancelled"], int]:
+    from jobs.models.diffusion.cache_task import run_cache_job
+
+    return run_cache_job(spec, **kwargs)
+
+
+# ---- submit-time rules -------------------------------------------------------------------------------
+def _check_cache_task(spec: JobSpec) -> list[Problem]:
+    if spec.task != "cache" or spec.cache is None:  # no cache section: rules.py names it
+        return []
+    if spec.data.kind != "image_caption":
+        return [("data.kind", f"task: cache encodes data.kind=image_caption; got {spec.data.kind}")]
+    from jobs.models.diffusion.cache_task import cache_target_problems
+
+    return cache_target_problems(spec)
+
+
+def _check_cache_data(spec: JobSpec) -> list[Problem]:
+    if spec.data.kind != "diffusion_cache":
+        return []
+    from jobs.models.diffusion.data.cache import cache_problems_for_training
+
+    return [("data.path", message) for message in cache_problems_for_training(spec.data.path, spec.model)]
+
+
+def _check_encoders_present(spec: JobSpec) -> list[Problem]:
+    needs = spec.task == "cache" or spec.data.kind == "image_caption" or spec.sample is not None
+    missing = [part for part in ("text_encoder", "tokenizer", "vae") if not (Path(spec.model.path) / part).is_dir()]
+    if needs and missing:
+        why = (
+            "task: cache"
+            if spec.task == "cache"
+            else ("data.kind: image_caption" if spec.data.kind == "image_caption" else "sample")
+        )
+        return [
+            (
+                "model.path",
+                f"{why} needs the pipeline's encoders, but {spec.model.path} lacks {', '.join(m + '/' for m in missing)}",
+            )
+        ]
+    return []
+
+
+def _check_frames(spec: JobSpec) -> list[Problem]:
+    if pipeline_family(spec.model.path).name != "qwen_image":
+        return []
+    problems = []
+    if spec.data.kind == "image_caption" and spec.data.num_frames != 1:
+        problems.append(("data.num_frames", f"Qwen-Image trains on images; set it to 1 (got {spec.data.num_frames})"))
+    if spec.sample is not None and spec.sample.num_frames != 1:
+        problems.append(("sample.num_frames", f"Qwen-Image makes images; set it to 1 (got {spec.sample.num_frames})"))
+    return problems
+
+
+def _check_modulation_table(spec: JobSpec) -> list[Problem]:
+    if not getattr(spec.model, "precompute_modulation", None):
+        return []
+    from jobs.models.diffusion.modulation_table import modulation_problem
+    from jobs.models.diffusion.variants import transformer_config
+
+    problem = modulation_problem(transformer_config(spec.model.path))
+    if problem is None and spec.lora is None:
+        problem = "a full fine-tune trains img_mod.1 and txt_mod.1; the table needs them frozen (add a lora section)"
+    return [("model.precompute_modulation", f"{problem}; set it to false or leave it out")] if problem else []
+
+
+FAMILY = ModelFamily(
+    kind="diffusers_transformer",
+    spec=DiffusersTransformerSpec,
+    build=build_dit,
+    loss=flow_loss,
+    data_kinds=("image_caption", "diffusion_cache"),
+    meta_model=meta_dit,
+    activation_bytes=dit_activation_bytes,
+    lora_target_names=lambda spec: linear_module_names(meta_dit(spec)),
+    enable_gradient_checkpointing=enable_dit_checkpointing,
+    weights_format=WeightsFormat("diffusers", save_dit, load_dit),
+    rules=(_check_cache_task, _check_cache_data, _check_encoders_present, _check_frames, _check_modulation_table),
+    shrink_hint="data.max_pixels",
+    apply_lora=apply_dit_lora,
+    build_data=build_diffusion_data,
+    drop_precomputed=drop_precomputed_modulation,
+    make_sampler=make_sampler,
+    tasks={"cache": run_cache_task},
+)

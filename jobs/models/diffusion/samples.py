@@ -1,0 +1,109 @@
+"""Samples while training: fixed prompts, fixed seed, a few Euler steps with the current (offloaded) DiT.
+
+The prompts (and, with ``guidance_scale`` above 1, the negative prompt) are encoded once when the job starts;
+each Euler step then calls the DiT with the prompt and with the negative prompt and combines the two as the
+family's pipeline does (families.py ``guide``). The VAE decodes the latents. Each prompt gives one PNG
+(one per frame for video), named ``sample-<prompt>.png`` or ``sample-<prompt>-f<frame>.png``, written
+into the checkpoint directory of the same step, so samples are checkpoint artifacts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from jobs.models.diffusion.data.batches import pad_prompts, padded_mask
+from jobs.models.diffusion.flow_match import euler_sample
+from jobs.models.diffusion.model import compute_dtype, family_of_model
+from jobs.models.diffusion.modulation_table import modulation_table
+
+
+class Sampler:
+    """Generates the ``sample`` section's images with a DiT; owns the prompt embeddings and the VAE."""
+
+    def __init__(
+        self,
+        sample_spec: Any,
+        prompt_embeds: list[torch.Tensor],
+        encoders: Any,
+        negative_embeds: torch.Tensor | None = None,
+    ) -> None:
+        self.spec, self.prompt_embeds, self.encoders = sample_spec, prompt_embeds, encoders
+        self.negative_embeds = negative_embeds  # None: no guidance (guidance_scale 1)
+
+    def write(self, model: nn.Module, directory: Path) -> list[str]:
+        """Generate with ``model`` and write the PNGs into ``directory`` (a checkpoint being written)."""
+        return write_pngs(self.generate(model, self.encoders.device), directory)
+
+    def close(self) -> None:
+        self.encoders.close()
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """The latents that decode to the sample's size, from the VAE's own down-sampling (8x in the
+        released models; 2 per stage, in time 2 per stage marked in ``temperal_downsample``)."""
+        vae = self.encoders.vae
+        spatial, temporal = 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
+        frames = (self.spec.num_frames - 1) // temporal + 1
+        return (vae.config.z_dim, frames, self.spec.height // spatial, self.spec.width // spatial)
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, device: torch.device) -> list[torch.Tensor]:
+        """One ``[3, F, H, W]`` image tensor in [-1, 1] per prompt (CPU). ``model`` is left as it was found."""
+        family = family_of_model(model)
+        dtype = compute_dtype(model)
+        was_training = model.training
+        model.eval()
+        try:
+            images = []
+            negative = self._padded(self.negative_embeds, family, device, dtype)  # the same for every prompt
+            table = modulation_table(model)  # a precomputed modulation: each Euler step feeds its rows
+            for index, embeds in enumerate(self.prompt_embeds):
+                # Each prompt's noise from its own generator: adding a prompt does not change the others.
+                generator = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + index)
+                noise = torch.randn((1, *self.latent_shape()), generator=generator).to(device)
+                prompt = self._padded(embeds, family, device, dtype)
+
+                def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt=prompt) -> torch.Tensor:
+                    x = x.to(dtype)
+                    if table is not None:  # looked up on the CPU: one sync per Euler step, samples only
+                        table.feed(table.rows_for(sigma).to(device))
+                    cond = family.predict(model, x, sigma, *prompt).float()
+                    if negative is None:
+                        return cond
+                    uncond = family.predict(model, x, sigma, *negative).float()
+                    return family.guide(cond, uncond, self.spec.guidance_scale)
+
+                latents = euler_sample(velocity, noise, family.name, self.spec.num_inference_steps)
+                images.append(self.encoders.decode(latents)[0])
+            return images
+        finally:
+            model.train(was_training)
+
+    @staticmethod
+    def _padded(
+        embeds: torch.Tensor | None, family: Any, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One prompt's embeddings as the DiT takes them (padded, with the mask if padded), on ``device``."""
+        if embeds is None:
+            return None
+        padded, mask = pad_prompts([embeds], family, family.max_sequence_length)
+        kept = padded_mask(mask)
+        return padded.to(device, dtype), (kept.to(device) if kept is not None else None)
+
+
+def write_pngs(images: list[torch.Tensor], directory: Path) -> list[str]:
+    """Save each ``[3, F, H, W]`` tensor as PNG(s) in ``directory``; returns the file names."""
+    from PIL import Image
+
+    names = []
+    for index, image in enumerate(images):
+        frames = image.shape[1]
+        for frame in range(frames):
+            pixels = ((image[:, frame] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            name = f"sample-{index:02d}.png" if frames == 1 else f"sample-{index:02d}-f{frame:03d}.png"
+            Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy()).save(directory / name)
+            names.append(name)
+    return names

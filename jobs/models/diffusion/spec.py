@@ -1,0 +1,146 @@
+"""The spec sections of diffusion jobs: the DiT model, image/caption data, its cache, and samples.
+
+Kept here rather than in jobs/spec/job.py so diffusion grows without touching the file every job kind shares;
+jobs/spec/job.py adds them to its sections and unions. Paths are confined to the model and data roots like every other path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
+
+
+class DiffusersTransformerSpec(Section):
+    """A diffusion transformer (DiT) from a local diffusers pipeline directory.
+
+    The directory holds ``transformer/`` (config.json + safetensors) and, for caching or on-the-fly
+    encoding and for samples, ``text_encoder/``, ``tokenizer/`` and ``vae/``. The family (Qwen-Image,
+    Wan) follows from the class named in ``transformer/config.json``; nothing is imported by name.
+    """
+
+    kind: Literal["diffusers_transformer"]
+    path: Path = Field(description="a diffusers pipeline directory (with transformer/) under a model root")
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="random: the config's shapes with random weights (benchmarks; no weights read)"
+    )
+    dtype: Dtype = "bfloat16"
+    text_encoder_dtype: Dtype | None = Field(None, description="default: dtype")
+    vae_dtype: Dtype = Field("float32", description="the VAE encodes and decodes in this dtype")
+    precompute_modulation: bool | None = Field(
+        None,
+        description="Qwen-Image: compute every block's timestep modulation (img_mod.1, txt_mod.1: a third of the "
+        "DiT's weights) once per timestep into host memory, so model offload never streams those weights; needs "
+        "them frozen (LoRA). Default: on for LoRA under model offload",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "model")
+
+    @model_validator(mode="after")
+    def _check_pipeline_dir(self) -> DiffusersTransformerSpec:
+        from jobs.models.diffusion.variants import family_problem
+
+        problem = family_problem(self.path)
+        if problem:
+            raise broken_rules([("path", problem)])
+        return self
+
+
+class ImageCaptionDataSpec(Section):
+    """Images (or videos) with captions in DiffSynth-Studio's layout: a folder and a metadata file.
+
+    ``metadata.csv`` (or ``.json``, a list of objects) has an ``image`` (or ``video``) column of paths
+    relative to the folder and a ``prompt`` column. Each image is resized to at most ``max_pixels`` keeping
+    its aspect ratio, then center-cropped to sides divisible by 16; images of one shape form a bucket and a
+    batch never mixes buckets.
+    """
+
+    kind: Literal["image_caption"]
+    path: Path = Field(description="the dataset folder under a data root")
+    metadata: str | None = Field(None, description="file inside path; default: metadata.csv or metadata.json")
+    max_pixels: int = Field(1024 * 1024, gt=0, description="pixel budget per image (DiffSynth's --max_pixels)")
+    repeat: int = Field(1, gt=0, description="serve the set this many times per epoch (--dataset_repeat)")
+    num_frames: int = Field(1, gt=0, description="video frames per sample (Wan: 4k+1); 1 for images")
+    max_sequence_length: int | None = Field(None, gt=0, description="prompt tokens; default: the family's")
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "data")
+
+    @model_validator(mode="after")
+    def _check_rows(self) -> ImageCaptionDataSpec:
+        from jobs.models.diffusion.data.images import metadata_problems
+
+        problems = metadata_problems(self)
+        if problems:
+            raise broken_rules(problems)
+        return self
+
+
+class DiffusionCacheDataSpec(Section):
+    """Train from a cache that a ``task: cache`` job wrote: latents and prompt embeddings, no encoders."""
+
+    kind: Literal["diffusion_cache"]
+    path: Path = Field(description="the cache directory (its manifest.json) under a data root")
+    repeat: int = Field(1, gt=0, description="serve the cache this many times per epoch")
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "data")
+
+
+class CacheSpec(Section):
+    """Where a ``task: cache`` job writes (split training's first stage, DiffSynth's ``data_process``)."""
+
+    path: Path = Field(description="a directory under a data root; created if missing, reused if complete")
+    shard_samples: int = Field(64, gt=0, description="samples per safetensors shard")
+
+    @field_validator("path")
+    @classmethod
+    def _confine_parent(cls, value: Any, info: ValidationInfo) -> Any:
+        # The directory may not exist yet: then its parent must, inside a data root.
+        path = Path(value)
+        if path.exists() or (info.context or {}).get("roots") is None:
+            return confined_path(value, info, "data")
+        return confined_path(path.parent, info, "data") / path.name
+
+
+class SampleSpec(Section):
+    """Images generated from fixed prompts while training, stored with each checkpoint."""
+
+    every_steps: int = Field(gt=0, description="generate (and checkpoint) every N optimizer steps, and at the end")
+    prompts: list[str] = Field(min_length=1, max_length=16)
+    num_inference_steps: int = Field(8, gt=0, le=100, description="Euler steps on the family's schedule")
+    height: int = Field(512, gt=0, multiple_of=16)
+    width: int = Field(512, gt=0, multiple_of=16)
+    num_frames: int = Field(1, gt=0, description="video frames (Wan: 4k+1); each frame is one PNG")
+    seed: int = 0
+    guidance_scale: float = Field(
+        1.0,
+        ge=1.0,
+        le=30.0,
+        description="classifier-free guidance against negative_prompt (two DiT calls a step); 1 = off. "
+        "Qwen-Image's pipeline uses 4 (true_cfg_scale), Wan's 5",
+    )
+    negative_prompt: str = Field(" ", max_length=2000, description="the prompt guidance steers away from")
+
+
+class TimestepRange(Section):
+    """Train only on part of the noise schedule (DiffSynth's min/max_timestep_boundary), as fractions."""
+
+    min: float = Field(0.0, ge=0, lt=1)
+    max: float = Field(1.0, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _check_order(self) -> TimestepRange:
+        if self.min >= self.max:
+            raise broken_rules([("min", f"must be below timestep_range.max ({self.max}); got {self.min}")])
+        return self

@@ -1,0 +1,308 @@
+"""The job spec: pydantic models that mirror the YAML sections. `load_job_spec` (loading.py) builds them.
+
+Components are picked by ``kind`` from a closed set (discriminated unions), never by an import path:
+specs arrive over HTTP and must not name code to run. Field-level rules live on the sections as
+``_check_*`` validators; rules that span sections are the ``_check_*`` functions of rules.py, which
+``JobSpec._check_all_rules`` runs so that every violation is reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+# The built-in families' sections, importable from here as before (``X as X``: an explicit re-export).
+from jobs.models.diffusion.spec import (
+    CacheSpec,
+    DiffusionCacheDataSpec,
+    ImageCaptionDataSpec,
+    SampleSpec,
+    TimestepRange,
+)
+from jobs.models.hf_causal_lm import HFCausalLMSpec as HFCausalLMSpec
+from jobs.models.registry import model_spec_annotation
+from jobs.models.toy_mlp import ToyMLPSpec as ToyMLPSpec
+from jobs.models.transformer_lm import TransformerLMSpec as TransformerLMSpec
+from jobs.spec.llm import EvalSpec, InstructionFields, TextSamplesSpec, TrackingSpec
+from jobs.spec.sections import Dtype as Dtype
+from jobs.spec.sections import Section, broken_rules, confined_path
+from offload import OffloadOptions, parse_bytes
+from offload.options import AUTO_BUDGET
+
+# Bounds a run can hold: a step counter and a sample count (steps x batch) stay far inside int64.
+MAX_STEPS = 1_000_000_000
+MAX_BATCH = 1_048_576
+
+# ---- model -------------------------------------------------------------------------------------------
+# Each model family defines its own section next to its builder (jobs/models/<kind>.py); ``model:`` accepts
+# any registered family's (jobs/models/registry.py). The type checker sees the sections' common base.
+if TYPE_CHECKING:
+    ModelSpec = Any
+else:
+    ModelSpec = model_spec_annotation()
+
+
+# ---- data --------------------------------------------------------------------------------------------
+class SyntheticRegressionSpec(Section):
+    """The seed's data: x ~ N(0, 1) of the model's width, target y = x + offset; one fresh batch per step."""
+
+    kind: Literal["synthetic_regression"]
+    offset: float = 1.0
+
+
+class ByteTokenizerSpec(Section):
+    """Built-in byte-level tokenizer: UTF-8 bytes are ids 0-255, 256 ends a document (vocabulary 257)."""
+
+    kind: Literal["byte"]
+
+
+class HFTokenizerSpec(Section):
+    """A Hugging Face tokenizer from a local directory under a model root (often the model's own)."""
+
+    kind: Literal["hf"]
+    path: Path
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "model")
+
+
+class TextDataSpec(Section):
+    """Records read through ``datasets`` (JSONL, JSON, CSV, Parquet, text files, a ``save_to_disk`` directory),
+    tokenized as ``format`` says and packed or padded into sequences of at most ``seq_len`` tokens."""
+
+    kind: Literal["text"]
+    path: Path = Field(description="a file or a directory of data files under a data root")
+    format: Literal["text", "instruction", "chat"] = Field(
+        "text", description="text: every token trains; instruction/chat: only responses unless train_on_prompt"
+    )
+    file_type: Literal["auto", "jsonl", "json", "csv", "parquet", "txt", "saved"] = Field(
+        "auto", description="auto: from the suffix (a directory saved by datasets.save_to_disk is 'saved')"
+    )
+    text_field: str = "text"
+    fields: InstructionFields = InstructionFields()
+    prompt_template: str | None = Field(
+        None, description="instruction prompt with {instruction} and {input}; default: alpaca's"
+    )
+    messages_field: str = "messages"
+    chat_template: str | None = Field(None, description="a Jinja chat template, or 'chatml'; default: the tokenizer's")
+    train_on_prompt: bool = False
+    packing: Literal["auto", "packed", "padded"] = Field(
+        "auto", description="auto: packed where the model keeps documents apart, else length-grouped padding"
+    )
+    seq_len: int = Field(512, gt=1)
+    tokenizer: Annotated[ByteTokenizerSpec | HFTokenizerSpec, Field(discriminator="kind")] = ByteTokenizerSpec(
+        kind="byte"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_old_format_names(cls, data: Any) -> Any:
+        # Before chat and instruction data, ``format`` named the file type (auto | jsonl | text).
+        if isinstance(data, dict) and data.get("format") in ("auto", "jsonl"):
+            old = data["format"]
+            data = {**data, "format": "text"}
+            if old == "jsonl":
+                data.setdefault("file_type", "jsonl")
+        return data
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "data")
+
+
+DataSpec = Annotated[
+    SyntheticRegressionSpec | TextDataSpec | ImageCaptionDataSpec | DiffusionCacheDataSpec, Field(discriminator="kind")
+]
+
+
+# ---- lora, training, offload, checkpoint -------------------------------------------------------------
+class LoraSpec(Section):
+    """LoRA adapters through peft, as in the seed's example (``--lora_target_modules``, ``--lora_rank``)."""
+
+    target_modules: list[str] = Field(min_length=1)
+    rank: int = Field(32, gt=0)
+    alpha: float | None = Field(None, gt=0, description="default: equal to rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    use_dora: bool = False
+    use_rslora: bool = Field(False, description="scale by alpha/sqrt(rank) instead of alpha/rank")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full, e.g. lm_head")
+    init_lora_weights: bool | Literal["gaussian"] = True
+
+
+class SchedulerSpec(Section):
+    """Learning-rate schedule after a linear warmup from 0."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
+
+
+class TrainingSpec(Section):
+    """How long and how to optimize. Give exactly one of ``steps`` and ``epochs``."""
+
+    steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps")
+    epochs: int | None = Field(None, gt=0, le=1_000_000, description="passes over a finite dataset")
+    batch_size: int = Field(1, gt=0, le=MAX_BATCH)
+    gradient_accumulation_steps: int = Field(1, gt=0, le=MAX_BATCH)
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    scheduler: SchedulerSpec = SchedulerSpec()
+    max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm; null = no clipping")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="0 to 2**32 - 1")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
+    )
+    gradient_checkpointing: bool = False
+    # Flow matching (diffusion models; jobs/models/diffusion/flow_match.py documents both).
+    timestep_range: TimestepRange = Field(TimestepRange(), description="part of the noise schedule to train on")
+    timestep_weighting: Literal["bell", "none"] = Field("bell", description="loss weight per timestep")
+
+    @model_validator(mode="after")
+    def _check_steps_or_epochs(self) -> TrainingSpec:
+        # Neither is refused by rules.py for training jobs only: a task: cache job needs no length.
+        if self.steps is not None and self.epochs is not None:
+            raise broken_rules([("steps", "give exactly one of training.steps and training.epochs")])
+        return self
+
+
+class OffloadSpec(Section):
+    """The seed's three flags plus the engine's options (see offload.OffloadOptions)."""
+
+    enable_model_cpu_offload: bool = False
+    enable_optimizer_cpu_offload: bool = False
+    cpu_offload_split_threshold: float | None = Field(None, gt=0, description="MB; split modules above this")
+    prefetch: int = Field(1, ge=0, le=1024, description="units copied ahead; 0 = the seed's serialized behaviour")
+    granularity: Literal["leaf", "block"] = "leaf"
+    gpu_memory_budget: int | str | None = Field(
+        None,
+        description="bytes or e.g. '8GiB' of weights kept on the device; 'auto' = what gpu_memory_limit (or the "
+        "GPU's free memory) leaves above the peak of the first two steps, less a margin; null = stream all",
+    )
+    gpu_memory_limit: int | str | None = Field(
+        None, description="bytes or e.g. '24GiB': the job's process may use no more device memory; null = the GPU"
+    )
+    delayed_update: bool = Field(
+        False, description="step t's CPU optimizer update runs during step t+1 (gradients one step stale)"
+    )
+    delayed_update_warmup_steps: int = Field(10, ge=0, description="exact optimizer steps before delayed_update")
+    dequantize_on_arrival: bool = Field(
+        True,
+        description="model.quantize: nf4: dequantize each streamed weight once per visit on the copy stream (false: "
+        "torchao dequantizes inside every call, and the rooms beside the ring slots are not allocated)",
+    )
+    reuse_ring_slots: bool = Field(
+        True,
+        description="a frozen weight whose ring slot still holds it from its last visit is not copied again "
+        "(false: copy on every visit)",
+    )
+
+    @field_validator("gpu_memory_budget", "gpu_memory_limit")
+    @classmethod
+    def _check_size(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
+        if value == AUTO_BUDGET and info.field_name == "gpu_memory_budget":
+            return value
+        try:
+            size = parse_bytes(value, name=f"offload.{info.field_name}")
+        except ValueError:
+            size = 0
+        if value is not None and not size:
+            also = " or 'auto' (measured after two steps)" if info.field_name == "gpu_memory_budget" else ""
+            raise ValueError(f"must be a positive size, e.g. '8GiB'{also}; got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_budget_below_limit(self) -> OffloadSpec:
+        if self.gpu_memory_budget == AUTO_BUDGET:  # measured below the limit by construction
+            return self
+        budget, limit = parse_bytes(self.gpu_memory_budget), parse_bytes(self.gpu_memory_limit)
+        if budget and limit and budget >= limit:
+            raise broken_rules(
+                [
+                    (
+                        "gpu_memory_budget",
+                        f"must be below offload.gpu_memory_limit ({self.gpu_memory_limit}): the resident "
+                        f"weights count against the limit; got {self.gpu_memory_budget}",
+                    )
+                ]
+            )
+        return self
+
+    def engine_options(self, **overrides: Any) -> OffloadOptions:
+        """The engine options this section sets (every ``OffloadOptions`` field it has), then ``overrides``:
+        one mapping for the training job, the cache job's encoders and the estimate, so a new option reaches
+        all three."""
+        names = {f.name for f in dataclasses.fields(OffloadOptions)}
+        return OffloadOptions(**{**{n: getattr(self, n) for n in names if n in type(self).model_fields}, **overrides})
+
+    @model_validator(mode="after")
+    def _check_delayed_update_needs_optimizer_offload(self) -> OffloadSpec:
+        if self.delayed_update and not self.enable_optimizer_cpu_offload:
+            raise broken_rules(
+                [("delayed_update", "needs offload.enable_optimizer_cpu_offload: true (it delays the CPU optimizer)")]
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_optimizer_offload_needs_model_offload(self) -> OffloadSpec:
+        if self.enable_optimizer_cpu_offload and not self.enable_model_cpu_offload:
+            raise broken_rules(
+                [
+                    (
+                        "enable_optimizer_cpu_offload",
+                        "needs offload.enable_model_cpu_offload: true (the seed's flags combine that way)",
+                    )
+                ]
+            )
+        return self
+
+
+class CheckpointSpec(Section):
+    """When to save and how many to keep."""
+
+    every_steps: int | None = Field(
+        None, gt=0, le=MAX_STEPS, description="save every N optimizer steps; null = only at the end"
+    )
+    keep_last: int = Field(3, gt=0, le=1_000_000, description="delete older checkpoints beyond this many")
+    save_final: bool = True
+
+
+# ---- the job -----------------------------------------------------------------------------------------
+class JobSpec(Section):
+    """A whole training job. Build it with `jobs.load_job_spec`, which reports every problem at once."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="letters, digits, '.', '_', '-'; names the default output directory",
+    )
+    model: ModelSpec
+    data: DataSpec
+    lora: LoraSpec | None = None
+    training: TrainingSpec = Field(TrainingSpec(), description="required for task: train (steps or epochs)")
+    offload: OffloadSpec = OffloadSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    eval: EvalSpec | None = None
+    text_samples: TextSamplesSpec | None = Field(None, description="text from fixed prompts (language models)")
+    tracking: TrackingSpec = TrackingSpec()
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: CUDA when present, else the CPU")
+    task: Literal["train", "cache"] = Field("train", description="cache: encode data.kind image_caption once")
+    cache: CacheSpec | None = Field(None, description="where task: cache writes")
+    sample: SampleSpec | None = Field(None, description="images from fixed prompts with each checkpoint")
+
+    @model_validator(mode="after")
+    def _check_all_rules(self) -> JobSpec:
+        """Run every cross-section rule and report all violations in one error (expanded by loading.py)."""
+        # rules.py needs the models package, which imports this module: import at call time.
+        from jobs.spec.rules import cross_section_problems
+
+        problems = cross_section_problems(self)
+        if problems:
+            raise broken_rules(problems)
+        return self

@@ -1,0 +1,179 @@
+"""The one place YAML becomes a `JobSpec`, with every problem located (path, line) and typos suggested."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from jobs.errors import JobSpecError, SpecProblem
+from jobs.paths import PathRoots
+from jobs.spec.job import JobSpec
+from jobs.spec.text import ParsedSpec, line_in, parse_spec_text
+from jobs.spec.values import PATTERN_RULES, SYNONYMS, bad_numbers, bad_strings
+
+Loc = tuple[str | int, ...]
+
+
+def load_job_spec(text: str | ParsedSpec, roots: PathRoots | None = None) -> JobSpec:
+    """Parse and validate a YAML job spec.
+
+    Args:
+        text: The YAML document, or the result of parsing it once (`parse_spec_text`), which is not parsed again.
+        roots: Directories model and data paths must stay inside; default: the current directory.
+
+    Returns:
+        The validated, immutable spec (paths resolved to absolute ones).
+
+    Raises:
+        JobSpecError: With every problem found: its dotted path, YAML line and, for typos, the closest key.
+
+    Example:
+        >>> spec = load_job_spec(open("configs/cpu_smoke.yaml").read())
+        >>> spec.training.steps
+        30
+    """
+    try:
+        parsed = text if isinstance(text, ParsedSpec) else parse_spec_text(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise JobSpecError([SpecProblem("", f"not valid YAML: {exc}", mark.line + 1 if mark else None)]) from exc
+    except RecursionError:
+        raise JobSpecError([SpecProblem("", "nests too deep to read; flatten it")]) from None
+    except ValueError as exc:  # Python refuses to read an integer of over 4300 digits
+        raise JobSpecError([SpecProblem("", f"holds a number no field can take ({exc})")]) from None
+    data, lines = parsed.data, parsed.lines
+    if not isinstance(data, dict):
+        raise JobSpecError([SpecProblem("", f"a job spec is a YAML mapping; got {type(data).__name__}", 1)])
+    # Checked before pydantic, whose messages echo the input: a lone surrogate in an answer cannot be encoded.
+    unreadable = [SpecProblem(".".join(path), message, line_in(path, lines)) for path, message in bad_strings(data)]
+    if unreadable:
+        raise JobSpecError(unreadable)
+    # YAML keeps the last of two equal keys without a word; a spec that says a thing twice is refused.
+    duplicates = [
+        SpecProblem(".".join(path), f"duplicate key (first on line {lines[path]})", line)
+        for path, line in parsed.duplicates
+    ]
+    # Pydantic's lax mode takes `true` for 1 and any integer for an int field; these are refused beside it.
+    numbers = [
+        SpecProblem(".".join(path), message, line_in(path, lines)) for path, message in bad_numbers(data, JobSpec)
+    ]
+    try:
+        spec = JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
+    except ValidationError as exc:
+        flagged = {p.path for p in numbers}
+        problems = duplicates + numbers + [p for p in _problems(exc, data, lines) if p.path not in flagged]
+        raise JobSpecError(sorted(problems, key=lambda p: (p.line or 0, p.path))) from None
+    if duplicates or numbers:
+        raise JobSpecError(sorted(duplicates + numbers, key=lambda p: (p.line or 0, p.path)))
+    return spec
+
+
+def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int]) -> list[SpecProblem]:
+    problems: list[SpecProblem] = []
+    for error in exc.errors():
+        path = _data_path(error["loc"], data)
+        if error["type"] == "spec_rules":
+            for relative, message in error["ctx"]["problems"]:
+                rule_path = [*path, *relative.split(".")]
+                problems.append(SpecProblem(".".join(rule_path), message, line_in(rule_path, lines)))
+        elif error["type"] == "extra_forbidden":
+            valid = _valid_keys(error["loc"][:-1])
+            suggestion = _closest(str(path[-1]), valid)
+            problems.append(
+                SpecProblem(
+                    ".".join(path), f"unknown key (valid keys: {', '.join(valid)})", line_in(path, lines), suggestion
+                )
+            )
+        elif error["type"] == "union_tag_invalid":
+            expected = [t.strip(" '") for t in error["ctx"]["expected_tags"].split(",")]
+            tag = str(error["ctx"]["tag"])
+            message = f"unknown kind '{tag}' (one of: {', '.join(expected)})"
+            problems.append(
+                SpecProblem(
+                    ".".join((*path, "kind")), message, line_in((*path, "kind"), lines), _closest(tag, expected)
+                )
+            )
+        elif error["type"] == "literal_error":
+            expected = [t.strip(" '") for t in error["ctx"]["expected"].replace(" or ", ", ").split(",")]
+            given = str(error["input"])
+            suggestion = SYNONYMS.get(given.lower()) if SYNONYMS.get(given.lower()) in expected else None
+            problems.append(
+                SpecProblem(
+                    ".".join(path),
+                    f"must be one of {', '.join(expected)}; got {given!r}",
+                    line_in(path, lines),
+                    suggestion or _closest(given, expected),
+                )
+            )
+        elif error["type"] == "string_pattern_mismatch" and error["ctx"]["pattern"] in PATTERN_RULES:
+            rule = PATTERN_RULES[error["ctx"]["pattern"]]
+            problems.append(SpecProblem(".".join(path), f"{rule}; got {error['input']!r}", line_in(path, lines)))
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(SpecProblem(".".join(path), message, line_in(path, lines)))
+    return problems
+
+
+def _data_path(loc: Loc, data: Any) -> list[str]:
+    """Pydantic's error location minus the union tags it inserts (``model.toy_mlp.x`` → ``model.x``)."""
+    path, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part not in node and node.get("kind") == part:
+            continue  # a discriminated-union tag, not a key
+        path.append(str(part))
+        node = (
+            node.get(part)
+            if isinstance(node, dict)
+            else (node[part] if isinstance(node, list) and isinstance(part, int) and part < len(node) else None)
+        )
+    return path
+
+
+def _valid_keys(loc: Loc) -> list[str]:
+    """Field names of the spec section at ``loc`` (pydantic location, union tags included)."""
+    model: type[BaseModel] = JobSpec
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
+        if field is None:
+            return []
+        candidates = [t for t in _flatten(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        if len(candidates) > 1 and parts:  # discriminated union: the next location part is the tag
+            tag = parts.pop(0)
+            candidates = [c for c in candidates if typing.get_args(c.model_fields["kind"].annotation)[:1] == (tag,)]
+        if not candidates:
+            return []
+        model = candidates[0]
+    return list(model.model_fields)
+
+
+def _flatten(annotation: Any) -> list[Any]:
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _flatten(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _flatten(arg)]
+    return [annotation]
+
+
+def _closest(word: str, candidates: list[str]) -> str | None:
+    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def job_spec_schema() -> dict[str, Any]:
+    """The JSON Schema of a job spec (``python -m jobs schema``)."""
+    return JobSpec.model_json_schema()
+
+
+def line_of(text: str, path: str) -> int | None:
+    """The YAML line of the dotted ``path`` in ``text`` (a missing key: its nearest parent's line). With the
+    text already parsed, ask its `ParsedSpec.line_of` instead."""
+    try:
+        return parse_spec_text(text).line_of(path)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return None

@@ -1,0 +1,100 @@
+"""Checks that need the job's files, made at submit time: the data's first rows, the model's module names.
+
+`load_job_spec` checks the spec itself; these read what it points at, so a wrong field name, format or
+chat template, or a LoRA target the model does not have, is refused before the job is queued (a 422
+naming the file, row and field) instead of failing minutes into a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jobs.errors import SpecProblem
+from jobs.models.registry import family_of
+from jobs.spec.job import JobSpec, TextDataSpec
+
+log = logging.getLogger(__name__)
+ROWS_CHECKED = 20  # per data file
+
+
+def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
+    """Every problem found in the data's first rows and the model's module names (empty when fine).
+
+    Example:
+        >>> preflight_problems(load_job_spec(text, roots))
+        [SpecProblem(path='data.path', message="part-0.jsonl row 3: field 'messages[1].role': ...")]
+    """
+    from jobs.reporting.tracking import missing_tracking_packages
+
+    problems = [SpecProblem(path, message) for path, message in missing_tracking_packages(spec.tracking)]
+    if spec.data.kind == "text":
+        problems += _data_problems(spec)
+    read_names = family_of(spec.model).module_names_from_files
+    if spec.lora is not None and read_names is not None:
+        problems += _lora_problems(spec, read_names)
+    return problems
+
+
+def _data_problems(spec: JobSpec) -> list[SpecProblem]:
+    from jobs.data.formats import RecordError, record_example
+    from jobs.data.records import iter_records
+    from jobs.data.tokenizers import build_tokenizer
+
+    data = spec.data
+    assert isinstance(data, TextDataSpec)  # called for data.kind: text only
+    try:
+        tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
+    except Exception as error:  # a directory that is not a tokenizer: transformers raises many kinds
+        return [SpecProblem("data.tokenizer.path", f"cannot load the tokenizer: {type(error).__name__}: {error}")]
+    if data.format == "chat" and not getattr(tokenizer, "has_chat_template", False):
+        return [
+            SpecProblem(
+                "data.chat_template",
+                f"the tokenizer at {getattr(data.tokenizer, 'path', 'byte')} has no chat template; set data.chat_template "
+                "(a Jinja template, or 'chatml')",
+            )
+        ]
+    sources = [("data.path", data.path)]
+    if spec.eval is not None and spec.eval.path is not None:
+        sources.append(("eval.path", spec.eval.path))
+    problems = []
+    for setting, path in sources:
+        try:
+            for record in iter_records(Path(path), data.file_type, limit_per_file=ROWS_CHECKED):
+                try:
+                    record_example(record.fields, data, tokenizer)
+                except RecordError as error:
+                    where = f"{Path(record.file).name} row {record.row}"
+                    problems.append(SpecProblem(setting, f"{where}: {error} (data.format: {data.format})"))
+                    break  # one problem per source: the rest of a wrongly declared file fails alike
+        except ValueError as error:
+            problems.append(SpecProblem(setting, str(error)))
+        except Exception as error:  # datasets/pyarrow parse errors: name the file's problem, not a 500
+            problems.append(SpecProblem(setting, f"cannot read {path}: {type(error).__name__}: {error}"))
+    return problems
+
+
+def _lora_problems(spec: JobSpec, read_names: Callable[[Any], list[str]]) -> list[SpecProblem]:
+    from jobs.models.names import lora_target_matches
+
+    try:
+        names = read_names(spec.model)
+    except Exception as error:  # a broken config.json: report it rather than skip the check silently
+        return [SpecProblem("model.path", f"cannot read the model's config: {type(error).__name__}: {error}")]
+    problems = []
+    lora = spec.lora
+    assert lora is not None  # called with a lora section only
+    for setting, targets in (
+        ("lora.target_modules", lora.target_modules),
+        ("lora.modules_to_save", lora.modules_to_save),
+    ):
+        missing = [t for t in targets if not any(lora_target_matches(name, t) for name in names)]
+        if missing:
+            examples = ", ".join(sorted({name.split(".")[-1] for name in names if name})[:16])
+            problems.append(
+                SpecProblem(setting, f"{missing} match no module of {spec.model.path.name} (names end in: {examples})")
+            )
+    return problems

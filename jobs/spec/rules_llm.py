@@ -1,0 +1,65 @@
+"""Cross-section rules of language-model fine-tuning: formats, packing, eval, samples, LoRA variants."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jobs.models.registry import family_of
+
+if TYPE_CHECKING:
+    from jobs.spec.job import JobSpec
+
+Problem = tuple[str, str]  # (dotted path, message)
+
+
+def _check_chat_needs_hf_tokenizer(spec: JobSpec) -> list[Problem]:
+    if spec.data.kind == "text" and spec.data.format == "chat" and spec.data.tokenizer.kind != "hf":
+        return [
+            ("data.tokenizer", "data.format: chat renders messages with a chat template; use {kind: hf, path: ...}")
+        ]
+    return []
+
+
+def _check_chat_template_only_for_chat(spec: JobSpec) -> list[Problem]:
+    data = spec.data
+    if data.kind == "text" and data.chat_template is not None and data.format != "chat":
+        return [("data.chat_template", f"only data.format: chat uses a chat template; got format {data.format}")]
+    return []
+
+
+def _check_packing_fits_model(spec: JobSpec) -> list[Problem]:
+    keeps_apart = family_of(spec.model).keeps_packed_documents_apart
+    if spec.data.kind == "text" and spec.data.packing == "packed" and not keeps_apart:
+        return [
+            (
+                "data.packing",
+                f"{spec.model.kind} cannot keep packed documents apart (no position ids); use packing: padded or auto",
+            )
+        ]
+    return []
+
+
+def _check_eval_and_samples_need_text(spec: JobSpec) -> list[Problem]:
+    problems = []
+    for name in ("eval", "text_samples"):
+        if getattr(spec, name) is not None and spec.data.kind != "text":
+            problems.append((name, f"needs data.kind: text; {spec.data.kind} has no held-out text or prompts"))
+    return problems
+
+
+def _check_dora_under_offload(spec: JobSpec) -> list[Problem]:
+    # DoRA reads the base layer's weight outside that layer's own forward (for its norm), so the weight
+    # must stay on the device for the whole block: block granularity keeps it there.
+    lora, offload = spec.lora, spec.offload
+    if lora is not None and lora.use_dora and offload.enable_model_cpu_offload and offload.granularity != "block":
+        return [("lora.use_dora", "with model offload DoRA needs offload.granularity: block")]
+    return []
+
+
+RULES = (
+    _check_chat_needs_hf_tokenizer,
+    _check_chat_template_only_for_chat,
+    _check_packing_fits_model,
+    _check_eval_and_samples_need_text,
+    _check_dora_under_offload,
+)

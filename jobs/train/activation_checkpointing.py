@@ -1,0 +1,109 @@
+"""Activation checkpointing of a model's blocks with torch's reentrant checkpoint: the least host work.
+
+Used for a DiT's blocks (diffusers calls ``checkpoint_block`` as its ``gradient_checkpointing_func``) and for
+Ferry's own ``transformer_lm``; ``hf_causal_lm`` asks transformers for the same variant.
+
+torch's non-reentrant checkpoint (diffusers' default) runs Python hooks for every tensor a block saves: two
+when the forward saves it, one more in the recompute and one when backward unpacks it. A Qwen-Image block
+saves about 120 tensors, so on the 60-layer DiT those hooks are most of the step's Python calls: 516k calls
+per step with the non-reentrant variant against 184k with this one
+(``python bench/diffusion_host_calls.py --layers 60 --resident``, the same tiny DiT). The H200's DiT step is
+bound by the host issuing kernels (bench/RESULTS.md), so host work per step is step time, offloaded or not.
+
+The reentrant variant runs the block under ``no_grad`` in forward, keeps only its inputs, and in backward
+recomputes the block and backpropagates through it inside one autograd node. The values and gradients are the
+same: tests/jobs/models/diffusion/test_block_checkpoint.py checks a DiT's gradients bitwise on the CPU against training
+without checkpointing, and whole jobs' losses and saved adapters with and without the offload engine (which
+supports both variants).
+
+What it needs: an input that requires grad, or autograd never reaches the block's trainable parameters. With
+LoRA on a frozen patch embedding the hidden states entering the first block do not require grad, so here they
+are made to, on a detached alias (what transformers' ``enable_input_require_grads`` does for LLMs): the block's
+output then requires grad and backward reaches its adapters. Keyword arguments, which the reentrant variant
+does not take, fall back to the non-reentrant one.
+
+One difference from torch's reentrant checkpoint: an output that backward does not reach gets no gradient,
+where torch's hands the block a zero one (it materializes missing gradients). A Qwen-Image block returns the
+text stream too, which the last block's caller drops; with zeros, that block's text-side adapters would get
+zero gradients instead of none, and AdamW would still decay and move them, unlike training without
+checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointFunction, checkpoint, detach_variable, set_device_states
+
+
+def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``block(*args)`` checkpointed (module docstring); diffusers' ``gradient_checkpointing_func``."""
+    if kwargs:
+        return checkpoint(block.__call__, *args, use_reentrant=False, **kwargs)
+    args = _with_an_input_that_requires_grad(block, args)
+    if not torch.is_grad_enabled() or not any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+        return block(*args)  # no gradient passes through: nothing to save, nothing to recompute
+    return _ReentrantCheckpoint.apply(block.__call__, True, *args)
+
+
+def _with_an_input_that_requires_grad(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    if any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+        return args
+    if not any(param.requires_grad for param in block.parameters()):
+        return args  # nothing in the block trains: no gradient has to pass through it
+    for index, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+            # A tensor that does not require grad is a leaf, so the alias adds no node to the graph; its
+            # gradient is computed (one activation's worth) and dropped with the graph.
+            return (*args[:index], arg.detach().requires_grad_(True), *args[index + 1 :])
+    return args
+
+
+class _ReentrantCheckpoint(CheckpointFunction):
+    """torch's reentrant checkpoint (its forward, and its backward but for gradients that never came)."""
+
+    @staticmethod
+    def forward(ctx: Any, run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        ctx.set_materialize_grads(False)  # an output backward did not reach arrives as None, not zeros
+        return CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "a block checkpointed by checkpoint_block works with .backward() only, not torch.autograd.grad()"
+            )
+        inputs = list(ctx.inputs)
+        for index, tensor in zip(ctx.tensor_indices, ctx.saved_tensors, strict=True):
+            inputs[index] = tensor
+        devices = ctx.fwd_devices if ctx.preserve_rng_state and ctx.had_device_in_fwd else []
+        with torch.random.fork_rng(devices=devices, enabled=ctx.preserve_rng_state, device_type=ctx.device_type):
+            if ctx.preserve_rng_state:  # the recompute draws the forward's random numbers (dropout)
+                torch.set_rng_state(ctx.fwd_cpu_state)
+                if ctx.had_device_in_fwd:
+                    set_device_states(ctx.fwd_devices, ctx.fwd_device_states, device_type=ctx.device_type)
+            detached = detach_variable(tuple(inputs))
+            device_autocast = (
+                torch.amp.autocast(ctx.device_type, **ctx.device_autocast_kwargs)
+                if torch.amp.is_autocast_available(ctx.device_type)
+                else contextlib.nullcontext()
+            )
+            with torch.enable_grad(), device_autocast, torch.amp.autocast("cpu", **ctx.cpu_autocast_kwargs):
+                outputs = ctx.run_function(*detached)
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+        reached = [
+            (out, grad)
+            for out, grad in zip(outputs, grads, strict=True)
+            if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
+        ]
+        if reached:
+            torch.autograd.backward([out for out, _ in reached], [grad for _, grad in reached])
+        return (None, None, *(arg.grad if isinstance(arg, torch.Tensor) else None for arg in detached))
+
+
+def enable_block_checkpointing(model: Any) -> None:
+    """Checkpoint every block of a diffusers transformer with ``checkpoint_block``."""
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_block)

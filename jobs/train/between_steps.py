@@ -1,0 +1,101 @@
+"""What a training loop does between steps besides checkpointing: evaluate, sample, decide to stop early."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from jobs.events import EvalEvent, JobEvent, LogEvent, SampleEvent
+from jobs.spec.job import JobSpec
+from jobs.train.evaluation import EvalHistory, evaluate
+
+log = logging.getLogger(__name__)
+Report = Callable[[JobEvent], None]
+
+
+class EvalAndSamples:
+    """Runs ``eval`` and ``samples`` when their ``every_steps`` (or the end, or a checkpoint) comes.
+
+    Args:
+        session: The `TrainingSession` (model, loss, device, the text data with its eval set and tokenizer).
+        spec: The job spec.
+        report: Receives ``eval`` and ``sample`` events.
+        state: What a resumed checkpoint saved from `state_dict`.
+    """
+
+    def __init__(self, session: Any, spec: JobSpec, report: Report, state: dict[str, Any] | None = None) -> None:
+        self.session, self.spec, self.report = session, spec, report
+        early = spec.eval.early_stopping if spec.eval else None
+        self.history = EvalHistory(early.min_delta if early else 0.0)
+        if state:
+            self.history.load_state_dict(state)
+        self.eval_source = session.text.eval if session.text is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.history.state_dict()
+
+    def after_step(self, step: int) -> bool:
+        """Evaluate and sample if due at ``step``; True when early stopping says training should end."""
+        if self._due(self.spec.text_samples, step):
+            self.sample(step)
+        if self.eval_source is None or not self._due(self.spec.eval, step):
+            return False
+        self.eval_loss_at(step)
+        assert self.spec.eval is not None  # _due() is false without an eval section
+        early = self.spec.eval.early_stopping
+        if early is not None and self.history.since_best >= early.patience:
+            message = (
+                f"early stopping at step {step}: eval loss has not improved by {early.min_delta} for "
+                f"{early.patience} evaluation(s); best {self.history.best_loss:.4f} at step {self.history.best_step}"
+            )
+            log.info(message)
+            self.report(LogEvent(level="info", message=message))
+            return True
+        return False
+
+    def at_end(self, step: int) -> None:
+        """The final evaluation and samples (unless they just ran at this step)."""
+        if self.spec.text_samples is not None and not self._due(self.spec.text_samples, step):
+            self.sample(step)
+        if self.eval_source is not None:
+            self.eval_loss_at(step)
+
+    def eval_loss_at(self, step: int) -> float | None:
+        """The eval loss at ``step``, evaluating now unless that was done (None without an eval set)."""
+        if self.eval_source is None:
+            return None
+        if self.history.last_step == step:
+            return self.history.last_loss
+        session = self.session
+        assert self.spec.eval is not None and self.eval_source is not None  # set up only with an eval section
+        result = evaluate(
+            session.forward_model,
+            session.loss_fn,
+            self.eval_source,
+            max_batches=self.spec.eval.max_batches,
+            device=session.device,
+            accelerator=session.accelerator,
+        )
+        best = self.history.record(step, result)
+        metrics = {"tokens": float(result.tokens), "batches": float(result.batches), "best": float(best)}
+        self.report(EvalEvent(step=step, eval_loss=result.loss, perplexity=result.perplexity, metrics=metrics))
+        return result.loss
+
+    def sample(self, step: int) -> None:
+        from jobs.train.text_samples import generate_samples
+
+        session = self.session
+        samples = generate_samples(
+            session.forward_model,
+            self.spec,
+            session.text.tokenizer,
+            device=session.device,
+            accelerator=session.accelerator,
+        )
+        for sample in samples:  # one event per prompt, as the event contract has it
+            self.report(SampleEvent(step=step, prompt=sample["prompt"], text=sample["completion"]))
+
+    @staticmethod
+    def _due(section: Any, step: int) -> bool:
+        return section is not None and section.every_steps is not None and step % section.every_steps == 0

@@ -1,0 +1,79 @@
+"""LoRA through peft, saved the way peft and transformers load it (adapter_model.safetensors + config)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from jobs.spec.job import LoraSpec
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec, *, task_type: str | None) -> PeftModel:
+    """Freeze ``model`` and wrap it with LoRA adapters on ``spec.target_modules``.
+
+    Args:
+        model: The CPU base model.
+        spec: The lora section.
+        task_type: peft's task type from the model family (``CAUSAL_LM`` lets AutoPeftModelForCausalLM
+            load the adapter), or None.
+    """
+    config = LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha or spec.rank,  # type: ignore[arg-type]  # peft scales by alpha / r: a float works
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        use_dora=spec.use_dora,
+        use_rslora=spec.use_rslora,
+        modules_to_save=list(spec.modules_to_save) or None,
+        init_lora_weights=spec.init_lora_weights,
+        task_type=task_type,
+    )
+    return get_peft_model(model, config)
+
+
+def save_adapter(model: PeftModel, directory: Path) -> None:
+    """Write the adapter weights and config into ``directory`` (CPU copies; the model may be offloaded)."""
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in get_peft_model_state_dict(model).items()}
+    save_file(state, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    model.peft_config["default"].save_pretrained(str(directory))
+
+
+def load_adapter(model: PeftModel, directory: Path) -> None:
+    """Load adapter weights saved by `save_adapter` into ``model`` (before the offload engine attaches)."""
+    result = set_peft_model_state_dict(model, load_file(str(directory / ADAPTER_WEIGHTS)))
+    unexpected = list(result.unexpected_keys)  # type: ignore[attr-defined]  # torch's _IncompatibleKeys
+    if unexpected:
+        raise ValueError(f"checkpoint {directory} has adapter weights this model lacks: {unexpected[:5]}")
+
+
+@contextlib.contextmanager
+def adapters_stay_on_the_cpu(model: nn.Module) -> Iterator[None]:
+    """While peft adds adapters to ``model`` whose base weights are on the meta device, keep them on the CPU.
+
+    peft moves each new adapter to its base layer's device; for a meta base (weights not loaded yet: the
+    offload engine fills them straight into pinned memory) that would discard the adapters' initial values.
+    Inside this block each meta weight is a CPU stand-in of the same shape and dtype backed by one element
+    (an expanded scalar), so peft creates, initializes and places the adapters exactly as for a model built
+    in memory (same values, drawn in the same order); the meta weights come back after.
+    """
+    swapped = []
+    for param in model.parameters():
+        if param.is_meta:
+            stand_in = nn.Parameter(torch.zeros((), dtype=param.dtype).expand(param.shape), param.requires_grad)
+            torch.utils.swap_tensors(param, stand_in)
+            swapped.append((param, stand_in))
+    try:
+        yield
+    finally:
+        for param, stand_in in swapped:
+            torch.utils.swap_tensors(param, stand_in)
+            param.requires_grad_(stand_in.requires_grad)  # peft froze the base while the stand-in was in place

@@ -1,0 +1,278 @@
+"""`run_job`: a validated spec in, a trained and checkpointed model out, progress through ``report``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from jobs.checkpoints.directory import CheckpointInfo, save_checkpoint
+from jobs.checkpoints.export import save_tokenizer
+from jobs.checkpoints.sample_artifacts import keep_samples
+from jobs.checkpoints.training_state import save_training_state
+from jobs.errors import OutOfMemoryHint
+from jobs.events import CheckpointEvent, FileDigest, FinishedEvent, JobEvent, LogEvent, StartedEvent, failed_event
+from jobs.models import LossFn, family_of
+from jobs.reporting.telemetry import StepClock, device_identity, step_event
+from jobs.reporting.tracking import Tracking
+from jobs.spec.job import JobSpec
+from jobs.train.between_steps import EvalAndSamples
+from jobs.train.gc_pauses import setup_frozen_for_the_collector
+from jobs.train.oom import oom_message
+from jobs.train.session import TrainingSession, close_session, open_session, resolve_device
+from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
+
+log = logging.getLogger(__name__)
+Report = Callable[[JobEvent], None]  # receives the typed events of jobs/events.py
+StopPoll = Callable[[], Literal["pause", "cancel"] | None]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a run ended: ``succeeded``, ``paused`` (resumable from ``checkpoint``) or ``cancelled``."""
+
+    status: Literal["succeeded", "paused", "cancelled"]
+    step: int
+    checkpoint: str | None
+
+
+def train_step(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    optimizer: Any,
+    scheduler: Any,
+    accelerator: Any,
+    manager: OffloadTrainingManager | None,
+    max_grad_norm: float | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """One optimizer step over ``batches`` (gradient accumulation); returns the mean loss, still on the device.
+
+    No I/O, no logging: tests call it directly.
+    """
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        batch = {name: tensor.to(device) for name, tensor in batch.items()}
+        with accelerator.autocast():
+            loss = loss_fn(model, batch) / len(batches)
+        accelerator.backward(loss)
+        if manager is not None:
+            manager.after_backward()  # between backward and the optimizer: host gradients land, marks reset
+        total += loss.detach()
+    if max_grad_norm is not None:
+        accelerator.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def run_job(
+    spec: JobSpec,
+    *,
+    output_dir: Path | str,
+    report: Report | None = None,
+    resume: bool = True,
+    should_stop: StopPoll | None = None,
+) -> JobOutcome:
+    """Train ``spec`` to the end, a pause or a cancel, checkpointing into ``output_dir/checkpoints``.
+
+    Args:
+        spec: A spec from `load_job_spec`.
+        output_dir: Where checkpoints go; an existing checkpoint there is resumed from when ``resume``.
+        report: Receives the typed events of jobs/events.py (started, step, checkpoint, ...).
+        resume: Continue from the newest valid checkpoint in ``output_dir``.
+        should_stop: Polled before every step; ``"pause"`` checkpoints and returns, ``"cancel"`` returns.
+
+    Returns:
+        The outcome. Errors propagate after a ``failed`` event; a CUDA out-of-memory error is re-raised
+        as `OutOfMemoryHint` naming the setting that would help.
+
+    Example:
+        >>> spec = load_job_spec(Path("configs/cpu_smoke.yaml").read_text())
+        >>> run_job(spec, output_dir=Path("out/smoke"), report=print).status
+        'succeeded'
+    """
+    output_dir, report = Path(output_dir), report or (lambda event: None)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resolved = spec.model_dump(mode="json")
+    log.info("job %s: resolved spec %s", spec.name, json.dumps(resolved))
+    session: TrainingSession | None = None
+    tracking: Tracking | None = None
+    step = 0
+    try:
+        _warn_skipped_settings(spec, report)
+        if spec.task != "train":
+            outcome = _run_task(spec, report, should_stop)
+            report(FinishedEvent(status=outcome.status, step=outcome.step))
+            return outcome
+        tracking = report = Tracking(spec, output_dir, report)  # TensorBoard (MLflow, W&B) see every event too
+        session = open_session(spec, output_dir, resume=resume)
+        step = session.start_step
+        report(
+            StartedEvent(
+                total_steps=session.total_steps,
+                spec=resolved,
+                resumed_from_step=session.start_step if session.resumed_from else None,
+                device=device_identity(session.device),
+                load=session.load,
+            )
+        )
+        if session.text is not None:
+            report(LogEvent(level="info", message=session.text.summary))  # truncated and skipped examples
+        with setup_frozen_for_the_collector():  # no full collection walks the model in the middle of a step
+            outcome = _train(session, spec, resolved, output_dir, report, should_stop)
+        report(FinishedEvent(status=outcome.status, step=outcome.step))
+        return outcome
+    except torch.OutOfMemoryError as error:
+        hint = OutOfMemoryHint(oom_message(spec, step, error))
+        report(failed_event(hint))  # error code out_of_memory
+        raise hint from error
+    except BaseException as error:
+        report(failed_event(error))
+        raise
+    finally:
+        close_session(session)
+        if tracking is not None:
+            tracking.close()
+
+
+def _run_task(spec: JobSpec, report: Report, should_stop: StopPoll | None) -> JobOutcome:
+    """A job other than training (e.g. ``task: cache``), run by the model family; it reports its own start."""
+    device = resolve_device(spec.device)
+    limit = parse_bytes(spec.offload.gpu_memory_limit, name="offload.gpu_memory_limit")
+    if limit is not None:
+        set_gpu_memory_limit(device, limit, name="offload.gpu_memory_limit")
+    try:
+        status, step = family_of(spec.model).tasks[spec.task](
+            spec, device=device, report=report, should_stop=should_stop
+        )
+    finally:
+        if limit is not None:
+            set_gpu_memory_limit(device, None)
+    return JobOutcome(status, step, None)
+
+
+def _train(
+    session: TrainingSession,
+    spec: JobSpec,
+    resolved: dict[str, Any],
+    output_dir: Path,
+    report: Report,
+    should_stop: StopPoll | None,
+) -> JobOutcome:
+    training, every = spec.training, spec.checkpoint.every_steps
+    accumulation = training.gradient_accumulation_steps
+    step, total = session.start_step, session.total_steps
+    saved = session.resumed_from
+    clock = StepClock(step, total)
+    between = EvalAndSamples(session, spec, report, session.resumed_extra.get("eval"))
+
+    def checkpoint_now() -> CheckpointInfo:
+        if saved is not None and saved.step == step:
+            return saved  # nothing trained since the last save
+        eval_loss = between.eval_loss_at(step)  # recorded in the manifest: the best checkpoint is kept and marked
+        info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict())
+        files = [FileDigest(**entry) for entry in info.files]
+        report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
+        if session.sampler is not None and spec.sample is not None:
+            for event in keep_samples(info, output_dir, spec.sample.prompts):
+                report(event)
+        return info
+
+    while step < total:
+        request = should_stop() if should_stop is not None else None
+        if request == "pause":
+            return JobOutcome("paused", step, checkpoint_now().path)
+        if request == "cancel":
+            return JobOutcome("cancelled", step, saved.path if saved else None)
+        lr = session.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        first = step * accumulation  # data position: micro-batches consumed so far
+        batches = [session.data.batch(index) for index in range(first, first + accumulation)]
+        loss = train_step(
+            session.forward_model,
+            session.loss_fn,
+            batches,
+            optimizer=session.optimizer,
+            scheduler=session.scheduler,
+            accelerator=session.accelerator,
+            manager=session.manager,
+            max_grad_norm=training.max_grad_norm,
+            device=session.device,
+        )
+        loss_value = loss.item()  # CPU-GPU sync point: once per step, and it makes the step timing honest
+        step += 1
+        samples = training.batch_size * accumulation
+        tokens = samples * session.data.tokens_per_sample if session.data.tokens_per_sample else None
+        report(
+            step_event(
+                step=step,
+                total_steps=total,
+                loss=loss_value,
+                lr=lr,
+                samples=samples,
+                tokens=tokens,
+                timing=clock.tick(step),
+                device=session.device,
+                offload=session.manager.stats() if session.manager else None,
+            )
+        )
+        stop_early = between.after_step(step)
+        sample_every = spec.sample.every_steps if spec.sample is not None else None
+        due = [n for n in (every, sample_every) if n is not None and step % n == 0]
+        if due and step < total:
+            saved = checkpoint_now()
+        if stop_early:
+            break
+    between.at_end(step)
+    if spec.checkpoint.save_final:
+        saved = checkpoint_now()
+    return JobOutcome("succeeded", step, saved.path if saved else None)
+
+
+def _save(
+    session: TrainingSession,
+    resolved: dict[str, Any],
+    output_dir: Path,
+    step: int,
+    spec: JobSpec,
+    eval_loss: float | None,
+    eval_state: dict[str, Any],
+) -> CheckpointInfo:
+    def write(directory: Path) -> None:
+        if session.manager is not None:
+            session.manager.wait_for_optimizer()  # background CPU updates finish before the weights are read
+        session.family.weights_format.save(session.model, directory)
+        if session.text is not None:
+            save_tokenizer(session.text.tokenizer, directory)  # beside the weights: the checkpoint loads alone
+        save_training_state(
+            directory,
+            step=step,
+            data_position=step * spec.training.gradient_accumulation_steps,
+            optimizer=session.optimizer,
+            scheduler=session.scheduler,
+            extra={"eval": eval_state},
+        )
+        if session.sampler is not None:
+            session.sampler.write(session.forward_model, directory)
+
+    return save_checkpoint(output_dir, step, resolved, write, keep_last=spec.checkpoint.keep_last, eval_loss=eval_loss)
+
+
+def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:
+    """Engine options given without model offload do nothing; say so rather than ignore them silently."""
+    ignored = sorted(
+        spec.offload.model_fields_set & {"prefetch", "granularity", "gpu_memory_budget", "cpu_offload_split_threshold"}
+    )
+    if ignored and not spec.offload.enable_model_cpu_offload:
+        message = f"offload.{', offload.'.join(ignored)} ignored: offload.enable_model_cpu_offload is false"
+        log.warning(message)
+        report(LogEvent(level="warning", message=message))

@@ -1,0 +1,279 @@
+"""Setting up a training run: model, adapters, placement (offloaded or not), data, optimizer, resume."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from jobs.checkpoints.directory import CheckpointInfo, latest_valid_checkpoint
+from jobs.checkpoints.training_state import load_training_state, restore_rng
+from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_apart, prepare_text_data
+from jobs.events import LoadStats
+from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
+from jobs.models.weight_sources import WeightSource
+from jobs.reporting.telemetry import peak_rss_bytes
+from jobs.spec.job import JobSpec
+from jobs.train.optim import build_optimizer, build_scheduler
+from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingSession:
+    """Everything a training loop needs, built by `open_session` and torn down by `close_session`."""
+
+    accelerator: Accelerator
+    device: torch.device
+    model: nn.Module  # the model as built (CPU-resident when offloaded); what checkpoints save
+    forward_model: nn.Module  # what the step calls: ``model``, or accelerate's prepared version of it
+    loss_fn: LossFn
+    data: BatchSource
+    optimizer: Any  # accelerate's AcceleratedOptimizer
+    scheduler: Any  # accelerate's AcceleratedScheduler
+    manager: OffloadTrainingManager | None
+    total_steps: int
+    start_step: int
+    resumed_from: CheckpointInfo | None
+    family: ModelFamily  # the model's registry entry: how its weights are checkpointed
+    sampler: Any = None  # writes samples into each checkpoint (family.make_sampler), or None
+    text: TextData | None = None  # text jobs: the tokenizer and the eval set
+    resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
+    load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without a GPU is an error naming the fix."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda, but no CUDA device is available here; use device: auto or cpu")
+    return torch.device("cuda" if choice != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def total_steps(spec: JobSpec, data: BatchSource) -> int:
+    """Optimizer steps for the job: ``training.steps``, or the epochs' worth of micro-batches."""
+    if spec.training.steps is not None:
+        return spec.training.steps
+    epochs, per_epoch = spec.training.epochs, data.batches_per_epoch
+    if epochs is None or per_epoch is None:  # refused at submit time (rules.py); say so if called directly
+        raise ValueError("training.epochs needs a finite dataset; use training.steps instead")
+    return max(1, epochs * per_epoch // spec.training.gradient_accumulation_steps)
+
+
+def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSession:
+    """Build the run, following the seed's integration.
+
+    With model offload the model stays on the CPU: it is never ``.to(device)``-ed nor passed to
+    ``accelerator.prepare``; the engine attaches to it instead. Accelerate handles the rest (device,
+    mixed precision, loss scaling, optimizer and scheduler wrapping).
+    """
+    training = spec.training
+    device = resolve_device(spec.device)
+    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=training.mixed_precision)
+    device = accelerator.device
+    # Before anything is allocated on the device, with or without offload: the job behaves as on a card of
+    # this size (the engine re-applies the same limit, so a manager used alone enforces it too).
+    limit = parse_bytes(spec.offload.gpu_memory_limit, name="offload.gpu_memory_limit")
+    if limit is not None:
+        set_gpu_memory_limit(device, limit, name="offload.gpu_memory_limit")
+    torch.manual_seed(training.seed)
+    random.seed(training.seed)
+
+    family = family_of(spec.model)
+    loading_started = time.perf_counter()
+    source = None
+    if _loads_into_pinned_memory(spec, family):
+        # Built on the meta device: the engine's pinned arena is filled from the source directly, and
+        # nothing of the frozen weights is ever materialized in ordinary memory.
+        assert family.build_on_meta is not None
+        model, source = family.build_on_meta(spec.model, training.seed, device)
+        loss_fn = family.loss
+    else:
+        model, loss_fn = build_model(spec.model, training.seed)
+    if training.gradient_checkpointing:
+        enable_gradient_checkpointing(model, spec.model)
+    if spec.lora is not None and family.apply_lora is not None:
+        model = family.apply_lora(model, spec.lora)
+    elif spec.lora is not None:
+        from jobs.train.lora import adapters_stay_on_the_cpu, apply_lora  # peft is slow to import: LoRA jobs only
+
+        with adapters_stay_on_the_cpu(model):  # changes nothing unless the base is on the meta device
+            model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
+    if training.mixed_precision != "no":
+        keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
+    quantize = getattr(spec.model, "quantize", None)
+    if quantize is not None:
+        _quantize_base(model, quantize, device)
+    checkpoint = latest_valid_checkpoint(output_dir) if resume else None
+    if checkpoint is not None and source is None:
+        family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
+    if family.build_data is not None:
+        data, text = family.build_data(spec, device, model), None
+    else:
+        data, text = _build_data(spec, family)
+    sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
+    _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
+    model.train()
+
+    manager, forward_model = None, model
+    if spec.offload.enable_model_cpu_offload:
+        manager = OffloadTrainingManager(
+            model,
+            device,
+            enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
+            cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
+            options=spec.offload.engine_options(gpu_memory_limit=limit),
+            initialize=source.fill if source is not None else None,
+        )
+        if checkpoint is not None and source is not None:
+            # Into the engine's host masters and device adapters, now that the meta tensors are real.
+            family.weights_format.load(model, Path(checkpoint.path))
+    else:
+        forward_model = accelerator.prepare(model)  # to the device, with mixed precision on its forward
+    load = _load_stats(model, source, loading_started)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    steps = total_steps(spec, data)
+    raw_optimizer = build_optimizer(trainable, training)
+    optimizer, scheduler = accelerator.prepare(raw_optimizer, build_scheduler(raw_optimizer, training, steps))
+
+    start_step, extra = 0, {}
+    if checkpoint is not None:
+        state = load_training_state(Path(checkpoint.path))
+        # Into the raw optimizer: torch puts each state tensor on its parameter's device (the CPU under
+        # optimizer offload), where accelerate's wrapper would first move everything to the accelerator.
+        raw_optimizer.load_state_dict(state["optimizer"])
+        scheduler.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
+        start_step, extra = state["step"], state.get("extra", {})
+        log.info("resuming from %s at step %d", checkpoint.path, start_step)
+    if manager is not None and spec.offload.enable_optimizer_cpu_offload and training.max_grad_norm is None:
+        # Each parameter's CPU update runs while the GPU's backward continues. Not with clipping: a global
+        # norm needs every gradient first. After load_state_dict, which replaces the optimizer's state.
+        manager.attach_optimizer(
+            raw_optimizer,
+            accumulation_steps=training.gradient_accumulation_steps,
+            delayed_update=spec.offload.delayed_update,
+            warmup_steps=spec.offload.delayed_update_warmup_steps,
+        )
+    return TrainingSession(
+        accelerator,
+        device,
+        model,
+        forward_model,
+        loss_fn,
+        data,
+        optimizer,
+        scheduler,
+        manager,
+        steps,
+        start_step,
+        checkpoint,
+        family,
+        sampler,
+        text,
+        extra,
+        load,
+    )
+
+
+def _loads_into_pinned_memory(spec: JobSpec, family: ModelFamily) -> bool:
+    """Build on meta and fill the pinned arena directly when every weight that is built lives there: model
+    offload with a family that can, and the trainable weights either adapters (materialized apart) or
+    hosted by optimizer offload (full fine-tuning without it keeps every weight on the device)."""
+    offload = spec.offload
+    return (
+        offload.enable_model_cpu_offload
+        and family.build_on_meta is not None
+        and family.apply_lora is None  # a family's own adapters may need the weights
+        and getattr(spec.model, "quantize", None) is None  # quantizing reads the weights before the engine
+        and (spec.lora is not None or offload.enable_optimizer_cpu_offload)
+    )
+
+
+def _load_stats(model: nn.Module, source: WeightSource | None, started: float) -> LoadStats:
+    """Bytes of weights loaded, how fast, and the process's peak resident memory so far."""
+    if source is not None:
+        report = source.finish()  # waits for the last reads and copies into the pinned arena
+        nbytes, seconds, kind = report.bytes, report.seconds, report.source
+    else:
+        nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        seconds, kind = time.perf_counter() - started, "in_memory"
+    return LoadStats(
+        source=kind,
+        bytes=nbytes,
+        seconds=round(seconds, 3),
+        gb_per_s=round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        peak_host_rss_bytes=peak_rss_bytes(),
+    )
+
+
+def _build_data(spec: JobSpec, family: ModelFamily) -> tuple[BatchSource, TextData | None]:
+    training = spec.training
+    if spec.data.kind != "text":
+        width = family.synthetic_width(spec.model) if family.synthetic_width else None
+        source, _ = build_data(spec.data, batch_size=training.batch_size, seed=training.seed, width=width)
+        return source, None
+    packed_path = family.keeps_packed_documents_apart and model_keeps_documents_apart()
+    text = prepare_text_data(
+        spec.data, batch_size=training.batch_size, seed=training.seed, packed_path=packed_path, eval_spec=spec.eval
+    )
+    return text.train, text
+
+
+def keep_trainable_in_float32(model: nn.Module) -> None:
+    """Mixed precision: float32 master copies of the trainable weights; autocast computes in bf16/fp16.
+
+    A bf16 weight cannot hold an update smaller than 1/256 of itself, so at low learning rates pure bf16
+    training loses progress. Frozen weights keep the model's dtype (they never change).
+    """
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
+def _quantize_base(model: nn.Module, method: str, device: torch.device) -> None:
+    """QLoRA: the frozen base's linear weights become torchao's quantized tensors (the engine streams them
+    quantized); torchao's kernels run on the GPU when there is one (minutes for billions of weights on a CPU)."""
+    from offload.quant.quantized import quantize_frozen_weights  # torchao is an optional extra
+
+    names = quantize_frozen_weights(model, method, device=device if device.type == "cuda" else None)
+    if not names:
+        log.warning("model.quantize=%s: no frozen linear weight could be quantized; training unquantized", method)
+
+
+def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:
+    get_embeddings = getattr(model, "get_input_embeddings", None)  # Hugging Face models (peft-wrapped too)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    if embeddings is None:
+        embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if vocab is not None and embeddings is not None and vocab > embeddings.num_embeddings:
+        raise ValueError(
+            f"the tokenizer has {vocab} tokens but the model's embedding has "
+            f"{embeddings.num_embeddings}; use a matching data.tokenizer or model"
+        )
+
+
+def close_session(session: TrainingSession | None) -> None:
+    """Detach the engine and free device memory, so the next job in this process starts clean."""
+    if session is not None and session.manager is not None:
+        session.manager.remove()
+    if session is not None and session.sampler is not None:
+        session.sampler.close()
+    from accelerate.state import AcceleratorState, GradientState
+
+    # Accelerate keeps process-wide state; a later job may ask for a different mixed precision.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    if torch.cuda.is_available():
+        gc.collect()  # hooks and closures form reference cycles that can hold device tensors
+        torch.cuda.empty_cache()
+        if session is not None:
+            set_gpu_memory_limit(session.device, None)  # the job's limit ends with the job

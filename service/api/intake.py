@@ -1,0 +1,83 @@
+"""From a request body to the spec's text (content type, encoding, JSON), and the 422 that lists a spec's problems.
+
+The spec itself is checked in the spec checker's process (``spec_checker.py``, ``spec_check.py``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from service.api.errors import ApiError
+
+YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain"})
+JSON_TYPES = frozenset({"application/json"})
+
+
+def spec_text_from_body(body: bytes, content_type: str | None) -> str:
+    """The spec as text; JSON is accepted as is because JSON is YAML."""
+    media_type = (content_type or "application/yaml").split(";")[0].strip().lower()
+    if media_type not in YAML_TYPES | JSON_TYPES:
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"Content-Type {media_type!r} is not accepted; send the spec as application/yaml "
+            "(or text/yaml) or as application/json.",
+        )
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(
+            400, "invalid_encoding", f"The body is not UTF-8 (byte {error.start}); save the spec as UTF-8."
+        ) from None
+    if not text.strip():
+        raise spec_error(
+            [{"path": "", "message": "the body is empty; send a job spec", "line": None, "suggestion": None}]
+        )
+    if media_type in JSON_TYPES:
+        _check_json(text)
+    return text
+
+
+def _check_json(text: str) -> None:
+    try:
+        json.loads(text)
+    except RecursionError:
+        raise spec_error(
+            [{"path": "", "message": "the JSON body nests too deep; flatten it", "line": None, "suggestion": None}]
+        ) from None
+    except json.JSONDecodeError as error:
+        raise spec_error(
+            [
+                {
+                    "path": "",
+                    "message": f"the body is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}",
+                    "line": error.lineno,
+                    "suggestion": None,
+                }
+            ]
+        ) from None
+    except ValueError as error:  # an integer of over 4300 digits
+        raise spec_error(
+            [
+                {
+                    "path": "",
+                    "message": f"the JSON body holds a number no field can take ({error})",
+                    "line": None,
+                    "suggestion": None,
+                }
+            ]
+        ) from None
+
+
+def spec_error(problems: list[dict[str, Any]]) -> ApiError:
+    listed = "; ".join(_describe(p) for p in problems)
+    noun = "problem" if len(problems) == 1 else "problems"
+    return ApiError(422, "invalid_spec", f"The job spec has {len(problems)} {noun}: {listed}", problems=problems)
+
+
+def _describe(problem: dict[str, Any]) -> str:
+    where = problem["path"] or "spec"
+    if problem.get("line") is not None:
+        where += f" (line {problem['line']})"
+    hint = f"; did you mean '{problem['suggestion']}'?" if problem.get("suggestion") else ""
+    return f"{where}: {problem['message']}{hint}"

@@ -1,0 +1,30 @@
+"""Tiny Qwen-Image and Wan pipelines (built once per session) and a fresh image folder per test."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jobs import PathRoots
+from tests.jobs.models.diffusion.pipelines import image_folder, qwen_image_pipeline, wan_pipeline
+
+SIZES = [(64, 48), (64, 48), (48, 64), (48, 64)]
+
+
+@pytest.fixture(scope="session")
+def pipelines(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pipelines")
+    qwen_image_pipeline(root / "qwen")
+    wan_pipeline(root / "wan")
+    return root
+
+
+@pytest.fixture
+def roots(tmp_path: Path, pipelines: Path) -> PathRoots:
+    """Model root: a per-test copy of the pipelines (tests may break them); data root with ``images/``."""
+    models = tmp_path / "models"
+    shutil.copytree(pipelines, models)
+    image_folder(tmp_path / "data" / "images", SIZES)
+    return PathRoots(model_roots=[models], data_roots=[tmp_path / "data"])

@@ -1,0 +1,102 @@
+"""Checks at submit time against the files a spec names: the data's first rows, the model's module names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs import PathRoots, load_job_spec
+from jobs.cli import main
+from jobs.errors import SpecProblem
+from jobs.spec.preflight import preflight_problems
+from tests.jobs.llm_helpers import chat_record, llm_spec, save_bpe_tokenizer, save_llama, write_jsonl
+
+
+@pytest.fixture
+def llm_roots(tmp_path: Path) -> PathRoots:
+    models, data = tmp_path / "models", tmp_path / "data"
+    save_bpe_tokenizer(models / "tok")
+    save_bpe_tokenizer(models / "tok-plain", chat_template=None)
+    save_llama(models / "llama")
+    write_jsonl(data / "chat.jsonl", [chat_record(i) for i in range(8)])
+    return PathRoots(model_roots=[models], data_roots=[data])
+
+
+def problems(roots: PathRoots, **sections: object) -> list[SpecProblem]:
+    return preflight_problems(load_job_spec(yaml.safe_dump(llm_spec(**sections)), roots))
+
+
+def test_good_chat_data_and_targets_pass(llm_roots: PathRoots) -> None:
+    assert problems(llm_roots) == []
+
+
+def test_a_wrong_role_names_the_row_and_field(llm_roots: PathRoots) -> None:
+    rows = [chat_record(i) for i in range(8)]
+    rows[2]["messages"][2] = {"role": "assistant", "text": "no content key"}
+    write_jsonl(llm_roots.data_roots[0] / "chat.jsonl", rows)
+    assert problems(llm_roots) == [
+        SpecProblem(
+            "data.path", "chat.jsonl row 3: field 'messages[2].content': must be a string; got None (data.format: chat)"
+        )
+    ]
+
+
+def test_a_wrong_format_names_the_missing_field(llm_roots: PathRoots) -> None:
+    (found,) = problems(llm_roots, data={"format": "instruction"})
+    assert found.path == "data.path"
+    assert found.message == (
+        "chat.jsonl row 1: field 'instruction': is missing (the record has: messages); "
+        "set data.fields.instruction to the right field name (data.format: instruction)"
+    )
+
+
+def test_a_tokenizer_without_chat_template_needs_one_in_the_spec(llm_roots: PathRoots) -> None:
+    (found,) = problems(llm_roots, data={"tokenizer": {"kind": "hf", "path": "tok-plain"}})
+    assert found.path == "data.chat_template" and "has no chat template; set data.chat_template" in found.message
+    assert problems(llm_roots, data={"tokenizer": {"kind": "hf", "path": "tok-plain"}, "chat_template": "chatml"}) == []
+
+
+def test_a_broken_template_in_the_spec_is_refused(llm_roots: PathRoots) -> None:
+    (found,) = problems(llm_roots, data={"chat_template": "{{ messages[0]['nope'] + 1 }}"})
+    assert found.path == "data.path" and "the chat template failed" in found.message
+
+
+def test_lora_targets_are_checked_against_the_models_config_without_weights(llm_roots: PathRoots) -> None:
+    (found,) = problems(llm_roots, lora={"target_modules": ["q_proj", "to_q"], "modules_to_save": ["lm_head"]})
+    assert found.path == "lora.target_modules"
+    assert found.message.startswith("['to_q'] match no module of llama (names end in: ")
+    assert "q_proj" in found.message and "down_proj" in found.message
+
+
+def test_unreadable_data_is_a_problem_not_a_crash(llm_roots: PathRoots) -> None:
+    (llm_roots.data_roots[0] / "chat.jsonl").write_text('{"messages": [\n')
+    (found,) = problems(llm_roots)
+    assert found.path == "data.path" and found.message.startswith("cannot read")
+
+
+def test_validate_command_reports_data_problems(
+    llm_roots: PathRoots, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(llm_spec(data={"format": "instruction"})))
+    roots = ["--model-root", str(llm_roots.model_roots[0]), "--data-root", str(llm_roots.data_roots[0])]
+    assert main(["validate", str(spec), *roots]) == 2
+    assert "chat.jsonl row 1: field 'instruction': is missing" in capsys.readouterr().err
+
+
+def test_spec_rules_for_chat(llm_roots: PathRoots) -> None:
+    from jobs.errors import JobSpecError
+
+    data = llm_spec(data={"tokenizer": {"kind": "byte"}, "packing": "packed"}, lora=None)
+    data["model"] = {"kind": "transformer_lm", "vocab_size": 257, "hidden_size": 32, "num_layers": 1, "num_heads": 4}
+    with pytest.raises(JobSpecError) as error:
+        load_job_spec(yaml.safe_dump(data), llm_roots)
+    assert {(p.path, p.message) for p in error.value.problems} == {
+        ("data.tokenizer", "data.format: chat renders messages with a chat template; use {kind: hf, path: ...}"),
+        (
+            "data.packing",
+            "transformer_lm cannot keep packed documents apart (no position ids); use packing: padded or auto",
+        ),
+    }

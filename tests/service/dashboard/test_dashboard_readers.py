@@ -1,0 +1,102 @@
+"""What the dashboard's readers in model.js make of the API's answers (run by node, as the browser would).
+
+The contract test checks that each field they read is declared; this checks that they read the right ones:
+the paging fields of ``/metrics`` and ``/events``, a listed and a streamed sample, and the merge archive.
+The answers are built with the API's own models, so they have the shape the service sends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+
+from service.api.schemas import EvalPoint, MergedPublic, MetricsPublic, SamplePoint, SamplesPublic
+from service.dashboard.mount import STATIC_DIR
+
+pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed (CI installs it)")
+
+
+def read_with(expression: str, **answers: Any) -> Any:
+    """Evaluate ``expression`` over model.js's exports (``m``) and ``answers`` (JSON) in node."""
+    script = (
+        f"import * as m from {json.dumps((STATIC_DIR / 'model.js').as_uri())};\n"
+        f"const a = {json.dumps(answers)};\n"
+        f"console.log(JSON.stringify({expression}));\n"
+    )
+    done = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def test_a_metrics_page_gives_its_evaluations_and_cursor() -> None:
+    page = MetricsPublic(
+        data=[],
+        eval=[EvalPoint(step=4, eval_loss=1.5, perplexity=4.48, event_id=9, time=1.0)],
+        next_cursor=9,
+        has_more=True,
+    )
+    read = read_with("m.metricsPage(a.page)", page=page.model_dump(mode="json"))
+    assert read == {
+        "rows": [],
+        "evals": [{"step": 4, "evalLoss": 1.5, "perplexity": 4.48}],
+        "nextCursor": 9,
+        "hasMore": True,
+    }
+
+
+def test_listed_and_streamed_samples_come_out_alike() -> None:
+    listed = SamplePoint(
+        step=2,
+        prompt="a cat",
+        artifact_path="samples/step-2/0.png",
+        event_id=7,
+        time=1.0,
+        url="/v1/jobs/j/samples/files/x",
+    )
+    page = SamplesPublic(data=[listed], next_cursor=7, has_more=False)
+    # A streamed event, as unwrapEvent hands it on: the event's data with no url and no stored id.
+    streamed = {"type": "sample", "step": 3, "prompt": "hello", "text": " world"}
+    read = read_with(
+        "[m.samplesOf(a.page).map((s) => m.normalizeSample(s, '/v1/jobs/j')), m.normalizeSample(a.streamed, '/v1/jobs/j', '12')]",
+        page=page.model_dump(mode="json"),
+        streamed=streamed,
+    )
+    assert read == [
+        [
+            {
+                "key": "7",
+                "step": 2,
+                "prompt": "a cat",
+                "text": None,
+                "artifactPath": "samples/step-2/0.png",
+                "url": "/v1/jobs/j/samples/files/x",
+            }
+        ],
+        {"key": "12", "step": 3, "prompt": "hello", "text": " world", "artifactPath": None, "url": None},
+    ]
+    image_event = {"type": "sample", "step": 3, "artifact_path": "samples/step-3/0.png"}
+    assert read_with("m.normalizeSample(a.e, '/v1/jobs/j', '13').url", e=image_event) == (
+        "/v1/jobs/j/samples/files/samples/step-3/0.png"
+    )
+
+
+def test_the_merge_answer_gives_its_archive() -> None:
+    merged = MergedPublic.model_validate(
+        {"checkpoint": "step-4", "archive": {"name": "step-4-merged.tar", "bytes": 10, "sha256": "ab", "url": "/x.tar"}}
+    )
+    read = read_with("m.mergedArchive(a.merged)", merged=merged.model_dump(mode="json"))
+    assert read == {"url": "/x.tar", "name": "step-4-merged.tar", "bytes": 10}
+
+
+def test_the_offload_figures_say_what_the_budget_keeps_on_the_gpu_and_what_the_ring_reused() -> None:
+    from offload import OffloadStats
+
+    stats = OffloadStats(
+        last_step_h2d_gbps=54.2, copy_wait_seconds=0.5, h2d_bytes=10, kept_resident_bytes=15 << 30, reused_bytes=7
+    )
+    read = read_with("m.offloadFigures(a.off)", off=dataclasses.asdict(stats))
+    assert read == {"h2d": 54.2, "d2h": 0.0, "copyWait": 0.5, "h2dBytes": 10, "kept": 15 << 30, "reused": 7}
