@@ -1,8 +1,12 @@
-"""Errors that `jobs` raises for a user to read: a refused spec and an out-of-memory hint."""
+"""Errors that `jobs` raises for a user to read: a refused spec (its problems) and an out-of-memory hint."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+Problem = tuple[str, str]
+"""What a spec rule returns for each violation: (dotted path in the job spec, message). `load_job_spec` adds the
+YAML line and reports it as a `SpecProblem`."""
 
 
 @dataclass(frozen=True)

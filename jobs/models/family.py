@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from jobs.checkpoints.weights import TRAINABLE_SAFETENSORS, WeightsFormat
+from jobs.errors import Problem
 from jobs.models.weight_sources import WeightSource
 from jobs.spec.sections import Section
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
-Problem = tuple[str, str]  # (dotted path in the job spec, message)
 
 
 @dataclass(frozen=True, kw_only=True)

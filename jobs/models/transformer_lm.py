@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
-from jobs.models.family import ModelFamily, Problem, linear_module_names
+from jobs.errors import Problem
+from jobs.models.family import ModelFamily, linear_module_names
 from jobs.models.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
 from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
 from jobs.train.activation_checkpointing import checkpoint_block
@@ -191,7 +192,7 @@ def build_transformer_lm_on_meta(
     model = meta_transformer_lm(spec).to(getattr(torch, spec.dtype))
     if spec.weights is None:
         return model, SeededInitSource(model, init_tensor(seed))
-    return model, SafetensorsSource(model, [Path(spec.weights)])
+    return model, SafetensorsSource.from_files(model, [Path(spec.weights)])
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

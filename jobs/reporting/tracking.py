@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jobs.errors import Problem
 from jobs.events import CheckpointEvent, EvalEvent, FinishedEvent, JobEvent, LogEvent, SampleEvent, StepEvent
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ TENSORBOARD_DIR = "tensorboard"
 _RUN_IDS = "tracking_runs.json"  # MLflow / W&B run ids, so a resumed job logs into the same run
 
 
-def missing_tracking_packages(tracking: Any) -> list[tuple[str, str]]:
+def missing_tracking_packages(tracking: Any) -> list[Problem]:
     """(spec path, message) for each tracker the spec turns on whose package is not installed."""
     problems = []
     for name, wanted, package in (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobs.models.family import Problem
+from jobs.errors import Problem
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
 from jobs.spec.rules_llm import RULES as LLM_RULES

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jobs.errors import Problem
 from jobs.models.registry import family_of
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
-
-Problem = tuple[str, str]  # (dotted path, message)
 
 
 def _check_chat_needs_hf_tokenizer(spec: JobSpec) -> list[Problem]:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationInfo
 from pydantic_core import PydanticCustomError
 
+from jobs.errors import Problem
 from jobs.paths import confine
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -26,7 +27,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def broken_rules(problems: list[tuple[str, str]]) -> PydanticCustomError:
+def broken_rules(problems: list[Problem]) -> PydanticCustomError:
     """One validation error carrying several (relative path, message) problems; loading.py expands it.
 
     Pydantic stops at the first error an after-validator raises, so rules that want every violation

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from jobs.errors import Problem
 from jobs.events import CacheProgressEvent, LogEvent, StartedEvent
 from jobs.models.diffusion.data.cache import (
     CacheWriter,
@@ -35,7 +36,7 @@ def cache_fingerprint(spec: Any) -> dict[str, Any]:
     return {**model_fingerprint(spec.model), **data_fingerprint(spec.data)}
 
 
-def cache_target_problems(spec: Any) -> list[tuple[str, str]]:
+def cache_target_problems(spec: Any) -> list[Problem]:
     """Submit-time check: ``cache.path`` holds nothing, or a cache of this job's own fingerprint."""
     found = read_manifest(spec.cache.path)
     if found is None:

@@ -27,7 +27,8 @@ from jobs.models.diffusion.model import (
 )
 from jobs.models.diffusion.spec import DiffusersTransformerSpec
 from jobs.models.diffusion.variants import family_of as pipeline_family
-from jobs.models.family import ModelFamily, Problem, activation_element_size, linear_module_names
+from jobs.errors import Problem
+from jobs.models.family import ModelFamily, activation_element_size, linear_module_names
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from jobs.errors import Problem
+
 if TYPE_CHECKING:
     from jobs.models.diffusion.spec import ImageCaptionDataSpec
 
@@ -68,7 +70,7 @@ def read_rows(spec: ImageCaptionDataSpec) -> list[Row]:
     ]
 
 
-def metadata_problems(spec: ImageCaptionDataSpec) -> list[tuple[str, str]]:
+def metadata_problems(spec: ImageCaptionDataSpec) -> list[Problem]:
     """Submit-time checks: the metadata reads, and every image opens (each bad row named, up to 10)."""
     from PIL import Image, UnidentifiedImageError
 
