@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -251,3 +251,19 @@ def failed_event(error: BaseException) -> FailedEvent:
     return FailedEvent(
         error=error_code_for(error), message=str(error) or type(error).__name__, exception=type(error).__name__
     )
+
+
+class Report(Protocol):
+    """Where a job's events go: the ``report`` callback of `jobs.run_job` and of every task a family runs.
+
+    Any callable taking one event fits (``print`` too); `jobs.reporting.tracking.Tracking` is one that also
+    writes metrics to the trackers.
+    """
+
+    def __call__(self, event: JobEvent, /) -> None: ...
+
+
+class StopPoll(Protocol):
+    """Asked between steps whether the job should stop: ``"pause"`` (checkpoint first), ``"cancel"`` or None."""
+
+    def __call__(self) -> Literal["pause", "cancel"] | None: ...

@@ -6,12 +6,14 @@ where it does not: prompts, unless ``train_on_prompt``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from jobs.data.chat import chat_example, check_messages
+from jobs.data.examples import IGNORE as IGNORE
+from jobs.data.examples import Example as Example
+from jobs.data.examples import RecordError as RecordError
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
-IGNORE = -100
 ALPACA = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
     "Write a response that appropriately completes the request.\n\n"
@@ -21,26 +23,6 @@ ALPACA_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
-
-
-@dataclass
-class Example:
-    """One tokenized record: ids and their labels (same length)."""
-
-    input_ids: list[int]
-    labels: list[int]
-
-    @property
-    def trained_tokens(self) -> int:
-        return sum(1 for label in self.labels if label != IGNORE)
-
-
-class RecordError(ValueError):
-    """A record does not fit ``data.format``; ``field`` names the offending field (``messages[1].role``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"field '{field}': {message}")
-        self.field, self.message = field, message
 
 
 def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> Example:
@@ -55,8 +37,6 @@ def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> E
     if spec.format == "instruction":
         prompt, response = instruction_texts(fields, spec)
         return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
-    from jobs.data.chat import chat_example, check_messages
-
     assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
     messages = check_messages(fields.get(spec.messages_field), spec.messages_field)
     return chat_example(messages, tokenizer, train_on_prompt=spec.train_on_prompt)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jobs.data.formats import IGNORE, Example
+from jobs.data.examples import IGNORE, Example
 
 
 @dataclass

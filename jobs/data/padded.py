@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jobs.data.formats import IGNORE, Example
+from jobs.data.examples import IGNORE, Example
 
 WINDOW_BATCHES = 50
 

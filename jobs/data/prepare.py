@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from jobs.data.formats import Example, RecordError, record_example
+from jobs.data.examples import Example, RecordError
+from jobs.data.formats import record_example
 from jobs.data.packing import PackingCounts, concatenate, fit_examples, pack
 from jobs.data.padded import PaddedBatches
 from jobs.data.records import Record, iter_records

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jobs.errors import Problem
-from jobs.events import CheckpointEvent, EvalEvent, FinishedEvent, JobEvent, LogEvent, SampleEvent, StepEvent
+from jobs.events import CheckpointEvent, EvalEvent, FinishedEvent, JobEvent, LogEvent, Report, SampleEvent, StepEvent
 
 log = logging.getLogger(__name__)
-Report = Callable[[JobEvent], None]
 TENSORBOARD_DIR = "tensorboard"
 _RUN_IDS = "tracking_runs.json"  # MLflow / W&B run ids, so a resumed job logs into the same run
 

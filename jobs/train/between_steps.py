@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from jobs.events import EvalEvent, JobEvent, LogEvent, SampleEvent
+from jobs.events import EvalEvent, LogEvent, Report, SampleEvent
 from jobs.spec.job import JobSpec
 from jobs.train.evaluation import EvalHistory, evaluate
 
 log = logging.getLogger(__name__)
-Report = Callable[[JobEvent], None]
 
 
 class EvalAndSamples:

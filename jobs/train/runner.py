@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +16,16 @@ from jobs.checkpoints.export import save_tokenizer
 from jobs.checkpoints.sample_artifacts import keep_samples
 from jobs.checkpoints.training_state import save_training_state
 from jobs.errors import OutOfMemoryHint
-from jobs.events import CheckpointEvent, FileDigest, FinishedEvent, JobEvent, LogEvent, StartedEvent, failed_event
+from jobs.events import (
+    CheckpointEvent,
+    FileDigest,
+    FinishedEvent,
+    LogEvent,
+    Report,
+    StartedEvent,
+    StopPoll,
+    failed_event,
+)
 from jobs.models import LossFn, family_of
 from jobs.reporting.telemetry import StepClock, device_identity, step_event
 from jobs.reporting.tracking import Tracking
@@ -29,8 +37,6 @@ from jobs.train.session import TrainingSession, close_session, open_session, res
 from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
-Report = Callable[[JobEvent], None]  # receives the typed events of jobs/events.py
-StopPoll = Callable[[], Literal["pause", "cancel"] | None]
 
 
 @dataclass(frozen=True)

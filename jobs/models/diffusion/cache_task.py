@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from jobs.errors import Problem
-from jobs.events import CacheProgressEvent, LogEvent, StartedEvent
+from jobs.events import CacheProgressEvent, LogEvent, Report, StartedEvent, StopPoll
 from jobs.models.diffusion.data.cache import (
     CacheWriter,
     data_fingerprint,
@@ -53,7 +53,9 @@ def cache_target_problems(spec: Any) -> list[Problem]:
     return []
 
 
-def run_cache_job(spec: Any, *, device: torch.device, report: Any, should_stop: Any) -> tuple[Status, int]:
+def run_cache_job(
+    spec: Any, *, device: torch.device, report: Report, should_stop: StopPoll | None
+) -> tuple[Status, int]:
     """Write (or finish, or reuse) the cache of ``spec``; returns (status, samples in the cache).
 
     Each progress event carries the throughput so far and the seconds spent in each encoder
