@@ -27,7 +27,8 @@ from offload.options import OffloadOptions, parse_bytes
 from offload.plan import UnitLayout, plan_memory
 from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
 from offload.quant.dequantize_on_arrival import room_bytes as arrival_room_bytes
-from offload.quant.quantized import QuantizedParamOffloader, is_quantized, link_bytes, stored_bytes
+from offload.quant.payload import is_quantized, link_bytes, stored_bytes
+from offload.quant.quantized import QuantizedParamOffloader
 from offload.ring import DeviceRing, Placement
 from offload.saved_tensors import SavedTensorRouter
 from offload.schedule import PrefetchSchedule
@@ -112,7 +113,7 @@ class OffloadTrainingManager:
             auto_budget.start_measuring(self.device)
         pin = self.options.pin_memory and can_pin_memory()
         self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes), pin=pin)
-        self.ring = DeviceRing(self.plan, self.device, reuse=self.options.reuse_ring_slots)
+        self.ring = DeviceRing(self.plan.ring_classes, self.device, reuse=self.options.reuse_ring_slots)
         self._stats.planned_device_bytes = self.ring.nbytes
         self._offloaders: dict[int, TensorOffloader] = {}
         self._placements: dict[int, tuple[int, Placement]] = {}  # id(unit) -> its ring class and placement

@@ -28,10 +28,10 @@ from torch import nn
 
 from offload.arena import PinnedArenaPool, aligned
 from offload.options import OffloadOptions
-from offload.quant.quantized import is_quantized
+from offload.quant.payload import is_quantized
+from offload.ring import RingClass
 from offload.units import UnitPlan, discover_units
 
-SLOT_ALIGNMENT = 512  # slot starts: generous for vectorized kernels reading the weights in place
 LinkBytes = Callable[[str, torch.Tensor], int]
 
 
@@ -63,27 +63,6 @@ class UnitLayout:
     ring_class: int | None
     slot: int
     room_offsets: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RingClass:
-    """Slots for units of one layout: ``depth`` slots of ``slot_bytes`` at ``offset`` in the ring buffer, each
-    with a room of ``room_bytes`` at ``room_offset`` in the room buffer (dequantized weights; usually 0)."""
-
-    slot_bytes: int
-    depth: int
-    members: int
-    offset: int
-    room_bytes: int = 0
-    room_offset: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.depth * _slot_stride(self.slot_bytes)
-
-    @property
-    def room_nbytes(self) -> int:
-        return self.depth * _slot_stride(self.room_bytes) if self.room_bytes else 0
 
 
 @dataclass(frozen=True)
@@ -311,7 +290,3 @@ def _place(name: str) -> str:
             parts[i] = "*"
             break
     return ".".join(parts)
-
-
-def _slot_stride(slot_bytes: int) -> int:
-    return (slot_bytes + SLOT_ALIGNMENT - 1) // SLOT_ALIGNMENT * SLOT_ALIGNMENT

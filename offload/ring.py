@@ -17,9 +17,38 @@ with the units the backward starts with, so the last units through each slot are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from offload.plan import MemoryPlan, _slot_stride
+SLOT_ALIGNMENT = 512  # slot starts: generous for vectorized kernels reading the weights in place
+
+
+def slot_stride(slot_bytes: int) -> int:
+    """The bytes one slot of ``slot_bytes`` takes in the ring's buffer: rounded up to ``SLOT_ALIGNMENT``."""
+    return (slot_bytes + SLOT_ALIGNMENT - 1) // SLOT_ALIGNMENT * SLOT_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class RingClass:
+    """Slots for units of one layout: ``depth`` slots of ``slot_bytes`` at ``offset`` in the ring buffer, each
+    with a room of ``room_bytes`` at ``room_offset`` in the room buffer (dequantized weights; usually 0)."""
+
+    slot_bytes: int
+    depth: int
+    members: int
+    offset: int
+    room_bytes: int = 0
+    room_offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.depth * slot_stride(self.slot_bytes)
+
+    @property
+    def room_nbytes(self) -> int:
+        return self.depth * slot_stride(self.room_bytes) if self.room_bytes else 0
 
 
 class RingSlot:
@@ -125,16 +154,18 @@ class Placement:
 
 
 class DeviceRing:
-    """The ring's one allocation and its slots, built from a :class:`MemoryPlan`."""
+    """The ring's one allocation and its slots, built from the memory plan's ring classes
+    (``MemoryPlan.ring_classes``, plan.py), which it lays out exactly as the plan sized them."""
 
-    def __init__(self, plan: MemoryPlan, device: torch.device, reuse: bool = True) -> None:
-        self.nbytes = plan.ring_bytes
-        self.buffer = torch.empty(max(self.nbytes - plan.room_bytes, 1), dtype=torch.uint8, device=device)
+    def __init__(self, classes: Sequence[RingClass], device: torch.device, reuse: bool = True) -> None:
+        room_bytes = sum(klass.room_nbytes for klass in classes)
+        self.nbytes = sum(klass.nbytes for klass in classes) + room_bytes  # the plan's ``ring_bytes``
+        self.buffer = torch.empty(max(self.nbytes - room_bytes, 1), dtype=torch.uint8, device=device)
         # A separate allocation: a dequantization reads the slot's payload while it writes the room.
-        self.rooms = torch.empty(max(plan.room_bytes, 1), dtype=torch.uint8, device=device)
+        self.rooms = torch.empty(max(room_bytes, 1), dtype=torch.uint8, device=device)
         self.slots: list[list[RingSlot]] = []
-        for klass in plan.ring_classes:
-            stride, room_stride = _slot_stride(klass.slot_bytes), _slot_stride(klass.room_bytes)
+        for klass in classes:
+            stride, room_stride = slot_stride(klass.slot_bytes), slot_stride(klass.room_bytes)
             self.slots.append(
                 [
                     RingSlot(

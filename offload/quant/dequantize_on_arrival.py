@@ -43,7 +43,8 @@ from offload.arena import aligned
 from offload.offloaders import copy_into_ring
 from offload.quant.nf4_dequantize import NF4Meta, PackedNF4, SpanLayout, dequantize_nf4_spans_into, span_layout
 from offload.quant.nf4_linear import is_nf4
-from offload.quant.quantized import QuantizedParamOffloader, is_quantized
+from offload.quant.payload import is_quantized
+from offload.quant.quantized import QuantizedParamOffloader
 from offload.transfers import PendingCopy
 
 if TYPE_CHECKING:

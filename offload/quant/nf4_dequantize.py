@@ -20,15 +20,12 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from offload.arena import aligned
-from offload.quant.quantized import QuantizedPayload, stored_bytes
-
-if TYPE_CHECKING:
-    from offload.quant.dequantize_on_arrival import DequantizedParamOffloader
+from offload.quant.payload import QuantizedPayload, stored_bytes
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +163,21 @@ NF4Part = tuple[str, int, int, int, torch.Size]  # an inner tensor: name, its dt
 SpanLayout = tuple[tuple[torch.dtype, ...], tuple[tuple[tuple[NF4Part, ...], NF4Meta], ...]]
 
 
-def span_layout(weights: Sequence[DequantizedParamOffloader | PackedNF4]) -> SpanLayout:
+class PlacedNF4(Protocol):
+    """An NF4 weight's payload at ``slot_offset`` of a slot, as ``span_layout`` reads it: a
+    ``DequantizedParamOffloader`` (dequantize_on_arrival.py) or a ``PackedNF4`` (no engine)."""
+
+    @property
+    def payload(self) -> QuantizedPayload: ...
+
+    @property
+    def slot_offset(self) -> int: ...
+
+    @property
+    def meta(self) -> NF4Meta: ...
+
+
+def span_layout(weights: Sequence[PlacedNF4]) -> SpanLayout:
     """Where ``weights`` (of one ring slot) lie in the slot: ``dequantize_nf4_spans_into``'s layout.
     Offsets are in elements of each inner tensor's dtype, so the graph reads typed views of the slot and
     casts no bytes itself (a dtype view inside the graph is an op of its own per inner tensor, per call)."""

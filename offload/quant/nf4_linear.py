@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload.quant.nf4_dequantize import nf4_weight_function
+
 log = logging.getLogger(__name__)
 
 
@@ -40,8 +42,6 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 @functools.cache
 def _compiled_dequantize() -> Any:
-    from offload.quant.nf4_dequantize import nf4_weight_function
-
     # torchao's values computed in one pointwise pass (nf4_dequantize.py): ``NF4Tensor.to(dtype)`` itself,
     # compiled, is two kernels, its final interleave filling a temporary that a second kernel copies out.
     weight_of = nf4_weight_function()

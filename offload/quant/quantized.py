@@ -29,35 +29,13 @@ from torch import nn
 from offload.arena import aligned
 from offload.offloaders import StaticParamOffloader, TensorOffloader, copy_into_ring
 from offload.quant.nf4_linear import CompiledNF4Linear, NF4Linear
+from offload.quant.payload import QuantizedPayload, is_quantized, stored_bytes
 from offload.transfers import CopyEngine, PendingCopy
 
 log = logging.getLogger(__name__)
 METHODS = ("nf4", "int8")
 NF4_BLOCK = 64  # QLoRA's block size: one absmax scale per 64 weights
 NF4_SCALER_BLOCK = 256  # the scales are themselves quantized in blocks of 256
-
-
-def is_quantized(tensor: torch.Tensor) -> bool:
-    """A torchao quantized tensor (a traceable wrapper subclass whose data lives in inner tensors)."""
-    return type(tensor).__module__.startswith("torchao.") and hasattr(tensor, "__tensor_flatten__")
-
-
-def inner_tensors(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The quantized tensor's inner tensors (codes, scales, ...) by attribute name."""
-    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]  # a traceable tensor subclass
-    return [(name, getattr(tensor, name)) for name in names]
-
-
-def stored_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor`` as stored and sent: its packed payload when quantized, else ``numel x size``."""
-    if not is_quantized(tensor):
-        return max(1, tensor.numel()) * tensor.element_size()
-    return sum(aligned(t.numel() * t.element_size()) for _, t in inner_tensors(tensor))
-
-
-def link_bytes(name: str, tensor: torch.Tensor) -> int:
-    """``plan_memory``'s size function: a quantized weight takes its stored bytes in the arena and the ring."""
-    return stored_bytes(tensor)
 
 
 def quantizable(module: nn.Module, method: str, *, shapes_only: bool = False) -> bool:
@@ -161,43 +139,6 @@ def _quantizer(method: str) -> Any:
         return lambda weight: to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK)
     # Per output channel (one scale per row), symmetric: torchao's int8 weight-only layout.
     return lambda weight: Int8Tensor.from_hp(weight, PerRow())
-
-
-class QuantizedPayload:
-    """A quantized tensor's inner tensors packed into one ``uint8`` buffer, and views that unpack it.
-
-    Args:
-        tensor: the torchao tensor (its inner tensors are copied in).
-        buffer: ``stored_bytes(tensor)`` bytes (a pinned arena allocation).
-    """
-
-    def __init__(self, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
-        _, self.context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-        self.kind = type(tensor)
-        self.shape, self.stride = tensor.shape, tensor.stride()
-        self.layout: list[tuple[str, int, int, torch.Size, torch.dtype]] = []  # name, offset, bytes, shape, dtype
-        offset = 0
-        for name, inner in inner_tensors(tensor):
-            nbytes = inner.numel() * inner.element_size()
-            self.layout.append((name, offset, nbytes, inner.shape, inner.dtype))
-            offset += aligned(nbytes)
-        self.buffer = buffer
-        for (_, inner), view in zip(inner_tensors(tensor), self.views(buffer).values(), strict=True):
-            view.copy_(inner)
-
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The inner tensors as views of ``buffer`` (the host payload or its device copy)."""
-        return {name: buffer[at : at + n].view(dtype).view(shape) for name, at, n, shape, dtype in self.layout}
-
-    def tensor_over(self, buffer: torch.Tensor, *, clone: bool = False) -> torch.Tensor:
-        """A frozen parameter of the same torchao type over ``buffer``'s bytes (cloned: its own memory)."""
-        inner = {k: v.clone() if clone else v for k, v in self.views(buffer).items()}
-        context = self.context
-        meta = context.get("tensor_meta") if isinstance(context, dict) else None
-        if meta is not None and hasattr(meta, "_replace"):  # NF4Tensor records its device in its metadata
-            context = {**context, "tensor_meta": meta._replace(device=buffer.device)}
-        rebuilt = self.kind.__tensor_unflatten__(inner, context, self.shape, self.stride)  # type: ignore[attr-defined]
-        return nn.Parameter(rebuilt, requires_grad=False)
 
 
 class QuantizedParamOffloader(StaticParamOffloader):

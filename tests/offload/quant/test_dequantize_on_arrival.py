@@ -181,7 +181,7 @@ def test_a_block_units_nf4_weights_are_dequantized_in_one_call_per_visit(
 ) -> None:
     """Each dequantization call costs host time (dynamo's guards and wrappers on the GPU): a block unit's two
     NF4 weights arrive together and are dequantized by one call, not one call each."""
-    from offload import nf4_dequantize as kernels
+    from offload.quant import nf4_dequantize as kernels
 
     calls: list[int] = []  # weights dequantized by each call
 
@@ -328,7 +328,7 @@ def test_the_compiled_dequantization_is_one_pointwise_pass_per_weight() -> None:
     weight's branch). Both slowed a block's dequantization 4.5x on the H200 (bench/RESULTS.md, issue 18)."""
     from torch._functorch.aot_autograd import aot_function
 
-    from offload import nf4_dequantize as kernels
+    from offload.quant import nf4_dequantize as kernels
 
     nf4s, slot, room, rooms, layout = _block_in_a_slot("cpu")
     dtypes, weights = layout
@@ -350,7 +350,7 @@ def test_the_compiled_dequantization_is_one_pointwise_pass_per_weight() -> None:
 
 @pytest.mark.gpu
 def test_a_blocks_compiled_dequantization_is_one_kernel_per_weight_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from offload import nf4_dequantize as kernels
+    from offload.quant import nf4_dequantize as kernels
     from offload.quant.nf4_dequantize import dequantize_nf4_spans_into
 
     if not torch.cuda.is_available():
@@ -378,7 +378,7 @@ def test_a_slots_dequantization_is_replayed_as_a_cuda_graph_over_the_live_buffer
     another slot gets a graph of its own."""
     from torchao.quantization import to_nf4
 
-    from offload import nf4_dequantize as kernels
+    from offload.quant import nf4_dequantize as kernels
     from offload.quant.nf4_dequantize import SlotGraphs, dequantize_nf4_spans_into, pack_nf4_into
 
     if not torch.cuda.is_available():

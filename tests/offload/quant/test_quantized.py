@@ -131,7 +131,7 @@ def test_quantized_offloaded_equals_quantized_resident(method: str, checkpointin
 def test_quantized_offloaded_matches_quantized_resident_on_gpu(
     method: str, compiled: bool, checkpointing: str | None
 ) -> None:
-    from offload import nf4_dequantize
+    from offload.quant import nf4_dequantize
 
     resident_losses, resident = train(make(method, checkpointing, compiled), None, device="cuda")
     replays = nf4_dequantize._SLOT_GRAPHS.replays
@@ -152,7 +152,7 @@ def test_quantized_offloaded_matches_quantized_resident_on_gpu(
 def test_dequantization_on_arrival_compiled_equals_torchao_on_gpu() -> None:
     from torchao.quantization import to_nf4
 
-    from offload import nf4_dequantize
+    from offload.quant import nf4_dequantize
     from offload.quant.nf4_dequantize import _eager, dequantize_nf4_all_into
 
     torch.manual_seed(0)
@@ -354,7 +354,7 @@ def test_the_compiled_layers_dequantization_is_one_pointwise_pass_with_torchaos_
     from torch._functorch.aot_autograd import aot_function
     from torchao.quantization import to_nf4
 
-    from offload import nf4_linear
+    from offload.quant import nf4_linear
 
     torch.manual_seed(0)
     weight = to_nf4(torch.randn(256, 512, dtype=torch.bfloat16), 64, 256)
