@@ -12,9 +12,10 @@ from torch import nn
 from jobs.checkpoints.export import HF_PRETRAINED
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily
+from jobs.models.hf_checkpoint import checkpoint_source
 from jobs.models.hf_names import hf_module_names
 from jobs.models.transformer_lm import lm_loss
-from jobs.models.weight_sources import RandomSource, SafetensorsSource, WeightSource
+from jobs.models.weight_sources import RandomSource, WeightSource
 from jobs.spec.sections import Dtype, Section, confined_path
 
 if TYPE_CHECKING:
@@ -66,10 +67,13 @@ def build_hf_causal_lm_on_meta(spec: HFCausalLMSpec, seed: int, device: torch.de
     config = _config(spec)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+    # from_pretrained ties the output head to the input embedding (tie_word_embeddings); on the meta device
+    # nothing has tied them yet. Tied, they are one tensor: one pinned copy, loaded once.
+    model.tie_weights()
     model.config.use_cache = False
     if spec.init == "random":
         return model, RandomSource(model, seed, getattr(config, "initializer_range", 0.02), device)
-    return model, SafetensorsSource.from_directory(model, Path(spec.path))
+    return model, checkpoint_source(model, Path(spec.path), load=lambda: build_hf_causal_lm(spec, seed))
 
 
 def _config(spec: HFCausalLMSpec) -> Any:

@@ -18,8 +18,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from safetensors.torch import load_file
 from torch import nn
 
-from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.errors import Problem
+from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily, linear_module_names
 from jobs.models.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
 from jobs.spec.sections import Dtype, Section, broken_rules, confined_path

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -44,6 +44,7 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 CHUNK_ELEMENTS = 1 << 24
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors caps its JSON header at 100 MB
 
 
 @dataclass(frozen=True)
@@ -89,15 +90,20 @@ class SafetensorsSource(WeightSource):
 
     kind = "safetensors"
 
-    def __init__(self, model: nn.Module, files: list[Path], threads: int = 8) -> None:
+    def __init__(self, model: nn.Module, entries: dict[str, StoredTensor], threads: int = 8) -> None:
         super().__init__(model)
-        self.entries: dict[str, tuple[Path, torch.dtype, list[int], int, int]] = {}
-        for path in files:
-            for key, entry in _read_header(path).items():
-                self.entries[key] = (path, *entry)
+        self.entries = entries
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ferry-load")
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_files(cls, model: nn.Module, files: list[Path]) -> SafetensorsSource:
+        """The tensors of these files, by their stored names."""
+        entries: dict[str, StoredTensor] = {}
+        for path in files:
+            entries.update(read_safetensors_header(path))
+        return cls(model, entries)
 
     @classmethod
     def from_directory(cls, model: nn.Module, directory: Path) -> SafetensorsSource:
@@ -105,11 +111,11 @@ class SafetensorsSource(WeightSource):
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return cls(model, [directory / shard for shard in shards])
+            return cls.from_files(model, [directory / shard for shard in shards])
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model.path {directory} has no *.safetensors weights; set model.init: random to train")
-        return cls(model, files)
+        return cls.from_files(model, files)
 
     def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
         key = next((n for n in self.names.get(id(tensor), [name]) if n in self.entries), None)
@@ -117,11 +123,19 @@ class SafetensorsSource(WeightSource):
             if not isinstance(tensor, nn.Parameter):  # a buffer the checkpoint does not store
                 raise ValueError(f"{name!r} is a meta buffer absent from the checkpoint")
             raise ValueError(f"the checkpoint has no tensor {self.names.get(id(tensor), [name])[0]!r}")
-        path, dtype, shape, start, end = self.entries[key]
-        if list(shape) != list(tensor.shape):
-            raise ValueError(f"checkpoint tensor {key!r} has shape {shape}; the model expects {list(tensor.shape)}")
+        entry = self.entries[key]
+        if list(entry.shape) != list(tensor.shape):
+            raise ValueError(
+                f"checkpoint tensor {key!r} has shape {list(entry.shape)}; the model expects {list(tensor.shape)}"
+            )
+        if entry.dtype_name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{entry.file}: tensor {key!r} has dtype {entry.dtype_name}, which Ferry cannot load")
+        self.read_into(entry, host)
+
+    def read_into(self, entry: StoredTensor, host: torch.Tensor) -> None:
+        """Read ``entry`` into ``host`` in a loader thread (``finish`` waits for it)."""
         self.bytes += host.numel() * host.element_size()
-        self._pending.append(self._pool.submit(_read_into, path, start, end, dtype, host))
+        self._pending.append(self._pool.submit(_read_into, entry.file, entry.start, entry.end, entry.dtype, host))
 
     def finish(self) -> LoadReport:
         for future in self._pending:
@@ -178,21 +192,48 @@ class RandomSource(WeightSource):
         return super().finish()
 
 
-def _read_header(path: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors file, from its header: where its bytes lie and what they hold."""
+
+    file: Path
+    key: str
+    dtype_name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self.dtype_name]
+
+
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """safetensors' header: 8 bytes of little-endian length, then JSON of dtype, shape and byte offsets."""
     with path.open("rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
+        head = handle.read(8)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 < length <= MAX_HEADER_BYTES:
+            raise ValueError(f"{path.name} is not a safetensors file (no valid header length)")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as error:
+            raise ValueError(f"{path.name} is not a safetensors file (its header is not JSON: {error})") from None
     base = 8 + length
     entries = {}
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {key!r} has dtype {entry['dtype']}, which Ferry cannot load")
         start, end = entry["data_offsets"]
-        entries[key] = (_DTYPES[entry["dtype"]], entry["shape"], base + start, base + end)
+        entries[key] = StoredTensor(path, key, entry["dtype"], tuple(entry["shape"]), base + start, base + end)
     return entries
+
+
+def read_stored(entry: StoredTensor) -> torch.Tensor:
+    """One stored tensor as a CPU tensor of its stored dtype (for conversions; plain tensors are read in place)."""
+    target = torch.empty(entry.shape, dtype=entry.dtype)
+    _read_into(entry.file, entry.start, entry.end, entry.dtype, target)
+    return target
 
 
 def _read_into(path: Path, start: int, end: int, dtype: torch.dtype, host: torch.Tensor) -> None:
