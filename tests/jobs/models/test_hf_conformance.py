@@ -158,7 +158,7 @@ def test_full_fine_tune_saves_what_from_pretrained_loads(arch: str, hf_roots: Pa
     )
     data.pop("lora")
     spec = spec_from(data, hf_roots)
-    losses, saved = losses_and_saved(spec, tmp_path, "model.safetensors")
+    losses, _ = losses_and_saved(spec, tmp_path, "model.safetensors")
     assert all(torch.isfinite(torch.tensor(losses))), losses
     checkpoint = next((tmp_path / "checkpoints").glob("step-*"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(checkpoint))
