@@ -1,11 +1,11 @@
-"""Models bigger than the card (issue 17): each run prints its table and writes JSON + markdown to --out.
+"""Models bigger than the card: each run prints its table and writes JSON + markdown to --out.
 
-    python bench/big_models.py headline --out /tmp/big   # 32B LoRA (Qwen2.5-32B shape, random init) through
-                                                         # the service over HTTP, gpu_memory_limit 24GiB
-    python bench/big_models.py disk14b --out /tmp/big    # 14B sharded safetensors written to local disk, then
-                                                         # loaded by a LoRA job under 16GiB; disk read rate too
-    python bench/big_models.py full3b --out /tmp/big     # 3B full fine-tune, model + optimizer offload, 16GiB
-    python bench/big_models.py headline --cpu --scale 0.02 --out /tmp/big   # the same path, tiny, anywhere
+    python bench/big_models.py headline --out big   # 32B LoRA (Qwen2.5-32B shape, random init) through
+                                                    # the service over HTTP, gpu_memory_limit 24GiB
+    python bench/big_models.py disk14b --out big    # 14B sharded safetensors written to local disk, then
+                                                    # loaded by a LoRA job under 16GiB; disk read rate too
+    python bench/big_models.py full3b --out big     # 3B full fine-tune, model + optimizer offload, 16GiB
+    python bench/big_models.py headline --cpu --scale 0.02 --out big   # the same path, tiny, anywhere
 
 Each figure sits beside its floor measured in the same run: the pinned host->device copy rate (GB/s) gives
 the copy floor 2 x weight bytes / H2D; the disk's own read rate (``dd iflag=direct``); a CPU AdamW step.
@@ -371,7 +371,7 @@ def main() -> None:
     parser.add_argument("run", choices=RUNS)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--limit", help="gpu_memory_limit (default: the issue's)")
+    parser.add_argument("--limit", help="gpu_memory_limit (default: 24GiB for headline, 16GiB for disk14b and full3b)")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
@@ -384,7 +384,9 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     header = (
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC — {device} — torch {torch.__version__} — "
-        f"commit {commit()}\n\nReproduce: `python bench/big_models.py {args.run} --out /tmp/big`\n\n"
+        f"commit {commit()}\n\nReproduce: `python bench/big_models.py {args.run} --out {args.out.name}"
+        f"{' --cpu' if args.cpu else ''}{f' --scale {args.scale:g}' if args.scale != 1.0 else ''}"
+        f"{f' --steps {args.steps}' if args.steps != 5 else ''}{f' --limit {args.limit}' if args.limit else ''}`\n\n"
     )
     text = header + markdown(record)
     print(text, flush=True)

@@ -545,7 +545,7 @@ def render(
         bound = max(resident, floor_budget)
         ferry = rows["ferry"]
         lines.append(
-            f"\nTarget (issue 16): Ferry's step <= 1.10 x max(resident step, copy floor) = {1.10 * bound:.2f} s; "
+            f"\nTarget: Ferry's step <= 1.10 x max(resident step, copy floor) = {1.10 * bound:.2f} s; "
             f"measured {ferry['step_s']:.2f} s ({ferry['step_s'] / bound:.2f}x). Fastest steps: Ferry "
             f"{ferry['min_step_s']:.2f} s, resident {rows['resident']['min_step_s']:.2f} s "
             f"({ferry['min_step_s'] / max(rows['resident']['min_step_s'], floor_budget):.2f}x)."

@@ -3,9 +3,9 @@ submit jobs, follow them to the end, read their figures, download and verify a c
 check refuse a job that cannot fit without offload. Writes a JSON transcript and, with --write-doc, its
 section of docs/gpu-e2e.md (``single_gpu``, or ``ray`` with ``--executor ray``).
 
-    python bench/gpu_e2e.py --out /tmp/e2e --write-doc                   # on the GPU box (the H200)
-    python bench/gpu_e2e.py --executor ray --out /tmp/e2e-ray --write-doc  # through a one-node Ray cluster
-    python bench/gpu_e2e.py --cpu --out /tmp/e2e                         # the same path with CPU jobs, anywhere
+    python bench/gpu_e2e.py --out e2e --write-doc                   # on the GPU box (the H200)
+    python bench/gpu_e2e.py --executor ray --out e2e-ray --write-doc  # through a one-node Ray cluster
+    python bench/gpu_e2e.py --cpu --out e2e                         # the same path with CPU jobs, anywhere
 
 The only difference from the container: the server binds 127.0.0.1 (the image binds 0.0.0.0 with a token).
 With ``--executor ray`` the script first starts a Ray head on this machine (``ray start --head``) and
@@ -280,15 +280,11 @@ def markdown(record: dict[str, Any]) -> str:
         )
     check = record["checkpoint"]
     command = (
-        "python bench/gpu_e2e.py --executor ray --out /tmp/e2e-ray --write-doc"
+        "python bench/gpu_e2e.py --executor ray --out e2e-ray --write-doc"
         if ray
-        else "python bench/gpu_e2e.py --out /tmp/e2e --write-doc"
+        else "python bench/gpu_e2e.py --out e2e --write-doc"
     )
-    heading = (
-        "## Through a one-node Ray cluster (issue 9)"
-        if ray
-        else "## One GPU, the service as the image runs it (issue 7)"
-    )
+    heading = "## Through a one-node Ray cluster" if ray else "## One GPU, the service as the image runs it"
     lines = [
         heading,
         "",

@@ -3,8 +3,8 @@
 split, samples, a checkpoint. Driven over HTTP only; prints a table and writes a JSON transcript and a
 markdown section (``--out``). The figures land in docs/llm-chat.md.
 
-    python bench/llm_chat_e2e.py --out /tmp/chat                 # on the GPU box (the H200)
-    python bench/llm_chat_e2e.py --cpu --out /tmp/chat           # a tiny config on the CPU: the same path
+    python bench/llm_chat_e2e.py --out chat                 # on the GPU box (the H200)
+    python bench/llm_chat_e2e.py --cpu --out chat           # a tiny config on the CPU: the same path
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -259,7 +258,11 @@ def main() -> int:
     args = parser.parse_args()
     result = run(args)
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
-    text = markdown(result, "python bench/llm_chat_e2e.py " + " ".join(sys.argv[1:]))
+    # The folder's name only: the document names no path of the machine that ran it.
+    command = (
+        f"python bench/llm_chat_e2e.py {'--cpu ' if args.cpu else ''}--out {args.out.name} --timeout {args.timeout:g}"
+    )
+    text = markdown(result, command)
     (args.out / "section.md").write_text(text)
     print(text)
     return 0 if result["status"] == "succeeded" else 1

@@ -3,8 +3,8 @@ watched while they run (GET /v1/workers, each job's record, nvidia-smi's process
 at once as there are GPUs, each alone on its GPU, that queued jobs start as a GPU frees and that all succeed.
 Writes multi_gpu.json and, with --write-doc, the "multi_gpu" section of docs/gpu-e2e.md.
 
-    python bench/multi_gpu.py --out /tmp/mg --write-doc        # on a box with two (or more) GPUs
-    python bench/multi_gpu.py --cpu --jobs 4 --out /tmp/mg     # CPU jobs on two simulated GPU slots, anywhere
+    python bench/multi_gpu.py --out mg --write-doc        # on a box with two (or more) GPUs
+    python bench/multi_gpu.py --cpu --jobs 4 --out mg     # CPU jobs on two simulated GPU slots, anywhere
 
 With --cpu the service runs with FERRY_DEVICES=0,1 whether or not there is a GPU: the same slots, claims and
 CUDA_VISIBLE_DEVICES pinning, with the training on the CPU. The nvidia-smi checks are skipped, and nothing is
@@ -71,7 +71,7 @@ def sample_gpus() -> dict[str, Any]:
 
 
 def config_for(cpu: bool) -> str:
-    """The issue's job (the 1.8B LoRA LM with model offload), or its tiny CPU twin."""
+    """The benchmark's job (the 1.8B LoRA LM with model offload), or its tiny CPU twin."""
     return "transformer_lm_lora_cpu.yaml" if cpu else "transformer_lm_lora_model-offload.yaml"
 
 
@@ -257,7 +257,7 @@ def main() -> None:
         "slots": len(workers),
         "command": (
             f"python bench/multi_gpu.py {'--cpu ' if args.cpu else ''}--jobs {args.jobs} --steps {args.steps} "
-            f"--out /tmp/mg{'' if args.cpu else ' --write-doc'}"
+            f"--out mg{'' if args.cpu else ' --write-doc'}"
         ),
         "spec_note": (
             f"Each job: configs/{config_for(args.cpu)} with training.steps = {args.steps} and "

@@ -1,4 +1,4 @@
-"""Host time of NF4 dequantization on arrival, accounted on the CPU with cProfile (issue 18).
+"""Host time of NF4 dequantization on arrival, accounted on the CPU with cProfile.
 
 On the GPU the LoRA step at 4096 tokens is bound by the host: each compiled dequantization call costs dynamo's
 guards and wrappers. This runs a small NF4 LoRA stack (bench/offload_bench.py's LoraModel, checkpointed)
@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.offload_bench import LoraModel
 from offload import OffloadOptions, OffloadTrainingManager
-from offload import dequantize_on_arrival as arrival
-from offload import nf4_dequantize as nf4_kernels
+from offload.quant import dequantize_on_arrival as arrival
+from offload.quant import nf4_dequantize as nf4_kernels
 from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
 from offload.quant.quantized import quantize_frozen_weights
 

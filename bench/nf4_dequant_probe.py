@@ -1,4 +1,4 @@
-"""Why the compiled NF4 dequantization speeds up a resident LoRA step but slows a streamed one (issue 18):
+"""Why the compiled NF4 dequantization speeds up a resident LoRA step but slows a streamed one:
 one dequantization call's host and device time (torchao eager against compiled), then a 4-block LoRA stack
 at 4096 tokens, resident and offloaded, with each form: the step, the host's time to issue it, and the
 compiled graphs dynamo made (a recompile or a fallback shows there).

@@ -1,7 +1,8 @@
 """Offload engine benchmark on one GPU: step time and peak memory, each mode beside its baselines.
 
-Run on a GPU box:  python bench/offload_bench.py [--workloads toy,lora4k,lora16k] [--steps 8]
-Prints a table and writes bench/RESULTS.md (date, GPU, torch, commit, figures).
+Run on a GPU box:  python bench/offload_bench.py [--workloads toy,lora4k,lora16k] [--steps 8] [--write]
+Prints a table (date, GPU, torch, commit, figures); ``--write`` puts it into bench/RESULTS.md between its
+``offload_bench`` markers, and the rest of the file stays as it is.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.doc_sections import replace_section
 from bench.link_rate import pinned_h2d_gbps
 from offload import OffloadOptions, OffloadTrainingManager
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+SECTION = "offload_bench"  # its text lies between <!-- offload_bench:start --> and <!-- offload_bench:end -->
 
 
 class ToyModel(nn.Module):
@@ -283,7 +286,7 @@ LORA_WEIGHT_BYTES = 16 * (4 * 4096 * 4096 + 2 * 4096 * 16384) * 2
 
 
 LORA_MODES = ["resident", *[m for m in MODES if "step-in-backward" not in m], "fsdp2"]
-# Issue 17's table: the reference schedule, FSDP2, Ferry's two granularities, and resident as the baseline.
+# The comparison table: the reference schedule, FSDP2, Ferry's two granularities, and resident as the baseline.
 TABLE_MODES = ["resident", "ferry-prefetch0-leaf (seed)", "fsdp2", "ferry-leaf", "ferry-block"]
 LIMITS = [(4096, "2.5GiB"), (4096, "3GiB"), (16384, "6.5GiB"), (16384, "8GiB")]
 LIMIT_MODES = ["ferry-prefetch0-leaf (seed)", "ferry-leaf", "ferry-block"]
@@ -335,7 +338,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    parser.add_argument(
+        "--write",
+        type=Path,
+        nargs="?",
+        const=RESULTS,
+        default=None,
+        help="put the table into this file's offload_bench section (default file: bench/RESULTS.md)",
+    )
     parser.add_argument("--out", type=Path, help="also write the table's markdown and JSON rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -353,9 +363,9 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     header = (
-        f"Offload engine benchmark — {datetime.date.today()} — {torch.cuda.get_device_name()} — "
+        f"{datetime.date.today()} — {torch.cuda.get_device_name()} — "
         f"torch {torch.__version__} — commit {commit()}\n\n"
-        f"Measured floor in this run: pinned host→device copy {h2d:.1f} GB/s; lora transfer floor "
+        f"Pinned host→device copy {h2d:.1f} GB/s; lora transfer floor "
         f"2 × {LORA_WEIGHT_BYTES / 1e9:.2f} GB / H2D = {2 * LORA_WEIGHT_BYTES / h2d / 1e6:.0f} ms.\n\n"
         f"Reproduce: `python bench/offload_bench.py --workloads {args.workloads} --steps {args.steps}`\n"
     )
@@ -368,8 +378,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "offload_bench.md").write_text(text)
         (args.out / "offload_bench.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    if not args.no_write:
-        RESULTS.write_text("# Benchmark results\n\n## Offload engine\n\n" + text)
+    if args.write is not None:
+        replace_section(args.write, SECTION, "## Offload engine\n\n" + text, title="Benchmark results")
 
 
 if __name__ == "__main__":

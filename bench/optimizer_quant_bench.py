@@ -1,6 +1,7 @@
-"""Issue 18's benchmark on one GPU: the CPU optimizer overlapped (exact and delayed) on the seed's toy model,
-and LoRA on a 3.2B stack with an NF4 base, offloaded and resident; the reference (the seed's serialized
-schedule) and FSDP2 CPU offload beside each row, every mode with the fused AdamW kernel.
+"""CPU optimizer overlap and quantized frozen weights on one GPU: the CPU optimizer overlapped (exact and
+delayed) on the seed's toy model, and LoRA on a 3.2B stack with an NF4 base, offloaded and resident; the
+reference (the seed's serialized schedule) and FSDP2 CPU offload beside each row, every mode with the fused
+AdamW kernel.
 
 Run on a GPU box:  python bench/optimizer_quant_bench.py [--workloads toy,lora4k,lora16k,kernels] [--steps 6] [--trace DIR]
 Prints a table; ``--write`` puts it into bench/RESULTS.md between its markers (the rest of the file stays).
@@ -32,8 +33,9 @@ from bench.offload_bench import ToyModel, fsdp2_wrap, make_lora_model
 from bench.offload_bench import timed_steps as measure
 from bench.provenance import commit
 from bench.trace_summary import summarize, top_kernels
-from offload import OffloadOptions, OffloadTrainingManager, dequantize_on_arrival
-from offload import nf4_dequantize as kernels
+from offload import OffloadOptions, OffloadTrainingManager
+from offload.quant import dequantize_on_arrival
+from offload.quant import nf4_dequantize as kernels
 from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader
 from offload.quant.nf4_linear import CompiledNF4Linear, is_nf4
 from offload.quant.quantized import quantize_frozen_weights, stored_bytes
@@ -588,8 +590,7 @@ def main() -> None:
     nf4_bytes = sum(stored_bytes(p) for p in _MODELS["nf4"].parameters()) if _MODELS else 0
     text = "\n".join(
         [
-            f"Issue 18 benchmark — {datetime.date.today()} — {torch.cuda.get_device_name()} — torch "
-            f"{torch.__version__} — commit {commit()}",
+            f"{datetime.date.today()} — {torch.cuda.get_device_name()} — torch {torch.__version__} — commit {commit()}",
             "",
             f"Pinned host→device copy {h2d:.1f} GB/s in this run; the lora stack's NF4 weights are "
             f"{nf4_bytes / 1e9:.2f} GB (bf16: 6.44 GB), so its NF4 copy floor is 2 × {nf4_bytes / 1e9:.2f} GB / H2D = "
@@ -605,7 +606,7 @@ def main() -> None:
     print("\n" + text)
     if args.write is not None:
         old = args.write.read_text() if args.write.exists() else ""
-        block = f"{START}\n## CPU optimizer overlap and quantized frozen weights (issue 18)\n\n{text}\n{END}"
+        block = f"{START}\n## CPU optimizer overlap and quantized frozen weights\n\n{text}\n{END}"
         if START in old:
             old = old[: old.index(START)] + block + old[old.index(END) + len(END) :]
         else:

@@ -3,7 +3,7 @@
 Starts its own server on 127.0.0.1 (a fresh data dir in a temp directory, CPU worker) unless --url is given,
 submits a CPU job, waits for its first step, then runs the clients. Reports requests/s, p50/p99 latency,
 errors and the time from POST to the job's first step, and writes its row into bench/RESULTS.md between
-the service_bench markers (other sections of that file are left as they are).
+the service_bench markers in place of the last run's (other sections of that file are left as they are).
 
     python bench/service_bench.py                      # 200 clients, 10 s
     python bench/service_bench.py --clients 50 --seconds 5 --no-write
@@ -29,10 +29,11 @@ import dashboard_mix
 import httpx
 import local_server
 import psutil
+from doc_sections import replace_section
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "RESULTS.md"
-START, END = "<!-- service_bench:start -->", "<!-- service_bench:end -->"
+SECTION = "service_bench"  # between <!-- service_bench:start --> and <!-- service_bench:end -->
 SPEC = """name: bench
 model: {kind: toy_mlp, hidden_size: 256, num_layers: 4}
 data: {kind: synthetic_regression}
@@ -149,30 +150,23 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def write_row(row: str) -> None:
-    """Add ``row`` to the service_bench section of bench/RESULTS.md, creating either if missing."""
+    """Put this run's ``row`` in the service_bench section of bench/RESULTS.md, in place of the last run's.
+
+    The section holds the current figure only; earlier runs are in git history.
+    """
     header = (
         "| date (UTC) | machine | server HTTP stack | clients | seconds | requests | req/s | p50 ms | p99 ms | "
         "errors | POST→first step s, cold / warm | job steps during load |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        old, after = rest.split(END, 1)
-        rows = [line for line in old.splitlines() if line.startswith("| 20")]
-    else:
-        before, after, rows = text.rstrip() + "\n\n", "\n", []
     note = (
-        "One row per run: the clients poll `GET /v1/jobs/{id}` over keep-alive connections while a CPU job "
+        "The clients poll `GET /v1/jobs/{id}` over keep-alive connections while a CPU job "
         "trains. Server, job and clients share the machine; `load` is its 1-minute load average at the end "
         "of the run, which includes any other work on it. POST→first step is the CPU smoke job's "
         "(configs/cpu_smoke.yaml): cold is the first job after start-up, warm the next one, which finds its "
         "slot's spare process with the imports done (FERRY_WARM_START).\n\n"
     )
-    section = (
-        f"{START}\n## Service: status polling under load (`bench/service_bench.py`)\n\n{note}"
-        f"{header}" + "\n".join([*rows, row]) + f"\n{END}"
-    )
-    RESULTS.write_text(before + section + after)
+    text = f"## Service: status polling under load (`bench/service_bench.py`)\n\n{note}{header}{row}"
+    replace_section(RESULTS, SECTION, text, title="Benchmark results")
 
 
 def main() -> None:
@@ -313,26 +307,15 @@ def _machine() -> str:
     return f"{platform.machine()} {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, commit {commit.stdout.strip()}"
 
 
-MIX_START, MIX_END = "<!-- dashboard_mix:start -->", "<!-- dashboard_mix:end -->"
+MIX_SECTION = "dashboard_mix"
 
 
 def _write_mix(rows: list[str], summary: str, args: argparse.Namespace) -> None:
-    """Add this run's rows and summary to the dashboard_mix section of bench/RESULTS.md (earlier runs stay)."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    old_rows: list[str] = []
-    old_summaries: list[str] = []
-    if MIX_START in text:
-        before, rest = text.split(MIX_START, 1)
-        old, after = rest.split(MIX_END, 1)
-        old_rows = [line for line in old.splitlines() if line.startswith("| 20")]
-        old_summaries = [line for line in old.splitlines() if line.startswith("- 20")]
-        legacy = [line for line in old.splitlines() if line.startswith("CPU per request")]  # one-run format
-        old_summaries += [f"- {old_rows[0].split(' | ')[0].removeprefix('| ')}: {line}" for line in legacy if old_rows]
-    else:
-        before, after = text.rstrip() + "\n\n", "\n"
+    """Put this run's rows and summary in the dashboard_mix section of bench/RESULTS.md, in place of the last
+    run's (earlier runs are in git history)."""
     dated = f"- {datetime.now(UTC):%Y-%m-%d %H:%M}, {_machine()}: {summary}."
-    section = (
-        f"{MIX_START}\n## Service: the open-loop dashboard mix (`bench/service_bench.py --mix`)\n\n"
+    text = (
+        "## Service: the open-loop dashboard mix (`bench/service_bench.py --mix`)\n\n"
         f"`python bench/service_bench.py --mix --seconds {args.seconds:g}`: per second, {args.clients} job pages "
         f"poll their job once, the list is read {args.list_rate} times, and one SSE stream replays a finished "
         f"job of {args.replay_events} events from the start, over and over, while a CPU job trains. Latency "
@@ -343,12 +326,11 @@ def _write_mix(rows: list[str], summary: str, args: argparse.Namespace) -> None:
         "spec checker and the job processes are processes of their own).\n\n"
         "| date (UTC) | machine | server | requests | errors | p50 ms | p99 ms | max ms | CPU ms/request | "
         "RSS MiB | POST→first step s, cold / warm |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
-        + "\n".join([*old_rows, *rows])
+        + "\n".join(rows)
         + "\n\n"
-        + "\n".join([*old_summaries, dated])
-        + f"\n{MIX_END}"
+        + dated
     )
-    RESULTS.write_text(before + section + after)
+    replace_section(RESULTS, MIX_SECTION, text, title="Benchmark results")
 
 
 if __name__ == "__main__":
