@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -24,11 +24,12 @@ from jobs.spec.sections import Section
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
 
+JobT = TypeVar("JobT", bound="JobSpec")  # the job as a family's callbacks see it, with its own sections
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelFamily:
+class ModelFamily(Generic[JobT]):
     """One model family: its spec section and every per-family decision the jobs package makes.
 
     Attributes:
@@ -66,6 +67,14 @@ class ModelFamily:
         drop_precomputed: ``drop_precomputed(job_spec, meta_model)`` removes, for the fit check, the layers whose
             outputs the job computes once before training and keeps on the host (the DiT's modulation table), so
             the check sizes what the device holds and the engine streams; None: nothing is precomputed.
+        data_specs: The ``data:`` sections only this family reads (each a `Section` with its own ``kind``),
+            added to the job spec's data union after the shared ones.
+        job_sections: Top-level job sections this family adds, ``name -> (annotation, pydantic Field)``.
+        training_fields: Fields this family adds to ``training:``, ``name -> (annotation, pydantic Field)``.
+        section_rules: ``rule(job_spec, job_family)``: checks of the family's own ``job_sections`` that run for
+            every job, whatever its model (another family's job may still give the section), each returning its
+            (path, message) problems; ``job_family`` is the entry of the job's own ``model.kind``.
+        task_help: A line of help per name of ``tasks``, shown in the ``task`` field's description.
         build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
             with its weights on the meta device and the source that fills the offload engine's pinned host
             copies directly (jobs/models/weight_sources.py); None when the family can only be built in memory.
@@ -77,24 +86,29 @@ class ModelFamily:
     loss: LossFn
     data_kinds: tuple[str, ...]
     meta_model: Callable[[Any], nn.Module]
-    activation_bytes: Callable[[JobSpec, nn.Module], int]
+    activation_bytes: Callable[[JobT, nn.Module], int]
     lora_target_names: Callable[[Any], list[str] | None]
     module_names_from_files: Callable[[Any], list[str]] | None = None
     peft_task_type: str | None = None
     enable_gradient_checkpointing: Callable[[nn.Module], None] | None = None
     weights_format: WeightsFormat = TRAINABLE_SAFETENSORS
-    rules: tuple[Callable[[JobSpec], list[Problem]], ...] = ()
+    rules: tuple[Callable[[JobT], list[Problem]], ...] = ()
     shrink_hint: str = "data.seq_len"
     synthetic_width: Callable[[Any], int] | None = None
     keeps_packed_documents_apart: bool = False
     apply_lora: Callable[[nn.Module, Any], nn.Module] | None = None
-    build_data: Callable[[JobSpec, torch.device, nn.Module], Any] | None = None
-    make_sampler: Callable[[JobSpec, torch.device], Any] | None = None
+    build_data: Callable[[JobT, torch.device, nn.Module], Any] | None = None
+    make_sampler: Callable[[JobT, torch.device], Any] | None = None
     tasks: Mapping[str, Callable[..., tuple[Literal["succeeded", "paused", "cancelled"], int]]] = field(
         default_factory=dict
     )
-    drop_precomputed: Callable[[JobSpec, nn.Module], None] | None = None
+    drop_precomputed: Callable[[JobT, nn.Module], None] | None = None
     build_on_meta: Callable[[Any, int, torch.device], tuple[nn.Module, WeightSource]] | None = None
+    data_specs: tuple[type[Section], ...] = ()
+    job_sections: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+    training_fields: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+    section_rules: tuple[Callable[[JobSpec, ModelFamily[Any]], list[Problem]], ...] = ()
+    task_help: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation

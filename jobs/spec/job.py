@@ -3,7 +3,11 @@
 Components are picked by ``kind`` from a closed set (discriminated unions), never by an import path:
 specs arrive over HTTP and must not name code to run. Field-level rules live on the sections as
 ``_check_*`` validators; rules that span sections are the ``_check_*`` functions of rules.py, which
-``JobSpec._check_all_rules`` runs so that every violation is reported together.
+`load_job_spec` runs over the built spec so that every violation is reported together.
+
+This module names no model family: ``model:``, the family-only data kinds, the families' extra sections
+(``cache:``, ``sample:``, ...) and ``training:`` fields and their tasks are assembled from the registry
+(jobs/models/registry.py), each family contributing through its `ModelFamily` entry.
 """
 
 from __future__ import annotations
@@ -12,24 +16,14 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
 
-# The built-in families' sections, importable from here as before (``X as X``: an explicit re-export).
-from jobs.models.diffusion.spec import (
-    CacheSpec,
-    DiffusionCacheDataSpec,
-    ImageCaptionDataSpec,
-    SampleSpec,
-    TimestepRange,
-)
-from jobs.models.hf_causal_lm import HFCausalLMSpec as HFCausalLMSpec
-from jobs.models.registry import model_spec_annotation
-from jobs.models.toy_mlp import ToyMLPSpec as ToyMLPSpec
-from jobs.models.transformer_lm import TransformerLMSpec as TransformerLMSpec
+from jobs.models import registry
 from jobs.spec.llm import EvalSpec, InstructionFields, TextSamplesSpec, TrackingSpec
 from jobs.spec.sections import Dtype as Dtype
 from jobs.spec.sections import Section, broken_rules, confined_path
-from offload import OffloadOptions, parse_bytes
+from offload import OffloadOptions
+from offload import parse_bytes as parse_bytes
 from offload.options import AUTO_BUDGET
 
 # Bounds a run can hold: a step counter and a sample count (steps x batch) stay far inside int64.
@@ -42,7 +36,7 @@ MAX_BATCH = 1_048_576
 if TYPE_CHECKING:
     ModelSpec = Any
 else:
-    ModelSpec = model_spec_annotation()
+    ModelSpec = registry.model_spec_annotation()
 
 
 # ---- data --------------------------------------------------------------------------------------------
@@ -116,9 +110,12 @@ class TextDataSpec(Section):
         return confined_path(value, info, "data")
 
 
-DataSpec = Annotated[
-    SyntheticRegressionSpec | TextDataSpec | ImageCaptionDataSpec | DiffusionCacheDataSpec, Field(discriminator="kind")
-]
+# The data kinds every family may share; a family adds the kinds only it reads (``ModelFamily.data_specs``).
+SHARED_DATA_SPECS = (SyntheticRegressionSpec, TextDataSpec)
+if TYPE_CHECKING:  # a family's own kinds: its job type (e.g. DiffusionJobSpec) narrows ``data`` to them
+    DataSpec = SyntheticRegressionSpec | TextDataSpec
+else:
+    DataSpec = registry.data_spec_annotation(SHARED_DATA_SPECS)
 
 
 # ---- lora, training, offload, checkpoint -------------------------------------------------------------
@@ -159,9 +156,7 @@ class TrainingSpec(Section):
         "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
     )
     gradient_checkpointing: bool = False
-    # Flow matching (diffusion models; jobs/models/diffusion/flow_match.py documents both).
-    timestep_range: TimestepRange = Field(TimestepRange(), description="part of the noise schedule to train on")
-    timestep_weighting: Literal["bell", "none"] = Field("bell", description="loss weight per timestep")
+    # The families' own fields follow (ModelFamily.training_fields), added below.
 
     @model_validator(mode="after")
     def _check_steps_or_epochs(self) -> TrainingSpec:
@@ -292,17 +287,29 @@ class JobSpec(Section):
     text_samples: TextSamplesSpec | None = Field(None, description="text from fixed prompts (language models)")
     tracking: TrackingSpec = TrackingSpec()
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="auto: CUDA when present, else the CPU")
-    task: Literal["train", "cache"] = Field("train", description="cache: encode data.kind image_caption once")
-    cache: CacheSpec | None = Field(None, description="where task: cache writes")
-    sample: SampleSpec | None = Field(None, description="images from fixed prompts with each checkpoint")
+    task: str = Field("train", description="train, or a task of the model's family")
+    # The families' own sections follow (ModelFamily.job_sections), added below.
 
-    @model_validator(mode="after")
-    def _check_all_rules(self) -> JobSpec:
-        """Run every cross-section rule and report all violations in one error (expanded by loading.py)."""
-        # rules.py needs the models package, which imports this module: import at call time.
-        from jobs.spec.rules import cross_section_problems
 
-        problems = cross_section_problems(self)
-        if problems:
-            raise broken_rules(problems)
-        return self
+# ---- what the families add ---------------------------------------------------------------------------
+# The type checker sees the shared sections above; the classes built from them here are the ones that
+# validate (and pickle: they keep the names). A field a family adds lands after the shared ones, in
+# registry order, so the valid keys an error lists read as before.
+if not TYPE_CHECKING:
+    TrainingSpec = create_model(
+        "TrainingSpec",
+        __base__=TrainingSpec,
+        __module__=__name__,
+        __doc__=TrainingSpec.__doc__,
+        **registry.training_fields(),
+    )
+    _task, _task_help = registry.task_annotation()
+    JobSpec = create_model(
+        "JobSpec",
+        __base__=JobSpec,
+        __module__=__name__,
+        __doc__=JobSpec.__doc__,
+        training=(TrainingSpec, Field(TrainingSpec(), description="required for task: train (steps or epochs)")),
+        task=(_task, Field("train", description=_task_help)),
+        **registry.job_sections(),
+    )

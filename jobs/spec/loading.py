@@ -1,9 +1,13 @@
-"""The one place YAML becomes a `JobSpec`, with every problem located (path, line) and typos suggested."""
+"""The one place YAML becomes a `JobSpec`, with every problem located (path, line) and typos suggested.
+
+Each section checks its own fields (pydantic); the rules across sections (rules.py, and each model family's
+own) run here over the built spec, as torchtune validates a built config outside its classes, and their
+problems are reported together with any duplicate key or refused number.
+"""
 
 from __future__ import annotations
 
 import difflib
-import types
 import typing
 from typing import Any
 
@@ -13,8 +17,9 @@ from pydantic import BaseModel, ValidationError
 from jobs.errors import JobSpecError, SpecProblem
 from jobs.paths import PathRoots
 from jobs.spec.job import JobSpec
+from jobs.spec.rules import cross_section_problems
 from jobs.spec.text import ParsedSpec, line_in, parse_spec_text
-from jobs.spec.values import PATTERN_RULES, SYNONYMS, bad_numbers, bad_strings
+from jobs.spec.values import PATTERN_RULES, SYNONYMS, bad_numbers, bad_strings, flatten_annotation
 
 Loc = tuple[str | int, ...]
 
@@ -62,15 +67,27 @@ def load_job_spec(text: str | ParsedSpec, roots: PathRoots | None = None) -> Job
     numbers = [
         SpecProblem(".".join(path), message, line_in(path, lines)) for path, message in bad_numbers(data, JobSpec)
     ]
+    flagged = {p.path for p in numbers}
     try:
         spec = JobSpec.model_validate(data, context={"roots": roots or PathRoots.here()})
     except ValidationError as exc:
-        flagged = {p.path for p in numbers}
         problems = duplicates + numbers + [p for p in _problems(exc, data, lines) if p.path not in flagged]
         raise JobSpecError(sorted(problems, key=lambda p: (p.line or 0, p.path))) from None
-    if duplicates or numbers:
-        raise JobSpecError(sorted(duplicates + numbers, key=lambda p: (p.line or 0, p.path)))
+    # The sections are valid: now the rules across them, over the built spec.
+    rules = [p for p in _rule_problems(spec, lines) if p.path not in flagged]
+    if duplicates or numbers or rules:
+        raise JobSpecError(sorted(duplicates + numbers + rules, key=lambda p: (p.line or 0, p.path)))
     return spec
+
+
+def _rule_problems(spec: JobSpec, lines: dict[tuple[str, ...], int]) -> list[SpecProblem]:
+    """The cross-section rules' problems, each at its path's line. A rule that raises ``ValueError`` is
+    reported as a problem of the whole spec."""
+    try:
+        found = cross_section_problems(spec)
+    except ValueError as exc:
+        return [SpecProblem("", str(exc), line_in([], lines))]
+    return [SpecProblem(path, message, line_in(path.split("."), lines)) for path, message in found]
 
 
 def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int]) -> list[SpecProblem]:
@@ -142,7 +159,9 @@ def _valid_keys(loc: Loc) -> list[str]:
         field = model.model_fields.get(str(parts.pop(0)))
         if field is None:
             return []
-        candidates = [t for t in _flatten(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        candidates = [
+            t for t in flatten_annotation(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)
+        ]
         if len(candidates) > 1 and parts:  # discriminated union: the next location part is the tag
             tag = parts.pop(0)
             candidates = [c for c in candidates if typing.get_args(c.model_fields["kind"].annotation)[:1] == (tag,)]
@@ -150,14 +169,6 @@ def _valid_keys(loc: Loc) -> list[str]:
             return []
         model = candidates[0]
     return list(model.model_fields)
-
-
-def _flatten(annotation: Any) -> list[Any]:
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _flatten(typing.get_args(annotation)[0])
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [t for arg in typing.get_args(annotation) for t in _flatten(arg)]
-    return [annotation]
 
 
 def _closest(word: str, candidates: list[str]) -> str | None:

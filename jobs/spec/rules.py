@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from jobs.errors import Problem
 from jobs.models.names import lora_target_matches
-from jobs.models.registry import family_of
+from jobs.models.registry import FAMILIES, family_of
 from jobs.spec.rules_llm import RULES as LLM_RULES
 
 if TYPE_CHECKING:
@@ -85,12 +85,6 @@ def _check_task_supported(spec: JobSpec) -> list[Problem]:
         problems.append(("training.steps", "give exactly one of training.steps and training.epochs"))
     if spec.task != "train" and spec.task not in family.tasks:
         problems.append(("task", f"model.kind={spec.model.kind} has no task {spec.task!r}; use task: train"))
-    if spec.task == "cache" and spec.cache is None:
-        problems.append(("cache", "task: cache needs a cache section: cache: {path: <directory under a data root>}"))
-    if spec.task != "cache" and spec.cache is not None:
-        problems.append(("cache", "only task: cache writes a cache; to train from one use data.kind: diffusion_cache"))
-    if spec.sample is not None and family.make_sampler is None:
-        problems.append(("sample", f"model.kind={spec.model.kind} does not generate samples; remove the section"))
     return problems
 
 
@@ -132,6 +126,15 @@ RULES = (
 
 
 def cross_section_problems(spec: JobSpec) -> list[Problem]:
-    """Every cross-section problem of ``spec``; empty when the combination is valid."""
-    family_rules = family_of(spec.model).rules
-    return [problem for rule in (*RULES, *family_rules) for problem in rule(spec)]
+    """Every cross-section problem of ``spec``; empty when the combination is valid.
+
+    `load_job_spec` runs this over the built spec and reports its problems with the fields' own. The rules:
+    the shared ones above, every family's rules over the sections it adds to any job, then the rules of the
+    job's own family.
+    """
+    family = family_of(spec.model)
+    problems = [problem for rule in RULES for problem in rule(spec)]
+    sections = [
+        problem for owner in FAMILIES.values() for rule in owner.section_rules for problem in rule(spec, family)
+    ]
+    return problems + sections + [problem for rule in family.rules for problem in rule(spec)]

@@ -75,7 +75,7 @@ def bad_numbers(data: Any, model: type[BaseModel], path: Path_ = ()) -> list[tup
 
 def _section_for(annotation: Any, value: dict) -> type[BaseModel] | None:
     """The section type a mapping is validated as: the only one, or the one whose ``kind`` it names."""
-    models = [t for t in _flatten(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+    models = [t for t in flatten_annotation(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
     if len(models) == 1:
         return models[0]
     for candidate in models:
@@ -91,15 +91,16 @@ def _takes_bool(annotation: Any) -> bool:
         t is bool
         or t is Any
         or (typing.get_origin(t) is Literal and any(isinstance(a, bool) for a in typing.get_args(t)))
-        for t in _flatten(annotation)
+        for t in flatten_annotation(annotation)
     )
 
 
-def _flatten(annotation: Any) -> list[Any]:
+def flatten_annotation(annotation: Any) -> list[Any]:
+    """The types a field's annotation admits: ``Annotated`` unwrapped, unions (nested ones too) spread out."""
     if typing.get_origin(annotation) is typing.Annotated:
-        return _flatten(typing.get_args(annotation)[0])
+        return flatten_annotation(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [t for arg in typing.get_args(annotation) for t in _flatten(arg)]
+        return [t for arg in typing.get_args(annotation) for t in flatten_annotation(arg)]
     return [annotation]
 
 

@@ -189,8 +189,8 @@ def _train(
         info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict())
         files = [FileDigest(**entry) for entry in info.files]
         report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
-        if session.sampler is not None and spec.sample is not None:
-            for event in keep_samples(info, output_dir, spec.sample.prompts):
+        if session.sampler is not None:
+            for event in keep_samples(info, output_dir, session.sampler.prompts):
                 report(event)
         return info
 
@@ -232,7 +232,7 @@ def _train(
             )
         )
         stop_early = between.after_step(step)
-        sample_every = spec.sample.every_steps if spec.sample is not None else None
+        sample_every = session.sampler.every_steps if session.sampler is not None else None
         due = [n for n in (every, sample_every) if n is not None and step % n == 0]
         if due and step < total:
             saved = checkpoint_now()

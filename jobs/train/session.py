@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -28,7 +28,17 @@ from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
 log = logging.getLogger(__name__)
 
 
-@dataclass
+class Sampler(Protocol):
+    """What a family's ``make_sampler`` returns: samples written into each checkpoint, on a schedule."""
+
+    every_steps: int  # generate (and checkpoint) every N optimizer steps, and at the end
+    prompts: list[str]  # the fixed prompts, in the order of the samples' files
+
+    def write(self, model: nn.Module, directory: Path) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+@dataclass(kw_only=True)
 class TrainingSession:
     """Everything a training loop needs, built by `open_session` and torn down by `close_session`."""
 
@@ -44,8 +54,8 @@ class TrainingSession:
     total_steps: int
     start_step: int
     resumed_from: CheckpointInfo | None
-    family: ModelFamily  # the model's registry entry: how its weights are checkpointed
-    sampler: Any = None  # writes samples into each checkpoint (family.make_sampler), or None
+    family: ModelFamily[Any]  # the model's registry entry: how its weights are checkpointed
+    sampler: Sampler | None = None  # writes samples into each checkpoint (family.make_sampler), or None
     text: TextData | None = None  # text jobs: the tokenizer and the eval set
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
     load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
@@ -69,26 +79,78 @@ def total_steps(spec: JobSpec, data: BatchSource) -> int:
 
 
 def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSession:
-    """Build the run, following the seed's integration.
+    """Build the run, following the seed's integration, one named step after another.
 
     With model offload the model stays on the CPU: it is never ``.to(device)``-ed nor passed to
     ``accelerator.prepare``; the engine attaches to it instead. Accelerate handles the rest (device,
-    mixed precision, loss scaling, optimizer and scheduler wrapping).
+    mixed precision, loss scaling, optimizer and scheduler wrapping). The order of the steps is the order of
+    the random draws, so a resumed job and a fresh one see the same numbers.
     """
+    accelerator, limit = _setup_device(spec)
+    device = accelerator.device
+    family = family_of(spec.model)
+    loading_started = time.perf_counter()
+    model, loss_fn, source = _setup_model(spec, family, device)
+    checkpoint = latest_valid_checkpoint(output_dir) if resume else None
+    if checkpoint is not None and source is None:
+        family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
+    data, text = _setup_data(spec, family, device, model)
+    sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
+    _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
+    model.train()
+    manager = _setup_offload(spec, model, device, limit, source)
+    if checkpoint is not None and source is not None:
+        # Into the engine's host masters and device adapters, now that the meta tensors are real.
+        family.weights_format.load(model, Path(checkpoint.path))
+    forward_model = model if manager is not None else accelerator.prepare(model)  # to the device, mixed precision
+    load = _load_stats(model, source, loading_started)
+    steps = total_steps(spec, data)
+    raw_optimizer, optimizer, scheduler = _setup_optimizer(spec, model, accelerator, steps)
+    start_step, extra = _resume(checkpoint, raw_optimizer, scheduler)
+    if manager is not None:
+        _setup_optimizer_offload(spec, manager, raw_optimizer)
+    return TrainingSession(
+        accelerator=accelerator,
+        device=device,
+        model=model,
+        forward_model=forward_model,
+        loss_fn=loss_fn,
+        data=data,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        manager=manager,
+        total_steps=steps,
+        start_step=start_step,
+        resumed_from=checkpoint,
+        family=family,
+        sampler=sampler,
+        text=text,
+        resumed_extra=extra,
+        load=load,
+    )
+
+
+def _setup_device(spec: JobSpec) -> tuple[Accelerator, int | None]:
+    """The accelerator on the spec's device, the device memory limit applied, the seeds set."""
     training = spec.training
     device = resolve_device(spec.device)
     accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=training.mixed_precision)
-    device = accelerator.device
     # Before anything is allocated on the device, with or without offload: the job behaves as on a card of
     # this size (the engine re-applies the same limit, so a manager used alone enforces it too).
     limit = parse_bytes(spec.offload.gpu_memory_limit, name="offload.gpu_memory_limit")
     if limit is not None:
-        set_gpu_memory_limit(device, limit, name="offload.gpu_memory_limit")
+        set_gpu_memory_limit(accelerator.device, limit, name="offload.gpu_memory_limit")
     torch.manual_seed(training.seed)
     random.seed(training.seed)
+    return accelerator, limit
 
-    family = family_of(spec.model)
-    loading_started = time.perf_counter()
+
+def _setup_model(
+    spec: JobSpec, family: ModelFamily[Any], device: torch.device
+) -> tuple[nn.Module, LossFn, WeightSource | None]:
+    """The model with its adapters, precision and quantization, its loss, and the source that fills the
+    engine's pinned copies when it was built on the meta device (None: built in memory)."""
+    training = spec.training
     source = None
     if _loads_into_pinned_memory(spec, family):
         # Built on the meta device: the engine's pinned arena is filled from the source directly, and
@@ -112,79 +174,79 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     quantize = getattr(spec.model, "quantize", None)
     if quantize is not None:
         _quantize_base(model, quantize, device)
-    checkpoint = latest_valid_checkpoint(output_dir) if resume else None
-    if checkpoint is not None and source is None:
-        family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
+    return model, loss_fn, source
+
+
+def _setup_data(
+    spec: JobSpec, family: ModelFamily[Any], device: torch.device, model: nn.Module
+) -> tuple[BatchSource, TextData | None]:
+    """The training batches (the family's own data, or the shared kinds), and the text data of text jobs."""
     if family.build_data is not None:
-        data, text = family.build_data(spec, device, model), None
-    else:
-        data, text = _build_data(spec, family)
-    sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
-    _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
-    model.train()
+        return family.build_data(spec, device, model), None
+    return _build_data(spec, family)
 
-    manager, forward_model = None, model
-    if spec.offload.enable_model_cpu_offload:
-        manager = OffloadTrainingManager(
-            model,
-            device,
-            enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
-            cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
-            options=spec.offload.engine_options(gpu_memory_limit=limit),
-            initialize=source.fill if source is not None else None,
-        )
-        if checkpoint is not None and source is not None:
-            # Into the engine's host masters and device adapters, now that the meta tensors are real.
-            family.weights_format.load(model, Path(checkpoint.path))
-    else:
-        forward_model = accelerator.prepare(model)  # to the device, with mixed precision on its forward
-    load = _load_stats(model, source, loading_started)
+
+def _setup_offload(
+    spec: JobSpec, model: nn.Module, device: torch.device, limit: int | None, source: WeightSource | None
+) -> OffloadTrainingManager | None:
+    """The offload engine attached to ``model`` under model offload; None without it."""
+    if not spec.offload.enable_model_cpu_offload:
+        return None
+    return OffloadTrainingManager(
+        model,
+        device,
+        enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
+        cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
+        options=spec.offload.engine_options(gpu_memory_limit=limit),
+        initialize=source.fill if source is not None else None,
+    )
+
+
+def _setup_optimizer(
+    spec: JobSpec, model: nn.Module, accelerator: Accelerator, steps: int
+) -> tuple[torch.optim.Optimizer, Any, Any]:
+    """The optimizer over the trainable weights and its schedule: the raw optimizer, and both as accelerate
+    wraps them."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    steps = total_steps(spec, data)
-    raw_optimizer = build_optimizer(trainable, training)
-    optimizer, scheduler = accelerator.prepare(raw_optimizer, build_scheduler(raw_optimizer, training, steps))
+    raw_optimizer = build_optimizer(trainable, spec.training)
+    optimizer, scheduler = accelerator.prepare(raw_optimizer, build_scheduler(raw_optimizer, spec.training, steps))
+    return raw_optimizer, optimizer, scheduler
 
-    start_step, extra = 0, {}
-    if checkpoint is not None:
-        state = load_training_state(Path(checkpoint.path))
-        # Into the raw optimizer: torch puts each state tensor on its parameter's device (the CPU under
-        # optimizer offload), where accelerate's wrapper would first move everything to the accelerator.
-        raw_optimizer.load_state_dict(state["optimizer"])
-        scheduler.scheduler.load_state_dict(state["scheduler"])
-        restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
-        start_step, extra = state["step"], state.get("extra", {})
-        log.info("resuming from %s at step %d", checkpoint.path, start_step)
-    if manager is not None and spec.offload.enable_optimizer_cpu_offload and training.max_grad_norm is None:
-        # Each parameter's CPU update runs while the GPU's backward continues. Not with clipping: a global
-        # norm needs every gradient first. After load_state_dict, which replaces the optimizer's state.
+
+def _resume(
+    checkpoint: CheckpointInfo | None, raw_optimizer: torch.optim.Optimizer, scheduler: Any
+) -> tuple[int, dict[str, Any]]:
+    """The step to start from and the runner's saved state: the checkpoint's, with the optimizer, schedule and
+    random state restored from it; (0, {}) for a fresh run."""
+    if checkpoint is None:
+        return 0, {}
+    state = load_training_state(Path(checkpoint.path))
+    # Into the raw optimizer: torch puts each state tensor on its parameter's device (the CPU under
+    # optimizer offload), where accelerate's wrapper would first move everything to the accelerator.
+    raw_optimizer.load_state_dict(state["optimizer"])
+    scheduler.scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
+    log.info("resuming from %s at step %d", checkpoint.path, state["step"])
+    return state["step"], state.get("extra", {})
+
+
+def _setup_optimizer_offload(
+    spec: JobSpec, manager: OffloadTrainingManager, raw_optimizer: torch.optim.Optimizer
+) -> None:
+    """Optimizer offload: each parameter's CPU update runs while the GPU's backward continues."""
+    training = spec.training
+    if spec.offload.enable_optimizer_cpu_offload and training.max_grad_norm is None:
+        # Not with clipping: a global norm needs every gradient first. After load_state_dict, which
+        # replaces the optimizer's state.
         manager.attach_optimizer(
             raw_optimizer,
             accumulation_steps=training.gradient_accumulation_steps,
             delayed_update=spec.offload.delayed_update,
             warmup_steps=spec.offload.delayed_update_warmup_steps,
         )
-    return TrainingSession(
-        accelerator,
-        device,
-        model,
-        forward_model,
-        loss_fn,
-        data,
-        optimizer,
-        scheduler,
-        manager,
-        steps,
-        start_step,
-        checkpoint,
-        family,
-        sampler,
-        text,
-        extra,
-        load,
-    )
 
 
-def _loads_into_pinned_memory(spec: JobSpec, family: ModelFamily) -> bool:
+def _loads_into_pinned_memory(spec: JobSpec, family: ModelFamily[Any]) -> bool:
     """Build on meta and fill the pinned arena directly when every weight that is built lives there: model
     offload with a family that can, and the trainable weights either adapters (materialized apart) or
     hosted by optimizer offload (full fine-tuning without it keeps every weight on the device)."""
@@ -215,7 +277,7 @@ def _load_stats(model: nn.Module, source: WeightSource | None, started: float) -
     )
 
 
-def _build_data(spec: JobSpec, family: ModelFamily) -> tuple[BatchSource, TextData | None]:
+def _build_data(spec: JobSpec, family: ModelFamily[Any]) -> tuple[BatchSource, TextData | None]:
     training = spec.training
     if spec.data.kind != "text":
         width = family.synthetic_width(spec.model) if family.synthetic_width else None

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from accelerate import init_empty_weights
+from pydantic import Field
 from torch import nn
 
 from jobs.checkpoints.weights import WeightsFormat
+from jobs.errors import Problem
 from jobs.models.diffusion.model import (
     apply_dit_lora,
     build_dit,
@@ -25,12 +27,19 @@ from jobs.models.diffusion.model import (
     load_dit,
     save_dit,
 )
-from jobs.models.diffusion.spec import DiffusersTransformerSpec
+from jobs.models.diffusion.spec import (
+    CacheSpec,
+    DiffusersTransformerSpec,
+    DiffusionCacheDataSpec,
+    ImageCaptionDataSpec,
+    SampleSpec,
+    TimestepRange,
+)
 from jobs.models.diffusion.variants import family_of as pipeline_family
-from jobs.errors import Problem
 from jobs.models.family import ModelFamily, activation_element_size, linear_module_names
 
 if TYPE_CHECKING:
+    from jobs.models.diffusion.spec import DiffusionJobSpec
     from jobs.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
@@ -46,7 +55,7 @@ def meta_dit(spec: DiffusersTransformerSpec) -> nn.Module:
         return cls.from_config(cls.load_config(str(Path(spec.path) / "transformer")))
 
 
-def dit_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
+def dit_activation_bytes(spec: DiffusionJobSpec, model: nn.Module) -> int:
     """Tokens x width per block, for an MMDiT block (attention, modulation, a 4x MLP on both streams).
 
     Image tokens: ``max_pixels / 256`` (8x VAE, 2x2 patches; frames multiply). With gradient checkpointing
@@ -66,7 +75,7 @@ def dit_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     return layers * block + block
 
 
-def _token_counts(spec: JobSpec, read_manifest: Any) -> tuple[int, int]:
+def _token_counts(spec: DiffusionJobSpec, read_manifest: Any) -> tuple[int, int]:
     data: Any = spec.data  # image_caption or diffusion_cache (data_kinds)
     if data.kind == "diffusion_cache":
         manifest = read_manifest(data.path) or {"shards": []}
@@ -79,7 +88,7 @@ def _token_counts(spec: JobSpec, read_manifest: Any) -> tuple[int, int]:
     return frames * data.max_pixels // 256, data.max_sequence_length or _PROMPT_TOKENS_GUESS
 
 
-def build_diffusion_data(spec: JobSpec, device: torch.device, model: nn.Module) -> Any:
+def build_diffusion_data(spec: DiffusionJobSpec, device: torch.device, model: nn.Module) -> Any:
     """Batches from the cache, or from the images with the encoders loaded for the whole job; each batch
     carries its rows of the DiT's precomputed modulation when the job uses one (`uses_modulation_table`)."""
     from jobs.models.diffusion.data.batches import DiffusionBatches, OnTheFlySamples, SampleSource
@@ -108,7 +117,7 @@ def build_diffusion_data(spec: JobSpec, device: torch.device, model: nn.Module) 
     )
 
 
-def uses_modulation_table(spec: JobSpec) -> bool:
+def uses_modulation_table(spec: DiffusionJobSpec) -> bool:
     """``model.precompute_modulation``, or by default: a LoRA job under model offload whose DiT allows it."""
     from jobs.models.diffusion.modulation_table import modulation_problem
     from jobs.models.diffusion.variants import transformer_config
@@ -123,7 +132,7 @@ def uses_modulation_table(spec: JobSpec) -> bool:
     )
 
 
-def drop_precomputed_modulation(spec: JobSpec, model: nn.Module) -> None:
+def drop_precomputed_modulation(spec: DiffusionJobSpec, model: nn.Module) -> None:
     """For the fit check: the meta DiT without the modulation layers a table replaces (they never reach the
     device), when the job uses one."""
     if not uses_modulation_table(spec):
@@ -136,7 +145,7 @@ def drop_precomputed_modulation(spec: JobSpec, model: nn.Module) -> None:
             getattr(block, name)[1] = nn.Identity()
 
 
-def _modulation_table(spec: JobSpec, model: nn.Module, timesteps: Any, device: torch.device) -> Any:
+def _modulation_table(spec: DiffusionJobSpec, model: nn.Module, timesteps: Any, device: torch.device) -> Any:
     """The table for the timesteps training draws and the samples' Euler steps, installed on ``model``; None
     (with a warning) when the default would need a layer that trains (set ``true``, the job fails instead)."""
     import contextlib
@@ -163,7 +172,7 @@ def _modulation_table(spec: JobSpec, model: nn.Module, timesteps: Any, device: t
     return table
 
 
-def make_sampler(spec: JobSpec, device: torch.device) -> Any:
+def make_sampler(spec: DiffusionJobSpec, device: torch.device) -> Any:
     """The sample section's sampler: prompts encoded now (then the text encoder is dropped), the VAE kept."""
     if spec.sample is None:
         return None
@@ -180,14 +189,31 @@ def make_sampler(spec: JobSpec, device: torch.device) -> Any:
     return Sampler(spec.sample, embeds, encoders, negative_embeds=negative)
 
 
-def run_cache_task(spec: JobSpec, **kwargs: Any) -> tuple[Literal["succeeded", "paused", "cancelled"], int]:
+def run_cache_task(spec: DiffusionJobSpec, **kwargs: Any) -> tuple[Literal["succeeded", "paused", "cancelled"], int]:
     from jobs.models.diffusion.cache_task import run_cache_job
 
     return run_cache_job(spec, **kwargs)
 
 
 # ---- submit-time rules -------------------------------------------------------------------------------
-def _check_cache_task(spec: JobSpec) -> list[Problem]:
+def _check_cache_section(spec: JobSpec, family: ModelFamily[Any]) -> list[Problem]:
+    # Runs for every job (section_rules): a job of any family may give the section.
+    cache = getattr(spec, "cache", None)
+    if spec.task == "cache" and cache is None:
+        return [("cache", "task: cache needs a cache section: cache: {path: <directory under a data root>}")]
+    if spec.task != "cache" and cache is not None:
+        return [("cache", "only task: cache writes a cache; to train from one use data.kind: diffusion_cache")]
+    return []
+
+
+def _check_sample_section(spec: JobSpec, family: ModelFamily[Any]) -> list[Problem]:
+    # Runs for every job (section_rules): ``family`` (the job's) must be one that writes samples.
+    if getattr(spec, "sample", None) is not None and family.make_sampler is None:
+        return [("sample", f"model.kind={spec.model.kind} does not generate samples; remove the section")]
+    return []
+
+
+def _check_cache_task(spec: DiffusionJobSpec) -> list[Problem]:
     if spec.task != "cache" or spec.cache is None:  # no cache section: rules.py names it
         return []
     if spec.data.kind != "image_caption":
@@ -197,7 +223,7 @@ def _check_cache_task(spec: JobSpec) -> list[Problem]:
     return cache_target_problems(spec)
 
 
-def _check_cache_data(spec: JobSpec) -> list[Problem]:
+def _check_cache_data(spec: DiffusionJobSpec) -> list[Problem]:
     if spec.data.kind != "diffusion_cache":
         return []
     from jobs.models.diffusion.data.cache import cache_problems_for_training
@@ -205,7 +231,7 @@ def _check_cache_data(spec: JobSpec) -> list[Problem]:
     return [("data.path", message) for message in cache_problems_for_training(spec.data.path, spec.model)]
 
 
-def _check_encoders_present(spec: JobSpec) -> list[Problem]:
+def _check_encoders_present(spec: DiffusionJobSpec) -> list[Problem]:
     needs = spec.task == "cache" or spec.data.kind == "image_caption" or spec.sample is not None
     missing = [part for part in ("text_encoder", "tokenizer", "vae") if not (Path(spec.model.path) / part).is_dir()]
     if needs and missing:
@@ -223,7 +249,7 @@ def _check_encoders_present(spec: JobSpec) -> list[Problem]:
     return []
 
 
-def _check_frames(spec: JobSpec) -> list[Problem]:
+def _check_frames(spec: DiffusionJobSpec) -> list[Problem]:
     if pipeline_family(spec.model.path).name != "qwen_image":
         return []
     problems = []
@@ -234,7 +260,7 @@ def _check_frames(spec: JobSpec) -> list[Problem]:
     return problems
 
 
-def _check_modulation_table(spec: JobSpec) -> list[Problem]:
+def _check_modulation_table(spec: DiffusionJobSpec) -> list[Problem]:
     if not getattr(spec.model, "precompute_modulation", None):
         return []
     from jobs.models.diffusion.modulation_table import modulation_problem
@@ -264,4 +290,19 @@ FAMILY = ModelFamily(
     drop_precomputed=drop_precomputed_modulation,
     make_sampler=make_sampler,
     tasks={"cache": run_cache_task},
+    task_help={"cache": "encode data.kind image_caption once"},
+    data_specs=(ImageCaptionDataSpec, DiffusionCacheDataSpec),
+    job_sections={
+        "cache": (CacheSpec | None, Field(None, description="where task: cache writes")),
+        "sample": (SampleSpec | None, Field(None, description="images from fixed prompts with each checkpoint")),
+    },
+    # Flow matching (flow_match.py documents both).
+    training_fields={
+        "timestep_range": (
+            TimestepRange,
+            Field(TimestepRange(), description="part of the noise schedule to train on"),
+        ),
+        "timestep_weighting": (Literal["bell", "none"], Field("bell", description="loss weight per timestep")),
+    },
+    section_rules=(_check_cache_section, _check_sample_section),
 )

@@ -32,6 +32,8 @@ class Sampler:
         negative_embeds: torch.Tensor | None = None,
     ) -> None:
         self.spec, self.prompt_embeds, self.encoders = sample_spec, prompt_embeds, encoders
+        self.every_steps: int = sample_spec.every_steps
+        self.prompts: list[str] = list(sample_spec.prompts)
         self.negative_embeds = negative_embeds  # None: no guidance (guidance_scale 1)
 
     def write(self, model: nn.Module, directory: Path) -> list[str]:

@@ -1,13 +1,14 @@
 """The spec sections of diffusion jobs: the DiT model, image/caption data, its cache, and samples.
 
-Kept here rather than in jobs/spec/job.py so diffusion grows without touching the file every job kind shares;
-jobs/spec/job.py adds them to its sections and unions. Paths are confined to the model and data roots like every other path.
+Kept here rather than in jobs/spec/job.py so diffusion grows without touching the file every job kind shares:
+the family's registry entry (family.py) contributes them, and jobs/spec/job.py assembles the job spec from the
+registry. Paths are confined to the model and data roots like every other path.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -144,3 +145,22 @@ class TimestepRange(Section):
         if self.min >= self.max:
             raise broken_rules([("min", f"must be below timestep_range.max ({self.max}); got {self.min}")])
         return self
+
+
+if TYPE_CHECKING:
+    from jobs.spec.job import JobSpec, TrainingSpec
+
+    class DiffusionTrainingSpec(TrainingSpec):
+        """``training:`` with the fields this family adds (its registry entry's ``training_fields``)."""
+
+        timestep_range: TimestepRange
+        timestep_weighting: Literal["bell", "none"]
+
+    class DiffusionJobSpec(JobSpec):
+        """A job as this family's callbacks see it: its model section, and the sections it adds to every job."""
+
+        model: DiffusersTransformerSpec
+        data: ImageCaptionDataSpec | DiffusionCacheDataSpec  # type: ignore[assignment]  # kinds the registry adds
+        training: DiffusionTrainingSpec
+        cache: CacheSpec | None
+        sample: SampleSpec | None

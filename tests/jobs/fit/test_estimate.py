@@ -57,7 +57,7 @@ def test_lora_keeps_only_adapters_and_their_state_on_the_device(roots: PathRoots
 
 def _meta_lm(data: dict[str, Any]) -> torch.nn.Module:
     from jobs.models.names import meta_model
-    from jobs.spec.job import TransformerLMSpec
+    from jobs.models.transformer_lm import TransformerLMSpec
 
     return meta_model(TransformerLMSpec(**data["model"]))
 

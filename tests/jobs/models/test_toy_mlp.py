@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from jobs.models import build_model
-from jobs.spec.job import ToyMLPSpec
+from jobs.models.toy_mlp import ToyMLPSpec
 
 
 def test_toy_matches_the_seed_shape_and_loss() -> None:

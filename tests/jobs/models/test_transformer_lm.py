@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from jobs import PathRoots
 from jobs.models import build_model
 from jobs.models.names import builtin_module_names
-from jobs.spec.job import TransformerLMSpec
+from jobs.models.transformer_lm import TransformerLMSpec
 from tests.jobs.helpers import TINY_LM, merged, python_calls, spec_from
 
 SPEC = TransformerLMSpec(

@@ -21,7 +21,7 @@ from jobs import PathRoots, run_job
 from jobs.events import StartedEvent, StepEvent
 from jobs.models.transformer_lm import build_transformer_lm, build_transformer_lm_on_meta
 from jobs.models.weight_sources import RandomSource, SafetensorsSource
-from jobs.spec.job import TransformerLMSpec
+from jobs.models.transformer_lm import TransformerLMSpec
 from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import TINY_LM, merged, spec_from
 
@@ -115,7 +115,7 @@ def test_meta_load_peak_rss_is_the_weights_once(tmp_path: Path) -> None:
         f"""
         import json, resource, sys, torch, numpy  # imports are not what is measured
         from safetensors.torch import save_file
-        from jobs.spec.job import TransformerLMSpec
+        from jobs.models.transformer_lm import TransformerLMSpec
         from jobs.models.transformer_lm import build_transformer_lm, build_transformer_lm_on_meta
         from offload import OffloadTrainingManager
         spec = TransformerLMSpec(kind="transformer_lm", vocab_size=257, hidden_size=1024, num_layers=8,
