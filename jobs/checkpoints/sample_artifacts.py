@@ -38,14 +38,3 @@ def keep_samples(info: CheckpointInfo, output_dir: Path, prompts: list[str]) -> 
             )
         )
     return events
-
-
-def list_samples(output_dir: Path) -> list[tuple[int, Path, list[str]]]:
-    """(step, folder, image names) of every step with samples, oldest first."""
-    root = Path(output_dir) / SAMPLES_DIR
-    found = []
-    for folder in sorted(root.glob("step-*")) if root.is_dir() else []:
-        names = sorted(p.name for p in folder.iterdir() if _SAMPLE_NAME.match(p.name))
-        if names:
-            found.append((int(folder.name.removeprefix("step-")), folder, names))
-    return found

@@ -44,7 +44,7 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
     else:
         kept, block_backward = layers * layer, layer
     # The loss: logits, their float32 copy and log-softmax. They are gone before the blocks' backward starts,
-    # so the peak is the larger of the two phases on top of what is kept (measured on an H200 for the 6.7B
-    # LoRA config: 4.12 GB against 4.60 estimated; adding both phases gave 5.73).
+    # so the peak is the larger of the two phases on top of what is kept (adding both phases overestimates a
+    # measured LoRA peak; docs hold the comparison).
     logits = n * dims.vocab * (e + 8)
     return kept + max(logits, block_backward) + 4 * n * h * e  # + embeddings and final norm

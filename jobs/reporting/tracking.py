@@ -129,7 +129,7 @@ class _MLflow:
 
         self.mlflow = mlflow
         if options.tracking_uri is None:
-            # The default is a file store under the job's output (no server, no database). MLflow 3.x keeps it
+            # The default is a file store under the job's output (no server, no database). MLflow 3 keeps it
             # in maintenance mode and refuses it unless this is set; the job's process is the only reader.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(options.tracking_uri or (output_dir / "mlruns").resolve().as_uri())

@@ -5,10 +5,9 @@ Ferry's own ``transformer_lm``; ``hf_causal_lm`` asks transformers for the same 
 
 torch's non-reentrant checkpoint (diffusers' default) runs Python hooks for every tensor a block saves: two
 when the forward saves it, one more in the recompute and one when backward unpacks it. A Qwen-Image block
-saves about 120 tensors, so on the 60-layer DiT those hooks are most of the step's Python calls: 516k calls
-per step with the non-reentrant variant against 184k with this one
-(``python bench/diffusion_host_calls.py --layers 60 --resident``, the same tiny DiT). The H200's DiT step is
-bound by the host issuing kernels (bench/RESULTS.md), so host work per step is step time, offloaded or not.
+saves over a hundred tensors, so on a deep DiT those hooks are most of the step's Python calls
+(``python bench/diffusion_host_calls.py`` counts them; bench/RESULTS.md has the figures). A DiT step on a fast
+GPU is bound by the host issuing kernels, so host work per step is step time, offloaded or not.
 
 The reentrant variant runs the block under ``no_grad`` in forward, keeps only its inputs, and in backward
 recomputes the block and backpropagates through it inside one autograd node. The values and gradients are the

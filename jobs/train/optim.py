@@ -24,8 +24,8 @@ def fused_for(params: list[torch.nn.Parameter]) -> bool | None:
     """Adam(W)'s ``fused``: True when some parameters are on the CPU (optimizer offload) and all are floating
     point on the CPU or a CUDA device, else torch's own choice (None).
 
-    On the CPU the fused kernel is 4-5x faster than the default for-loop/foreach one: 41 ms against 189 ms for
-    168M parameters on a 16-core host (shared/design/offload-engine.md). With a memory budget, optimizer
+    On the CPU the fused kernel is several times faster than the default for-loop/foreach one (the figures are in
+    shared/design/offload-engine.md). With a memory budget, optimizer
     offload keeps the first parameters on the GPU (offload/plan.py); torch's default for such a mixed list is
     the for-loop kernel on both devices, so the fused one is asked for there too (it steps each device apart).
     """

@@ -56,9 +56,9 @@ def meta_dit(spec: DiffusersTransformerSpec) -> nn.Module:
 
 
 def dit_activation_bytes(spec: DiffusionJobSpec, model: nn.Module) -> int:
-    """Tokens x width per block, for an MMDiT block (attention, modulation, a 4x MLP on both streams).
+    """Tokens x width per block, for an MMDiT block (attention, modulation, an MLP four times as wide on both streams).
 
-    Image tokens: ``max_pixels / 256`` (8x VAE, 2x2 patches; frames multiply). With gradient checkpointing
+    Image tokens: ``max_pixels / 256`` (the VAE's factor of 8, patches of 2 by 2; frames multiply). With gradient checkpointing
     each block keeps its two inputs, and one block's internals (about 14 h + 2 ffn per token) exist at once.
     """
     from jobs.models.diffusion.data.cache import read_manifest

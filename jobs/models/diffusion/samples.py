@@ -44,7 +44,7 @@ class Sampler:
         self.encoders.close()
 
     def latent_shape(self) -> tuple[int, ...]:
-        """The latents that decode to the sample's size, from the VAE's own down-sampling (8x in the
+        """The latents that decode to the sample's size, from the VAE's own down-sampling (a factor of 8 in the
         released models; 2 per stage, in time 2 per stage marked in ``temperal_downsample``)."""
         vae = self.encoders.vae
         spatial, temporal = 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
