@@ -103,10 +103,10 @@ def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
 def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
     """Reentrant activation checkpointing of the decoder layers, under either transformers name.
 
-    Reentrant, because the non-reentrant variant runs Python hooks for every tensor a layer saves: a tiny
-    Llama's LoRA step makes 5.9x the Python calls of the same step without checkpointing with it, and 1.95x
-    (the recomputed forward) with the reentrant one (tests/jobs/models/test_hf_checkpointing.py); a step of
-    small batches is bound by the host issuing kernels. The reentrant variant needs the layers' input to
+    Reentrant, because the non-reentrant variant runs Python hooks for every tensor a layer saves, several
+    times the Python calls of the reentrant one, which adds only the recomputed forward
+    (tests/jobs/models/test_hf_checkpointing.py counts them); a step of small batches is bound by the host
+    issuing kernels. The reentrant variant needs the layers' input to
     require grad, which LoRA's frozen embeddings do not give: ``enable_input_require_grads`` makes the
     embeddings' output require it (what transformers does itself for models fed ``input_ids``, and peft when
     it wraps a model that is not quantized). The decoder layers return one tensor, so no output goes without
