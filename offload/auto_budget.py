@@ -18,8 +18,8 @@ from offload.options import AUTO_BUDGET
 
 __all__ = ["AUTO_BUDGET", "MEASURED_AFTER_STEPS", "measured_budget", "start_measuring"]
 MEASURED_AFTER_STEPS = 2
-# Kept free under the ceiling: allocator fragmentation (reserved above allocated: 1.5 GiB of a 24 GiB job
-# in bench/RESULTS.md's DiT rows) and what later steps allocate that the measured ones did not.
+# Kept free under the ceiling: allocator fragmentation (the caching allocator reserves more than is allocated,
+# and the gap grows with the job) and what later steps allocate that the measured ones did not.
 MARGIN_FRACTION = 1 / 16
 MIN_MARGIN_BYTES = 512 << 20
 

@@ -65,7 +65,7 @@ def set_gpu_memory_limit(
 
     Enforced by the CUDA caching allocator (``torch.cuda.set_per_process_memory_fraction``): an allocation
     that would take the process's reserved memory past the limit fails with an out-of-memory error, even
-    when the card has room. The CUDA context itself (~0.5 GiB) is outside the allocator and not counted.
+    when the card has room. The CUDA context itself is outside the allocator and not counted.
     ``None`` lifts the limit. Returns the limit in force (``None`` on the CPU, where it means nothing).
 
     Raises:

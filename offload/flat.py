@@ -8,17 +8,13 @@ while a member is held, and a trainable host master updated by the CPU optimizer
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from offload.arena import PinnedArenaPool, aligned
 from offload.layout import shaped_like
-from offload.offloaders import BufferOffloader, StaticParamOffloader, copy_into_ring, frozen_fingerprint
+from offload.offloaders import BufferOffloader, StaticParamOffloader
+from offload.ring import Placement, copy_into_ring, frozen_fingerprint
 from offload.transfers import CopyEngine, PendingCopy, in_backward
-
-if TYPE_CHECKING:
-    from offload.ring import Placement
 
 
 class FlatGroup:
@@ -87,7 +83,7 @@ class FlatGroup:
 
     # A unit whose tensors are this span's members acquires, prefetches and releases them all at once: per
     # member the same steps as its own acquire/prefetch/release (offloaders.py), in one walk instead of a
-    # few method calls each. A DiT block has ~40 members, used in forward, recompute and backward, and
+    # few method calls each. A DiT block has dozens of members, used in forward, recompute and backward, and
     # that per-member Python is host time the GPU waits for on a launch-bound step.
     def acquire_all(self) -> None:
         """Every member's ``acquire``: held, resident, and ready on the current stream."""

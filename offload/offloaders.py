@@ -2,7 +2,8 @@
 the CPU optimizer's gradients, is in trainable.py).
 
 Every offloader keeps the tensor object itself stable (optimizers and autograd hold references to it) and
-swaps its ``.data`` between a host copy and a device copy. Residency is reference-counted:
+swaps its ``.data`` between a host copy and a device copy (the lifecycle: ``TensorOffloader``). Residency
+is reference-counted:
 
 * ``holds``: forwards currently running that use the tensor (a unit's forward, a module called twice,
   or a permanent hold when a memory budget keeps it resident).
@@ -17,15 +18,61 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from offload.ring import Placement, copy_into_ring, frozen_fingerprint
 from offload.transfers import CopyEngine, PendingCopy, in_backward
 
 if TYPE_CHECKING:
     from offload.flat import FlatGroup
-    from offload.ring import Placement
 
 
 class TensorOffloader:
-    """Residency bookkeeping shared by every kind; subclasses say how to onload and offload."""
+    """Residency bookkeeping shared by every kind; subclasses say how to onload and offload.
+
+    The lifecycle of an offloader, stage by stage: the method that implements each stage here (or in the
+    subclass named), and who calls it. The manager's hooks drive every stage; each hook's ``RemovableHandle``
+    is kept so that detaching undoes attaching.
+
+    1. Attach (manager.py, ``OffloadTrainingManager.__init__``): ``_make_unit`` builds one offloader per
+       tensor (``_offloader_for`` picks the kind) and gives it its ``placement`` and ``slot_offset`` in the
+       device ring from the memory plan, its ``group`` (``FlatGroup.add``, flat.py) or NF4 ``batch``
+       (``ArrivalBatch``, quant/dequantize_on_arrival.py), and ``on_backward_use``. ``_attach`` then registers
+       a forward pre-hook and a forward hook on each unit's modules and, for a trainable host master, a
+       post-accumulate-grad hook; ``SavedTensorRouter`` (saved_tensors.py) is pushed around each unit's forward.
+    2. Allocate the host copy (the subclass's ``__init__``, called by the manager with memory from
+       ``PinnedArenaPool.allocate``, arena.py, or a span's ``FlatGroup.host_view``): the tensor's value is
+       copied into it (or ``initialize`` fills it, ``_materialize``) and ``tensor.data`` then *is* the host
+       copy (``torch.utils.swap_tensors`` for a quantized weight). ``AlwaysOnGPUParamOffloader`` instead moves
+       its tensor to the device once, here, and is a no-op in every later stage until detach.
+    3. Onload before forward (``OffloadTrainingManager._onload_before_forward`` -> ``OffloadUnit.onload``,
+       units.py): ``acquire`` takes a hold and ``ensure_resident`` calls ``onload``, which copies the host copy
+       into its ring slot (``copy_into_ring``, ring.py, through ``CopyEngine.to_device``, transfers.py) and
+       points the tensor at it (``attach``); the compute stream waits for the copy (``CopyEngine.wait``).
+       Ahead of it, ``PrefetchSchedule.forward_onloaded`` (schedule.py) calls ``prefetch`` on the next units'
+       offloaders, which queues their ``onload`` on the copy stream.
+    4. Offload after forward (``OffloadTrainingManager._offload_after_forward`` -> ``OffloadUnit.offload``):
+       ``release`` drops the hold, and with the last one ``offload`` points the tensor back at its host copy
+       and frees the slot (``Placement.release``, ring.py), unless autograd's saved references still need the
+       weight soon (``keep_if_saved``). Meanwhile the router's ``pack`` has saved a token instead of the device
+       copy (``SavedWeight``, which calls ``token_packed``).
+    5. Onload before backward (``SavedWeight.unpack``, saved_tensors.py, when a backward node needs the
+       weight): ``ensure_resident`` onloads it again if it was dropped, and ``on_backward_use``
+       (``PrefetchSchedule.weight_unpacked``) prefetches what the backward needs next. A checkpoint recompute
+       goes through stages 3 and 4 again, inside the backward.
+    6. Offload after backward (``SavedWeight.__del__``, when autograd frees the node's saved tensors):
+       ``token_released``, and with the last token and no hold, ``offload``. A trainable master's gradient goes
+       to the host as it is accumulated (``OffloadTrainingManager._offload_grad_after_backward`` ->
+       ``TrainableParamOffloader.offload_grad``, trainable.py). ``OffloadTrainingManager.after_backward``
+       offloads whatever is still resident and gives host gradients to ``param.grad`` (``hand_over_grad``).
+    7. Optimizer step (the user's ``optimizer.step()``; with ``attach_optimizer``, ``StepDuringBackward``,
+       optimizer_step.py, per parameter on a worker thread as each gradient lands): only a trainable host
+       master changes, in place on the host; ``TrainableParamOffloader.acquire`` and ``onload`` call
+       ``before_read`` first, so no copy reads a half-updated weight. Frozen kinds never change. Between steps
+       the memory budget (``PrefetchSchedule.apply_budget``) may call ``leave_ring`` and ``acquire`` once to
+       keep a unit resident for good.
+    8. Detach (``OffloadTrainingManager.remove``): every hook handle is removed, then ``detach`` leaves the
+       tensor an ordinary CPU tensor holding its current value, out of the arena (a trainable one with its
+       gradient), as it was before attaching.
+    """
 
     kind = "tensor"
 
@@ -113,47 +160,6 @@ class TensorOffloader:
     def __repr__(self) -> str:
         where = self.device_copy.device if self.device_copy is not None else "cpu"
         return f"{type(self).__name__}({self.name!r}, {self.nbytes} bytes, on {where})"
-
-
-def copy_into_ring(
-    copies: CopyEngine,
-    host: torch.Tensor,
-    placement: Placement | None,
-    offset: int,
-    prefetch: bool,
-    fingerprint: tuple[int, ...] | None = None,
-) -> tuple[PendingCopy, Placement | None]:
-    """Copy ``host`` to the device: into its planned ring slot when the slot is free for its unit, else into
-    allocator memory (counted as a ring overflow). Returns the copy and the placement it holds, if any.
-
-    ``fingerprint``: for a frozen tensor, the version counters that change when it is written in place
-    (``frozen_fingerprint``). If the slot still holds this copy with that fingerprint, it is not made again
-    (ring.py); ``None`` (a tensor that changes between steps, or one whose slot keeps derived data): always copy.
-    """
-    if placement is not None and placement.claim():
-        out = placement.region(offset, host)
-        if fingerprint is not None and placement.still_holds(offset, host, fingerprint):
-            # No copy: the compute stream already waited for the one that wrote these bytes (when it used
-            # them, or when the slot was released); a later copy into the slot that may still run ahead of
-            # this use (the unit's other tensors) is waited for through the slot's last write.
-            pending = PendingCopy(out, placement.slot.write_event, planned=True)
-            copies.stats.reused_bytes += host.numel() * host.element_size()
-        else:
-            pending = copies.to_device(host, prefetch=prefetch, out=out, after=placement.free_event)
-            placement.copied(offset, host, fingerprint)
-        placement.hold(pending.event)
-        return pending, placement
-    if placement is not None:
-        copies.stats.ring_overflows += 1
-    return copies.to_device(host, prefetch=prefetch), None
-
-
-def frozen_fingerprint(host: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """The version counters of a frozen host copy and the parameters or buffers over it. An in-place write
-    through either (``load_state_dict``, ``param.mul_()`` under ``no_grad``, a buffer copied back) changes one
-    of them; the engine's own ``.data`` swaps do not. A write through ``.data`` is invisible to it, as it is
-    to autograd."""
-    return (host._version, *(t._version for t in tensors))
 
 
 class StaticParamOffloader(TensorOffloader):

@@ -46,8 +46,8 @@ class OffloadOptions:
 
     Attributes:
         prefetch: how many units ahead to copy while the current one computes. ``0`` copies each unit
-            on demand on the compute stream (the seed's serialized behaviour).
-        granularity: ``"leaf"`` makes every leaf module with weights a unit (the seed's default);
+            on demand on the compute stream (serialized: copies never overlap compute).
+        granularity: ``"leaf"`` makes every leaf module with weights a unit (the default);
             ``"block"`` groups each repeated block (e.g. a transformer layer) into one unit and one copy.
         gpu_memory_budget: device bytes the engine may keep resident (``int`` or ``"8GiB"``). Units that
             fit stay on the device and are never copied again (small ones first, then large ones spread

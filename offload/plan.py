@@ -4,14 +4,15 @@ Host side: the order and sizes of the pinned arena's allocations (a block's span
 a trainable master's gradient buffer right after it), replayed on a dry-run arena for the bytes it reserves.
 
 Device side: a ring of device buffers that copies write into and compute reads from, instead of memory the
-caching allocator hands out per stream (which reserved 1.5-3x what was allocated with side-stream copies).
+caching allocator hands out per stream (with side-stream copies that reserves far more than is allocated:
+each stream keeps its own freed blocks).
 Units at the same place in the repeated blocks (``layers.3`` and ``layers.4``; or ``layers.3.attn.q`` and
 ``layers.4.attn.q``) with the same layout form a ring class of ``prefetch + 1`` slots of that layout's size;
 the n-th unit of a class lands in slot ``n % depth``. Every other unit is a class of its own with one slot.
 Classes follow places, not sizes: with gradient checkpointing a block's leaves are all resident during its
-recompute, so two same-sized leaves of one block must never take turns in one slot. So the device memory for weights is ``sum over classes of depth x slot size`` and is known
-before the first step, and block units never need more than leaf units at the same prefetch depth: a block
-slot is the sum of its leaves' slots.
+recompute, so two same-sized leaves of one block must never take turns in one slot. So the device memory
+for weights is ``sum over classes of depth x slot size`` and is known before the first step, and block units
+never need more than leaf units at the same prefetch depth: a block slot is the sum of its leaves' slots.
 
 The engine builds itself from this plan and ``jobs``' estimate reads it (``offload.plan_memory``), so the two
 never disagree. Sizes are the bytes that cross the link (``link_bytes``): a unit whose host copy is stored in
@@ -213,13 +214,13 @@ def trainables_on_device(
     """With optimizer offload and a set ``gpu_memory_budget``: the trainable parameters that stay on the device
     with their optimizer, and the budget they take. Returns (their ids, bytes).
 
-    With optimizer offload the step is the CPU optimizer's (bench/RESULTS.md: a fused CPU AdamW over 168M
-    parameters takes longer than the toy's whole GPU step), so the budget goes first to taking updates off
-    the CPU: each parameter kept on the device is updated there by the user's own optimizer, in
-    ``optimizer.step()``. From the model's first parameters on (registration order, the forward's for a
-    stack of layers): in an exact step the next forward waits first for the first layers' updates, whose
-    gradients the backward makes last. Up to the first one that does not fit, so the kept ones are a prefix.
-    ``"auto"`` is measured after the optimizer exists, too late to choose where its state lives: none.
+    With optimizer offload the CPU optimizer's update, not the device, tends to bound the step, so the budget
+    goes first to taking updates off the CPU: each parameter kept on the device is updated there by the user's
+    own optimizer, in ``optimizer.step()``. From the model's first parameters on (registration order, the
+    forward's for a stack of layers): in an exact step the next forward waits first for the first layers'
+    updates, whose gradients the backward makes last. Up to the first one that does not fit, so the kept ones
+    are a prefix. ``"auto"`` is measured after the optimizer exists, too late to choose where its state lives:
+    none.
     """
     if not isinstance(budget, int) or budget <= 0:
         return set(), 0

@@ -12,7 +12,8 @@ holding exactly those bytes (no other unit wrote the slot since, and neither the
 was written in place: their version counters are unchanged) is not made again. That is the case at both
 turnarounds of a step: the backward ends with the units the next forward starts with, and the forward ends
 with the units the backward starts with, so the last units through each slot are reused
-(``stats().reused_bytes``).
+(``stats().reused_bytes``). Every offloader copies into its slot through ``copy_into_ring``, which makes that
+choice.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from offload.transfers import CopyEngine, PendingCopy
 
 SLOT_ALIGNMENT = 512  # slot starts: generous for vectorized kernels reading the weights in place
 
@@ -196,3 +199,44 @@ class DeviceRing:
 
     def __repr__(self) -> str:
         return f"DeviceRing({self.nbytes} bytes, classes={[len(s) for s in self.slots]})"
+
+
+def copy_into_ring(
+    copies: CopyEngine,
+    host: torch.Tensor,
+    placement: Placement | None,
+    offset: int,
+    prefetch: bool,
+    fingerprint: tuple[int, ...] | None = None,
+) -> tuple[PendingCopy, Placement | None]:
+    """Copy ``host`` to the device: into its planned ring slot when the slot is free for its unit, else into
+    allocator memory (counted as a ring overflow). Returns the copy and the placement it holds, if any.
+
+    ``fingerprint``: for a frozen tensor, the version counters that change when it is written in place
+    (``frozen_fingerprint``). If the slot still holds this copy with that fingerprint, it is not made again
+    (ring.py); ``None`` (a tensor that changes between steps, or one whose slot keeps derived data): always copy.
+    """
+    if placement is not None and placement.claim():
+        out = placement.region(offset, host)
+        if fingerprint is not None and placement.still_holds(offset, host, fingerprint):
+            # No copy: the compute stream already waited for the one that wrote these bytes (when it used
+            # them, or when the slot was released); a later copy into the slot that may still run ahead of
+            # this use (the unit's other tensors) is waited for through the slot's last write.
+            pending = PendingCopy(out, placement.slot.write_event, planned=True)
+            copies.stats.reused_bytes += host.numel() * host.element_size()
+        else:
+            pending = copies.to_device(host, prefetch=prefetch, out=out, after=placement.free_event)
+            placement.copied(offset, host, fingerprint)
+        placement.hold(pending.event)
+        return pending, placement
+    if placement is not None:
+        copies.stats.ring_overflows += 1
+    return copies.to_device(host, prefetch=prefetch), None
+
+
+def frozen_fingerprint(host: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """The version counters of a frozen host copy and the parameters or buffers over it. An in-place write
+    through either (``load_state_dict``, ``param.mul_()`` under ``no_grad``, a buffer copied back) changes one
+    of them; the engine's own ``.data`` swaps do not. A write through ``.data`` is invisible to it, as it is
+    to autograd."""
+    return (host._version, *(t._version for t in tensors))

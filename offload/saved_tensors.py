@@ -74,7 +74,7 @@ class SavedTensorRouter:
     Only weights that stream are routed (``offloaders``: id -> offloader, kept up to date by the manager): a
     weight that never leaves the device (adapters trained there, a unit the memory budget keeps) is saved
     as autograd saves any tensor, with no token to count, unpack or release. Every saved tensor of a unit's
-    forward passes through ``pack`` (a DiT block saves ~240 a step), so it does as little as it can.
+    forward passes through ``pack`` (a DiT block saves hundreds a step), so it does as little as it can.
     """
 
     def __init__(self, offloaders: dict[int, TensorOffloader]) -> None:

@@ -96,7 +96,7 @@ class PrefetchSchedule:
     def _prefetcher(self, unit: OffloadUnit) -> Callable[[], None] | None:
         """What prefetches ``unit``'s backward needs: the unit's own ``prefetch`` when backward needs every
         tensor of it that streams (a checkpointed block: its recompute onloads it all), which walks a block's
-        span once; else each needed tensor's (a DiT block's ~40 per-tensor calls, where one does; host time
+        span once; else each needed tensor's (a DiT block's dozens of per-tensor calls, where one does; host time
         on a step the host bounds). None when backward onloads nothing of it."""
         needs = self.backward_needs.get(id(unit), [])
         if not needs:
@@ -135,7 +135,7 @@ class PrefetchSchedule:
             self.backward_needs[key] = [o for o in needs if id(o) not in kept]
         prefetchers = {id(u): self._prefetcher(u) for u in self.backward_order}
         self._backward_prefetch = {key: prefetch for key, prefetch in prefetchers.items() if prefetch is not None}
-        if self.order and self.prefetch > 0:  # prefetch=0 is the seed's behaviour: offload it
+        if self.order and self.prefetch > 0:  # prefetch=0 copies on demand: offload it
             # The last unit of forward is the first of backward; so is the last one that streams (the units
             # after it are resident): keeping it saves a copy the backward would wait for at once.
             self.order[-1].keep_for_backward = True

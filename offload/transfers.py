@@ -38,7 +38,7 @@ class CopyEngine:
         device: the target device.
         stats: counters to update.
         side_streams: on CUDA, use a host->device stream for prefetches and a device->host stream for
-            gradients. ``False`` queues every copy on the compute stream (the seed's serialized behaviour).
+            gradients. ``False`` queues every copy on the compute stream (serialized: copies never overlap compute).
     """
 
     def __init__(self, device: torch.device, stats: StatsCounter, side_streams: bool = True) -> None:
@@ -63,9 +63,9 @@ class CopyEngine:
         out: torch.Tensor | None = None,
         after: torch.cuda.Event | None = None,
     ) -> PendingCopy:
-        """A device copy of ``host`` with its strides (dense hosts only: see layout.py). With ``prefetch`` (and a side stream) it is queued on the copy stream
-        and the caller must ``wait`` before use; otherwise it is queued on the current stream, which the
-        compute that uses it runs on, so no wait is needed.
+        """A device copy of ``host`` with its strides (dense hosts only: see layout.py). With ``prefetch``
+        (and a side stream) it is queued on the copy stream and the caller must ``wait`` before use; otherwise
+        it is queued on the current stream, which the compute that uses it runs on, so no wait is needed.
 
         ``out``: planned device memory (a ring slot's view) to copy into instead of a new allocation;
         ``after``: the event that frees it (the copy waits for it on the device, the host never blocks).
@@ -94,7 +94,7 @@ class CopyEngine:
             # A block's tensors share their span's copy event: the stream waits (and is timed) once for it,
             # not once per tensor (host time on the critical path when the step is launch-bound). The current
             # stream is compared by its ids: the ``Stream`` object ``torch.cuda.current_stream`` builds costs
-            # a device guard and a Python object per call, microseconds for each of a DiT block's ~40 tensors.
+            # a device guard and a Python object per call, host time for each of a block's dozens of tensors.
             current = torch._C._cuda_getCurrentStream(self._device_index)
             last = self._last_wait
             if last is None or last[0] is not pending.event or last[1] != current:

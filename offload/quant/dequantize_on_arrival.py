@@ -4,10 +4,11 @@ Left to torchao, an NF4 layer dequantizes its weight inside every call, on the c
 checkpointing three times per step (forward, recompute, backward's input gradient), each time about ten
 kernels. For a weight the engine streams, the bytes arrive on the copy stream anyway, so the engine
 dequantizes them there, right after the copy, into a plain device buffer, the room the memory plan keeps
-beside each ring slot (a second allocation, sized like the slots' dequantized bytes). During compute the parameter *is* that plain tensor: the
-compute stream runs the same GEMMs as an unquantized model, the dequantization overlaps the previous unit's
-compute, and it runs once per visit (forward; recompute and backward together, since the weight stays on
-the device from its recompute to its backward) instead of once per call.
+beside each ring slot (a second allocation, sized like the slots' dequantized bytes). During compute the
+parameter *is* that plain tensor: the compute stream runs the same GEMMs as an unquantized model, the
+dequantization overlaps the previous unit's compute, and it runs once per visit (forward; recompute and
+backward together, since the weight stays on the device from its recompute to its backward) instead of once
+per call.
 
 Exactness: torchao's ``LinearNF4`` computes ``F.linear(x, w.to(dtype))`` and ``grad_output @ w.to(dtype)``;
 plain ``F.linear`` autograd with the same dequantized ``w`` runs the same two matmuls, so the values and
@@ -21,38 +22,35 @@ elsewhere eager.
 A weight the memory budget keeps out of the ring (a unit kept on the device for good, or held from forward
 to backward) is dequantized into memory of its own, and its payload's device copy is dropped: kept for good,
 it is dequantized once for the whole run and computes as a plain tensor from then on. The budget counts its
-dequantized bytes (``resident_nbytes``, 3.8x its NF4 bytes), so a budget keeps 3.8x fewer NF4 units than it
-would keep quantized; kept quantized instead, torchao's layer would dequantize the weight in every call
-(three times a step with checkpointing, on the compute stream), more device time than streaming it takes,
-while an NF4 step rarely waits on the link it would save (its weights are a quarter of bf16's).
+dequantized bytes (``resident_nbytes``, several times its NF4 bytes), so a budget keeps fewer NF4 units
+than it would keep quantized; kept quantized instead, torchao's layer would dequantize the weight in every
+call (three times a step with checkpointing, on the compute stream), more device time than streaming it
+takes, while an NF4 step rarely waits on the link it would save (its weights are a quarter of bf16's).
 
-What keeps torchao's path: a copy that did not land in its ring slot (a ring overflow), an unstreamed model,
-and int8 (torchao's int8 linear scales after the matmul, so a dequantized weight would not give its values).
+What keeps torchao's path: a copy into allocator memory rather than its ring slot (a ring overflow), an
+unstreamed model, and int8 (torchao's int8 linear scales after the matmul, so a dequantized weight would not
+give its values).
 ``OffloadOptions(dequantize_on_arrival=False)`` turns it off.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from offload.arena import aligned
-from offload.offloaders import copy_into_ring
 from offload.quant.nf4_dequantize import NF4Meta, PackedNF4, SpanLayout, dequantize_nf4_spans_into, span_layout
 from offload.quant.nf4_linear import is_nf4
 from offload.quant.payload import is_quantized
 from offload.quant.quantized import QuantizedParamOffloader
+from offload.ring import Placement, copy_into_ring
 from offload.transfers import PendingCopy
 
-if TYPE_CHECKING:
-    from offload.ring import Placement
-
-
-# A weight kept out of the ring is kept dequantized (module docstring); False keeps it torchao's NF4 tensor, as
-# before: bench/optimizer_quant_bench.py's same-run baseline.
+# A weight kept out of the ring is kept dequantized (module docstring); False keeps it torchao's NF4 tensor,
+# which bench/optimizer_quant_bench.py runs as its same-run baseline.
 KEEP_DEQUANTIZED = True
 
 
@@ -198,9 +196,9 @@ class ArrivalBatch:
     """A unit's NF4 weights dequantized on arrival, brought in together: their payloads are copied into their
     places in the unit's ring slot (one copy for payloads that lie in the arena as in the slot: ``copy_runs``),
     then one call dequantizes them all into the slot's room (a block's six weights: one call, where per-weight
-    calls cost ~80-100 us of host time each). As ``FlatGroup`` does for a span, the
-    device copies live while any member is attached to them: the requester and any member a forward holds or
-    a backward will unpack are attached at once, every other member when it asks (no copy, no dequantization).
+    calls would each cost host time). As ``FlatGroup`` does for a span, the device copies live while any
+    member is attached to them: the requester and any member a forward holds or a backward will unpack are
+    attached at once, every other member when it asks (no copy, no dequantization).
     """
 
     def __init__(self, members: list[DequantizedParamOffloader]) -> None:

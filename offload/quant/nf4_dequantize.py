@@ -7,8 +7,8 @@ subclass: eagerly, or on CUDA traced by ``torch.compile`` into one graph per uni
 guards to run per call. Only where each value goes is written differently from ``get_original_weight``: that
 interleaves the high and low nibbles' values with ``torch.stack``, which inductor materializes into a
 temporary and then copies (two passes over the weight, the second with strided reads); here each output
-element picks its own nibble by index, so the whole weight is one pointwise kernel that writes its room
-once (bench/RESULTS.md, issue 18: a block's six weights went from 0.93 to ~0.2 ms on the H200). The values
+element picks its own nibble by index, so the whole weight is one pointwise kernel that reads the codes
+once and writes its room once. The values
 are torchao's bit for bit (tests/offload/quant/test_quantized.py and test_dequantize_on_arrival.py compare them
 with ``NF4Tensor.get_original_weight``). ``COMPILE_ON_CUDA``, ``COMPILE_ON_CPU`` and ``COMPILE_OPTIONS`` let
 the benchmarks compare the kernels; a compile failure falls back to eager, once, with a warning.
@@ -103,12 +103,12 @@ def _eager_spans() -> Callable[..., None]:
 def _compiled(spans: bool = False) -> Callable[..., None]:
     # One graph per unit signature (dynamic=False: the weights' shapes and places in the slot, the same for
     # every block of a stack), so a block's six weights are one call: dynamo's guards and the wrappers run
-    # once per unit visit, not once per weight (each call costs ~80-100 us of host time on a step the host
-    # bounds). With ``spans`` the payloads are the slot's buffer (viewed once per dtype), whatever the number
-    # of weights, and the rooms one flat view per weight, made once per slot: views that do not overlap, so
-    # AOTAutograd needs no synthetic base for them. The copies into the rooms stay in the graph, so the
-    # kernels write them directly. emulate_precision_casts rounds each intermediate as eager
-    # does: torchao's values, bit for bit.
+    # once per unit visit, not once per weight (each call is host time, on a step the host bounds). With
+    # ``spans`` the payloads are the slot's buffer (viewed once per dtype), whatever the number of weights,
+    # and the rooms one flat view per weight, made once per slot: views that do not overlap, so AOTAutograd
+    # needs no synthetic base for them. The copies into the rooms stay in the graph, so the kernels write
+    # them directly. emulate_precision_casts rounds each intermediate as eager does: torchao's values, bit
+    # for bit.
     kernel = _eager_spans() if spans else _eager()
     return torch.compile(kernel, fullgraph=True, dynamic=False, options=dict(COMPILE_OPTIONS))
 
@@ -233,21 +233,20 @@ def dequantize_nf4_spans_into(
 
 
 class SlotGraphs:
-    """A unit's dequantization replayed as a CUDA graph: 33 us of host time per block visit instead of 286.
+    """A unit's dequantization replayed as a CUDA graph: one launch per block visit instead of a Python call.
 
     The compiled call is still a Python call: dynamo's guards, inductor's wrapper and one Triton launch per
-    weight (286 us of host time per block of the LoRA stack on the H200, against 33 replayed; bench/RESULTS.md,
-    issue 18). A step the GPU bounds does not gain from it (that stack's did not move); one the host bounds
-    does. Its inputs and outputs are a ring slot's payloads and room, whose addresses recur every step (a
-    unit lands in one of a few slots), so the call is captured once per (slot, layout) and replayed after, on
-    the current stream (the copy stream: ordered after the copy, as the call was). The graph reads the
-    payloads and writes the rooms at those addresses, so it stays valid while the buffers there keep that
-    layout: a ring re-made at the same addresses has it, one re-made elsewhere gets graphs of its own. A
-    slot's first call is the compiled call itself (it may compile, and autotuning synchronizes), its second
-    is captured. Capture is ``thread_local``: a loader thread pinning memory meanwhile does not invalidate it.
-    A capture that fails turns graphs off, once, with a warning; the compiled call writes the same values.
-    (A capture that fails after it began may leave torch's CUDA RNG in capture mode, which fails later random
-    ops: not expected of these pointwise kernels, which neither synchronize nor allocate.)
+    weight, all host time, where a replay is a single launch. A step the GPU bounds does not gain from it; one
+    the host bounds does. Its inputs and outputs are a ring slot's payloads and room, whose addresses recur
+    every step (a unit lands in one of a few slots), so the call is captured once per (slot, layout) and
+    replayed after, on the current stream (the copy stream: ordered after the copy, as the call was). The
+    graph reads the payloads and writes the rooms at those addresses, so it stays valid while the buffers
+    there keep that layout: a ring re-made at the same addresses has it, one re-made elsewhere gets graphs of
+    its own. A slot's first call is the compiled call itself (it may compile, and autotuning synchronizes),
+    its second is captured. Capture is ``thread_local``: a loader thread pinning memory meanwhile does not
+    invalidate it. A capture that fails turns graphs off, once, with a warning; the compiled call writes the
+    same values. (A capture that fails after it began may leave torch's CUDA RNG in capture mode, which fails
+    later random ops: not expected of these pointwise kernels, which neither synchronize nor allocate.)
     """
 
     MAX_GRAPHS = 32  # a ring has prefetch + 1 slots, and a model a few unit layouts

@@ -1,11 +1,11 @@
 """A frozen NF4 linear layer whose dequantization runs as one compiled kernel on a GPU (opt-in).
 
 torchao's ``NF4Tensor`` dequantizes with plain PyTorch ops (nibbles unpacked to int64, a table lookup, the
-double-quantized block scales, an interleave): about ten passes over the weight per call, and a LoRA step
-with checkpointing dequantizes every base weight three times (forward, recompute, backward). On the H200
-that made the NF4 step 1.8x the bf16 one. ``torch.compile`` of torchao's own dequantization (as torchtune's
-and torchao's QLoRA recipes compile the model) fuses it into one kernel that reads the 4-bit codes once and
-writes the bf16 weight once.
+double-quantized block scales, an interleave): about ten passes over the weight per call, and a LoRA step with
+checkpointing dequantizes every base weight three times (forward, recompute, backward), so the NF4 step spends
+much of its time there rather than in the matmuls. ``torch.compile`` of torchao's own dequantization (as
+torchtune's and torchao's QLoRA recipes compile the model) fuses it into one kernel that reads the 4-bit codes
+once and writes the bf16 weight once.
 
 Only the dequantization is compiled, not the layer: the autograd function below is torchao's ``LinearNF4``
 (it saves the NF4 parameter for backward, never the bf16 weight, which lives only inside each call), so the
@@ -13,11 +13,10 @@ offload engine still sees the parameter itself among the saved tensors and keeps
 ``emulate_precision_casts`` rounds each intermediate to its dtype as eager does, so the compiled weight is
 torchao's, bit for bit. On the CPU the layer is torchao's eager code, untouched.
 
-Opt-in (``quantize_frozen_weights(..., compile_dequantization=True)``, ``CompiledNF4Linear``) because of
-what the H200 measured (bench/RESULTS.md, issue 18): the 4096-token LoRA step with the weights resident went
-from 307.9 to 222.9 ms, but streamed by the offload engine it went from 326.5 to 382.0 ms. A streamed weight
-is now dequantized once per visit by the engine instead (dequantize_on_arrival.py), and this layer then
-runs a plain matmul.
+Opt-in (``quantize_frozen_weights(..., compile_dequantization=True)``, ``CompiledNF4Linear``): compiled,
+the dequantization speeds up a step whose weights are resident but slows one whose weights the engine
+streams (bench/RESULTS.md has the figures). A streamed weight is dequantized once per visit by the engine
+instead (dequantize_on_arrival.py), and this layer then runs a plain matmul.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ inside each linear's forward and backward. Nothing here writes its own quantizer
 GPU runs torchao's dequantization compiled into one kernel.
 
 The engine keeps such a weight quantized everywhere: its inner tensors (codes, scales) are packed into one
-``uint8`` payload in the pinned arena (``QuantizedParamOffloader``), that payload is what crosses the link
-(the memory plan sizes ring slots from ``stored_bytes``), and on the device the parameter becomes the same
-torchao tensor over views of the copied payload, so dequantization happens on the device, inside the layer.
+``uint8`` payload in the pinned arena (``QuantizedPayload``, payload.py; ``QuantizedParamOffloader``), that
+payload is what crosses the link (the memory plan sizes ring slots from ``stored_bytes``), and on the device
+the parameter becomes the same torchao tensor over views of the copied payload, so dequantization happens on
+the device, inside the layer.
 A streamed NF4 weight is by default dequantized once on arrival instead (dequantize_on_arrival.py) and
 computes as a plain tensor. Since host and device run the same torchao code on the same codes, quantized +
 offloaded training equals quantized resident training (bitwise on the CPU).
@@ -27,9 +28,10 @@ import torch
 from torch import nn
 
 from offload.arena import aligned
-from offload.offloaders import StaticParamOffloader, TensorOffloader, copy_into_ring
+from offload.offloaders import StaticParamOffloader, TensorOffloader
 from offload.quant.nf4_linear import CompiledNF4Linear, NF4Linear
 from offload.quant.payload import QuantizedPayload, is_quantized, stored_bytes
+from offload.ring import copy_into_ring
 from offload.transfers import CopyEngine, PendingCopy
 
 log = logging.getLogger(__name__)
@@ -149,8 +151,8 @@ class QuantizedParamOffloader(StaticParamOffloader):
     copy, because a tensor subclass keeps its data in Python attributes that ``.data`` cannot replace.
 
     Rebuilding the torchao tensor over a device copy is Python work (views of each inner tensor, the
-    subclass's unflatten, a new Parameter): on the H200 it made a streamed NF4 block cost about 9 ms more host
-    time per step than a resident one (bench/nf4_dequant_probe.py), on a step the host already bounds. A copy
+    subclass's unflatten, a new Parameter), made on every onload it is host time a resident weight never
+    pays (bench/nf4_dequant_probe.py measures it), on a step the host already bounds. A copy
     into the device ring always lands at the same few addresses (its slot, one per ring turn), so the tensor
     built over each such address is kept and swapped in again; copies into allocator memory (a ring
     overflow) are rebuilt each time, since keeping them would keep that memory alive.
