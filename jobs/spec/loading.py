@@ -19,7 +19,14 @@ from jobs.paths import PathRoots
 from jobs.spec.job import JobSpec
 from jobs.spec.rules import cross_section_problems
 from jobs.spec.text import ParsedSpec, line_in, parse_spec_text
-from jobs.spec.values import PATTERN_RULES, SYNONYMS, bad_numbers, bad_strings, flatten_annotation
+from jobs.spec.values import (
+    PATTERN_RULES,
+    SYNONYMS,
+    bad_numbers,
+    bad_strings,
+    flatten_annotation,
+    foreign_key_hint,
+)
 
 Loc = tuple[str | int, ...]
 
@@ -100,7 +107,7 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
                 problems.append(SpecProblem(".".join(rule_path), message, line_in(rule_path, lines)))
         elif error["type"] == "extra_forbidden":
             valid = _valid_keys(error["loc"][:-1])
-            suggestion = _closest(str(path[-1]), valid)
+            suggestion = foreign_key_hint(path) or _closest(str(path[-1]), valid)
             problems.append(
                 SpecProblem(
                     ".".join(path), f"unknown key (valid keys: {', '.join(valid)})", line_in(path, lines), suggestion

@@ -25,11 +25,77 @@ INT64_MAX = 2**63 - 1
 Path_ = tuple[str, ...]
 
 # Words users write for a value the spec spells otherwise; difflib alone would offer `cpu` for `gpu`.
-SYNONYMS = {"gpu": "cuda", "cuda:0": "cuda", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "none": "no"}
+SYNONYMS = {
+    "gpu": "cuda",
+    "cuda:0": "cuda",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "none": "no",
+    # Hugging Face TrainingArguments' names (axolotl's too) for what Ferry spells shorter.
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_hf": "adamw",
+    "constant_with_warmup": "constant",
+}
+# Keys other fine-tuning tools (axolotl, Hugging Face TrainingArguments, peft, torchtune) use, and the Ferry
+# path that holds the same setting: see `foreign_key_hint`.
+FOREIGN_KEYS = {
+    "base_model": "model.path",
+    "model_name_or_path": "model.path",
+    "lora_r": "lora.rank",
+    "lora.r": "lora.rank",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.target_modules",
+    "lr": "training.learning_rate",
+    "learning_rate": "training.learning_rate",
+    "micro_batch_size": "training.batch_size",
+    "per_device_train_batch_size": "training.batch_size",
+    "batch_size": "training.batch_size",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "num_epochs": "training.epochs",
+    "num_train_epochs": "training.epochs",
+    "epochs": "training.epochs",
+    "max_steps": "training.steps",
+    "steps": "training.steps",
+    "warmup_steps": "training.scheduler.warmup_steps",
+    "lr_scheduler": "training.scheduler.kind",
+    "lr_scheduler_type": "training.scheduler.kind",
+    "optimizer": "training.optimizer",
+    "optim": "training.optimizer",
+    "weight_decay": "training.weight_decay",
+    "max_grad_norm": "training.max_grad_norm",
+    "seed": "training.seed",
+    "gradient_checkpointing": "training.gradient_checkpointing",
+    "sequence_len": "data.seq_len",
+    "max_seq_length": "data.seq_len",
+    "max_seq_len": "data.seq_len",
+    "chat_template": "data.chat_template",
+    "train_on_inputs": "data.train_on_prompt",
+    "sample_packing": "data.packing",
+    "val_set_size": "eval.split",
+    "eval_steps": "eval.every_steps",
+    "save_steps": "checkpoint.every_steps",
+    "save_total_limit": "checkpoint.keep_last",
+}
 # Patterns a reader should not have to decode.
 PATTERN_RULES = {
     r"^[A-Za-z0-9][A-Za-z0-9._-]*$": "must start with a letter or digit and hold only letters, digits, '.', '_' and '-'"
 }
+
+
+def foreign_key_hint(path: list[str]) -> str | None:
+    """The Ferry path for an unknown key another tool uses: its dotted path looked up first (peft's ``r``
+    under ``lora:``), then the bare key, at the top level or inside the section its Ferry path lies in (so
+    ``training.lr`` is hinted, while ``eval.steps`` is left to the closest key of ``eval``)."""
+    if ".".join(path) in FOREIGN_KEYS:
+        return FOREIGN_KEYS[".".join(path)]
+    target = FOREIGN_KEYS.get(path[-1]) if path else None
+    if target is not None and (len(path) == 1 or target.split(".")[0] == path[0]):
+        return target
+    return None
 
 
 def bad_strings(value: Any, path: Path_ = ()) -> list[tuple[Path_, str]]:

@@ -181,3 +181,69 @@ def test_delayed_update_needs_optimizer_offload_and_no_clipping() -> None:
     data["training"] = {**TOY["training"], "max_grad_norm": 1.0}
     with pytest.raises(JobSpecError, match=r"offload.delayed_update.*cannot be combined with training.max_grad_norm"):
         spec_from(data)
+
+
+OTHER_TOOLS = """\
+name: t
+base_model: llama
+lora_r: 16
+lora_alpha: 32
+lora_dropout: 0.05
+lr: 0.0002
+learning_rate: 0.0002
+micro_batch_size: 2
+gradient_accumulation_steps: 4
+sequence_len: 2048
+max_seq_length: 2048
+num_epochs: 3
+max_steps: 100
+warmup_steps: 10
+lr_scheduler: cosine
+optimizer: adamw_torch
+model: {kind: toy_mlp}
+data: {kind: synthetic_regression}
+training: {steps: 1, lr: 0.1, max_steps: 5, warmup_steps: 2, optimizer: adamw_torch}
+lora: {target_modules: [fc], r: 8, lora_alpha: 16}
+eval: {split: 0.1, steps: 5}
+"""  # toy data has no held-out text: that cross-section rule waits until the keys are right
+
+
+def test_other_tools_keys_are_hinted_with_their_ferry_path() -> None:
+    problems = problems_of(OTHER_TOOLS)
+    hints = {path: suggestion for path, (_, suggestion, _) in problems.items()}
+    assert hints == {
+        "base_model": "model.path",
+        "lora_r": "lora.rank",
+        "lora_alpha": "lora.alpha",
+        "lora_dropout": "lora.dropout",
+        "lr": "training.learning_rate",
+        "learning_rate": "training.learning_rate",
+        "micro_batch_size": "training.batch_size",
+        "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+        "sequence_len": "data.seq_len",
+        "max_seq_length": "data.seq_len",
+        "num_epochs": "training.epochs",
+        "max_steps": "training.steps",
+        "warmup_steps": "training.scheduler.warmup_steps",
+        "lr_scheduler": "training.scheduler.kind",
+        "optimizer": "training.optimizer",
+        "training.lr": "training.learning_rate",
+        "training.max_steps": "training.steps",
+        "training.warmup_steps": "training.scheduler.warmup_steps",
+        "training.optimizer": "adamw",  # Hugging Face's value names, too
+        "lora.r": "lora.rank",
+        "lora.lora_alpha": "lora.alpha",
+        # Outside the section its Ferry path lies in, a bare word gets the section's closest key instead.
+        "eval.steps": "every_steps",
+    }
+    assert problems["lr"][0] == 6 and problems["training.lr"][0] == 19
+
+
+def test_other_tools_hint_reads_as_the_ferry_path() -> None:
+    text = "name: t\nmodel: {kind: toy_mlp}\ndata: {kind: synthetic_regression}\ntraining: {steps: 1}\nlora_r: 8\n"
+    with pytest.raises(JobSpecError) as caught:
+        load_job_spec(text)
+    assert str(caught.value).startswith(
+        "invalid job spec (1 problem(s)):\n  - lora_r (line 5): unknown key (valid keys:"
+    )
+    assert str(caught.value).endswith("; did you mean 'lora.rank'?")
