@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jobs.checkpoints.directory import CheckpointInfo, list_checkpoints
     from jobs.errors import JobSpecError, OutOfMemoryHint, SpecProblem
+    from jobs.events import OffloadStats
     from jobs.fit.estimate import MemoryEstimate, estimate_memory
     from jobs.paths import PathRoots
-    from jobs.spec.job import JobSpec
+    from jobs.spec.job import JobSpec, parse_bytes
     from jobs.spec.loading import job_spec_schema, line_of, load_job_spec
     from jobs.train.runner import JobOutcome, run_job, train_step
 
@@ -30,6 +31,7 @@ _HOME = {
     "JobSpecError": "jobs.errors",
     "OutOfMemoryHint": "jobs.errors",
     "SpecProblem": "jobs.errors",
+    "OffloadStats": "jobs.events",  # the engine's counters, as the job events carry them (torch-free)
     "MemoryEstimate": "jobs.fit.estimate",
     "estimate_memory": "jobs.fit.estimate",
     "job_spec_schema": "jobs.spec.loading",
@@ -40,6 +42,7 @@ _HOME = {
     "run_job": "jobs.train.runner",
     "train_step": "jobs.train.runner",
     "JobSpec": "jobs.spec.job",
+    "parse_bytes": "jobs.spec.job",  # the spec's sizes ("24GiB") as bytes
 }
 __all__ = [
     "CheckpointInfo",
@@ -47,6 +50,7 @@ __all__ = [
     "JobSpec",
     "JobSpecError",
     "MemoryEstimate",
+    "OffloadStats",
     "OutOfMemoryHint",
     "PathRoots",
     "SpecProblem",
@@ -55,6 +59,7 @@ __all__ = [
     "line_of",
     "list_checkpoints",
     "load_job_spec",
+    "parse_bytes",
     "run_job",
     "train_step",
 ]  # the names of _HOME

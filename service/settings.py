@@ -76,7 +76,7 @@ class Settings(BaseSettings):
     cancel_grace_s: float = Field(3.0, ge=0)  # a cancelled job gets this long to stop before SIGKILL
     shutdown_grace_s: float = Field(15.0, ge=0)  # running jobs get this long to checkpoint on shutdown
     poll_interval_s: float = Field(0.2, gt=0)  # scheduler tick
-    # Each submitted spec is checked in a process of its own (spec_checker.py); a check past this many
+    # Each submitted spec is checked in a process of its own (service/checking/checker.py); a check past this many
     # seconds is stopped (422 spec_check_timeout), and the checker's heap is held to this many bytes.
     spec_check_timeout_s: float = Field(30.0, gt=0)
     spec_check_memory_bytes: int | None = Field(4 << 30, ge=256 << 20)

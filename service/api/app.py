@@ -39,7 +39,7 @@ def create_app(
     """Build the service. The store opens, the spec checker and the workers start in the lifespan, not at import.
 
     A ``spec_checker`` given here is the caller's to close (tests share one across apps); by default the app
-    starts its own process (spec_checker.py) and stops it on shutdown.
+    starts its own process (service/checking/checker.py) and stops it on shutdown.
 
     Example:
         app = create_app(Settings(data_dir=tmp_path))
@@ -74,7 +74,7 @@ def create_app(
         gc.freeze()
         switch_interval = sys.getswitchinterval()
         # A thread that holds the GIL (a stream rendering a catch-up batch, the scheduler) keeps the event
-        # loop waiting up to this long on each request it serves: 1 ms instead of Python's 5 ms.
+        # loop waiting up to the switch interval on each request it serves: a fifth of Python's default interval.
         sys.setswitchinterval(0.001)
         try:
             yield
@@ -93,7 +93,7 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
         description="Submit YAML training jobs; follow their progress; download checkpoints.",
-        # FastAPI's native OpenTelemetry looks up the global providers on every request (a measured 4% of a
+        # FastAPI's native OpenTelemetry looks up the global providers on every request (a share of each
         # poll's CPU, bench/profile_requests.py); Ferry exports Prometheus metrics instead.
         telemetry={"tracing": False, "metrics": False, "logs": False},
         openapi_url=None,  # set below, after the API's routes: FastAPI matches routes in order

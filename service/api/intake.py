@@ -1,6 +1,6 @@
 """From a request body to the spec's text (content type, encoding, JSON), and the 422 that lists a spec's problems.
 
-The spec itself is checked in the spec checker's process (``spec_checker.py``, ``spec_check.py``)."""
+The spec itself is checked in the spec checker's process (``service/checking/``)."""
 
 from __future__ import annotations
 

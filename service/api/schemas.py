@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from jobs import OffloadStats
 from jobs.events import ErrorCode, EvalEvent, MemorySnapshot, SampleEvent, StepEvent, StepMetrics
-from offload import OffloadStats
 from service.queue.events import JobError, StoredEvent, upgrade_stored_event
 from service.queue.records import EventRecord, JobRecord
 from service.queue.status import JobAction, JobStatus, allowed_actions

@@ -1,8 +1,8 @@
 """The spec checker: a warm process of its own that checks each submitted spec, so the API never imports torch.
 
 Checking a spec means the model families, the preflight (data rows, tokenizer, a meta model) and the memory
-estimate, which all import torch. Kept out of the API process, that process stays small (no torch: about
-a fifth of the memory, and a garbage collector with far fewer objects to walk on every full pass), and a
+estimate, which all import torch. Kept out of the API process, that process stays small (no torch: far
+less memory, and a garbage collector with far fewer objects to walk on every full pass), and a
 hostile spec costs the checker, not the server: each check has a time limit (``FERRY_SPEC_CHECK_TIMEOUT_S``)
 and a memory limit (``FERRY_SPEC_CHECK_MEMORY_BYTES``); a check over its time is killed with its process and
 answered 422 ``spec_check_timeout``, and a process that died is started again.
@@ -16,7 +16,7 @@ Example:
     checked = checker.check(CheckRequest(text=yaml_text, ...))  # raises ApiError for a refused spec
     checker.close()
 
-Tests and tools that hold torch already check in their own process: ``spec_check.InlineSpecChecker``.
+Tests and tools that hold torch already check in their own process: ``check.InlineSpecChecker``.
 """
 
 from __future__ import annotations
@@ -27,92 +27,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 from service.api.errors import ApiError
-from service.api.schemas import FitEstimate
-from service.settings import Settings
-from service.workers.devices import GpuInfo, Slot
+from service.checking.messages import CheckedSpec, CheckRequest, Refusal
 
 log = logging.getLogger("ferry.spec_checker")
 _SPAWN = mp.get_context("spawn")  # a fork would copy the server's threads and sockets into the checker
 _READY = "ready"
 _DIED = object()  # what _ask returns when the checker died before answering
-
-
-@dataclass(frozen=True)
-class CheckRequest:
-    """One submission to check: its text, this service's roots and limits, and what to decide.
-
-    ``fit``: ``refuse`` a job estimated not to fit (submit), ``report`` the estimate (validate), or ``skip``
-    it (submit with ``?fit_check=false``). ``check_device``: refuse ``device: cuda`` without a GPU worker.
-    """
-
-    text: str
-    model_roots: tuple[str, ...]
-    data_roots: tuple[str, ...]
-    max_yaml_depth: int
-    max_yaml_nodes: int
-    slots: tuple[Slot, ...] = ()
-    gpus: tuple[GpuInfo, ...] = ()
-    check_device: bool = True
-    fit: Literal["refuse", "report", "skip"] = "refuse"
-
-    @classmethod
-    def for_service(
-        cls,
-        text: str,
-        settings: Settings,
-        slots: list[Slot],
-        gpus: list[GpuInfo],
-        *,
-        queue_anyway: bool,
-        fit: Literal["refuse", "report", "skip"],
-    ) -> CheckRequest:
-        """The request for ``text`` on this service: its roots, YAML limits, workers and GPUs."""
-        return cls(
-            text=text,
-            model_roots=tuple(str(p) for p in settings.effective_model_roots),
-            data_roots=tuple(str(p) for p in settings.effective_data_roots),
-            max_yaml_depth=settings.max_yaml_depth,
-            max_yaml_nodes=settings.max_yaml_nodes,
-            slots=tuple(slots),
-            gpus=tuple(gpus),
-            # A Ray cluster's GPUs are not this machine's, so only a local service refuses for want of one.
-            check_device=not queue_anyway and settings.executor == "local",
-            fit=fit,
-        )
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """An ``ApiError`` as plain data, so it crosses the pipe from the checker."""
-
-    status_code: int
-    code: str
-    message: str
-    problems: list[dict[str, Any]] | None = None
-
-    @classmethod
-    def of(cls, error: ApiError) -> Refusal:
-        return cls(error.status_code, error.code, error.message, error.problems)
-
-    def error(self) -> ApiError:
-        return ApiError(self.status_code, self.code, self.message, problems=self.problems)
-
-
-@dataclass(frozen=True)
-class CheckedSpec:
-    """A spec that passed: its name, its resolved form (what is stored), and the fit estimate if one was made.
-
-    ``refusal``: the device or fit check's answer, which the route raises after its own checks.
-    """
-
-    name: str
-    spec: dict[str, Any]
-    estimate: FitEstimate | None = None
-    estimate_error: str | None = None
-    refusal: Refusal | None = None
 
 
 class SpecChecker(Protocol):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import psutil
 
-from jobs import JobSpec, estimate_memory, line_of
+from jobs import JobSpec, estimate_memory, line_of, parse_bytes
 from jobs.fit.estimate import human_bytes
 from jobs.spec.text import ParsedSpec
-from offload import parse_bytes
 from service.api.errors import ApiError
 from service.api.schemas import DeviceFit, FitEstimate
 from service.workers.devices import GpuInfo, Slot

@@ -1,8 +1,8 @@
 """The events the service itself writes into a job's event log, beside the job's own (jobs/events.py).
 
-Every stored event is one of `StoredEvent`: the job process's typed events, a ``status`` change written by
-the one function that changes a job's status, or a ``stop_requested`` note. The events API publishes this
-union, so its schema names every field a client may read.
+Every stored event is one of `StoredEvent`: the job process's typed events (``jobs.events.AnyJobEvent``, the
+one list of them), a ``status`` change written by the one function that changes a job's status, or a
+``stop_requested`` note. The events API publishes this union, so its schema names every field a client may read.
 """
 
 from __future__ import annotations
@@ -11,18 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from jobs.events import (
-    CacheProgressEvent,
-    CheckpointEvent,
-    ErrorCode,
-    EvalEvent,
-    FailedEvent,
-    FinishedEvent,
-    LogEvent,
-    SampleEvent,
-    StartedEvent,
-    StepEvent,
-)
+from jobs.events import AnyJobEvent, ErrorCode
 from service.queue.status import JobStatus
 
 
@@ -54,20 +43,8 @@ class StopRequestedEvent(BaseModel):
     kind: Literal["pause", "cancel"]
 
 
-StoredEvent = Annotated[
-    StartedEvent
-    | StepEvent
-    | EvalEvent
-    | CheckpointEvent
-    | SampleEvent
-    | CacheProgressEvent
-    | LogEvent
-    | FinishedEvent
-    | FailedEvent
-    | StatusEvent
-    | StopRequestedEvent,
-    Field(discriminator="type"),
-]
+# pydantic flattens the job events' own discriminated union into this one: one ``type`` tag picks any of them.
+StoredEvent = Annotated[AnyJobEvent | StatusEvent | StopRequestedEvent, Field(discriminator="type")]
 _STORED: TypeAdapter[Any] = TypeAdapter(StoredEvent)
 
 

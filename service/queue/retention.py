@@ -1,10 +1,11 @@
 """Retention of per-step events: every step of a job's start, then a few points per window of steps.
 
-A fast small job reports a step event many times a second; kept whole, a long job's events grew the database
-by about 1.5 GB an hour. The first ``keep_first`` steps stay whole (where a curve changes most). After that,
-each complete window of ``window`` steps keeps three points: its last step, and the steps with the lowest
-and the highest loss, so a spike or a dip never disappears from the curve. Other events (status, checkpoints,
-evaluations) are never touched. The job row keeps the latest step whatever is compacted.
+A fast small job reports a step event many times a second; kept whole, a long job's events would grow the
+database without bound (bench/event_retention_bench.py measures it). The first ``keep_first`` steps stay whole
+(where a curve changes most). After that, each complete window of ``window`` steps keeps three points: its last
+step, and the steps with the lowest and the highest loss, so a spike or a dip never disappears from the curve.
+Other events (status, checkpoints, evaluations) are never touched. The job row keeps the latest step whatever is
+compacted.
 """
 
 from __future__ import annotations

@@ -97,14 +97,10 @@ class Scheduler:
         for run, code in self.unsettled[:]:
             self.unsettled.remove((run, code))
             self._settle(run, code)
-        for slot_id, run in list(self.running.items()):
-            code = run.handle.exit_code()
-            if code is not None:
-                del self.running[slot_id]
-                self._settle(run, code)
-            else:
-                self._forward_stop(run)
-                self._compact(run)
+        self._collect_ended()
+        for run in self.running.values():  # still running
+            self._forward_stop(run)
+            self._compact(run)
         for slot in self.slots:
             if slot.id not in self.running and not self._stopping.is_set() and not self._start_next(slot):
                 break
@@ -264,6 +260,7 @@ class Scheduler:
             time.sleep(0.01)
 
     def _collect_ended(self) -> None:
+        """Settle every run whose process has ended, freeing its slot."""
         for slot_id, run in list(self.running.items()):
             code = run.handle.exit_code()
             if code is not None:

@@ -41,7 +41,7 @@ def merge_checkpoint(job_id: str, checkpoint: str, store: StoreDep, settings: Se
     ``save_pretrained`` and packed as one ``.tar``; a second call answers with the archive already made.
 
     It runs in a process of its own (``python -m jobs merge``: torch, peft and the model stay out of the
-    server), which this request waits for: a 7B model takes a minute or two and its weights' size in host
+    server), which this request waits for: a large model takes a while, and its weights' size in host
     memory."""
     store.get_job(job_id)
     found = _checkpoint(job_id, checkpoint, settings)

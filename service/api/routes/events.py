@@ -26,6 +26,7 @@ from service.api.schemas import (
     SamplePoint,
     SamplesPublic,
 )
+from service.queue.records import EventRecord
 from service.queue.store import JobNotFound, JobStore
 
 router = APIRouter(prefix="/jobs/{job_id}", tags=["events"])
@@ -48,14 +49,27 @@ def list_events(
     exclude: Annotated[list[str] | None, Query(description="event types to leave out, e.g. step; may repeat")] = None,
 ) -> EventsPublic:
     """Stored events, oldest first, from after the cursor."""
-    store.get_job(job_id)  # 404 for an unknown id
-    events = store.list_events(job_id, after=after, limit=limit + 1, exclude_types=exclude)
-    page = events[:limit]
+    page, has_more = _page_of_events(store, job_id, after=after, limit=limit, exclude_types=exclude)
     return EventsPublic(
         data=[EventPublic.from_record(e) for e in page],
         next_cursor=page[-1].id if page else after,
-        has_more=len(events) > limit,
+        has_more=has_more,
     )
+
+
+def _page_of_events(
+    store: JobStore,
+    job_id: str,
+    *,
+    after: int,
+    limit: int,
+    types: list[str] | None = None,
+    exclude_types: list[str] | None = None,
+) -> tuple[list[EventRecord], bool]:
+    """Up to ``limit`` of the job's events after the cursor, and whether more follow; 404 for an unknown job."""
+    store.get_job(job_id)
+    events = store.list_events(job_id, after=after, limit=limit + 1, types=types, exclude_types=exclude_types)
+    return events[:limit], len(events) > limit
 
 
 @router.get(
@@ -146,9 +160,7 @@ def read_metrics(
     """One point per step: loss, learning rate, throughput, GPU/host/pinned memory, offload figures; and
     ``eval``: each evaluation (eval loss, perplexity) in the same range of event ids. A step an attempt
     re-ran (after resuming from an earlier checkpoint) shows the latest attempt's point."""
-    store.get_job(job_id)
-    events = store.list_events(job_id, after=after, limit=limit + 1, types=["step"])
-    page, has_more = events[:limit], len(events) > limit
+    page, has_more = _page_of_events(store, job_id, after=after, limit=limit, types=["step"])
     superseded = _superseded_from(store, job_id)
     points = [
         MetricPoint(**e.data, event_id=e.id, time=e.created_at)
@@ -174,14 +186,12 @@ def read_samples(
 ) -> SamplesPublic:
     """Generated samples, oldest first: the step, the prompt and the model's (greedy) completion, or the
     image it generated (``url``: the PNG; a diffusion job's gallery, one image per prompt and step)."""
-    store.get_job(job_id)
-    events = store.list_events(job_id, after=after, limit=limit + 1, types=["sample"])
-    page = events[:limit]
+    page, has_more = _page_of_events(store, job_id, after=after, limit=limit, types=["sample"])
     samples = [
         SamplePoint(**e.data, event_id=e.id, time=e.created_at, url=sample_url(job_id, e.data.get("artifact_path")))
         for e in page
     ]
-    return SamplesPublic(data=samples, next_cursor=page[-1].id if page else after, has_more=len(events) > limit)
+    return SamplesPublic(data=samples, next_cursor=page[-1].id if page else after, has_more=has_more)
 
 
 def _superseded_from(store: JobStore, job_id: str) -> dict[int, int]:

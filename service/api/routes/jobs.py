@@ -23,7 +23,7 @@ from service.api.deps import (
 from service.api.errors import INT64_MAX, ApiError
 from service.api.intake import spec_text_from_body
 from service.api.schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
-from service.checking.checker import CheckRequest
+from service.checking.messages import CheckRequest
 from service.queue.disk import refuse_if_disk_low, with_space_to_free
 from service.queue.status import JobStatus
 from service.queue.store import IdempotencyConflict, QueueFull
@@ -162,8 +162,8 @@ async def list_jobs(
 @router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
 async def read_job(job_id: str, request: Request) -> Response:
     """One job: status, progress, latest metrics and memory, error, worker and GPU, spec."""
-    # The hottest route (dashboards poll it). A WAL read never waits on the job's writes and takes ~0.1 ms,
-    # less than the hop to the thread pool it would otherwise cost. The store comes from the request, not
+    # The hottest route (dashboards poll it). A WAL read never waits on the job's writes and costs less
+    # than the hop to the thread pool it would otherwise take. The store comes from the request, not
     # StoreDep: resolving a dependency costs a poll more than its own read; and the answer is built once
     # per change of the job's row (job_answers.py). Both measured with bench/profile_requests.py.
     body = answers_of(request).json_of(store_of(request).get_job_row(job_id), include_spec=True)

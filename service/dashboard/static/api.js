@@ -157,28 +157,28 @@ function sleep(ms, signal) {
   });
 }
 
-/** Download a file the service guards with the token: fetch it, then hand the bytes to the browser. */
-/** An object URL for an authenticated GET of ``path`` (an image an <img> cannot fetch with a header). */
-export async function blobUrl(path) {
+/** A GET of `path` with the token; throws when the service cannot be reached or refuses the token. */
+async function fetchWithToken(path, refusedMessage) {
   let response;
   try {
     response = await fetch(path, { headers: authHeaders() });
   } catch {
     throw new UnreachableError("The Ferry service cannot be reached.");
   }
-  if (response.status === 401 || response.status === 403) throw new AuthError("This image needs a token.");
+  if (response.status === 401 || response.status === 403) throw new AuthError(refusedMessage);
+  return response;
+}
+
+/** An object URL for an authenticated GET of ``path`` (an image an <img> cannot fetch with a header). */
+export async function blobUrl(path) {
+  const response = await fetchWithToken(path, "This image needs a token.");
   if (!response.ok) throw new ApiError(response.status, `image failed (${response.status})`);
   return URL.createObjectURL(await response.blob());
 }
 
+/** Download a file the service guards with the token: fetch it, then hand the bytes to the browser. */
 export async function download(path, filename) {
-  let response;
-  try {
-    response = await fetch(path, { headers: authHeaders() });
-  } catch {
-    throw new UnreachableError("The Ferry service cannot be reached.");
-  }
-  if (response.status === 401 || response.status === 403) throw new AuthError("This download needs a token.");
+  const response = await fetchWithToken(path, "This download needs a token.");
   if (!response.ok) throw new ApiError(response.status, errorMessage(await readBody(response)) || `download failed (${response.status})`);
   const url = URL.createObjectURL(await response.blob());
   const link = Object.assign(document.createElement("a"), { href: url, download: filename });

@@ -69,7 +69,7 @@ def _import_what_a_job_needs() -> None:
     """Everything a job imports before its first step, so that a job in a spare imports nothing."""
     import importlib.util
 
-    # The first optimizer a process builds imports torch._dynamo (about 3.5 s on a small machine).
+    # The first optimizer a process builds imports torch._dynamo, which takes seconds.
     import torch._dynamo
 
     import jobs.spec.rules  # noqa: F401 - the cross-section rules, imported by the first spec a process loads
@@ -94,9 +94,9 @@ def _prepare_process(device: str | None, cpu_threads: int | None) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = device if device is not None else ""
     if device is not None:
         # Read when CUDA starts: with expandable segments the allocator grows its mappings instead of keeping
-        # fixed-size blocks, so what a step reserves stays near what it allocates. On the 60-layer DiT under
-        # a 24 GiB limit the two were 1.4 GiB apart without it: room a memory budget can hold weights in
-        # (``gpu_memory_budget: auto`` measures the peak reserved). A setting of the user's own wins.
+        # fixed-size blocks, so what a step reserves stays near what it allocates. Without it, the gap between
+        # the two on a large model is room a memory budget could hold weights in (``gpu_memory_budget: auto``
+        # measures the peak reserved). A setting of the user's own wins.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if cpu_threads is not None:  # a CPU job: read by torch when it starts its thread pools
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cpu_threads)
@@ -107,7 +107,7 @@ def _prepare_process(device: str | None, cpu_threads: int | None) -> None:
 
 def _run_prepared(request: LaunchRequest, stop_flag: Any, parent: int, *, origin: str) -> None:
     """Run the job in this process, prepared for it; ``parent`` is the server, whose death means pause."""
-    _log_to_file(request)
+    log_to_file(request)
 
     from service.queue.store import JobStore  # after the environment is set
 
@@ -164,7 +164,7 @@ def run_attempt(request: LaunchRequest, sink: Any, should_stop: Callable[[], str
     its last event (``finished`` or ``failed``) has been given to ``sink``. The local child passes the
     store; a Ray task passes a buffer the service drains.
     """
-    reporter = _Reporter(sink, request)
+    reporter = EventReporter(sink, request)
     try:
         outcome = _run(request, reporter, should_stop)
         reporter.finished(outcome.status, outcome.step)
@@ -175,7 +175,7 @@ def run_attempt(request: LaunchRequest, sink: Any, should_stop: Callable[[], str
         return 1
 
 
-def _run(request: LaunchRequest, reporter: _Reporter, should_stop: Any) -> Any:
+def _run(request: LaunchRequest, reporter: EventReporter, should_stop: Any) -> Any:
     from jobs import PathRoots, load_job_spec, run_job
 
     roots = PathRoots(model_roots=request.model_roots, data_roots=request.data_roots)
@@ -184,7 +184,7 @@ def _run(request: LaunchRequest, reporter: _Reporter, should_stop: Any) -> Any:
     return run_job(spec, output_dir=request.output_dir, report=reporter, resume=True, should_stop=should_stop)
 
 
-class _Reporter:
+class EventReporter:
     """The ``report`` callback: each typed event is serialized and written to the sink (the store).
 
     Step events are written in small batches (one transaction per ``BATCH_S`` or ``BATCH_STEPS`` steps,
@@ -262,7 +262,8 @@ class _Reporter:
             log.info("job %s failed: %s", self._request.job_id, wire.get("message"))
 
 
-def _log_to_file(request: LaunchRequest, *, capture_stdio: bool = True) -> None:
+def log_to_file(request: LaunchRequest, *, capture_stdio: bool = True) -> None:
+    """Send this process's logging (and, with ``capture_stdio``, its stdout and stderr) to the job's log file."""
     request.log_path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(request.log_path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

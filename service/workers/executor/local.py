@@ -92,7 +92,7 @@ class LocalProcessExecutor:
 
     def stop_orphan(self, pid: int | None, started_at: float | None, *, grace_s: float) -> None:
         # An orphan pauses itself when its parent dies (it watches getppid), so it usually leaves on its own.
-        process = _same_process(pid, started_at)
+        process = same_process(pid, started_at)
         if process is None:
             return
         try:
@@ -103,7 +103,7 @@ class LocalProcessExecutor:
             pass
 
 
-def _same_process(pid: int | None, started_at: float | None) -> psutil.Process | None:
+def same_process(pid: int | None, started_at: float | None) -> psutil.Process | None:
     """The process ``pid`` if it is the one that started at ``started_at``: the OS reuses pids."""
     if pid is None or started_at is None:
         return None

@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from service.workers.executor.base import LaunchRequest, StopKind
-from service.workers.executor.child import _log_to_file, run_attempt
+from service.workers.executor.child import log_to_file, run_attempt
 
 log = logging.getLogger("ferry.job")
 
@@ -51,7 +51,7 @@ class RemoteJob:
     def run(self) -> int:
         """Train until the job ends; 0 when it ended by itself, 1 when it raised (a ``failed`` event says why)."""
         request = self._request
-        _log_to_file(request, capture_stdio=False)
+        log_to_file(request, capture_stdio=False)
         log.info(
             "job %s attempt %d starting on %s in pid %d (Ray) with CUDA_VISIBLE_DEVICES=%r",
             request.job_id,

@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.api.errors import ApiError
-from service.checking.checker import CheckRequest, SpecCheckerProcess
+from service.checking.checker import SpecCheckerProcess
+from service.checking.messages import CheckRequest
 from service.settings import Settings
 from tests.service.checking.test_one_parse import IdleExecutor
 from tests.service.conftest import spec_yaml

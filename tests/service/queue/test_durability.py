@@ -17,7 +17,7 @@ from service.queue.status import JobStatus
 from service.queue.store import JobStore
 from service.workers.devices import Slot
 from service.workers.executor.base import LaunchRequest
-from service.workers.executor.child import _Reporter
+from service.workers.executor.child import EventReporter
 from tests.service.workers.test_scheduler import add, make
 
 
@@ -148,7 +148,7 @@ def test_step_events_are_written_in_small_batches(tmp_path: Path) -> None:
     sink = RecordingSink()
     request = LaunchRequest(job_id="a", attempt=1, spec_text="", output_dir=tmp_path, device=None,
                             db_path=tmp_path / "db", log_path=tmp_path / "job.log")  # fmt: skip
-    reporter = _Reporter(sink, request)
+    reporter = EventReporter(sink, request)
     for n in range(1, 201):
         reporter(StepEvent(**{k: v for k, v in step(n).items() if k != "type"}))
     reporter(CheckpointEvent(step=200, name="step-200", path="x", files=[]))
@@ -164,7 +164,7 @@ def test_the_first_step_goes_out_at_once_even_right_after_started(tmp_path: Path
     sink = RecordingSink()
     request = LaunchRequest(job_id="a", attempt=1, spec_text="", output_dir=tmp_path, device=None,
                             db_path=tmp_path / "db", log_path=tmp_path / "job.log")  # fmt: skip
-    reporter = _Reporter(sink, request)
+    reporter = EventReporter(sink, request)
     reporter(StartedEvent(**{k: v for k, v in started(None).items() if k != "type"}))
     for n in range(1, 4):  # well inside one batch interval of `started`
         reporter(StepEvent(**{k: v for k, v in step(n).items() if k != "type"}))

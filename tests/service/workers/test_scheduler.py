@@ -145,10 +145,10 @@ def test_recovery_requeues_jobs_whose_process_is_gone(store: JobStore, tmp_path:
 
 
 def test_local_executor_leaves_a_reused_pid_alone() -> None:
-    from service.workers.executor.local import _same_process
+    from service.workers.executor.local import same_process
 
-    assert _same_process(os.getpid(), 1.0) is None  # our pid, but not started at that time
-    assert _same_process(os.getpid(), psutil.Process().create_time()) is not None
+    assert same_process(os.getpid(), 1.0) is None  # our pid, but not started at that time
+    assert same_process(os.getpid(), psutil.Process().create_time()) is not None
 
 
 def test_shutdown_pauses_running_jobs_back_into_the_queue_without_using_a_retry(
