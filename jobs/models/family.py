@@ -78,6 +78,9 @@ class ModelFamily(Generic[JobT]):
         build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
             with its weights on the meta device and the source that fills the offload engine's pinned host
             copies directly (jobs/models/weight_sources.py); None when the family can only be built in memory.
+        checkpoint_problems: ``checkpoint_problems(model_spec) -> [(tensor, file, message)]``: the ways the
+            checkpoint fails to fill the model, read from the files' headers at submit time (missing,
+            unexpected, misshapen tensors); None when the family has no such check.
     """
 
     kind: str
@@ -104,6 +107,7 @@ class ModelFamily(Generic[JobT]):
     )
     drop_precomputed: Callable[[JobT, nn.Module], None] | None = None
     build_on_meta: Callable[[Any, int, torch.device], tuple[nn.Module, WeightSource]] | None = None
+    checkpoint_problems: Callable[[Any], list[tuple[str, str, str]]] | None = None
     data_specs: tuple[type[Section], ...] = ()
     job_sections: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
     training_fields: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)

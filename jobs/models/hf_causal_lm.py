@@ -12,7 +12,7 @@ from torch import nn
 from jobs.checkpoints.export import HF_PRETRAINED
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import ModelFamily
-from jobs.models.hf_checkpoint import checkpoint_source
+from jobs.models.hf_checkpoint import checkpoint_problems, checkpoint_source
 from jobs.models.hf_names import hf_module_names
 from jobs.models.transformer_lm import lm_loss
 from jobs.models.weight_sources import RandomSource, WeightSource
@@ -83,11 +83,23 @@ def _config(spec: HFCausalLMSpec) -> Any:
 
 
 def meta_hf_causal_lm(spec: HFCausalLMSpec) -> nn.Module:
-    """The model's shapes on the meta device, from its ``config.json`` alone (no weight is read)."""
+    """The model's shapes on the meta device, from its ``config.json`` alone (no weight is read), its
+    weights tied as ``from_pretrained`` ties them: a tied head is one tensor, counted and loaded once."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(_config(spec))
+        model = AutoModelForCausalLM.from_config(_config(spec))
+    model.tie_weights()
+    return model
+
+
+def hf_checkpoint_problems(spec: HFCausalLMSpec) -> list[tuple[str, str, str]]:
+    """What keeps ``spec.path``'s safetensors from filling the model as ``from_pretrained`` would, from the
+    files' headers alone: (tensor, file, what is wrong). Nothing for ``init: random``."""
+    if spec.init == "random":
+        return []
+    problems = checkpoint_problems(meta_hf_causal_lm(spec), Path(spec.path))
+    return [(p.tensor, p.file, p.message) for p in problems]
 
 
 def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
@@ -142,4 +154,5 @@ FAMILY = ModelFamily(
     enable_gradient_checkpointing=enable_hf_gradient_checkpointing,
     weights_format=HF_PRETRAINED,  # a full fine-tune loads with AutoModelForCausalLM.from_pretrained
     build_on_meta=build_hf_causal_lm_on_meta,
+    checkpoint_problems=hf_checkpoint_problems,
 )

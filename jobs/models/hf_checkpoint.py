@@ -338,7 +338,8 @@ def checkpoint_problems(model: nn.Module, directory: Path) -> list[CheckpointPro
     checkpoint's)."""
     try:
         stored, problems = stored_tensors(directory)
-        return problems + CheckpointPlan(model, stored).problems
+        named = {p.tensor for p in problems}  # a tensor the index promises is then also missing: say it once
+        return problems + [p for p in CheckpointPlan(model, stored).problems if p.tensor not in named]
     except CheckpointCannotStream:
         return []
 

@@ -32,10 +32,33 @@ def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
     problems = [SpecProblem(path, message) for path, message in missing_tracking_packages(spec.tracking)]
     if spec.data.kind == "text":
         problems += _data_problems(spec)
-    read_names = family_of(spec.model).module_names_from_files
+    family = family_of(spec.model)
+    if family.checkpoint_problems is not None:
+        problems += _checkpoint_problems(spec, family.checkpoint_problems)
+    read_names = family.module_names_from_files
     if spec.lora is not None and read_names is not None:
         problems += _lora_problems(spec, read_names)
     return problems
+
+
+def _checkpoint_problems(spec: JobSpec, check: Callable[[Any], list[tuple[str, str, str]]]) -> list[SpecProblem]:
+    """The checkpoint's tensors against the model built from its config: a missing, unexpected or misshapen
+    tensor is refused now, naming the tensor and its file, instead of failing (or loading random values)
+    in the worker."""
+    try:
+        found = check(spec.model)
+    except ValueError as error:
+        return [SpecProblem("model.path", str(error))]
+    except Exception as error:  # a broken config.json or header: report it rather than skip the check
+        return [SpecProblem("model.path", f"cannot check the checkpoint: {type(error).__name__}: {error}")]
+    fix = (
+        "point model.path at a directory written by save_pretrained whose config.json matches its weights "
+        "(every shard present), or set model.init: random to train the shapes without weights"
+    )
+    shown = [SpecProblem("model.path", f"tensor {t!r} in {file}: {message}; fix: {fix}") for t, file, message in found]
+    if len(shown) > 10:
+        shown = [*shown[:10], SpecProblem("model.path", f"and {len(found) - 10} more tensors like these")]
+    return shown
 
 
 def _data_problems(spec: JobSpec) -> list[SpecProblem]:
@@ -49,7 +72,7 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
         tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
     except Exception as error:  # a directory that is not a tokenizer: transformers raises many kinds
         return [SpecProblem("data.tokenizer.path", f"cannot load the tokenizer: {type(error).__name__}: {error}")]
-    if data.format == "chat" and not getattr(tokenizer, "has_chat_template", False):
+    if data.format in ("chat", "preference") and not getattr(tokenizer, "has_chat_template", False):
         return [
             SpecProblem(
                 "data.chat_template",

@@ -177,3 +177,17 @@ def test_every_architecture_in_the_matrix_is_documented() -> None:
 
 def test_a_spec_from_yaml_names_the_family(hf_roots: PathRoots) -> None:
     assert load_job_spec(json.dumps(_job("llama")), roots=hf_roots).model.kind == "hf_causal_lm"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3_moe"])
+def test_the_fit_check_sizes_what_from_pretrained_loads(arch: str, hf_roots: PathRoots) -> None:
+    """The estimate's meta model has the loaded model's tensors: a tied head counted once, experts fused."""
+    from transformers import AutoModelForCausalLM
+
+    from jobs.models.hf_causal_lm import meta_hf_causal_lm
+
+    spec = spec_from(_job(arch), hf_roots)
+    meta = meta_hf_causal_lm(spec.model)
+    loaded = AutoModelForCausalLM.from_pretrained(str(hf_roots.model_roots[0] / arch))
+    shapes = lambda model: {n: tuple(p.shape) for n, p in model.named_parameters()}  # noqa: E731
+    assert shapes(meta) == shapes(loaded)
