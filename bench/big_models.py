@@ -243,7 +243,7 @@ def run_in_process(spec: dict[str, Any], root: Path) -> dict[str, Any]:
         "median_step_s": statistics.median(times) if times else None,
         "load": start.load.model_dump() if start.load else None,
         "device_peak_gib": last.device_peak_bytes / GIB,
-        "device_reserved_gib": last.device_reserved_bytes / GIB,
+        "device_reserved_gib": last.device_peak_reserved_bytes / GIB,  # the allocator's peak, not its last figure
         "pinned_gib": last.pinned_bytes / GIB,
         "offload": last.offload.as_dict() if last.offload else None,
         "losses": [e.loss for e, _ in steps],

@@ -102,13 +102,32 @@ class StepMetrics(BaseModel):
 
 
 class MemorySnapshot(BaseModel):
-    """Memory after a step: PyTorch's device allocator (0 on the CPU), the process RSS, the pinned arena."""
+    """Memory after a step: PyTorch's device allocator (0 on the CPU; ``*_peak_*`` since the job started), the
+    process RSS, the pinned arena."""
 
     device_allocated_bytes: int = 0
     device_reserved_bytes: int = 0
     device_peak_bytes: int = 0
+    device_peak_reserved_bytes: int = 0
     host_rss_bytes: int = 0
     pinned_bytes: int = 0
+
+
+class PreferenceMetrics(BaseModel):
+    """A dpo or orpo step's figures, TRL's ``rewards/*`` and ``logps/*`` (means over the step's pairs).
+
+    DPO's reward is ``beta * (log p_policy - log p_reference)`` of a completion (log-probs summed over its
+    tokens); ORPO's is ``beta`` times the completion's mean per-token log-prob. ``logps_*`` are the policy's.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rewards_chosen: float
+    rewards_rejected: float
+    rewards_accuracies: float = Field(description="share of pairs whose chosen reward beats the rejected one")
+    rewards_margins: float
+    logps_chosen: float
+    logps_rejected: float
 
 
 class StepEvent(JobEvent, StepMetrics, MemorySnapshot):
@@ -120,6 +139,7 @@ class StepEvent(JobEvent, StepMetrics, MemorySnapshot):
     elapsed_s: float
     eta_s: float
     offload: OffloadStats | None = Field(None, description="the offload engine's counters; null without offload")
+    preference: PreferenceMetrics | None = Field(None, description="training.objective dpo/orpo; null for sft")
 
 
 class EvalEvent(JobEvent):

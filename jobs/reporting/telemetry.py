@@ -55,6 +55,7 @@ def memory_snapshot(device: torch.device) -> dict[str, int]:
         "device_allocated_bytes": torch.cuda.memory_allocated(device) if on_cuda else 0,
         "device_reserved_bytes": torch.cuda.memory_reserved(device) if on_cuda else 0,
         "device_peak_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else 0,
+        "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if on_cuda else 0,
         "host_rss_bytes": psutil.Process().memory_info().rss,
     }
 
