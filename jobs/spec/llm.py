@@ -30,7 +30,8 @@ class EarlyStoppingSpec(Section):
 
 
 class EvalSpec(Section):
-    """Held-out evaluation: eval loss and perplexity every ``every_steps`` steps and at the end.
+    """Held-out evaluation: eval loss and perplexity before the first step, every ``every_steps`` steps and at
+    the end.
 
     Give ``split`` (a fraction of the training records held out, chosen by the seed) or ``path`` (records
     of the same format in their own file or directory), not both.
@@ -39,6 +40,7 @@ class EvalSpec(Section):
     split: float | None = Field(None, gt=0, lt=1)
     path: Path | None = Field(None, description="a file or directory under a data root, same format as data")
     every_steps: int | None = Field(None, gt=0, description="null: only at the end (and at each checkpoint)")
+    at_start: bool = Field(True, description="evaluate the base model at step 0 too, the figure to compare against")
     max_batches: int | None = Field(None, gt=0, description="cap each evaluation at this many batches")
     early_stopping: EarlyStoppingSpec | None = None
 

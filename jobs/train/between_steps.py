@@ -33,6 +33,15 @@ class EvalAndSamples:
     def state_dict(self) -> dict[str, Any]:
         return self.history.state_dict()
 
+    def before_first_step(self) -> None:
+        """The base model's eval loss at step 0, the figure training is compared against (``eval.at_start``).
+
+        Called only by a job that starts at step 0; a checkpoint saved at step 0 remembers this evaluation,
+        so resuming from it does not repeat it (see `eval_loss_at`).
+        """
+        if self.eval_source is not None and self.spec.eval is not None and self.spec.eval.at_start:
+            self.eval_loss_at(0)
+
     def after_step(self, step: int) -> bool:
         """Evaluate and sample if due at ``step``; True when early stopping says training should end."""
         if self._due(self.spec.text_samples, step):

@@ -181,6 +181,8 @@ def _train(
     saved = session.resumed_from
     clock = StepClock(step, total)
     between = EvalAndSamples(session, spec, report, session.resumed_extra.get("eval"))
+    if step == 0:  # a resumed job evaluated the base model in its first attempt
+        between.before_first_step()
 
     def checkpoint_now() -> CheckpointInfo:
         if saved is not None and saved.step == step:

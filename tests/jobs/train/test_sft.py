@@ -42,10 +42,13 @@ def test_chat_lora_job_evaluates_samples_and_marks_the_best_checkpoint(tmp_path:
     summary = next(e["message"] for e in events if e["type"] == "log" and e["message"].startswith("data:"))
     assert "24 record(s) held out" not in summary and "6 record(s) held out for eval" in summary
     evals = [e for e in events if e["type"] == "eval"]
-    assert [e["step"] for e in evals] == [2, 4, 6]
+    assert [e["step"] for e in evals] == [0, 2, 4, 6]  # step 0: the base model, before any training
     assert all(e["perplexity"] == pytest.approx(2.718281828 ** e["eval_loss"]) for e in evals)
     assert all(e["metrics"]["tokens"] > 0 and e["metrics"]["batches"] >= 1 for e in evals)
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # it learns the held-out replies' shape
+    assert evals[0]["metrics"]["best"] == 1.0 and events.index(evals[0]) < events.index(
+        next(e for e in events if e["type"] == "step")
+    )
     samples = [e for e in events if e["type"] == "sample"]
     assert [(e["step"], e["prompt"]) for e in samples] == [
         (3, "the quick fox"),
@@ -71,19 +74,20 @@ def test_tensorboard_files_are_readable_by_tensorboard(tmp_path: Path, llm_roots
     scalars = accumulator.Tags()["scalars"]
     assert {"train/loss", "train/lr", "eval/loss", "eval/perplexity"} <= set(scalars)
     assert [e.step for e in accumulator.Scalars("train/loss")] == list(range(1, 7))
-    assert [e.step for e in accumulator.Scalars("eval/loss")] == [3, 6]
+    assert [e.step for e in accumulator.Scalars("eval/loss")] == [0, 3, 6]
 
 
 def test_early_stopping_ends_the_job_when_eval_stops_improving(tmp_path: Path, llm_roots: PathRoots) -> None:
-    # A min_delta no step can beat: the second evaluation does not improve, patience 1 stops there.
+    # A min_delta no step can beat: the first evaluation after the base model's does not improve on it,
+    # patience 1 stops there.
     data = llm_spec(
         eval={"split": 0.25, "every_steps": 2, "early_stopping": {"patience": 1, "min_delta": 100.0}},
         training={"steps": 10},
     )
     outcome, events = run(data, llm_roots, tmp_path / "out")
-    assert outcome.status == "succeeded" and outcome.step == 4
-    assert any(e["type"] == "log" and e["message"].startswith("early stopping at step 4") for e in events)
-    assert [c.step for c in list_checkpoints(tmp_path / "out")] == [4]
+    assert outcome.status == "succeeded" and outcome.step == 2
+    assert any(e["type"] == "log" and e["message"].startswith("early stopping at step 2") for e in events)
+    assert [c.step for c in list_checkpoints(tmp_path / "out")] == [2]
 
 
 @pytest.mark.parametrize("file_type", ["jsonl", "json", "csv", "parquet", "saved"])
@@ -154,19 +158,19 @@ def test_eval_from_its_own_file(tmp_path: Path, llm_roots: PathRoots) -> None:
     assert outcome.status == "succeeded"
     summary = next(e["message"] for e in events if e["type"] == "log" and e["message"].startswith("data:"))
     assert summary.startswith("data: 24 record(s)") and "4 record(s) held out for eval" in summary
-    assert [e["step"] for e in events if e["type"] == "eval"] == [2]
+    assert [e["step"] for e in events if e["type"] == "eval"] == [0, 2]
 
 
 def test_early_stopping_counts_survive_a_pause_and_resume(tmp_path: Path, llm_roots: PathRoots) -> None:
     data = llm_spec(
-        eval={"split": 0.25, "every_steps": 2, "early_stopping": {"patience": 2, "min_delta": 100.0}},
+        eval={"split": 0.25, "every_steps": 2, "early_stopping": {"patience": 3, "min_delta": 100.0}},
         training={"steps": 10},
     )
     spec = load_job_spec(yaml.safe_dump(data), llm_roots)
     polls = iter(range(100))
     paused = run_job(spec, output_dir=tmp_path / "o", should_stop=lambda: "pause" if next(polls) == 4 else None)
-    assert (paused.status, paused.step) == ("paused", 4)  # evaluations at 2 (best) and 4 (no better)
+    assert (paused.status, paused.step) == ("paused", 4)  # evaluations at 0 (best), 2 and 4 (no better)
     events: list[dict[str, Any]] = []
     resumed = run_job(spec, output_dir=tmp_path / "o", report=lambda e: events.append(event_to_wire(e)))
     assert (resumed.status, resumed.step) == ("succeeded", 6)  # the third evaluation without improvement stops it
-    assert [e["step"] for e in events if e["type"] == "eval"] == [6]
+    assert [e["step"] for e in events if e["type"] == "eval"] == [6]  # step 0's is not repeated

@@ -59,7 +59,7 @@ def test_chat_job_reports_eval_samples_best_checkpoint_and_merges(tmp_path: Path
         metrics = client.get(f"{base}/metrics").json()
         assert [p["step"] for p in metrics["data"]] == list(range(1, 7))
         evals = metrics["eval"]
-        assert [e["step"] for e in evals] == [2, 4, 6] and all(e["perplexity"] > 1 for e in evals)
+        assert [e["step"] for e in evals] == [0, 2, 4, 6] and all(e["perplexity"] > 1 for e in evals)  # 0: the base
         # The cursor moves past the last evaluation: nothing is served twice.
         again = client.get(f"{base}/metrics", params={"after": metrics["next_cursor"]}).json()
         assert again["data"] == [] and again["eval"] == []
