@@ -174,3 +174,25 @@ def test_early_stopping_counts_survive_a_pause_and_resume(tmp_path: Path, llm_ro
     resumed = run_job(spec, output_dir=tmp_path / "o", report=lambda e: events.append(event_to_wire(e)))
     assert (resumed.status, resumed.step) == ("succeeded", 6)  # the third evaluation without improvement stops it
     assert [e["step"] for e in events if e["type"] == "eval"] == [6]  # step 0's is not repeated
+
+
+def test_the_base_model_is_evaluated_once_at_step_0_and_not_again_on_resume(
+    tmp_path: Path, llm_roots: PathRoots
+) -> None:
+    spec = load_job_spec(yaml.safe_dump(llm_spec(eval={"split": 0.25}, training={"steps": 3})), llm_roots)
+    first: list[dict[str, Any]] = []
+    paused = run_job(
+        spec, output_dir=tmp_path / "o", report=lambda e: first.append(event_to_wire(e)), should_stop=lambda: "pause"
+    )
+    assert (paused.status, paused.step) == ("paused", 0)  # paused before the first step, after the base's eval
+    assert [e["step"] for e in first if e["type"] == "eval"] == [0]
+    resumed: list[dict[str, Any]] = []
+    outcome = run_job(spec, output_dir=tmp_path / "o", report=lambda e: resumed.append(event_to_wire(e)))
+    assert (outcome.status, outcome.step) == ("succeeded", 3)
+    assert [e["step"] for e in resumed if e["type"] == "eval"] == [3]
+
+
+def test_eval_at_start_false_skips_the_base_model(tmp_path: Path, llm_roots: PathRoots) -> None:
+    data = llm_spec(eval={"split": 0.25, "at_start": False}, training={"steps": 2})
+    _, events = run(data, llm_roots, tmp_path / "o")
+    assert [e["step"] for e in events if e["type"] == "eval"] == [2]
