@@ -12,6 +12,7 @@ from jobs.data.chat import chat_example, check_messages
 from jobs.data.examples import IGNORE as IGNORE
 from jobs.data.examples import Example as Example
 from jobs.data.examples import RecordError as RecordError
+from jobs.data.sharegpt import is_sharegpt, sharegpt_messages
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 ALPACA = (
@@ -38,8 +39,16 @@ def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> E
         prompt, response = instruction_texts(fields, spec)
         return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
     assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
-    messages = check_messages(fields.get(spec.messages_field), spec.messages_field)
+    messages = chat_messages(fields, spec.messages_field)
     return chat_example(messages, tokenizer, train_on_prompt=spec.train_on_prompt)
+
+
+def chat_messages(fields: dict[str, Any], messages_field: str) -> list[dict[str, Any]]:
+    """A chat record's checked messages: OpenAI's ``messages`` or ShareGPT's ``conversations`` (sharegpt.py)."""
+    if is_sharegpt(fields, messages_field):
+        turns, field = sharegpt_messages(fields, messages_field)
+        return check_messages(turns, field)
+    return check_messages(fields.get(messages_field), messages_field)
 
 
 def instruction_texts(fields: dict[str, Any], spec: Any) -> tuple[str, str]:
