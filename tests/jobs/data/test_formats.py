@@ -109,3 +109,45 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path) -> No
     ]
     with pytest.raises(RecordError, match="does not render the conversation turn by turn"):
         record_example({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
+
+
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "be brief"},
+        {"from": "human", "value": "the fox"},
+        {"from": "gpt", "value": "jumps over"},
+        {"from": "user", "value": "the dog"},
+        {"from": "assistant", "value": "lazy"},
+    ]
+}
+
+
+def test_sharegpt_conversations_train_like_chat_messages(tmp_path: Path, tokenizer: HFTokenizer) -> None:
+    spec = data_spec(tmp_path, format="chat")
+    roles = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
+    messages = [{"role": roles[t["from"]], "content": t["value"]} for t in SHAREGPT["conversations"]]
+    sharegpt = record_example(SHAREGPT, spec, tokenizer)
+    assert sharegpt == record_example({"messages": messages}, spec, tokenizer)
+    assert trained_text(sharegpt, tokenizer) == "jumps over<|im_end|>\nlazy<|im_end|>\n"
+    # Under a messages_field of the user's choosing, the {from, value} spelling is recognised too.
+    renamed = data_spec(tmp_path, format="chat", messages_field="dialog")
+    assert record_example({"dialog": SHAREGPT["conversations"]}, renamed, tokenizer) == sharegpt
+
+
+@pytest.mark.parametrize(
+    ("turn", "error"),
+    [
+        ({"from": "bot", "value": "x"}, "field 'conversations[1].from': must be one of human, gpt, system, user, "),
+        ({"from": "gpt", "text": "x"}, "field 'conversations[1].value': must be a string; got None"),
+        ("gpt: x", "field 'conversations[1]': must be an object with from and value; got 'gpt: x'"),
+    ],
+)
+def test_sharegpt_errors_name_the_turn(tmp_path: Path, tokenizer: HFTokenizer, turn: object, error: str) -> None:
+    record = {"conversations": [{"from": "human", "value": "hi"}, turn]}
+    with pytest.raises(RecordError) as caught:
+        record_example(record, data_spec(tmp_path, format="chat"), tokenizer)
+    assert str(caught.value).startswith(error)
+    with pytest.raises(RecordError, match="field 'conversations': has no assistant message"):
+        record_example(
+            {"conversations": [{"from": "human", "value": "hi"}]}, data_spec(tmp_path, format="chat"), tokenizer
+        )

@@ -100,3 +100,20 @@ def test_spec_rules_for_chat(llm_roots: PathRoots) -> None:
             "transformer_lm cannot keep packed documents apart (no position ids); use packing: padded or auto",
         ),
     }
+
+
+def test_a_bad_sharegpt_row_names_the_file_row_and_turn(llm_roots: PathRoots) -> None:
+    rows = [
+        {"conversations": [{"from": "human", "value": "the fox"}, {"from": "gpt", "value": "jumps"}]} for _ in range(4)
+    ]
+    write_jsonl(llm_roots.data_roots[0] / "share.jsonl", rows)
+    assert problems(llm_roots, data={"path": "share.jsonl"}) == []
+    rows[3]["conversations"][1]["from"] = "bot"
+    write_jsonl(llm_roots.data_roots[0] / "share.jsonl", rows)
+    assert problems(llm_roots, data={"path": "share.jsonl"}) == [
+        SpecProblem(
+            "data.path",
+            "share.jsonl row 4: field 'conversations[1].from': must be one of human, gpt, system, user, assistant, "
+            "tool; got 'bot' (data.format: chat)",
+        )
+    ]
