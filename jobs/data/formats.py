@@ -1,4 +1,4 @@
-"""From a record to training tokens, by ``data.format``: text, instruction (alpaca-style) or chat.
+"""From a record to training tokens, by ``data.format``: text, instruction (alpaca-style), chat or preference.
 
 Labels are the token ids where the loss applies and -100 (PyTorch's and Hugging Face's ignore index)
 where it does not: prompts, unless ``train_on_prompt``.
@@ -39,6 +39,11 @@ def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> E
         prompt, response = instruction_texts(fields, spec)
         return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
     assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
+    if spec.format == "preference":  # checked here at submit time; trained as pairs (jobs/data/preference.py)
+        from jobs.data.preference import preference_pair
+
+        pair = preference_pair(fields, tokenizer)
+        return pair.example(pair.chosen)
     messages = chat_messages(fields, spec.messages_field)
     return chat_example(messages, tokenizer, train_on_prompt=spec.train_on_prompt)
 

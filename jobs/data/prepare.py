@@ -20,9 +20,10 @@ from jobs.data.examples import Example, RecordError
 from jobs.data.formats import record_example
 from jobs.data.packing import PackingCounts, concatenate, fit_examples, pack
 from jobs.data.padded import PaddedBatches
+from jobs.data.preference import PreferenceBatches, PreferencePair, preference_pair, truncate
 from jobs.data.records import Record, iter_records
 from jobs.data.text import PackedText
-from jobs.data.tokenizers import Tokenizer, build_tokenizer
+from jobs.data.tokenizers import HFTokenizer, Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,10 @@ log = logging.getLogger(__name__)
 class TextData:
     """What a text job trains and evaluates on."""
 
-    train: PackedText | PaddedBatches
-    eval: PackedText | PaddedBatches | None
+    train: PackedText | PaddedBatches | PreferenceBatches
+    eval: PackedText | PaddedBatches | PreferenceBatches | None
     tokenizer: Tokenizer
-    layout: str  # "packed", "padded" or "concatenated"
+    layout: str  # "packed", "padded", "concatenated" or "pairs" (preference data)
     counts: PackingCounts
     summary: str  # one line for the job's log: records, examples, truncated, skipped, sequences
 
@@ -70,6 +71,8 @@ def prepare_text_data(spec: Any, *, batch_size: int, seed: int, packed_path: boo
         records, held_out = _split(records, eval_spec.split, seed)
     elif eval_spec is not None:
         held_out = list(iter_records(eval_spec.path, spec.file_type))
+    if spec.format == "preference":
+        return _preference_data(records, held_out, spec, tokenizer, batch_size, seed)
     layout = layout_for(spec, packed_path=packed_path)
     train, counts = _lay_out(_examples(records, spec, tokenizer), spec, tokenizer, layout, batch_size, seed)
     evaluation = None
@@ -84,6 +87,38 @@ def prepare_text_data(spec: Any, *, batch_size: int, seed: int, packed_path: boo
     )
     log.info(summary)
     return TextData(train, evaluation, tokenizer, layout, counts, summary)
+
+
+def _preference_data(
+    records: list[Record], held_out: list[Record], spec: Any, tokenizer: Tokenizer, batch_size: int, seed: int
+) -> TextData:
+    """Preference pairs, each truncated to ``data.seq_len`` (the prompt keeps its end), in pair batches."""
+    assert isinstance(tokenizer, HFTokenizer)  # a rule refuses preference data without an HF tokenizer
+
+    def pairs(chosen: list[Record]) -> list[PreferencePair]:
+        found = []
+        for record in chosen:
+            try:
+                found.append(truncate(preference_pair(record.fields, tokenizer), spec.seq_len))
+            except RecordError as error:
+                raise ValueError(f"{record.file} row {record.row}: {error} (data.format=preference)") from None
+        return found
+
+    train_pairs = pairs(records)
+    train = PreferenceBatches(train_pairs, batch_size, seed, tokenizer.pad_id)
+    evaluation = None
+    if held_out:
+        size = min(batch_size, len(held_out))
+        evaluation = PreferenceBatches(pairs(held_out), size, seed, tokenizer.pad_id)
+    truncated = sum(1 for p in train_pairs if p.cut)
+    counts = PackingCounts(examples=len(train_pairs), truncated=truncated, sequences=2 * len(train_pairs))
+    summary = (
+        f"data: {len(records)} record(s) -> {len(train_pairs)} preference pair(s) of <= {spec.seq_len} tokens a row; "
+        f"{truncated} truncated to data.seq_len ({sum(p.cut for p in train_pairs)} token(s) cut, prompts keep their end)"
+        + (f"; {len(held_out)} record(s) held out for eval" if held_out else "")
+    )
+    log.info(summary)
+    return TextData(train, evaluation, tokenizer, "pairs", counts, summary)
 
 
 def _split(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:

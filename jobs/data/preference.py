@@ -1,0 +1,165 @@
+"""Preference pairs (``data.format: preference``): a prompt, a chosen and a rejected completion.
+
+Two layouts are read, per record:
+- TRL's preference layout: ``prompt`` (a message list or a string), ``chosen`` and ``rejected`` (each a
+  message list or a string).
+- OpenAI's fine-tuning DPO layout: ``input.messages``, ``preferred_output`` and ``non_preferred_output``
+  (message lists).
+
+The chat template renders the prompt with the assistant's header (``add_generation_prompt``); a completion is
+what the template adds after it for the prompt plus that completion, as TRL renders conversational pairs.
+Only completion tokens carry labels. A batch holds the chosen rows first, then the rejected rows of the same
+pairs (one forward for both, as TRL's ``concatenated_forward``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jobs.data.chat import check_messages
+from jobs.data.examples import IGNORE, Example, RecordError
+from jobs.data.tokenizers import HFTokenizer
+
+
+@dataclass
+class PreferencePair:
+    """One tokenized pair: the prompt's ids and the two completions' ids; ``cut`` tokens were truncated."""
+
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    cut: int = 0
+
+    def example(self, completion: list[int]) -> Example:
+        """Prompt plus ``completion``, labels on the completion only."""
+        return Example(self.prompt + completion, [IGNORE] * len(self.prompt) + completion)
+
+
+def preference_pair(fields: dict[str, Any], tokenizer: HFTokenizer) -> PreferencePair:
+    """The tokens of one preference record (either layout, see the module docstring).
+
+    Raises:
+        RecordError: naming the missing or malformed field, or a template that does not render the
+            completion after the prompt.
+    """
+    prompt, chosen, rejected = _conversations(fields)
+    prompt_text = _render(tokenizer, prompt, generation_prompt=True)
+    completions = []
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        full = _render(tokenizer, prompt + completion, generation_prompt=False)
+        if not full.startswith(prompt_text):
+            raise RecordError(
+                name, "the chat template does not render the completion after the prompt; set data.chat_template"
+            )
+        ids = tokenizer.encode(full[len(prompt_text) :])
+        if not ids:
+            raise RecordError(name, "renders to no token, so there is nothing to compare")
+        completions.append(ids)
+    return PreferencePair(tokenizer.encode(prompt_text), completions[0], completions[1])
+
+
+def truncate(pair: PreferencePair, seq_len: int) -> PreferencePair:
+    """``pair`` within ``seq_len`` tokens: the prompt keeps its end (at least one token, which predicts the
+    first completion token), then the completions keep their start; ``cut`` counts the tokens dropped."""
+    longest = max(len(pair.chosen), len(pair.rejected))
+    if len(pair.prompt) + longest <= seq_len:
+        return pair
+    keep = max(1, min(len(pair.prompt), seq_len - longest))
+    room = seq_len - keep
+    prompt, chosen, rejected = pair.prompt[-keep:], pair.chosen[:room], pair.rejected[:room]
+    cut = sum(len(a) - len(b) for a, b in ((pair.prompt, prompt), (pair.chosen, chosen), (pair.rejected, rejected)))
+    return PreferencePair(prompt, chosen, rejected, cut)
+
+
+def _conversations(fields: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    # A file mixing both layouts reads through ``datasets`` with the other layout's keys present as None.
+    if fields.get("preferred_output") is not None or fields.get("input") is not None:  # OpenAI's DPO layout
+        source = fields.get("input")
+        if not isinstance(source, dict):
+            raise RecordError("input", "must be an object with messages (OpenAI's DPO layout)")
+        prompt = _messages(source.get("messages"), "input.messages", prompt=True)
+        names = ("preferred_output", "non_preferred_output")
+    else:
+        prompt = _messages(fields.get("prompt"), "prompt", prompt=True)
+        names = ("chosen", "rejected")
+    chosen, rejected = (_messages(fields.get(name), name, prompt=False) for name in names)
+    return prompt, chosen, rejected
+
+
+def _messages(value: Any, field: str, *, prompt: bool) -> list[dict[str, Any]]:
+    """A string becomes one user turn (a prompt) or one assistant turn (a completion)."""
+    if value is None:
+        raise RecordError(field, "is missing; preference records need prompt, chosen and rejected")
+    if isinstance(value, str):
+        return [{"role": "user" if prompt else "assistant", "content": value}]
+    if prompt:
+        if not isinstance(value, list) or not value:
+            raise RecordError(field, "must be a non-empty list of {role, content} objects or a string")
+        # check_messages wants an assistant turn to train on; a prompt's comes from the completions.
+        checked = check_messages([*value, {"role": "assistant", "content": ""}], field)[:-1]
+    else:
+        checked = check_messages(value, field)
+        if checked[-1]["role"] != "assistant":
+            raise RecordError(field, "must end with an assistant message (the completion)")
+    return [{"role": m["role"], "content": m["content"]} for m in checked]
+
+
+def _render(tokenizer: HFTokenizer, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+    try:
+        return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
+    except Exception as error:  # jinja2's TemplateError and whatever a template raises
+        raise RecordError("prompt", f"the chat template failed: {type(error).__name__}: {error}") from None
+
+
+class PreferenceBatches:
+    """Pairs in seeded random order, ``batch_size`` pairs a batch: ``2 * batch_size`` rows, right-padded,
+    chosen rows first. Batch ``i`` is a pure function of (seed, i), so resume is exact."""
+
+    def __init__(self, pairs: list[PreferencePair], batch_size: int, seed: int, pad_id: int) -> None:
+        if len(pairs) < batch_size:
+            raise ValueError(
+                f"data yields {len(pairs)} preference pair(s), fewer than training.batch_size={batch_size}; "
+                "add data or lower the batch size"
+            )
+        self.pairs, self.batch_size, self.seed, self.pad_id = pairs, batch_size, seed, pad_id
+        self.batches_per_epoch = len(pairs) // batch_size
+        lengths = [2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs]
+        self.tokens_per_sample = round(sum(lengths) / len(pairs))  # a sample is a pair: both rows
+        self._order: tuple[int, list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
+        """The ``index``-th micro-batch (CPU tensors), counting across epochs."""
+        epoch, within = divmod(index, self.batches_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self), generator=generator).tolist())
+        return self._collate(self._order[1][within * self.batch_size : (within + 1) * self.batch_size])
+
+    def in_order(self, index: int) -> dict[str, torch.Tensor]:
+        """Batch ``index`` in stored order."""
+        return self._collate(list(range(index * self.batch_size, min(len(self), (index + 1) * self.batch_size))))
+
+    def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return collate_pairs([self.pairs[i] for i in indices], self.pad_id)
+
+
+def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels`` (-100 off the completions) and ``attention_mask`` of the chosen rows, then the
+    rejected rows, right-padded to the longest row."""
+    rows = [p.example(p.chosen) for p in pairs] + [p.example(p.rejected) for p in pairs]
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, example in enumerate(rows):
+        n = len(example.input_ids)
+        ids[row, :n] = torch.tensor(example.input_ids)
+        labels[row, :n] = torch.tensor(example.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
