@@ -71,6 +71,9 @@ class Tracking:
             scalars = {"train/loss": event.loss, "train/lr": event.lr}
             if event.tokens_per_s is not None:
                 scalars["train/tokens_per_s"] = event.tokens_per_s
+            if event.preference is not None:  # TRL's names: train/rewards/chosen, train/logps/rejected, ...
+                for name, value in event.preference.model_dump().items():
+                    scalars["train/" + name.replace("_", "/", 1)] = value
         elif isinstance(event, EvalEvent):
             scalars = {"eval/loss": event.eval_loss}
             if event.perplexity is not None:

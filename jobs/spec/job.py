@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
 
 from jobs.models import registry
-from jobs.spec.llm import EvalSpec, InstructionFields, TextSamplesSpec, TrackingSpec
+from jobs.spec.llm import DPOSpec, EvalSpec, InstructionFields, ORPOSpec, TextSamplesSpec, TrackingSpec
 from jobs.spec.sections import Dtype as Dtype
 from jobs.spec.sections import Section, broken_rules, confined_path
 from offload import OffloadOptions
@@ -71,8 +71,10 @@ class TextDataSpec(Section):
 
     kind: Literal["text"]
     path: Path = Field(description="a file or a directory of data files under a data root")
-    format: Literal["text", "instruction", "chat"] = Field(
-        "text", description="text: every token trains; instruction/chat: only responses unless train_on_prompt"
+    format: Literal["text", "instruction", "chat", "preference"] = Field(
+        "text",
+        description="text: every token trains; instruction/chat: only responses unless train_on_prompt; "
+        "preference: prompt, chosen and rejected (TRL's or OpenAI's DPO layout) for training.objective dpo/orpo",
     )
     file_type: Literal["auto", "jsonl", "json", "csv", "parquet", "txt", "saved"] = Field(
         "auto", description="auto: from the suffix (a directory saved by datasets.save_to_disk is 'saved')"
@@ -156,6 +158,11 @@ class TrainingSpec(Section):
         "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
     )
     gradient_checkpointing: bool = False
+    objective: Literal["sft", "dpo", "orpo"] = Field(
+        "sft", description="sft: next-token loss on the labels; dpo/orpo: preference pairs (data.format: preference)"
+    )
+    dpo: DPOSpec = DPOSpec()
+    orpo: ORPOSpec = ORPOSpec()
     # The families' own fields follow (ModelFamily.training_fields), added below.
 
     @model_validator(mode="after")

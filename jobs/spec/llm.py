@@ -1,6 +1,7 @@
-"""Spec sections for fine-tuning language models: record fields, evaluation, samples, tracking.
+"""Spec sections for fine-tuning language models: record fields, preference objectives, evaluation, samples, tracking.
 
-They mirror the YAML (``data.fields``, ``eval``, ``text_samples``, ``tracking``); `jobs.spec.job` assembles them into
+They mirror the YAML (``data.fields``, ``training.dpo``, ``training.orpo``, ``eval``, ``text_samples``, ``tracking``);
+`jobs.spec.job` assembles them into
 the job. A module of their own so the job spec stays one screen of model, data and training sections.
 """
 
@@ -20,6 +21,23 @@ class InstructionFields(Section):
     instruction: str = "instruction"
     input: str = Field("input", description="optional per record; an empty or absent input is left out")
     output: str = "output"
+
+
+class DPOSpec(Section):
+    """Direct Preference Optimization; the names and meanings are TRL's ``DPOConfig``'s."""
+
+    beta: float = Field(0.1, gt=0, description="how far the policy may move from the reference (KL weight)")
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid", description="sigmoid: the DPO paper's; ipo: squared, per completion token; hinge: SLiC's"
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="sigmoid only: the chance a label is flipped")
+
+
+class ORPOSpec(Section):
+    """Odds Ratio Preference Optimization: the completion NLL of the chosen rows plus ``beta`` times the odds-ratio
+    loss. ``beta`` is the ORPO paper's lambda, named as in TRL's ``ORPOConfig``."""
+
+    beta: float = Field(0.1, gt=0, description="the weight of the odds-ratio term (the paper's lambda)")
 
 
 class EarlyStoppingSpec(Section):

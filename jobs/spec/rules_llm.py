@@ -1,4 +1,4 @@
-"""Cross-section rules of language-model fine-tuning: formats, packing, eval, samples, LoRA variants."""
+"""Cross-section rules of language-model fine-tuning: formats, objectives, packing, eval, samples, LoRA variants."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ if TYPE_CHECKING:
 
 
 def _check_chat_needs_hf_tokenizer(spec: JobSpec) -> list[Problem]:
-    if spec.data.kind == "text" and spec.data.format == "chat" and spec.data.tokenizer.kind != "hf":
+    data = spec.data
+    if data.kind == "text" and data.format in ("chat", "preference") and data.tokenizer.kind != "hf":
         return [
-            ("data.tokenizer", "data.format: chat renders messages with a chat template; use {kind: hf, path: ...}")
+            (
+                "data.tokenizer",
+                f"data.format: {data.format} renders messages with a chat template; use {{kind: hf, path: ...}}",
+            )
         ]
     return []
 
 
 def _check_chat_template_only_for_chat(spec: JobSpec) -> list[Problem]:
     data = spec.data
-    if data.kind == "text" and data.chat_template is not None and data.format != "chat":
+    if data.kind == "text" and data.chat_template is not None and data.format not in ("chat", "preference"):
         return [("data.chat_template", f"only data.format: chat uses a chat template; got format {data.format}")]
     return []
 
@@ -55,7 +59,52 @@ def _check_dora_under_offload(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _check_objective_fits_data(spec: JobSpec) -> list[Problem]:
+    objective, data = spec.training.objective, spec.data
+    pairs = data.kind == "text" and data.format == "preference"
+    if objective != "sft" and not pairs:
+        return [
+            (
+                "training.objective",
+                f"{objective} trains on preference pairs: set data.kind: text and data.format: preference "
+                "(prompt, chosen, rejected; or OpenAI's input, preferred_output, non_preferred_output)",
+            )
+        ]
+    if objective == "sft" and pairs:
+        return [("data.format", "preference pairs train with training.objective: dpo or orpo; got sft")]
+    return []
+
+
+def _check_preference_setup(spec: JobSpec) -> list[Problem]:
+    """What preference tuning does not combine with (yet)."""
+    objective, lora = spec.training.objective, spec.lora
+    if objective == "sft":
+        return []
+    problems: list[Problem] = []
+    if objective == "dpo" and lora is None:
+        problems.append(
+            (
+                "training.objective",
+                "dpo with a full fine-tune needs the reference model's log-probs, computed before training, which "
+                "Ferry does not do yet; add a lora section (the reference is the base with the adapters off) or use "
+                "training.objective: orpo (no reference model)",
+            )
+        )
+    if objective == "dpo" and lora is not None and (lora.use_dora or lora.modules_to_save):
+        field = "lora.use_dora" if lora.use_dora else "lora.modules_to_save"
+        problems.append(
+            (field, "dpo takes the reference from the base with plain LoRA adapters off; remove it for dpo")
+        )
+    if spec.eval is not None:
+        problems.append(("eval", f"is not supported with training.objective: {objective} yet; remove the section"))
+    if spec.data.kind == "text" and spec.data.packing == "packed":
+        problems.append(("data.packing", "preference pairs are batched as padded pairs; use packing: auto"))
+    return problems
+
+
 RULES = (
+    _check_objective_fits_data,
+    _check_preference_setup,
     _check_chat_needs_hf_tokenizer,
     _check_chat_template_only_for_chat,
     _check_packing_fits_model,

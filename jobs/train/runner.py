@@ -21,6 +21,7 @@ from jobs.events import (
     FileDigest,
     FinishedEvent,
     LogEvent,
+    PreferenceMetrics,
     Report,
     StartedEvent,
     StopPoll,
@@ -220,19 +221,21 @@ def _train(
         step += 1
         samples = training.batch_size * accumulation
         tokens = samples * session.data.tokens_per_sample if session.data.tokens_per_sample else None
-        report(
-            step_event(
-                step=step,
-                total_steps=total,
-                loss=loss_value,
-                lr=lr,
-                samples=samples,
-                tokens=tokens,
-                timing=clock.tick(step),
-                device=session.device,
-                offload=session.manager.stats() if session.manager else None,
-            )
+        event = step_event(
+            step=step,
+            total_steps=total,
+            loss=loss_value,
+            lr=lr,
+            samples=samples,
+            tokens=tokens,
+            timing=clock.tick(step),
+            device=session.device,
+            offload=session.manager.stats() if session.manager else None,
         )
+        take_metrics = getattr(session.loss_fn, "take_metrics", None)  # dpo/orpo: rewards and log-probs
+        if callable(take_metrics):
+            event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})
+        report(event)
         stop_early = between.after_step(step)
         sample_every = session.sampler.every_steps if session.sampler is not None else None
         due = [n for n in (every, sample_every) if n is not None and step % n == 0]

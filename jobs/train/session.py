@@ -91,6 +91,10 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     family = family_of(spec.model)
     loading_started = time.perf_counter()
     model, loss_fn, source = _setup_model(spec, family, device)
+    if spec.training.objective != "sft":
+        from jobs.train.preference import PreferenceLoss
+
+        loss_fn = PreferenceLoss(spec.training, model)  # dpo's reference: the base, adapters masked per row
     checkpoint = latest_valid_checkpoint(output_dir) if resume else None
     if checkpoint is not None and source is None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
@@ -327,6 +331,9 @@ def close_session(session: TrainingSession | None) -> None:
     """Detach the engine and free device memory, so the next job in this process starts clean."""
     if session is not None and session.manager is not None:
         session.manager.remove()
+    remove_hooks = getattr(session.loss_fn, "remove", None) if session is not None else None
+    if callable(remove_hooks):
+        remove_hooks()  # a preference loss's adapter hooks
     if session is not None and session.sampler is not None:
         session.sampler.close()
     from accelerate.state import AcceleratorState, GradientState

@@ -1,0 +1,184 @@
+"""Preference objectives (``training.objective: dpo | orpo``) over batches of chosen rows then rejected rows.
+
+DPO's reference model is the base without the LoRA adapters. It rides the policy's forward: the batch is
+doubled (policy rows, then reference rows) and a forward hook on every adapter's ``lora_B`` multiplies the
+adapter's output by zero on the reference rows, so those rows compute exactly what the base computes (what
+peft's ``disable_adapter()`` gives). Each weight is therefore copied to the device once for both models: a DPO
+step streams the bytes of an SFT step. The hooks stay in place through the backward, so an activation
+checkpoint's recompute masks the same rows. The reference log-probs are detached.
+
+The formulas are TRL's (``DPOTrainer``, ``ORPOTrainer``): log-probs summed over completion tokens for DPO,
+averaged for ORPO's odds ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jobs.data.examples import IGNORE
+
+METRICS = (
+    "rewards_chosen",
+    "rewards_rejected",
+    "rewards_accuracies",
+    "rewards_margins",
+    "logps_chosen",
+    "logps_rejected",
+)
+
+
+def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the summed log-prob of the labelled (completion) tokens, and how many there are."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]  # token t predicts token t + 1
+    mask = labels != IGNORE
+    picked = torch.gather(logits, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    per_token = picked - torch.logsumexp(logits, dim=-1)
+    return (per_token * mask).sum(-1), mask.sum(-1)
+
+
+def dpo_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    counts: tuple[torch.Tensor, torch.Tensor],
+    spec: Any,
+) -> torch.Tensor:
+    """Per-pair DPO loss of ``spec.loss_type`` (TRL's formulas; ``label_smoothing`` is cDPO's, sigmoid only)."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    if spec.loss_type == "ipo":  # per completion token, as TRL normalizes it
+        delta = chosen_ratio / counts[0].clamp(min=1) - rejected_ratio / counts[1].clamp(min=1)
+        return (delta - 1 / (2 * spec.beta)) ** 2
+    delta = chosen_ratio - rejected_ratio
+    if spec.loss_type == "hinge":
+        return torch.relu(1 - spec.beta * delta)
+    smoothing = spec.label_smoothing
+    return -F.logsigmoid(spec.beta * delta) * (1 - smoothing) - F.logsigmoid(-spec.beta * delta) * smoothing
+
+
+def odds_ratio_losses(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor) -> torch.Tensor:
+    """ORPO's ``-log sigmoid(log odds(chosen) - log odds(rejected))`` of mean per-token log-probs."""
+    chosen_mean, rejected_mean = chosen_mean.float(), rejected_mean.float()
+    log_odds = (chosen_mean - rejected_mean) - (_log1mexp(chosen_mean) - _log1mexp(rejected_mean))
+    return -F.logsigmoid(log_odds)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    # log(1 - exp(x)) for x < 0, branching at -ln 2 to avoid cancellation (TRL's log1mexp).
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+class PreferenceLoss:
+    """The loss function of a dpo or orpo job (a ``LossFn``), which also keeps the step's reward metrics.
+
+    Args:
+        training: The ``training`` section (``objective``, ``dpo``, ``orpo``).
+        model: The model the job trains; DPO masks its LoRA adapters on the reference rows.
+
+    Example:
+        >>> loss_fn = PreferenceLoss(spec.training, model)
+        >>> loss = loss_fn(model, batch)  # batch: chosen rows, then rejected rows
+        >>> loss_fn.take_metrics()["rewards_accuracies"]
+    """
+
+    def __init__(self, training: Any, model: nn.Module) -> None:
+        self.objective, self.dpo, self.orpo = training.objective, training.dpo, training.orpo
+        self._mask: torch.Tensor | None = None  # 1 on policy rows, 0 on reference rows; kept through backward
+        self._handles = _mask_adapters(model, self) if self.objective == "dpo" else []
+        self._sums: dict[str, torch.Tensor] = {}
+        self._batches = 0
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean loss over the batch's pairs."""
+        labels = batch["labels"]
+        pairs = labels.shape[0] // 2
+        if self.objective == "dpo":
+            rows = 2 * pairs
+            self._mask = torch.cat([labels.new_ones(rows), labels.new_zeros(rows)])
+            doubled = {name: torch.cat([tensor, tensor]) for name, tensor in batch.items() if name != "labels"}
+            logits = _logits(model, doubled)
+            logps, counts = completion_logps(logits, torch.cat([labels, labels]))
+            policy, reference = logps[:rows], logps[rows:].detach()
+            chosen, rejected = policy[:pairs], policy[pairs:]
+            ref_chosen, ref_rejected = reference[:pairs], reference[pairs:]
+            losses = dpo_losses(
+                chosen, rejected, ref_chosen, ref_rejected, (counts[:pairs], counts[pairs:rows]), self.dpo
+            )
+            rewards = (
+                self.dpo.beta * (chosen - ref_chosen).detach(),
+                self.dpo.beta * (rejected - ref_rejected).detach(),
+            )
+            loss = losses.mean()
+        else:
+            logps, counts = completion_logps(_logits(model, batch), labels)
+            chosen, rejected = logps[:pairs], logps[pairs:]
+            mean = logps / counts.clamp(min=1)
+            nll = -chosen.sum() / counts[:pairs].sum().clamp(min=1)  # the chosen completions' token mean
+            loss = nll + self.orpo.beta * odds_ratio_losses(mean[:pairs], mean[pairs:]).mean()
+            rewards = (self.orpo.beta * mean[:pairs].detach(), self.orpo.beta * mean[pairs:].detach())
+        self._record(rewards, chosen.detach(), rejected.detach())
+        return loss
+
+    def _record(self, rewards: tuple[torch.Tensor, torch.Tensor], chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        values = {
+            "rewards_chosen": rewards[0].mean(),
+            "rewards_rejected": rewards[1].mean(),
+            "rewards_accuracies": (rewards[0] > rewards[1]).float().mean(),
+            "rewards_margins": (rewards[0] - rewards[1]).mean(),
+            "logps_chosen": chosen.mean(),
+            "logps_rejected": rejected.mean(),
+        }
+        for name, value in values.items():
+            self._sums[name] = self._sums.get(name, torch.zeros_like(value)) + value.float()
+        self._batches += 1
+
+    def take_metrics(self) -> dict[str, float]:
+        """The metrics averaged over the micro-batches since the last call; call it after the step's backward."""
+        self._mask = None  # the step is over: later forwards (samples) run the policy alone
+        if not self._batches:
+            return {}
+        stacked = torch.stack([self._sums[name] for name in METRICS]) / self._batches
+        self._sums, self._batches = {}, 0
+        return dict(zip(METRICS, stacked.tolist(), strict=True))  # CPU-GPU sync point: once per step
+
+    def remove(self) -> None:
+        """Take the adapter hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def mask_rows(self, output: torch.Tensor) -> torch.Tensor | None:
+        """An adapter's output with the reference rows zeroed (None: leave it as is)."""
+        mask = self._mask
+        if mask is None or output.shape[0] != mask.shape[0]:
+            return None
+        return output * mask.to(output.dtype).view(-1, *([1] * (output.dim() - 1)))
+
+
+def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
+    output = model(input_ids=batch["input_ids"], **extra)
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def _mask_adapters(model: nn.Module, loss: PreferenceLoss) -> list[Any]:
+    """A forward hook on every LoRA ``lora_B``; refuses adapters whose output it cannot mask."""
+    from peft.tuners.lora import LoraLayer
+
+    handles = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if len(getattr(module, "lora_embedding_B", {})) or getattr(module, "lora_variant", {}):
+            raise ValueError(
+                f"dpo: the adapter on {name} is not a plain LoRA linear; remove it from lora.target_modules"
+            )
+        for adapter in module.lora_B.values():
+            handles.append(adapter.register_forward_hook(lambda _m, _i, out: loss.mask_rows(out)))
+    if not handles:
+        raise ValueError("training.objective: dpo takes the reference from the base under LoRA; add a lora section")
+    return handles

@@ -1,0 +1,299 @@
+"""Preference tuning (training.objective dpo | orpo) on a tiny Llama: TRL as the oracle, the reference pass
+riding the policy's forward (no extra weight copies), offload equivalence, resume, learning."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from jobs import PathRoots, load_job_spec, run_job
+from jobs.data.preference import collate_pairs, preference_pair
+from jobs.data.tokenizers import HFTokenizer
+from jobs.errors import JobSpecError
+from jobs.events import event_to_wire
+from jobs.models.transformer_lm import lm_loss
+from jobs.spec.llm import DPOSpec, ORPOSpec
+from jobs.train.preference import PreferenceLoss
+from tests.jobs.llm_helpers import llm_spec, save_bpe_tokenizer, save_llama, write_jsonl
+
+FACTS = [  # (question, right, wrong): a small real-facts preference set
+    ("the capital of france", "paris", "berlin"),
+    ("the capital of italy", "rome", "madrid"),
+    ("the capital of japan", "tokyo", "beijing"),
+    ("the largest planet", "jupiter", "mars"),
+    ("water freezes at", "zero degrees", "fifty degrees"),
+    ("the closest star", "the sun", "the moon"),
+    ("a week has", "seven days", "nine days"),
+    ("the chemical symbol of gold", "au", "ag"),
+]
+
+
+def pair_record(index: int) -> dict[str, Any]:
+    question, right, wrong = FACTS[index % len(FACTS)]
+    if index % 2:  # OpenAI's fine-tuning DPO layout
+        return {
+            "input": {"messages": [{"role": "user", "content": question}]},
+            "preferred_output": [{"role": "assistant", "content": right}],
+            "non_preferred_output": [{"role": "assistant", "content": wrong}],
+        }
+    return {"prompt": [{"role": "user", "content": question}], "chosen": right, "rejected": wrong}  # TRL's
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pref")
+    save_bpe_tokenizer(root / "models" / "tok")
+    save_llama(root / "models" / "llama")
+    write_jsonl(root / "data" / "pairs.jsonl", [pair_record(i) for i in range(16)])
+    return root
+
+
+def roots(root: Path) -> PathRoots:
+    return PathRoots(model_roots=[root / "models"], data_roots=[root / "data"])
+
+
+def pref_spec(objective: str = "dpo", **sections: Any) -> dict[str, Any]:
+    spec = llm_spec(
+        data={"path": "pairs.jsonl", "format": "preference"},
+        training={"objective": objective, "steps": 4, "batch_size": 4, "learning_rate": 1e-2},
+    )
+    return llm_spec(
+        **{**spec, **{k: v if v is None or k not in spec else {**spec[k], **v} for k, v in sections.items()}}
+    )
+
+
+def run(data: dict[str, Any], root: Path, output: Path, **kwargs: Any) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    run_job(
+        load_job_spec(yaml.safe_dump(data), roots(root)),
+        output_dir=output,
+        report=lambda e: events.append(event_to_wire(e)),
+        **kwargs,
+    )
+    return events
+
+
+def steps_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == "step"]
+
+
+def tiny_batch(root: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    tokenizer = HFTokenizer(root / "models" / "tok")
+    pairs = [preference_pair(pair_record(i), tokenizer) for i in range(4)]
+    return tokenizer, collate_pairs(pairs, tokenizer.pad_id)
+
+
+def lora_model(root: Path, *, zero_b: bool) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / "models" / "llama", dtype=torch.float32)
+    model.config.use_cache = False
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=zero_b)
+    return model, get_peft_model(model, config)
+
+
+def trainable_grads(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_dpo_loss_rewards_and_gradients_equal_trls(tiny: Path) -> None:
+    from accelerate import Accelerator
+    from trl import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    _, batch = tiny_batch(tiny)
+    base, model = lora_model(tiny, zero_b=False)  # random B: the policy differs from the reference
+    add_fused_lm_head(base, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    training = SimpleNamespace(objective="dpo", dpo=DPOSpec(beta=0.1), orpo=ORPOSpec())
+    ours = PreferenceLoss(training, model)
+    loss = ours(model, batch)
+    loss.backward()
+    metrics, grads = ours.take_metrics(), trainable_grads(model)
+    ours.remove()
+    model.zero_grad()
+
+    trainer = SimpleNamespace(  # the attributes DPOTrainer._compute_loss reads, set as DPOConfig would
+        model=model,
+        ref_model=None,
+        accelerator=Accelerator(cpu=True),
+        beta=0.1,
+        loss_types=["sigmoid"],
+        loss_weights=[1.0],
+        f_divergence_type="reverse_kl",
+        ld_alpha=None,
+        precompute_ref_logps=False,
+        aux_loss_enabled=False,
+        use_weighting=False,
+        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "completion_mask": (batch["labels"] != -100).long(),
+    }
+    reference = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-5) and reference.item() != pytest.approx(math.log(2))
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for name, value in metrics.items():
+        assert value == pytest.approx(logged[name.replace("_", "/", 1)], abs=1e-5), name
+    for name, grad in trainable_grads(model).items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_orpo_loss_equals_trls_odds_ratio_loss(tiny: Path) -> None:
+    from trl.experimental.orpo import ORPOTrainer
+
+    _, batch = tiny_batch(tiny)
+    _, model = lora_model(tiny, zero_b=False)
+    ours = PreferenceLoss(SimpleNamespace(objective="orpo", dpo=DPOSpec(), orpo=ORPOSpec(beta=0.25)), model)
+    loss = ours(model, batch)
+    metrics = ours.take_metrics()
+
+    with torch.no_grad():  # TRL's own log-prob averaging and odds-ratio loss on the same logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        means = ORPOTrainer.get_batch_logps(logits, batch["labels"], average_log_prob=True)
+        trainer = SimpleNamespace(beta=0.25, accelerator=SimpleNamespace(device=torch.device("cpu")))
+        losses, chosen_rewards, rejected_rewards, _, _ = ORPOTrainer.odds_ratio_loss(trainer, means[:4], means[4:])
+        labels = batch["labels"][:4, 1:]
+        nll = torch.nn.functional.cross_entropy(logits[:4, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+    # TRL's NLL term runs over prompt and completion; Ferry's, as the ORPO paper's, over the completion only.
+    assert loss.item() == pytest.approx((nll - losses.mean()).item(), abs=1e-5)
+    assert metrics["rewards_chosen"] == pytest.approx(chosen_rewards.mean().item(), abs=1e-5)
+    assert metrics["rewards_rejected"] == pytest.approx(rejected_rewards.mean().item(), abs=1e-5)
+
+
+def test_the_reference_rows_are_the_base_with_adapters_disabled(tiny: Path) -> None:
+    _, batch = tiny_batch(tiny)
+    _, model = lora_model(tiny, zero_b=False)
+    ours = PreferenceLoss(SimpleNamespace(objective="dpo", dpo=DPOSpec(beta=1.0), orpo=ORPOSpec()), model)
+    ours(model, batch)
+    rewards = ours.take_metrics()
+    from jobs.train.preference import completion_logps
+
+    with torch.no_grad():
+        policy, _ = completion_logps(
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"]
+        )
+        with model.disable_adapter():
+            base, _ = completion_logps(
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"]
+            )
+    assert rewards["rewards_chosen"] == pytest.approx((policy[:4] - base[:4]).mean().item(), abs=1e-6)
+    assert rewards["rewards_rejected"] == pytest.approx((policy[4:] - base[4:]).mean().item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero_initialised_adapters_give_ln2_first(tiny: Path, tmp_path: Path, offload: bool) -> None:
+    data = pref_spec(training={"steps": 1}, offload={"enable_model_cpu_offload": offload})
+    first = steps_of(run(data, tiny, tmp_path / "out"))[0]
+    assert first["loss"] == torch.tensor(math.log(2)).item()  # policy == reference, bit for bit
+    assert first["preference"]["rewards_margins"] == 0.0
+
+
+def test_offloaded_dpo_equals_resident_dpo_bitwise(tiny: Path, tmp_path: Path) -> None:
+    def job(offload: bool) -> tuple[list[Any], list[Any]]:
+        events = run(pref_spec(offload={"enable_model_cpu_offload": offload}), tiny, tmp_path / str(offload))
+        digests = [e["files"] for e in events if e["type"] == "checkpoint"]
+        return [(s["loss"], s["preference"]) for s in steps_of(events)], digests
+
+    resident, offloaded = job(False), job(True)
+    assert resident == offloaded
+    assert len({s[0] for s in resident[0]}) > 1  # it trained
+
+
+def test_a_lora_dpo_step_copies_the_bytes_of_an_sft_step(tiny: Path) -> None:
+    """The reference rows ride the policy's unit visits: a DPO step on a batch copies what an SFT step on the
+    same (chosen + rejected) batch copies, where a separate reference forward would copy the weights again."""
+    from accelerate import Accelerator
+
+    from jobs.train.runner import train_step
+    from offload import OffloadOptions, OffloadTrainingManager
+
+    _, batch = tiny_batch(tiny)
+    _, model = lora_model(tiny, zero_b=True)
+    # Every visit copies (no ring-slot reuse), so the counters count unit visits.
+    manager = OffloadTrainingManager(model, torch.device("cpu"), options=OffloadOptions(reuse_ring_slots=False))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    dpo = PreferenceLoss(SimpleNamespace(objective="dpo", dpo=DPOSpec(), orpo=ORPOSpec()), model)
+    copied = []
+    for loss_fn in (lm_loss, lm_loss, dpo, lm_loss):
+        train_step(
+            model, loss_fn, [batch], optimizer=optimizer, scheduler=scheduler, accelerator=Accelerator(cpu=True),
+            manager=manager, max_grad_norm=None, device=torch.device("cpu"),
+        )  # fmt: skip
+        copied.append(manager.stats().last_step_h2d_bytes)
+    before = manager.stats().h2d_bytes
+    with torch.no_grad(), model.disable_adapter():  # what a separate reference forward would add
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    separate = manager.stats().h2d_bytes - before
+    manager.remove()
+    assert copied[2] == copied[1] == copied[3] > 0, copied
+    assert separate > 0.4 * copied[1]  # about one of the step's two passes over the weights
+    print(f"bytes host->device per step: sft {copied[1]}, dpo {copied[2]}; a separate reference forward: {separate}")
+
+
+def test_resumed_dpo_continues_bitwise(tiny: Path, tmp_path: Path) -> None:
+    data = pref_spec(training={"steps": 4})
+    straight = steps_of(run(data, tiny, tmp_path / "straight"))
+    polls = iter([None, None, "pause"])
+    run(data, tiny, tmp_path / "paused", should_stop=lambda: next(polls, None))
+    resumed = steps_of(run(data, tiny, tmp_path / "paused"))
+    assert [(s["step"], s["loss"], s["preference"]) for s in resumed] == [
+        (s["step"], s["loss"], s["preference"]) for s in straight[2:]
+    ]
+
+
+def test_dpo_learns_the_facts(tiny: Path, tmp_path: Path) -> None:
+    data = pref_spec(training={"steps": 12}, lora={"rank": 8, "alpha": 16})
+    steps = steps_of(run(data, tiny, tmp_path / "out"))
+    accuracies = [s["preference"]["rewards_accuracies"] for s in steps]
+    assert steps[0]["preference"]["rewards_accuracies"] == 0.0  # policy == reference: no pair wins yet
+    assert min(accuracies[-3:]) > 0.9 and steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_orpo_trains_a_full_fine_tune(tiny: Path, tmp_path: Path) -> None:
+    steps = steps_of(
+        run(pref_spec("orpo", lora=None, training={"steps": 3, "learning_rate": 1e-3}), tiny, tmp_path / "o")
+    )
+    assert len(steps) == 3 and all(math.isfinite(s["loss"]) and s["preference"] for s in steps)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "text"),
+    [
+        ({"lora": None}, "training.objective", "dpo with a full fine-tune needs the reference"),
+        ({"data": {"format": "chat"}}, "training.objective", "dpo trains on preference pairs"),
+        ({"training": {"objective": "sft"}}, "data.format", "train with training.objective: dpo or orpo"),
+        ({"eval": {"split": 0.25}}, "eval", "is not supported with training.objective: dpo"),
+    ],
+)
+def test_submit_refuses_what_preference_tuning_cannot_do(
+    tiny: Path, changes: dict[str, Any], field: str, text: str
+) -> None:
+    data = pref_spec(**changes)
+    with pytest.raises(JobSpecError) as raised:
+        load_job_spec(yaml.safe_dump(data), roots(tiny))
+    assert any(p.path == field and text in p.message for p in raised.value.problems), raised.value.problems
+
+
+def test_preflight_names_the_row_and_field_of_a_bad_pair(tiny: Path, tmp_path: Path) -> None:
+    from jobs.spec.preflight import preflight_problems
+
+    write_jsonl(tiny / "data" / "bad.jsonl", [pair_record(0), {"prompt": "q", "chosen": "a"}])
+    spec = load_job_spec(yaml.safe_dump(pref_spec(data={"path": "bad.jsonl", "format": "preference"})), roots(tiny))
+    [problem] = preflight_problems(spec)
+    assert problem.path == "data.path" and "bad.jsonl row 2: field 'rejected': is missing" in problem.message
