@@ -27,8 +27,11 @@ def byte_tokenizer(pad: str = "<pad>") -> object:
     return fast
 
 
-def qwen_image_pipeline(directory: Path, *, layers: int = 2) -> Path:
-    """A QwenImagePipeline of a few thousand parameters per part, saved to ``directory``."""
+def qwen_image_pipeline(
+    directory: Path, *, layers: int = 2, attention_head_dim: int = 16, max_shard_size: str | None = None
+) -> Path:
+    """A QwenImagePipeline of a few thousand parameters per part, saved to ``directory``; ``max_shard_size``
+    shards every part as diffusers' and transformers' ``save_pretrained`` do (with an index file)."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -44,10 +47,10 @@ def qwen_image_pipeline(directory: Path, *, layers: int = 2) -> Path:
         in_channels=Z_DIM * 4,
         out_channels=Z_DIM,
         num_layers=layers,
-        attention_head_dim=16,
+        attention_head_dim=attention_head_dim,
         num_attention_heads=2,
         joint_attention_dim=16,
-        axes_dims_rope=(8, 4, 4),
+        axes_dims_rope=(attention_head_dim // 2, attention_head_dim // 4, attention_head_dim // 4),
     )
     vae = AutoencoderKLQwenImage(
         base_dim=Z_DIM * 6,
@@ -84,12 +87,12 @@ def qwen_image_pipeline(directory: Path, *, layers: int = 2) -> Path:
     pipe = QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
-    pipe.save_pretrained(str(directory))
+    pipe.save_pretrained(str(directory), max_shard_size=max_shard_size)
     return directory
 
 
-def wan_pipeline(directory: Path) -> Path:
-    """A WanPipeline (text to video) of tiny parts, saved to ``directory``."""
+def wan_pipeline(directory: Path, *, attention_head_dim: int = 12, max_shard_size: str | None = None) -> Path:
+    """A WanPipeline (text to video) of tiny parts, saved to ``directory`` (sharded as qwen_image_pipeline)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -104,7 +107,7 @@ def wan_pipeline(directory: Path) -> Path:
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
-        attention_head_dim=12,
+        attention_head_dim=attention_head_dim,
         in_channels=16,
         out_channels=16,
         text_dim=32,
@@ -119,7 +122,7 @@ def wan_pipeline(directory: Path) -> Path:
     pipe = WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
     )
-    pipe.save_pretrained(str(directory))
+    pipe.save_pretrained(str(directory), max_shard_size=max_shard_size)
     return directory
 
 
