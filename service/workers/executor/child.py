@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from service.workers.executor.base import LaunchRequest
 
@@ -157,8 +157,16 @@ def _start_time() -> float | None:
         return None
 
 
-def run_attempt(request: LaunchRequest, sink: Any, should_stop: Callable[[], str | None]) -> int:
-    """Run one attempt, giving every event to ``sink.append_event(job_id, attempt, event)``.
+class EventSink(Protocol):
+    """Where a job's events go: the store (a local child) or the Ray task's buffer the service drains."""
+
+    def append_events(self, job_id: str, attempt: int, events: list[Any]) -> Any:
+        """Keep ``events`` (wire dicts), in order, for ``job_id``'s ``attempt``."""
+        ...
+
+
+def run_attempt(request: LaunchRequest, sink: EventSink, should_stop: Callable[[], str | None]) -> int:
+    """Run one attempt, giving every event to ``sink.append_events(job_id, attempt, events)``.
 
     Returns 0 when the job ended by itself (succeeded, paused, cancelled) and 1 when it raised; either way
     its last event (``finished`` or ``failed``) has been given to ``sink``. The local child passes the
@@ -196,7 +204,7 @@ class EventReporter:
 
     BATCH_S, BATCH_STEPS, LOG_STEP_S = 0.25, 64, 2.0
 
-    def __init__(self, store: Any, request: LaunchRequest) -> None:
+    def __init__(self, store: EventSink, request: LaunchRequest) -> None:
         self._store, self._request = store, request
         self._ended = False
         self._stepped = False  # the attempt's first step goes out at once, however soon after `started`
@@ -225,11 +233,7 @@ class EventReporter:
         if not self._pending:
             return
         batch, self._pending = self._pending, []
-        if hasattr(self._store, "append_events"):
-            self._store.append_events(self._request.job_id, self._request.attempt, batch)
-        else:  # a sink that takes one event at a time (the Ray task's buffer)
-            for wire in batch:
-                self._store.append_event(self._request.job_id, self._request.attempt, wire)
+        self._store.append_events(self._request.job_id, self._request.attempt, batch)
         self._flushed_at = time.monotonic()
 
     def finished(self, status: str, step: int) -> None:

@@ -64,10 +64,10 @@ class RemoteJob:
         logging.shutdown()
         return code
 
-    def append_event(self, job_id: str, attempt: int, event: dict[str, Any]) -> None:
-        """The sink ``run_attempt`` reports into."""
+    def append_events(self, job_id: str, attempt: int, events: list[dict[str, Any]]) -> None:
+        """The sink ``run_attempt`` reports into (an `EventSink`)."""
         with self._ready:
-            self._events.append(event)
+            self._events.extend(events)
             self._ready.notify_all()
 
     def take_events(self, timeout_s: float) -> list[dict[str, Any]]:
