@@ -84,6 +84,11 @@ def chat_prompt(prompt: str, tokenizer: HFTokenizer) -> str:
     return _render(tokenizer, [{"role": "user", "content": prompt}], generation_prompt=True)
 
 
+def conversation_prompt(messages: list[dict[str, str]], tokenizer: HFTokenizer) -> str:
+    """A sample prompt given as chat messages (a system prompt too), followed by the assistant's header."""
+    return _render(tokenizer, messages, generation_prompt=True)
+
+
 def _render(tokenizer: HFTokenizer, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
     try:
         return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)

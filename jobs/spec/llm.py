@@ -74,12 +74,69 @@ class EvalSpec(Section):
         return self
 
 
-class TextSamplesSpec(Section):
-    """Fixed prompts completed greedily every ``every_steps`` steps (chat-formatted when the data is chat)."""
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
-    prompts: list[str] = Field(min_length=1, max_length=16)
+
+class SampleMessage(Section):
+    """One turn of a chat prompt for text samples."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class TextSamplesSpec(Section):
+    """Fixed prompts completed greedily every ``every_steps`` steps. A prompt is a string (a chat user turn
+    when the data is chat, an instruction when it is instruction data) or a list of chat messages (a system
+    prompt too), rendered with the chat template and the assistant's header."""
+
+    prompts: list[str | list[SampleMessage]] = Field(
+        min_length=1, max_length=16, description="strings, or lists of {role, content} chat messages"
+    )
     every_steps: int | None = Field(None, gt=0, description="null: only at the end")
     max_new_tokens: int = Field(64, gt=0, le=2048)
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _check_prompts(cls, value: Any) -> Any:
+        # Checked here, before pydantic tries each kind of prompt, so a problem is named once, at its message.
+        if not isinstance(value, list):
+            return value
+        problems = []
+        for index, prompt in enumerate(value):
+            if isinstance(prompt, list):
+                found = _conversation_problems(prompt)
+                problems += [(".".join(filter(None, (str(index), where))), message) for where, message in found]
+            elif not isinstance(prompt, str):
+                problems.append((str(index), "must be a string or a list of {role, content} chat messages"))
+        if problems:
+            raise broken_rules(problems)
+        return value
+
+    def has_chat_prompts(self) -> bool:
+        """Whether a prompt is a list of chat messages (rendered with a chat template)."""
+        return any(isinstance(prompt, list) for prompt in self.prompts)
+
+
+def _conversation_problems(messages: list[Any]) -> list[tuple[str, str]]:
+    """(path within the prompt, problem) for a chat prompt: roles, non-empty contents, a user turn last."""
+    if not messages:
+        return [("", "a chat prompt needs at least one message, e.g. [{role: user, content: ...}]")]
+    problems = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            problems.append((str(index), f"must be a {{role, content}} message; got {message!r:.60}"))
+        elif message["role"] not in CHAT_ROLES:
+            problems.append((f"{index}.role", f"must be one of {', '.join(CHAT_ROLES)}; got {message['role']!r:.40}"))
+        elif not isinstance(message["content"], str) or not message["content"].strip():
+            problems.append((f"{index}.content", "must be non-empty text"))
+    if not problems and messages[-1]["role"] == "assistant":
+        problems.append(
+            (
+                f"{len(messages) - 1}.role",
+                "the model writes the next assistant turn; end a chat prompt with a user turn",
+            )
+        )
+    return problems
 
 
 class MlflowSpec(Section):

@@ -14,7 +14,7 @@ from typing import Any
 
 from jobs.errors import SpecProblem
 from jobs.models.registry import family_of
-from jobs.spec.job import JobSpec, TextDataSpec
+from jobs.spec.job import HFTokenizerSpec, JobSpec, TextDataSpec
 
 log = logging.getLogger(__name__)
 ROWS_CHECKED = 20  # per data file
@@ -32,6 +32,7 @@ def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
     problems = [SpecProblem(path, message) for path, message in missing_tracking_packages(spec.tracking)]
     if spec.data.kind == "text":
         problems += _data_problems(spec)
+        problems += _chat_prompt_problems(spec)
     family = family_of(spec.model)
     if family.checkpoint_problems is not None:
         problems += _checkpoint_problems(spec, family.checkpoint_problems)
@@ -98,6 +99,43 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
         except Exception as error:  # datasets/pyarrow parse errors: name the file's problem, not a 500
             problems.append(SpecProblem(setting, f"cannot read {path}: {type(error).__name__}: {error}"))
     return problems
+
+
+def _chat_prompt_problems(spec: JobSpec) -> list[SpecProblem]:
+    """Chat-message sample prompts rendered now with the job's chat template: none, or one that refuses them
+    (some refuse a system turn), is refused at submit rather than at the first sample."""
+    from jobs.data.chat import conversation_prompt
+    from jobs.data.examples import RecordError
+    from jobs.data.tokenizers import HFTokenizer, build_tokenizer
+
+    samples, data = spec.text_samples, spec.data
+    assert isinstance(data, TextDataSpec)  # called for data.kind: text only
+    if samples is None or not samples.has_chat_prompts() or not isinstance(data.tokenizer, HFTokenizerSpec):
+        return []  # no chat prompts, or a rule already asks for an HF tokenizer
+    try:
+        tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
+    except Exception:  # reported by _data_problems as data.tokenizer.path
+        return []
+    assert isinstance(tokenizer, HFTokenizer)
+    if not tokenizer.has_chat_template:
+        return [
+            SpecProblem(
+                "text_samples.prompts",
+                f"chat messages need a chat template and the tokenizer at {data.tokenizer.path} has none; set "
+                "data.chat_template (a Jinja template, or 'chatml')",
+            )
+        ]
+    for index, prompt in enumerate(samples.prompts):
+        if isinstance(prompt, list):
+            try:
+                conversation_prompt([{"role": m.role, "content": m.content} for m in prompt], tokenizer)
+            except RecordError as error:
+                return [
+                    SpecProblem(
+                        f"text_samples.prompts.{index}", f"{error.message}; change the messages or data.chat_template"
+                    )
+                ]
+    return []
 
 
 def _lora_problems(spec: JobSpec, read_names: Callable[[Any], list[str]]) -> list[SpecProblem]:

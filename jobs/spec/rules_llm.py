@@ -25,8 +25,33 @@ def _check_chat_needs_hf_tokenizer(spec: JobSpec) -> list[Problem]:
 
 def _check_chat_template_only_for_chat(spec: JobSpec) -> list[Problem]:
     data = spec.data
-    if data.kind == "text" and data.chat_template is not None and data.format not in ("chat", "preference"):
-        return [("data.chat_template", f"only data.format: chat uses a chat template; got format {data.format}")]
+    chat_prompts = spec.text_samples is not None and spec.text_samples.has_chat_prompts()
+    # Chat-message sample prompts are rendered with the template whatever the data's format.
+    if (
+        data.kind == "text"
+        and data.chat_template is not None
+        and data.format not in ("chat", "preference")
+        and not chat_prompts
+    ):
+        message = f"only data.format: chat (or chat text_samples.prompts) uses a chat template; got {data.format}"
+        return [("data.chat_template", message)]
+    return []
+
+
+def _check_chat_prompts_need_hf_tokenizer(spec: JobSpec) -> list[Problem]:
+    samples = spec.text_samples
+    if (
+        samples is not None
+        and samples.has_chat_prompts()
+        and spec.data.kind == "text"
+        and spec.data.tokenizer.kind != "hf"
+    ):
+        return [
+            (
+                "text_samples.prompts",
+                "chat messages are rendered with a chat template; set data.tokenizer: {kind: hf, path: ...}",
+            )
+        ]
     return []
 
 
@@ -107,6 +132,7 @@ RULES = (
     _check_preference_setup,
     _check_chat_needs_hf_tokenizer,
     _check_chat_template_only_for_chat,
+    _check_chat_prompts_need_hf_tokenizer,
     _check_packing_fits_model,
     _check_eval_and_samples_need_text,
     _check_dora_under_offload,

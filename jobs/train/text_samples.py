@@ -11,8 +11,14 @@ from jobs.data.formats import instruction_prompt
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 
-def prompt_text(prompt: str, data_spec: Any, tokenizer: Tokenizer) -> str:
-    """``prompt`` as the model saw prompts in training: a chat user turn, an instruction, or plain text."""
+def prompt_text(prompt: str | list[Any], data_spec: Any, tokenizer: Tokenizer) -> str:
+    """``prompt`` as the model saw prompts in training: a chat user turn, an instruction, or plain text; chat
+    messages (``[{role, content}, ...]``) rendered with the chat template, whatever the data's format."""
+    if isinstance(prompt, list):
+        from jobs.data.chat import conversation_prompt
+
+        assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat prompts without an HF tokenizer
+        return conversation_prompt([{"role": m.role, "content": m.content} for m in prompt], tokenizer)
     if data_spec.format == "chat":
         from jobs.data.chat import chat_prompt
 
@@ -21,6 +27,13 @@ def prompt_text(prompt: str, data_spec: Any, tokenizer: Tokenizer) -> str:
     if data_spec.format == "instruction":
         return instruction_prompt(prompt, "", data_spec)
     return prompt
+
+
+def prompt_label(prompt: str | list[Any]) -> str:
+    """How a prompt is shown with its sample: the string, or one ``role: content`` line per chat message."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m.role}: {m.content}" for m in prompt)
 
 
 def greedy_completion(
@@ -73,7 +86,7 @@ def generate_samples(
                 device=device,
                 accelerator=accelerator,
             )
-            samples.append({"prompt": prompt, "completion": tokenizer.decode(new)})
+            samples.append({"prompt": prompt_label(prompt), "completion": tokenizer.decode(new)})
         return samples
     finally:
         model.train()

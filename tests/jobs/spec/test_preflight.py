@@ -117,3 +117,68 @@ def test_a_bad_sharegpt_row_names_the_file_row_and_turn(llm_roots: PathRoots) ->
             "tool; got 'bot' (data.format: chat)",
         )
     ]
+
+
+CONVERSATION = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "the quick fox"}]
+
+
+def test_chat_sample_prompts_are_checked_at_submit(llm_roots: PathRoots) -> None:
+    from jobs.errors import JobSpecError
+
+    assert problems(llm_roots, text_samples={"prompts": ["the fox", CONVERSATION]}) == []
+    bad = [
+        [{"role": "narrator", "content": "x"}],
+        [{"role": "user", "content": "  "}],
+        [],
+        [*CONVERSATION, {"role": "assistant", "content": "jumps"}],
+    ]
+    with pytest.raises(JobSpecError) as error:
+        load_job_spec(yaml.safe_dump(llm_spec(text_samples={"prompts": bad})), llm_roots)
+    assert {(p.path, p.message) for p in error.value.problems} == {
+        (
+            "text_samples.prompts.0.0.role",
+            "must be one of system, user, assistant, tool, developer; got 'narrator'",
+        ),
+        ("text_samples.prompts.1.0.content", "must be non-empty text"),
+        ("text_samples.prompts.2", "a chat prompt needs at least one message, e.g. [{role: user, content: ...}]"),
+        (
+            "text_samples.prompts.3.2.role",
+            "the model writes the next assistant turn; end a chat prompt with a user turn",
+        ),
+    }
+
+
+def test_chat_sample_prompts_need_a_chat_template(llm_roots: PathRoots) -> None:
+    plain = {"tokenizer": {"kind": "hf", "path": "tok-plain"}, "format": "text", "path": "chat.jsonl"}
+    write_jsonl(llm_roots.data_roots[0] / "chat.jsonl", [{"text": "the quick fox"}] * 4)
+    (found,) = problems(llm_roots, data=plain, text_samples={"prompts": [CONVERSATION]})
+    assert found == SpecProblem(
+        "text_samples.prompts",
+        f"chat messages need a chat template and the tokenizer at {llm_roots.model_roots[0] / 'tok-plain'} has none; "
+        "set data.chat_template (a Jinja template, or 'chatml')",
+    )
+    # A template given in the spec serves the prompts even though the data is plain text.
+    assert (
+        problems(llm_roots, data={**plain, "chat_template": "chatml"}, text_samples={"prompts": [CONVERSATION]}) == []
+    )
+    refuses_system = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
+    (found,) = problems(
+        llm_roots, data={**plain, "chat_template": refuses_system}, text_samples={"prompts": ["a", CONVERSATION]}
+    )
+    assert found.path == "text_samples.prompts.1" and "no system role" in found.message
+
+
+def test_chat_sample_prompts_need_an_hf_tokenizer(llm_roots: PathRoots) -> None:
+    from jobs.errors import JobSpecError
+
+    data = llm_spec(data={"format": "text", "tokenizer": {"kind": "byte"}}, text_samples={"prompts": [CONVERSATION]})
+    data["model"] = {"kind": "transformer_lm", "vocab_size": 257, "hidden_size": 32, "num_layers": 1, "num_heads": 4}
+    data.pop("lora")
+    with pytest.raises(JobSpecError) as error:
+        load_job_spec(yaml.safe_dump(data), llm_roots)
+    assert [(p.path, p.message) for p in error.value.problems] == [
+        (
+            "text_samples.prompts",
+            "chat messages are rendered with a chat template; set data.tokenizer: {kind: hf, path: ...}",
+        )
+    ]

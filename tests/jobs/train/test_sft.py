@@ -196,3 +196,20 @@ def test_eval_at_start_false_skips_the_base_model(tmp_path: Path, llm_roots: Pat
     data = llm_spec(eval={"split": 0.25, "at_start": False}, training={"steps": 2})
     _, events = run(data, llm_roots, tmp_path / "o")
     assert [e["step"] for e in events if e["type"] == "eval"] == [2]
+
+
+def test_text_samples_from_chat_messages_render_with_the_template(tmp_path: Path, llm_roots: PathRoots) -> None:
+    from jobs.data.tokenizers import HFTokenizer
+    from jobs.train.text_samples import prompt_text
+
+    conversation = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "the quick fox"}]
+    data = llm_spec(text_samples={"prompts": ["a lazy dog", conversation], "max_new_tokens": 3}, training={"steps": 1})
+    spec = load_job_spec(yaml.safe_dump(data), llm_roots)
+    tokenizer = HFTokenizer(llm_roots.model_roots[0] / "tok")
+    assert spec.text_samples is not None
+    assert prompt_text(spec.text_samples.prompts[1], spec.data, tokenizer) == (
+        "<|im_start|>system\nanswer briefly<|im_end|>\n<|im_start|>user\nthe quick fox<|im_end|>\n<|im_start|>assistant\n"
+    )
+    _, events = run(data, llm_roots, tmp_path / "o")
+    samples = [(e["step"], e["prompt"]) for e in events if e["type"] == "sample"]
+    assert samples == [(1, "a lazy dog"), (1, "system: answer briefly\nuser: the quick fox")]
