@@ -32,8 +32,10 @@ STEP_KEYS = {
     "device_reserved_bytes",
     "device_peak_bytes",
     "host_rss_bytes",
+    "device_peak_reserved_bytes",
     "pinned_bytes",
     "offload",
+    "preference",
 }
 OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
 
