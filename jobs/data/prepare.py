@@ -18,6 +18,7 @@ import torch
 
 from jobs.data.examples import Example, RecordError
 from jobs.data.formats import record_example
+from jobs.data.mixing import mix
 from jobs.data.packing import PackingCounts, concatenate, fit_examples, pack
 from jobs.data.padded import PaddedBatches
 from jobs.data.preference import PreferenceBatches, PreferencePair, preference_pair, truncate
@@ -65,11 +66,9 @@ def prepare_text_data(spec: Any, *, batch_size: int, seed: int, packed_path: boo
         ValueError: a record does not fit the format (naming its file, row and field), or too little data.
     """
     tokenizer = build_tokenizer(spec.tokenizer, spec.chat_template)
-    records = list(iter_records(spec.path, spec.file_type))
-    held_out: list[Record] = []
-    if eval_spec is not None and eval_spec.split is not None:
-        records, held_out = _split(records, eval_spec.split, seed)
-    elif eval_spec is not None:
+    split = eval_spec.split if eval_spec is not None else None
+    records, held_out, mixed = _train_records(spec, split, seed)
+    if eval_spec is not None and eval_spec.path is not None:
         held_out = list(iter_records(eval_spec.path, spec.file_type))
     if spec.format == "preference":
         return _preference_data(records, held_out, spec, tokenizer, batch_size, seed)
@@ -84,9 +83,37 @@ def prepare_text_data(spec: Any, *, batch_size: int, seed: int, packed_path: boo
         f"sequence(s) of <= {spec.seq_len} tokens; {counts.truncated} truncated to data.seq_len, "
         f"{counts.skipped} skipped (no response token left), {counts.padding_tokens} padding token(s)"
         + (f"; {len(held_out)} record(s) held out for eval" if held_out else "")
+        + mixed
     )
     log.info(summary)
     return TextData(train, evaluation, tokenizer, layout, counts, summary)
+
+
+def _train_records(spec: Any, split: float | None, seed: int) -> tuple[list[Record], list[Record], str]:
+    """The training records, those ``eval.split`` holds out, and a note on the mix (empty without one).
+
+    With ``data.mix`` each source is split before the mix, so a held-out record is never trained on, even
+    from a source the mix repeats.
+    """
+    groups: list[list[Record]] = []
+    held_out: list[Record] = []
+    for setting, path, _ in spec.sources():
+        records = list(iter_records(path, spec.file_type))
+        if split is not None:
+            records, held = _split(records, split, seed)
+            held_out += held
+        if not records:
+            raise ValueError(f"{setting}: {path} holds no records; remove it or point it at data")
+        groups.append(records)
+    if spec.mix is None:
+        return groups[0], held_out, ""
+    weights = [weight for _, _, weight in spec.sources()]
+    records, counts = mix(groups, weights, seed)
+    shares = ", ".join(
+        f"{source.path.name} {len(group)} -> {count}"
+        for source, group, count in zip(spec.mix, groups, counts, strict=True)
+    )
+    return records, held_out, f"; data.mix (records -> in the mix): {shares}"
 
 
 def _preference_data(

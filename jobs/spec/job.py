@@ -65,12 +65,30 @@ class HFTokenizerSpec(Section):
         return confined_path(value, info, "model")
 
 
+class DataSourceSpec(Section):
+    """One file or directory of a ``data.mix``, and its share of the mixed records."""
+
+    path: Path = Field(description="a file or a directory of data files under a data root")
+    weight: float = Field(
+        1.0, gt=0, le=1_000_000, description="its share of each epoch's records, relative to the others"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
+        return confined_path(value, info, "data")
+
+
 class TextDataSpec(Section):
-    """Records read through ``datasets`` (JSONL, JSON, CSV, Parquet, text files, a ``save_to_disk`` directory),
-    tokenized as ``format`` says and packed or padded into sequences of at most ``seq_len`` tokens."""
+    """Records read through ``datasets`` (JSONL, JSON, CSV, Parquet, text files, a ``save_to_disk`` directory)
+    from ``path`` or from the sources of ``mix``, tokenized as ``format`` says and packed or padded into
+    sequences of at most ``seq_len`` tokens."""
 
     kind: Literal["text"]
-    path: Path = Field(description="a file or a directory of data files under a data root")
+    path: Path | None = Field(None, description="a file or a directory of data files under a data root")
+    mix: list[DataSourceSpec] | None = Field(
+        None, min_length=1, max_length=64, description="instead of path: several sources mixed by weight"
+    )
     format: Literal["text", "instruction", "chat", "preference"] = Field(
         "text",
         description="text: every token trains; instruction/chat: only responses unless train_on_prompt; "
@@ -110,6 +128,19 @@ class TextDataSpec(Section):
     @classmethod
     def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
         return confined_path(value, info, "data")
+
+    @model_validator(mode="after")
+    def _check_path_or_mix(self) -> TextDataSpec:
+        if (self.path is None) == (self.mix is None):
+            raise broken_rules([("path", "give exactly one of data.path and data.mix (a list of {path, weight})")])
+        return self
+
+    def sources(self) -> list[tuple[str, Path, float]]:
+        """(setting, path, weight) of each source: ``data.path`` alone, or each ``data.mix`` entry."""
+        if self.mix is None:
+            assert self.path is not None  # _check_path_or_mix
+            return [("data.path", self.path, 1.0)]
+        return [(f"data.mix.{index}.path", source.path, source.weight) for index, source in enumerate(self.mix)]
 
 
 # The data kinds every family may share; a family adds the kinds only it reads (``ModelFamily.data_specs``).

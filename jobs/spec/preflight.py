@@ -81,7 +81,7 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
                 "(a Jinja template, or 'chatml')",
             )
         ]
-    sources = [("data.path", data.path)]
+    sources = [(setting, path) for setting, path, _ in data.sources()]
     if spec.eval is not None and spec.eval.path is not None:
         sources.append(("eval.path", spec.eval.path))
     problems = []
