@@ -1,4 +1,5 @@
-"""Errors that `jobs` raises for a user to read: a refused spec (its problems) and an out-of-memory hint."""
+"""Errors that `jobs` raises for a user to read: a refused spec (its problems), an out-of-memory hint and a
+full disk."""
 
 from __future__ import annotations
 
@@ -40,5 +41,15 @@ class JobSpecError(ValueError):
         super().__init__(f"invalid job spec ({len(self.problems)} problem(s)):\n{lines}")
 
 
+class DiskFullError(OSError):
+    """The disk filled while the job wrote to it; the message names the directory and what frees room."""
+
+
 class OutOfMemoryHint(RuntimeError):
     """The device ran out of memory; the message names the offload setting that would help."""
+
+
+class RankLost(RuntimeError):
+    """A rank of a data-parallel job ended without finishing (killed, crashed, or another rank failed): the
+    attempt is interrupted and the job resumes from its last checkpoint."""
+

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from jobs.errors import JobSpecError, OutOfMemoryHint
+from jobs.errors import DiskFullError, JobSpecError, OutOfMemoryHint
 from offload import OffloadStats
 
 
@@ -28,6 +28,7 @@ class ErrorCode(str, Enum):
 
     OUT_OF_MEMORY = "out_of_memory"  # the device ran out of memory; the message names the setting that helps
     INVALID_SPEC = "invalid_spec"  # the spec was refused when the job's process loaded it
+    DISK_FULL = "disk_full"  # the disk filled while a checkpoint was written; the message names the directory
     TRAINING_ERROR = "training_error"  # any other exception in the job (its class is the event's ``exception``)
     INTERRUPTED = "interrupted"  # the process vanished more often than the service retries (set by the service)
     LAUNCH_FAILED = "launch_failed"  # the service could not start the job's process (set by the service)
@@ -46,6 +47,8 @@ def error_code_for(error: BaseException) -> ErrorCode:
         return ErrorCode.OUT_OF_MEMORY
     if isinstance(error, JobSpecError):
         return ErrorCode.INVALID_SPEC
+    if isinstance(error, DiskFullError):
+        return ErrorCode.DISK_FULL
     return ErrorCode.TRAINING_ERROR
 
 

@@ -7,6 +7,7 @@ not match it, is never resumed from.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -19,8 +20,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from jobs.checkpoints.manifest import MANIFEST, ManifestError, read_manifest_file
+from jobs.errors import DiskFullError
+
 log = logging.getLogger(__name__)
-MANIFEST = "manifest.json"
+_NEARLY_FULL_BYTES = 1 << 20  # under a MiB free after a failed write: the write failed for want of room
 EXPORTS_DIR = "exports"  # beside checkpoints/: merged models and other exports (jobs/checkpoints/export.py)
 
 
@@ -46,6 +50,35 @@ class CheckpointInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A checkpoint directory whose manifest cannot be used: never resumed from, listed with why.
+
+    Attributes:
+        name: Directory name, ``step-00000010``.
+        path: Absolute path of the directory.
+        reason: What is wrong with its manifest.
+    """
+
+    name: str
+    path: str
+    reason: str
+
+    @property
+    def step(self) -> int | None:
+        """The step its name gives (the manifest's own cannot be trusted), or None."""
+        digits = self.name.removeprefix("step-")
+        return int(digits) if digits.isdigit() else None
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """Every checkpoint directory of a job: the usable ones and the damaged ones, each oldest first."""
+
+    valid: list[CheckpointInfo]
+    damaged: list[DamagedCheckpoint]
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
@@ -93,8 +126,16 @@ def save_checkpoint(
             _fsync(path)
         final = root / checkpoint_name(step)
         _replace_dir(tmp, final)
-    except BaseException:
+    except BaseException as error:
+        full = _disk_is_full(error, root)  # asked before the partial files are removed and free the disk
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise DiskFullError(
+                f"No space left on device: the disk holding {root} filled while checkpoint "
+                f"{checkpoint_name(step)} was written; the partial checkpoint was removed. Free space on that disk "
+                "(delete finished jobs: DELETE /v1/jobs/<id>) or keep fewer checkpoints (checkpoint.keep_last), "
+                "then resume the job."
+            ) from error
         raise
     _fsync(root)
     if keep_last is not None:
@@ -103,29 +144,37 @@ def save_checkpoint(
 
 
 def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
-    """Complete checkpoints under ``output_dir``, oldest first (files are not re-hashed; see `verify`)."""
+    """Complete checkpoints under ``output_dir`` with a valid manifest, oldest first (files are not re-hashed;
+    see `verify`)."""
+    return scan_checkpoints(output_dir).valid
+
+
+def scan_checkpoints(output_dir: Path) -> CheckpointScan:
+    """Every ``step-*`` directory under ``output_dir`` with a manifest: usable, or damaged and why.
+
+    A directory without a manifest is left out: an interrupted foreign copy, or one being pruned.
+    """
     root = checkpoints_dir(output_dir)
-    infos = []
+    valid, damaged = [], []
     for directory in sorted(root.glob("step-*")) if root.is_dir() else []:
         try:
-            manifest = json.loads((directory / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue  # incomplete or foreign directory
-        infos.append(
+            manifest = read_manifest_file(directory)
+        except FileNotFoundError:
+            continue
+        except (ManifestError, NotADirectoryError) as error:
+            damaged.append(DamagedCheckpoint(directory.name, str(directory.resolve()), str(error)))
+            continue
+        files = [entry.model_dump() for entry in manifest.files]
+        valid.append(
             CheckpointInfo(
-                directory.name,
-                int(manifest["step"]),
-                str(directory.resolve()),
-                manifest["created"],
-                manifest["files"],
-                manifest.get("eval_loss"),
+                directory.name, manifest.step, str(directory.resolve()), manifest.created, files, manifest.eval_loss
             )
         )
-    return sorted(infos, key=lambda info: info.step)
+    return CheckpointScan(sorted(valid, key=lambda info: info.step), damaged)
 
 
 def read_manifest(info: CheckpointInfo) -> dict[str, Any]:
-    return json.loads((Path(info.path) / MANIFEST).read_text())
+    return read_manifest_file(Path(info.path)).model_dump()
 
 
 def verify(info: CheckpointInfo) -> bool:
@@ -139,11 +188,26 @@ def verify(info: CheckpointInfo) -> bool:
 
 def latest_valid_checkpoint(output_dir: Path) -> CheckpointInfo | None:
     """The newest checkpoint whose files match its manifest; damaged ones are skipped with a warning."""
-    for info in reversed(list_checkpoints(output_dir)):
-        if verify(info):
-            return info
-        log.warning("checkpoint %s does not match its manifest; skipping it", info.path)
-    return None
+    return resume_point(output_dir)[0]
+
+
+def resume_point(output_dir: Path) -> tuple[CheckpointInfo | None, list[str]]:
+    """The newest checkpoint to resume from, and why each newer one was passed over (for the job's log).
+
+    A damaged manifest or a file that does not match it never stops a resume while an older checkpoint
+    is intact.
+    """
+    scan = scan_checkpoints(output_dir)
+    candidates: list[CheckpointInfo | DamagedCheckpoint] = [*scan.valid, *scan.damaged]
+    candidates.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
+    skipped: list[str] = []
+    for candidate in reversed(candidates):
+        if isinstance(candidate, CheckpointInfo) and verify(candidate):
+            return candidate, skipped
+        why = candidate.reason if isinstance(candidate, DamagedCheckpoint) else "its files do not match its manifest"
+        skipped.append(f"checkpoint {candidate.name} is not resumed from: {why}")
+        log.warning("%s (%s)", skipped[-1], candidate.path)
+    return None, skipped
 
 
 def best_checkpoint(checkpoints: list[CheckpointInfo]) -> CheckpointInfo | None:
@@ -178,6 +242,22 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(src, dst)  # atomic on POSIX: readers see no directory or a complete one
+
+
+def _disk_is_full(error: BaseException, root: Path) -> bool:
+    """Whether a failed save ran out of disk. torch's writer reports a full disk as a ``RuntimeError``
+    (``unexpected pos``, ``file write failed``) that keeps no errno, so the disk's free space decides then."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if not isinstance(error, (OSError, RuntimeError)):
+        return False
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def _describe(path: Path, root: Path) -> dict[str, Any]:

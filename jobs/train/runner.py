@@ -133,6 +133,8 @@ def run_job(
                 load=session.load,
             )
         )
+        for why in session.passed_over:  # a damaged newer checkpoint: resumed from an older one
+            report(LogEvent(level="warning", message=why))
         if session.text is not None:
             report(LogEvent(level="info", message=session.text.summary))  # truncated and skipped examples
         with setup_frozen_for_the_collector():  # no full collection walks the model in the middle of a step

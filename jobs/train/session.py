@@ -14,12 +14,12 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from jobs.checkpoints.directory import CheckpointInfo, latest_valid_checkpoint
+from jobs.checkpoints.directory import CheckpointInfo, resume_point
 from jobs.checkpoints.training_state import load_training_state, restore_rng
 from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_apart, prepare_text_data
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
-from jobs.models.weight_sources import WeightSource
+from jobs.models.weight_sources import LoadReport, WeightSource
 from jobs.reporting.telemetry import peak_rss_bytes
 from jobs.spec.job import JobSpec
 from jobs.train.optim import build_optimizer, build_scheduler
@@ -59,6 +59,7 @@ class TrainingSession:
     text: TextData | None = None  # text jobs: the tokenizer and the eval set
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
     load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
+    passed_over: list[str] = field(default_factory=list)  # why newer checkpoints were not resumed from
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -95,7 +96,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         from jobs.train.preference import PreferenceLoss
 
         loss_fn = PreferenceLoss(spec.training, model)  # dpo's reference: the base, adapters masked per row
-    checkpoint = latest_valid_checkpoint(output_dir) if resume else None
+    checkpoint, passed_over = resume_point(output_dir) if resume else (None, [])
     if checkpoint is not None and source is None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
     data, text = _setup_data(spec, family, device, model)
@@ -131,6 +132,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         text=text,
         resumed_extra=extra,
         load=load,
+        passed_over=passed_over,
     )
 
 
@@ -176,7 +178,12 @@ def _setup_model(
     if training.mixed_precision != "no":
         keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
     quantize = getattr(spec.model, "quantize", None)
-    if quantize is not None:
+    if quantize is not None and source is not None:
+        from jobs.models.quantizing_source import QuantizingSource  # torchao is an optional extra
+
+        # The meta model's frozen linears become quantized placeholders, each quantized as it loads.
+        source = QuantizingSource(source, model, quantize, device)
+    elif quantize is not None:
         _quantize_base(model, quantize, device)
     return model, loss_fn, source
 
@@ -259,7 +266,6 @@ def _loads_into_pinned_memory(spec: JobSpec, family: ModelFamily[Any]) -> bool:
         offload.enable_model_cpu_offload
         and family.build_on_meta is not None
         and family.apply_lora is None  # a family's own adapters may need the weights
-        and getattr(spec.model, "quantize", None) is None  # quantizing reads the weights before the engine
         and (spec.lora is not None or offload.enable_optimizer_cpu_offload)
     )
 
@@ -272,12 +278,16 @@ def _load_stats(model: nn.Module, source: WeightSource | None, started: float) -
     else:
         nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         seconds, kind = time.perf_counter() - started, "in_memory"
+        report = LoadReport(kind, nbytes, seconds)
     return LoadStats(
         source=kind,
         bytes=nbytes,
         seconds=round(seconds, 3),
         gb_per_s=round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
         peak_host_rss_bytes=peak_rss_bytes(),
+        quantized=report.quantized,
+        stored_bytes=report.stored_bytes,
+        quantize_seconds=None if report.quantize_seconds is None else round(report.quantize_seconds, 3),
     )
 
 

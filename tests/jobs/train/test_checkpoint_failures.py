@@ -1,0 +1,68 @@
+"""run_job when a checkpoint goes wrong: a damaged newest manifest is passed over on resume (and said so), a
+disk that fills while a checkpoint is written fails the job with ``disk_full`` and leaves no partial one."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import jobs.train.runner
+from jobs import list_checkpoints, run_job
+from jobs.errors import DiskFullError
+from jobs.events import event_to_wire
+from tests.jobs.helpers import TOY, merged, spec_from
+
+EVERY_2 = merged(TOY, checkpoint={"every_steps": 2})
+
+
+class Killed(Exception):
+    """Stands in for the process dying right after a checkpoint."""
+
+
+def run(data: dict[str, Any], out: Path) -> tuple[Any, list[dict[str, Any]]]:
+    events: list[dict[str, Any]] = []
+    outcome = run_job(spec_from(data), output_dir=out, report=lambda e: events.append(event_to_wire(e)))
+    return outcome, events
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[1, 2]", '{"step": "abc"}'])
+def test_resume_passes_over_a_damaged_newest_manifest_for_the_newest_valid_checkpoint(
+    tmp_path: Path, manifest: str
+) -> None:
+    def die_after_step_4(event: Any) -> None:
+        if event.type == "checkpoint" and event.step == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_job(spec_from(EVERY_2), output_dir=tmp_path, report=die_after_step_4)
+    (tmp_path / "checkpoints" / "step-00000004" / "manifest.json").write_text(manifest)
+
+    outcome, events = run(EVERY_2, tmp_path)  # what every automatic retry does too
+    assert outcome.status == "succeeded" and outcome.step == 10
+    assert events[0]["type"] == "started" and events[0]["resumed_from_step"] == 2
+    warnings = [e["message"] for e in events if e["type"] == "log" and e["level"] == "warning"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("checkpoint step-00000004 is not resumed from: manifest.json is damaged: ")
+
+
+def test_a_disk_that_fills_during_a_checkpoint_fails_the_job_with_disk_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(directory: Path, **kwargs: Any) -> None:
+        (directory / "training_state.pt").write_bytes(b"the first bytes")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jobs.train.runner, "save_training_state", full_disk)
+    events: list[dict[str, Any]] = []
+    with pytest.raises(DiskFullError):
+        run_job(spec_from(EVERY_2), output_dir=tmp_path, report=lambda e: events.append(event_to_wire(e)))
+    failed = events[-1]
+    assert (failed["type"], failed["error"], failed["exception"]) == ("failed", "disk_full", "DiskFullError")
+    assert failed["message"].startswith(
+        f"No space left on device: the disk holding {tmp_path / 'checkpoints'} filled while checkpoint "
+        "step-00000002 was written; the partial checkpoint was removed."
+    )
+    assert list_checkpoints(tmp_path) == [] and list((tmp_path / "checkpoints").iterdir()) == []
