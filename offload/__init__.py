@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from offload.options import OffloadOptions, parse_bytes
     from offload.plan import MemoryPlan, plan_memory
     from offload.quant.dequantize_on_arrival import DequantizedParamOffloader
+    from offload.quant.on_load import QuantizingFill, quantized_placeholders
     from offload.quant.quantized import QuantizedParamOffloader, quantize_frozen_weights
     from offload.stats import OffloadStats
     from offload.trainable import TrainableParamOffloader
@@ -49,6 +50,8 @@ _HOME = {
     "plan_memory": "offload.plan",
     "QuantizedParamOffloader": "offload.quant.quantized",
     "quantize_frozen_weights": "offload.quant.quantized",
+    "QuantizingFill": "offload.quant.on_load",
+    "quantized_placeholders": "offload.quant.on_load",
     "OffloadStats": "offload.stats",
     "OffloadUnit": "offload.units",
     "discover_units": "offload.units",
@@ -64,6 +67,7 @@ __all__ = [
     "OffloadUnit",
     "PinnedArenaPool",
     "QuantizedParamOffloader",
+    "QuantizingFill",
     "StaticParamOffloader",
     "TensorOffloader",
     "TrainableParamOffloader",
@@ -71,6 +75,7 @@ __all__ = [
     "parse_bytes",
     "plan_memory",
     "quantize_frozen_weights",
+    "quantized_placeholders",
     "set_gpu_memory_limit",
 ]  # the names of _HOME
 

@@ -181,7 +181,10 @@ class OffloadTrainingManager:
         if is_quantized(tensor) and not tensor.requires_grad:
             arrival = self.options.dequantize_on_arrival and dequantizes_on_arrival(tensor)
             kind = DequantizedParamOffloader if arrival else QuantizedParamOffloader
-            quantized = kind(name, tensor, self._copies, self.arena.allocate((stored_bytes(tensor),), torch.uint8))
+            payload = self.arena.allocate((stored_bytes(tensor),), torch.uint8)
+            if tensor.is_meta:  # a quantized placeholder (quant/on_load.py): its payload is filled here, quantized
+                self._fill_placeholder(name, tensor, payload)
+            quantized = kind(name, tensor, self._copies, payload)
             quantized.on_backward_use = self._schedule.weight_unpacked
             self._offloaders[id(tensor)] = quantized
             return quantized
@@ -224,6 +227,13 @@ class OffloadTrainingManager:
         torch.utils.swap_tensors(tensor, alias)
 
     def _mark_statistics_buffers(self, model: nn.Module) -> None:
+    def _fill_placeholder(self, name: str, tensor: torch.Tensor, payload: torch.Tensor) -> None:
+        """A quantized placeholder's payload, filled by ``initialize`` (a ``QuantizingFill`` quantizes the weight's
+        values into it); the offloader then rebuilds the torchao tensor over the payload."""
+        if self._initialize is None:
+            raise ValueError(f"{name!r} is a meta quantized placeholder; pass initialize= to fill its payload")
+        self._initialize(name, tensor, payload)
+
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._NormBase):
                 for buffer in module.buffers(recurse=False):

@@ -297,11 +297,28 @@ class PlannedSource(SafetensorsSource):
         if isinstance(source, StoredTensor):
             self.read_into(source, host)
             return
-        value = self.plan.realize(target, source)
-        if tuple(value.shape) != tuple(host.shape):
-            raise ValueError(f"{target}: converted to shape {list(value.shape)}; the model expects {list(host.shape)}")
-        host.copy_(value)
+        host.copy_(self._converted(target, source, host.shape))
         self.bytes += host.numel() * host.element_size()
+
+    def dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        found = self.plan.source_of(self.names.get(id(tensor), [name]))
+        if found is None:
+            raise ValueError(f"the checkpoint has no tensor for {self.names.get(id(tensor), [name])[0]!r}")
+        target, source = found
+        if isinstance(source, StoredTensor):
+            with self._lock:
+                self.bytes += source.end - source.start
+            return read_stored(source).to(tensor.dtype)  # in the calling (loader) thread
+        value = self._converted(target, source, tensor.shape).to(tensor.dtype)
+        with self._lock:
+            self.bytes += value.numel() * value.element_size()
+        return value
+
+    def _converted(self, target: str, source: _Converted, shape: torch.Size) -> torch.Tensor:
+        value = self.plan.realize(target, source)
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{target}: converted to shape {list(value.shape)}; the model expects {list(shape)}")
+        return value
 
 
 class PretrainedSource(WeightSource):

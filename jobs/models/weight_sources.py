@@ -24,6 +24,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,9 @@ class LoadReport:
     source: str
     bytes: int
     seconds: float
+    quantized: str | None = None  # quantized as it loaded (quant/on_load.py): the method
+    stored_bytes: int | None = None  # and the quantized bytes written into the arena
+    quantize_seconds: float | None = None  # time inside the quantization kernels
 
     @property
     def gb_per_s(self) -> float:
@@ -83,6 +87,17 @@ class WeightSource:
     def finish(self) -> LoadReport:
         """Wait until every fill has landed."""
         return LoadReport(self.kind, self.bytes, time.perf_counter() - self._started)
+
+    def dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values as a new tensor, there when this returns (a weight quantized as it loads,
+        quant/on_load.py): by default the fill's, into ordinary memory."""
+        values = torch.empty(tensor.shape, dtype=tensor.dtype)
+        self.fill(name, tensor, values)
+        return values
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run one tensor's load (``work``) now, or in the source's loader threads (``finish`` waits for it)."""
+        work()
 
 
 class SafetensorsSource(WeightSource):
@@ -118,6 +133,19 @@ class SafetensorsSource(WeightSource):
         return cls.from_files(model, files)
 
     def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        self.read_into(self._entry_of(name, tensor), host)
+
+    def dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        entry = self._entry_of(name, tensor)
+        with self._lock:
+            self.bytes += entry.end - entry.start
+        return read_stored(entry).to(tensor.dtype)  # in the calling (loader) thread
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending.append(self._pool.submit(work))
+
+    def _entry_of(self, name: str, tensor: torch.Tensor) -> StoredTensor:
         key = next((n for n in self.names.get(id(tensor), [name]) if n in self.entries), None)
         if key is None:
             if not isinstance(tensor, nn.Parameter):  # a buffer the checkpoint does not store
@@ -130,17 +158,18 @@ class SafetensorsSource(WeightSource):
             )
         if entry.dtype_name not in SAFETENSORS_DTYPES:
             raise ValueError(f"{entry.file}: tensor {key!r} has dtype {entry.dtype_name}, which Ferry cannot load")
-        self.read_into(entry, host)
+        return entry
 
     def read_into(self, entry: StoredTensor, host: torch.Tensor) -> None:
         """Read ``entry`` into ``host`` in a loader thread (``finish`` waits for it)."""
         self.bytes += host.numel() * host.element_size()
-        self._pending.append(self._pool.submit(_read_into, entry.file, entry.start, entry.end, entry.dtype, host))
+        self.submit(lambda: _read_into(entry.file, entry.start, entry.end, entry.dtype, host))
 
     def finish(self) -> LoadReport:
-        for future in self._pending:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
             future.result()
-        self._pending.clear()
         self._pool.shutdown()
         return super().finish()
 
@@ -185,6 +214,11 @@ class RandomSource(WeightSource):
             values = torch.randn(n, generator=generator, device=self.device, dtype=host.dtype).mul_(self.std)
             # Device -> pinned host on the current stream; finish() synchronizes once for all of them.
             flat[start : start + n].copy_(values, non_blocking=self.device.type == "cuda")
+
+    def dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        values = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)  # drawn where it is quantized
+        self.fill(name, tensor, values)
+        return values
 
     def finish(self) -> LoadReport:
         if self.device.type == "cuda":

@@ -8,6 +8,8 @@ only: torchao itself is never imported (a tensor is recognised by its type's mod
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -41,7 +43,8 @@ class QuantizedPayload:
     """A quantized tensor's inner tensors packed into one ``uint8`` buffer, and views that unpack it.
 
     Args:
-        tensor: the torchao tensor (its inner tensors are copied in).
+        tensor: the torchao tensor (its inner tensors are copied in), or a meta placeholder of one (only its
+            layout is read; the buffer is filled elsewhere).
         buffer: ``stored_bytes(tensor)`` bytes (a pinned arena allocation).
     """
 
@@ -56,6 +59,8 @@ class QuantizedPayload:
             self.layout.append((name, offset, nbytes, inner.shape, inner.dtype))
             offset += aligned(nbytes)
         self.buffer = buffer
+        if tensor.is_meta:  # a placeholder: its payload is filled by the engine's ``initialize`` (on_load.py)
+            return
         for (_, inner), view in zip(inner_tensors(tensor), self.views(buffer).values(), strict=True):
             view.copy_(inner)
 
@@ -68,7 +73,10 @@ class QuantizedPayload:
         inner = {k: v.clone() if clone else v for k, v in self.views(buffer).items()}
         context = self.context
         meta = context.get("tensor_meta") if isinstance(context, dict) else None
-        if meta is not None and hasattr(meta, "_replace"):  # NF4Tensor records its device in its metadata
+        # NF4Tensor records its device in its metadata (a named tuple or, in newer torchao, a dataclass).
+        if meta is not None and hasattr(meta, "_replace"):
             context = {**context, "tensor_meta": meta._replace(device=buffer.device)}
+        elif meta is not None and dataclasses.is_dataclass(meta) and not isinstance(meta, type):
+            context = {**context, "tensor_meta": dataclasses.replace(meta, device=buffer.device)}
         rebuilt = self.kind.__tensor_unflatten__(inner, context, self.shape, self.stride)  # type: ignore[attr-defined]
         return nn.Parameter(rebuilt, requires_grad=False)

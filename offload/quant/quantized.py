@@ -107,7 +107,7 @@ def quantize_frozen_weights(
     """
     if method not in METHODS:
         raise ValueError(f"quantize must be one of {', '.join(METHODS)}; got {method!r}")
-    quantize = _quantizer(method)
+    quantize = quantizer(method)
     names = []
     for name, module in model.named_modules():
         if not quantizable(module, method):
@@ -118,18 +118,28 @@ def quantize_frozen_weights(
         quantized = quantize(work.contiguous())
         if quantized.device != home:
             quantized = quantized.to(home)
-        module.weight = nn.Parameter(quantized, requires_grad=False)
-        if method == "nf4" and type(module) is nn.Linear and (compile_dequantization or module.bias is not None):
-            # In place (not a new module): peft, hooks and optimizers keep referring to this object. A biased
-            # layer adds its bias as torchao does also when its weight is dequantized on arrival (nf4_linear.py).
-            module.__class__ = CompiledNF4Linear if compile_dequantization else NF4Linear
+        set_quantized_weight(module, quantized, method, compile_dequantization=compile_dequantization)
         names.append(f"{name}.weight" if name else "weight")
     skipped = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_quantized(m.weight)]
     log.info("quantized %d frozen linear weights to %s (left as they are: %d)", len(names), method, len(skipped))
     return names
 
 
-def _quantizer(method: str) -> Any:
+def set_quantized_weight(
+    module: nn.Module, quantized: torch.Tensor, method: str, *, compile_dequantization: bool = False
+) -> nn.Parameter:
+    """Make ``quantized`` (a torchao tensor, or a meta placeholder of one) ``module``'s frozen weight."""
+    module.weight = nn.Parameter(quantized, requires_grad=False)
+    if method == "nf4" and type(module) is nn.Linear and (compile_dequantization or module.bias is not None):
+        # In place (not a new module): peft, hooks and optimizers keep referring to this object. A biased
+        # layer adds its bias as torchao does also when its weight is dequantized on arrival (nf4_linear.py).
+        module.__class__ = CompiledNF4Linear if compile_dequantization else NF4Linear
+    return module.weight
+
+
+def quantizer(method: str) -> Any:
+    """torchao's quantization for ``method``: a function from a dense weight to its quantized tensor (which
+    works on the meta device too: a placeholder with the inner tensors' shapes and dtypes)."""
     try:
         from torchao.quantization import Int8Tensor, to_nf4
         from torchao.quantization.granularity import PerRow
