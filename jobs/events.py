@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from jobs.errors import DiskFullError, JobSpecError, OutOfMemoryHint
+from jobs.errors import DiskFullError, JobSpecError, OutOfMemoryHint, RankLost
 from offload import OffloadStats
 
 
@@ -49,6 +49,8 @@ def error_code_for(error: BaseException) -> ErrorCode:
         return ErrorCode.INVALID_SPEC
     if isinstance(error, DiskFullError):
         return ErrorCode.DISK_FULL
+    if isinstance(error, RankLost):
+        return ErrorCode.INTERRUPTED  # the service resumes the job from its last checkpoint
     return ErrorCode.TRAINING_ERROR
 
 
@@ -138,6 +140,18 @@ class PreferenceMetrics(BaseModel):
     logps_rejected: float
 
 
+class RankFigures(BaseModel):
+    """One rank's share of a data-parallel step: its own step time and memory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    step_s: float
+    device_peak_bytes: int
+    device_allocated_bytes: int
+    host_rss_bytes: int
+
+
 class StepEvent(JobEvent, StepMetrics, MemorySnapshot):
     """One optimizer step finished. Flat on the wire: metrics, memory, then the engine's own figures."""
 
@@ -148,9 +162,13 @@ class StepEvent(JobEvent, StepMetrics, MemorySnapshot):
     eta_s: float
     offload: OffloadStats | None = Field(None, description="the offload engine's counters; null without offload")
     preference: PreferenceMetrics | None = Field(None, description="training.objective dpo/orpo; null for sft")
+    ranks: list[RankFigures] | None = Field(
+        None, description="distributed.world_size > 1: every rank's step time and memory; null on one rank"
+    )
 
 
 class EvalEvent(JobEvent):
+
     """An evaluation pass finished."""
 
     type: Literal["eval"] = "eval"

@@ -125,6 +125,7 @@ class OffloadTrainingManager:
         self._handles: list[RemovableHandle] = []
         self._attach(self.plan.units)
         self._stepper: StepDuringBackward | None = None
+        self._gradient_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # register_gradient_hook
         self._stats.start_step()
         log.info("offloading %s; %s", self, self.plan.describe())
 
@@ -277,6 +278,8 @@ class OffloadTrainingManager:
             self._router.exit()
 
     def _offload_grad_after_backward(self, offloader: TrainableParamOffloader, param: torch.Tensor) -> None:
+        for hook in self._gradient_hooks.values():  # e.g. an all-reduce: the copy below is queued after it
+            hook(param)
         offloader.offload_grad()
         if self._stepper is not None:
             self._stepper.grad_ready(offloader)
@@ -332,6 +335,19 @@ class OffloadTrainingManager:
         stepper = self._stepper
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args: stepper.wait()))
         self._handles.append(optimizer.register_state_dict_pre_hook(lambda *args: stepper.wait()))
+
+    def host_gradient_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients this engine sends to the host as backward makes them final
+        (trainable weights with host masters, under optimizer offload)."""
+        return [o.tensor for o in self._offloaders.values() if isinstance(o, TrainableParamOffloader)]
+
+    def register_gradient_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+        """Run ``hook(param)`` on each of `host_gradient_params` when its device gradient (``param.grad``) is
+        final for a backward, before the engine queues its copy to the host on the current stream's work
+        (so whatever ``hook`` queues there, e.g. an all-reduce across data-parallel ranks, is in the copy)."""
+        handle = RemovableHandle(self._gradient_hooks)
+        self._gradient_hooks[handle.id] = hook
+        return handle
 
     def wait_for_optimizer(self) -> None:
         """Finish the background optimizer updates (``attach_optimizer``) before reading the weights directly;

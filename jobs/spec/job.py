@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
 
 from jobs.models import registry
+from jobs.spec.distributed import DistributedSpec
 from jobs.spec.llm import DPOSpec, EvalSpec, InstructionFields, ORPOSpec, TextSamplesSpec, TrackingSpec
 from jobs.spec.sections import Dtype as Dtype
 from jobs.spec.sections import Section, broken_rules, confined_path
@@ -320,7 +321,9 @@ class JobSpec(Section):
     lora: LoraSpec | None = None
     training: TrainingSpec = Field(TrainingSpec(), description="required for task: train (steps or epochs)")
     offload: OffloadSpec = OffloadSpec()
+    distributed: DistributedSpec = DistributedSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+
     eval: EvalSpec | None = None
     text_samples: TextSamplesSpec | None = Field(None, description="text from fixed prompts (language models)")
     tracking: TrackingSpec = TrackingSpec()

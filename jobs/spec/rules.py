@@ -111,8 +111,16 @@ def _check_quantize_needs_a_frozen_base(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _check_distributed_trains(spec: JobSpec) -> list[Problem]:
+    if spec.distributed.world_size > 1 and spec.task != "train":
+        return [("distributed.world_size", f"data parallelism trains; task {spec.task!r} runs on one rank: set 1")]
+    return []
+
+
 RULES = (
     _check_task_supported,
+    _check_distributed_trains,
+
     _check_data_fits_model,
     _check_epochs_need_finite_data,
     _check_lora_targets_exist,

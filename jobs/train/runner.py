@@ -15,6 +15,7 @@ from jobs.checkpoints.directory import CheckpointInfo, save_checkpoint
 from jobs.checkpoints.export import save_tokenizer
 from jobs.checkpoints.sample_artifacts import keep_samples
 from jobs.checkpoints.training_state import save_training_state
+from jobs.distributed.group import current_group, leads
 from jobs.errors import OutOfMemoryHint
 from jobs.events import (
     CheckpointEvent,
@@ -110,6 +111,10 @@ def run_job(
     """
     output_dir, report = Path(output_dir), report or (lambda event: None)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if spec.distributed.world_size > 1 and current_group() is None:  # the launcher; each rank runs this again
+        from jobs.distributed.launch import run_ranks
+
+        return run_ranks(spec, output_dir=output_dir, report=report, resume=resume, should_stop=should_stop)
     resolved = spec.model_dump(mode="json")
     log.info("job %s: resolved spec %s", spec.name, json.dumps(resolved))
     session: TrainingSession | None = None
@@ -121,7 +126,8 @@ def run_job(
             outcome = _run_task(spec, report, should_stop)
             report(FinishedEvent(status=outcome.status, step=outcome.step))
             return outcome
-        tracking = report = Tracking(spec, output_dir, report)  # TensorBoard (MLflow, W&B) see every event too
+        if leads():  # one rank of a data-parallel job writes the job's files
+            tracking = report = Tracking(spec, output_dir, report)  # TensorBoard (MLflow, W&B) see every event too
         session = open_session(spec, output_dir, resume=resume)
         step = session.start_step
         report(
@@ -187,9 +193,11 @@ def _train(
     if step == 0:  # a resumed job evaluated the base model in its first attempt
         between.before_first_step()
 
-    def checkpoint_now() -> CheckpointInfo:
+    def checkpoint_now() -> CheckpointInfo | None:
         if saved is not None and saved.step == step:
             return saved  # nothing trained since the last save
+        if not leads():
+            return None  # rank 0 writes the job's checkpoints; the other ranks train on
         eval_loss = between.eval_loss_at(step)  # recorded in the manifest: the best checkpoint is kept and marked
         info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict())
         files = [FileDigest(**entry) for entry in info.files]
@@ -202,7 +210,8 @@ def _train(
     while step < total:
         request = should_stop() if should_stop is not None else None
         if request == "pause":
-            return JobOutcome("paused", step, checkpoint_now().path)
+            paused_at = checkpoint_now()
+            return JobOutcome("paused", step, paused_at.path if paused_at else None)
         if request == "cancel":
             return JobOutcome("cancelled", step, saved.path if saved else None)
         lr = session.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -219,9 +228,11 @@ def _train(
             max_grad_norm=training.max_grad_norm,
             device=session.device,
         )
-        loss_value = loss.item()  # CPU-GPU sync point: once per step, and it makes the step timing honest
+        group = current_group()  # data parallelism: the loss and the batch are the ranks' together
+        loss_value = (group.mean(loss) if group else loss).item()  # CPU-GPU sync point: once per step
         step += 1
-        samples = training.batch_size * accumulation
+        samples = training.batch_size * accumulation * spec.distributed.world_size
+        timing = clock.tick(step)
         tokens = samples * session.data.tokens_per_sample if session.data.tokens_per_sample else None
         event = step_event(
             step=step,
@@ -230,10 +241,13 @@ def _train(
             lr=lr,
             samples=samples,
             tokens=tokens,
-            timing=clock.tick(step),
+            timing=timing,
             device=session.device,
             offload=session.manager.stats() if session.manager else None,
         )
+        if group is not None:
+            event = group.with_rank_figures(event, timing["step_s"])  # every rank's time and memory
+
         take_metrics = getattr(session.loss_fn, "take_metrics", None)  # dpo/orpo: rewards and log-probs
         if callable(take_metrics):
             event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})

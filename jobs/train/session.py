@@ -17,6 +17,7 @@ from torch import nn
 from jobs.checkpoints.directory import CheckpointInfo, resume_point
 from jobs.checkpoints.training_state import load_training_state, restore_rng
 from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_apart, prepare_text_data
+from jobs.distributed.group import current_group
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.models.weight_sources import LoadReport, WeightSource
@@ -99,7 +100,9 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     checkpoint, passed_over = resume_point(output_dir) if resume else (None, [])
     if checkpoint is not None and source is None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
-    data, text = _setup_data(spec, family, device, model)
+    group = current_group()  # data parallelism: each rank reads its rows of the global batch
+    data, text = _setup_data(group.union_spec(spec) if group else spec, family, device, model)
+    data = group.shard(data) if group else data
     sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
     _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
     model.train()
@@ -108,6 +111,9 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         # Into the engine's host masters and device adapters, now that the meta tensors are real.
         family.weights_format.load(model, Path(checkpoint.path))
     forward_model = model if manager is not None else accelerator.prepare(model)  # to the device, mixed precision
+    if group is not None:  # now that the trainable weights are where their gradients will be
+        group.reduce_gradients(model, manager, accumulation_steps=spec.training.gradient_accumulation_steps)
+
     load = _load_stats(model, source, loading_started)
     steps = total_steps(spec, data)
     raw_optimizer, optimizer, scheduler = _setup_optimizer(spec, model, accelerator, steps)

@@ -201,7 +201,10 @@ class Scheduler:
     def _judge(
         job: JobRecord, run: Running, code: int, outcome: FinishedEvent | FailedEvent | None
     ) -> tuple[JobStatus, str, dict]:
+        if isinstance(outcome, FailedEvent) and outcome.error is ErrorCode.INTERRUPTED:  # a lost rank: resume
+            return JobStatus.INTERRUPTED, outcome.message, {}
         if isinstance(outcome, FailedEvent):
+
             return (
                 JobStatus.FAILED,
                 "the job raised an error",

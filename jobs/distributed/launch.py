@@ -1,0 +1,147 @@
+"""Starting a data-parallel job's ranks with torch's elastic launcher, and relaying rank 0's events.
+
+The job's process (the service's child, or a caller of ``run_job``) becomes the launcher: it starts
+``world_size`` rank processes (spawned, rendezvous on 127.0.0.1 on a free port, no restarts: a lost rank
+ends the attempt and the service resumes the job from its last checkpoint). Each rank runs the ordinary
+``run_job``. Rank 0's events come back through a queue and go to the caller's ``report`` from a relay
+thread, which also polls the caller's ``should_stop`` and publishes the answer in a shared value that rank 0
+reads and broadcasts to the others before every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import queue
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from jobs.distributed.group import STOP_CODES, StopRequest, join_group, leave_group
+from jobs.errors import RankLost
+from jobs.events import FailedEvent, Report, StopPoll, failed_event
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often the relay forwards a stop request and how long an event may wait in the queue
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def run_ranks(spec: Any, *, output_dir: Path, report: Report, resume: bool, should_stop: StopPoll | None) -> Any:
+    """Train ``spec`` on ``spec.distributed.world_size`` ranks of this machine; returns rank 0's `JobOutcome`.
+
+    Raises:
+        RankLost: a rank ended without rank 0 reporting why (killed, crashed, or another rank raised);
+            reported as an ``interrupted`` failure, so the service resumes the job from its last checkpoint.
+        RuntimeError: rank 0 raised; its ``failed`` event has been reported already.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    world_size = spec.distributed.world_size
+    context = multiprocessing.get_context("spawn")  # the launcher's start method: CUDA does not survive fork
+    events, stop = context.Queue(), context.Value("i", 0)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"ferry-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",  # torchrun --standalone: the rendezvous store lives in this process
+        rdzv_endpoint="127.0.0.1:0",  # a free port
+        max_restarts=0,  # a lost rank ends the attempt; the service resumes from the last checkpoint
+        monitor_interval=POLL_S,
+        start_method="spawn",
+    )
+    relay = _Relay(events, stop, report, should_stop)
+    relay.start()
+    try:
+        results = elastic_launch(config, rank_main)(spec, str(output_dir), resume, events, stop)
+    except ChildFailedError as error:
+        relay.finish()
+        if relay.failure is not None:
+            raise RuntimeError(f"rank 0 failed: {relay.failure.message}") from error
+        lost = RankLost(f"a rank of {world_size} ended without finishing: {_first_failure(error)}")
+        report(failed_event(lost))
+        raise lost from error
+    relay.finish()
+    return results[0]
+
+
+def rank_main(spec: Any, output_dir: str, resume: bool, events: Any, stop: Any) -> Any:
+    """One rank: join the group, run the job, leave. Rank 0 alone reports (into ``events``)."""
+    _die_with_launcher()
+    group = join_group(spec.device)
+    logging.basicConfig(level=logging.INFO, format=f"rank {group.rank}: %(levelname)s %(name)s: %(message)s")
+    from jobs.train.runner import run_job  # after joining: accelerate must not see the launcher's variables
+
+    codes: dict[int, StopRequest] = {value: key for key, value in STOP_CODES.items()}
+    try:
+        return run_job(
+            spec,
+            output_dir=Path(output_dir),
+            report=events.put if group.leads else _discard,
+            resume=resume,
+            should_stop=lambda: group.stop_request(lambda: codes[stop.value]),
+        )
+    finally:
+        leave_group()
+
+
+def _discard(event: Any) -> None:
+    """The report of ranks other than 0: rank 0 reports for the job."""
+
+
+def _die_with_launcher() -> None:
+    """End this rank when the process that launched it dies (a cancel that had to kill it): an orphaned rank
+    would wait in a collective for ever, holding its GPU."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL
+
+
+def _first_failure(error: Any) -> str:
+    rank, failure = error.get_first_failure()
+    how = f"signal {failure.signal_name()}" if failure.signal_name() else f"exit code {failure.exitcode}"
+    return f"rank {rank} ({how})"
+
+
+class _Relay(threading.Thread):
+    """Rank 0's events to ``report``, and the caller's stop requests to the ranks, until `finish`."""
+
+    def __init__(self, events: Any, stop: Any, report: Report, should_stop: StopPoll | None) -> None:
+        super().__init__(name="ferry-rank-relay", daemon=True)
+        self.events, self.stop, self.report, self.should_stop = events, stop, report, should_stop
+        self.failure: FailedEvent | None = None
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self._forward_stop()
+            self._drain(timeout=POLL_S)
+
+    def finish(self) -> None:
+        """Stop relaying, after every event the ranks queued has been reported."""
+        self._done.set()
+        self.join()
+        self._drain(timeout=0.0)
+
+    def _forward_stop(self) -> None:
+        wanted = STOP_CODES[self.should_stop()] if self.should_stop is not None else 0
+        if wanted > self.stop.value:  # none < pause < cancel: a request is never taken back
+            self.stop.value = wanted
+
+    def _drain(self, *, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if isinstance(event, FailedEvent):
+                self.failure = event
+            self.report(event)
