@@ -234,6 +234,7 @@ class CheckpointPublic(BaseModel):
     files: list[CheckpointFile]
     eval_loss: float | None = None  # measured at this step, when the job evaluates
     best: bool = False  # the lowest eval loss of the job's checkpoints
+    damaged: str | None = None  # why its manifest cannot be used; a damaged checkpoint lists no files
 
 
 class MergedPublic(BaseModel):

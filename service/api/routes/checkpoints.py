@@ -1,5 +1,10 @@
-"""/v1/jobs/{id}/checkpoints: list them (the best marked), download their files with SHA-256 and range
-support, and merge a LoRA checkpoint into a full model downloadable as one archive."""
+"""/v1/jobs/{id}/checkpoints: list them (the best marked, the damaged named with why), download their files
+with SHA-256 and range support or a whole checkpoint as one tar, and merge a LoRA checkpoint into a full model
+downloadable as one archive.
+
+Every download opens its files before the headers are sent and streams from the open handles: a checkpoint
+pruned by ``checkpoint.keep_last`` or deleted mid-download still arrives whole, and one already gone is a 404.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,29 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import BinaryIO
 
+import anyio
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
-from jobs.checkpoints.directory import EXPORTS_DIR, CheckpointInfo, best_checkpoint, file_sha256, list_checkpoints
+from jobs.checkpoints.archive import ArchiveMismatch, archive_sha256, open_archive
+from jobs.checkpoints.directory import (
+    EXPORTS_DIR,
+    CheckpointInfo,
+    CheckpointScan,
+    DamagedCheckpoint,
+    best_checkpoint,
+    file_sha256,
+    scan_checkpoints,
+)
 from service.api.deps import SettingsDep, StoreDep
 from service.api.errors import ApiError, error_response
 from service.api.schemas import CheckpointFile, CheckpointPublic, CheckpointsPublic, ErrorBody, MergedPublic
@@ -30,9 +49,10 @@ router = APIRouter(prefix="/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 def list_job_checkpoints(job_id: str, store: StoreDep, settings: SettingsDep) -> CheckpointsPublic:
     """Every complete checkpoint of the job, oldest first, with each file's size and SHA-256."""
     store.get_job(job_id)
-    checkpoints = _checkpoints(settings.job_dir(job_id))
-    best = best_checkpoint(checkpoints)
-    return CheckpointsPublic(data=[_public(job_id, c, best) for c in checkpoints])
+    scan = _scan(settings.job_dir(job_id))
+    best = best_checkpoint(scan.valid)
+    listed = [_public(job_id, c, best) for c in scan.valid] + [_damaged(d) for d in scan.damaged]
+    return CheckpointsPublic(data=sorted(listed, key=lambda c: (c.step, c.name)))
 
 
 @router.post("/{checkpoint}/merge", responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
@@ -47,6 +67,8 @@ def merge_checkpoint(job_id: str, checkpoint: str, store: StoreDep, settings: Se
     found = _checkpoint(job_id, checkpoint, settings)
     archive = _merged_archive(settings.job_dir(job_id), checkpoint)
     if not archive.exists():
+        if not all((Path(found.path) / f["name"]).is_file() for f in found.files):
+            raise _gone(f"A file of checkpoint {checkpoint!r} of job {job_id}")
         _merge(Path(found.path), archive.with_suffix(""))
         archive.with_name(archive.name + ".sha256").write_text(file_sha256(archive))
     digest = archive.with_name(archive.name + ".sha256").read_text()
@@ -74,9 +96,48 @@ def download_merged(job_id: str, checkpoint: str, store: StoreDep, settings: Set
             f"Checkpoint {checkpoint!r} of job {job_id} has not been merged; POST "
             f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/merge first.",
         )
+    handle = _open(archive, f"The merged model of checkpoint {checkpoint!r} of job {job_id}")
     digest = archive.with_name(archive.name + ".sha256").read_text()
     headers = {"X-Checksum-SHA256": digest, "Cache-Control": "private, no-store"}
-    return DownloadResponse(archive, filename=archive.name, headers=headers, media_type="application/x-tar")
+    return DownloadResponse(handle, filename=archive.name, headers=headers, media_type="application/x-tar")
+
+
+@router.get(
+    "/{checkpoint}/archive",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-tar": {}}}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody}},
+)
+def download_checkpoint_archive(
+    job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep
+) -> StreamingResponse:
+    """The whole checkpoint as one uncompressed tar (``step-00000010/manifest.json`` first, then every file it
+    lists), with ``Content-Length`` and the archive's SHA-256 in ``X-Checksum-SHA256`` and ``Repr-Digest``.
+
+    The tar is deterministic, so its SHA-256 is known before the body: the first request for a checkpoint
+    reads it once to compute it (kept under ``exports/``), later ones send at once. No ``Range``.
+    """
+    store.get_job(job_id)
+    found = _checkpoint(job_id, checkpoint, settings)
+    try:
+        archive = open_archive(found)
+    except FileNotFoundError as error:
+        raise _gone(f"A file of checkpoint {checkpoint!r} of job {job_id}") from error
+    except ArchiveMismatch as error:
+        raise ApiError(409, "checkpoint_damaged", f"Checkpoint {checkpoint!r} of job {job_id}: {error}.") from error
+    try:
+        digest = archive_sha256(archive, settings.job_dir(job_id) / "output" / EXPORTS_DIR)
+    except BaseException:
+        archive.close()
+        raise
+    headers = {
+        "Content-Length": str(archive.size),
+        "Content-Disposition": f'attachment; filename="{archive.filename}"',
+        "Cache-Control": "private, no-store",
+        **_digest_headers(digest),
+    }
+    return StreamingResponse(
+        archive.chunks(), media_type="application/x-tar", headers=headers, background=BackgroundTask(archive.close)
+    )
 
 
 @router.get(
@@ -94,15 +155,9 @@ def download_checkpoint_file(
     entry = next((f for f in found.files if f["name"] == name), None)
     if entry is None:
         raise ApiError(404, "not_found", f"Checkpoint {checkpoint!r} of job {job_id} has no file {name!r}.")
-    digest = bytes.fromhex(entry["sha256"])
-    headers = {
-        "X-Checksum-SHA256": entry["sha256"],
-        "Repr-Digest": f"sha-256=:{base64.b64encode(digest).decode()}:",  # RFC 9530
-        "Cache-Control": "private, no-store",
-    }
-    return DownloadResponse(
-        Path(found.path) / name, filename=Path(name).name, headers=headers, media_type="application/octet-stream"
-    )
+    handle = _open(Path(found.path) / name, f"File {name!r} of checkpoint {checkpoint!r} of job {job_id}")
+    headers = {**_digest_headers(entry["sha256"]), "Cache-Control": "private, no-store"}
+    return DownloadResponse(handle, filename=Path(name).name, headers=headers, media_type="application/octet-stream")
 
 
 # HEAD: the size and checksum before a long download (its own operation id in the OpenAPI).
@@ -117,16 +172,34 @@ router.add_api_route(
 
 
 class DownloadResponse(FileResponse):
-    """A checkpoint file, whose refused ``Range`` headers answer in the JSON error envelope.
+    """A file opened before the response began, whose refused ``Range`` headers answer in the JSON error
+    envelope.
 
-    Starlette answers a malformed or unsatisfiable range in plain text; the range is checked here first
-    with its own parser, so the answer a client gets is the one every other error has.
+    The body is read from the open handle, never reopened by path: a file unlinked after the route opened
+    it (a checkpoint pruned or deleted mid-download) still streams whole. Starlette answers a malformed or
+    unsatisfiable range in plain text; the range is checked here first with its own parser, so the answer a
+    client gets is the one every other error has.
     """
 
+    def __init__(self, handle: BinaryIO, *, filename: str, headers: dict[str, str], media_type: str) -> None:
+        stat_result = os.fstat(handle.fileno())
+        super().__init__(
+            handle.name, filename=filename, headers=headers, media_type=media_type, stat_result=stat_result
+        )
+        self.handle = handle
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # No http.response.pathsend: the server would reopen the file by its path.
+        extensions = {k: v for k, v in scope.get("extensions", {}).items() if k != "http.response.pathsend"}
+        try:
+            await self._send(dict(scope, extensions=extensions), receive, send)
+        finally:
+            self.handle.close()
+
+    async def _send(self, scope: Scope, receive: Receive, send: Send) -> None:
         http_range = Headers(scope=scope).get("range")
         if http_range is not None and Headers(scope=scope).get("if-range") is None:
-            size = os.stat(self.path).st_size
+            size = self.stat_result.st_size if self.stat_result is not None else 0
             try:
                 self._parse_range_header(http_range, size)
             except MalformedRangeHeader as error:
@@ -140,9 +213,41 @@ class DownloadResponse(FileResponse):
                 )
         await super().__call__(scope, receive, send)
 
+    @asynccontextmanager
+    async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
+        # Starlette's FileResponse reads its body through this; the handle stays open for the next range.
+        await anyio.to_thread.run_sync(self.handle.seek, 0)
+        yield anyio.wrap_file(self.handle)
+
+
+def _open(path: Path, what: str) -> BinaryIO:
+    """Open a file to send, before any header is: one that is gone is a 404, not a broken body."""
+    try:
+        return path.open("rb")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as error:
+        raise _gone(what) from error
+
+
+def _gone(what: str) -> ApiError:
+    return ApiError(
+        404,
+        "not_found",
+        f"{what} is listed but no longer on disk: pruned by checkpoint.keep_last, or deleted; "
+        "list the checkpoints again.",
+    )
+
+
+def _digest_headers(sha256: str) -> dict[str, str]:
+    digest = base64.b64encode(bytes.fromhex(sha256)).decode()
+    return {"X-Checksum-SHA256": sha256, "Repr-Digest": f"sha-256=:{digest}:"}  # RFC 9530
+
 
 def _checkpoint(job_id: str, name: str, settings: Settings) -> CheckpointInfo:
-    found = {c.name: c for c in _checkpoints(settings.job_dir(job_id))}.get(name)
+    scan = _scan(settings.job_dir(job_id))
+    found = {c.name: c for c in scan.valid}.get(name)
+    damaged = {c.name: c for c in scan.damaged}.get(name)
+    if damaged is not None:
+        raise ApiError(409, "checkpoint_damaged", f"Checkpoint {name!r} of job {job_id} is damaged: {damaged.reason}")
     if found is None:
         raise ApiError(
             404, "not_found", f"Job {job_id} has no checkpoint {name!r}; GET /v1/jobs/{job_id}/checkpoints lists them."
@@ -168,9 +273,9 @@ def _merged_archive(job_dir: Path, checkpoint: str) -> Path:
     return job_dir / "output" / EXPORTS_DIR / f"{checkpoint}-merged.tar"
 
 
-def _checkpoints(job_dir: Path) -> list[CheckpointInfo]:
+def _scan(job_dir: Path) -> CheckpointScan:
     output = job_dir / "output"
-    return list_checkpoints(output) if output.exists() else []
+    return scan_checkpoints(output) if output.exists() else CheckpointScan([], [])
 
 
 def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None) -> CheckpointPublic:
@@ -187,3 +292,7 @@ def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None) -> C
         eval_loss=info.eval_loss,
         best=best is not None and best.name == info.name,
     )
+
+
+def _damaged(info: DamagedCheckpoint) -> CheckpointPublic:
+    return CheckpointPublic(name=info.name, step=info.step or 0, created=None, files=[], damaged=info.reason)
