@@ -76,6 +76,7 @@ def test_merged_lora_equals_the_adapter_on_its_base(
     assert main(["merge", str(checkpoint)]) == 0  # python -m jobs merge CHECKPOINT
     merged_dir = tmp_path / "out" / "exports" / f"{checkpoint.name}-merged"
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
+    monkeypatch.chdir(llm_roots.model_roots[0])  # the adapter names its base portably: "llama"
     adapter = AutoPeftModelForCausalLM.from_pretrained(str(checkpoint)).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=IDS).logits, adapter(input_ids=IDS).logits, rtol=0, atol=1e-5)

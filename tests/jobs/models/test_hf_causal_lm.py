@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -39,7 +40,9 @@ def save_tiny_llama(directory: Path) -> Path:
     return directory
 
 
-def test_lora_adapter_trains_and_reloads_with_peft(tmp_path: Path, roots: PathRoots) -> None:
+def test_lora_adapter_trains_and_reloads_with_peft(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
@@ -53,11 +56,15 @@ def test_lora_adapter_trains_and_reloads_with_peft(tmp_path: Path, roots: PathRo
         "manifest.json",
     }
     config = json.loads((checkpoint / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == str(model_dir) and config["r"] == 4
+    # Portable: the base model's directory name; the full path stays in Ferry's own manifest.
+    assert config["base_model_name_or_path"] == "tiny-llama" and config["r"] == 4
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["spec"]["model"]["path"] == str(model_dir)
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["task_type"] == "CAUSAL_LM"
 
     saved = load_file(str(checkpoint / "adapter_model.safetensors"))
     assert saved and all("lora_" in name for name in saved)
+    monkeypatch.chdir(model_dir.parent)  # where a user keeps the base model: under its own name
     reloaded = AutoPeftModelForCausalLM.from_pretrained(str(checkpoint))
     live = {n: p for n, p in reloaded.named_parameters() if "lora_" in n}
     for name, tensor in saved.items():
