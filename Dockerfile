@@ -18,10 +18,12 @@ WORKDIR /app
 
 # Dependencies first, in their own layer: a code change does not reinstall them. The packages are empty
 # placeholders here; the real sources arrive below and the editable install already points at them.
+# The extras every shipped config needs (tests/test_deploy.py checks): diffusers for the DiT families,
+# torchao for model.quantize, imageio for Wan's .mp4 data.
 COPY pyproject.toml README.md ./
 RUN mkdir -p offload jobs service \
  && touch offload/__init__.py jobs/__init__.py service/__init__.py \
- && pip install -e .
+ && pip install -e ".[diffusion,quantize,video]"
 
 COPY offload/ offload/
 COPY jobs/ jobs/
