@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from offload.activations import ActivationOffload
     from offload.arena import PinnedArenaPool
     from offload.devices import set_gpu_memory_limit
     from offload.manager import OffloadTrainingManager
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from offload.units import OffloadUnit, discover_units
 
 _HOME = {
+    "ActivationOffload": "offload.activations",
     "PinnedArenaPool": "offload.arena",
     "DequantizedParamOffloader": "offload.quant.dequantize_on_arrival",
     "set_gpu_memory_limit": "offload.devices",
@@ -57,6 +59,7 @@ _HOME = {
     "discover_units": "offload.units",
 }
 __all__ = [
+    "ActivationOffload",
     "AlwaysOnGPUParamOffloader",
     "BufferOffloader",
     "DequantizedParamOffloader",

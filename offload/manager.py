@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
+
 from typing import Any
 
 import torch
@@ -12,6 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from offload import auto_budget
+from offload.activations import ActivationOffload
 from offload.arena import PinnedArenaPool, aligned
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.flat import FlatGroup
@@ -114,6 +118,15 @@ class OffloadTrainingManager:
         pin = self.options.pin_memory and can_pin_memory()
         self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes), pin=pin)
         self.ring = DeviceRing(self.plan.ring_classes, self.device, reuse=self.options.reuse_ring_slots)
+        # What gradient checkpointing keeps, in pinned host memory till the recompute (activations.py); the
+        # model's checkpoint function must be wrapped (``activations.wrap``) by whoever knows where it is.
+        self.activations = (
+            ActivationOffload(
+                self._copies, planned_bytes=sum(map(aligned, self.options.activation_host_bytes)), pin=pin
+            )
+            if self.options.offload_activations
+            else None
+        )
         self._stats.planned_device_bytes = self.ring.nbytes
         self._offloaders: dict[int, TensorOffloader] = {}
         self._placements: dict[int, tuple[int, Placement]] = {}  # id(unit) -> its ring class and placement
@@ -125,7 +138,8 @@ class OffloadTrainingManager:
         self._handles: list[RemovableHandle] = []
         self._attach(self.plan.units)
         self._stepper: StepDuringBackward | None = None
-        self._gradient_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # register_gradient_hook
+        # register_gradient_hook's; an OrderedDict, which RemovableHandle can refer to weakly
+        self._gradient_hooks: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()
         self._stats.start_step()
         log.info("offloading %s; %s", self, self.plan.describe())
 
@@ -227,7 +241,6 @@ class OffloadTrainingManager:
         )
         torch.utils.swap_tensors(tensor, alias)
 
-    def _mark_statistics_buffers(self, model: nn.Module) -> None:
     def _fill_placeholder(self, name: str, tensor: torch.Tensor, payload: torch.Tensor) -> None:
         """A quantized placeholder's payload, filled by ``initialize`` (a ``QuantizingFill`` quantizes the weight's
         values into it); the offloader then rebuilds the torchao tensor over the payload."""
@@ -235,6 +248,7 @@ class OffloadTrainingManager:
             raise ValueError(f"{name!r} is a meta quantized placeholder; pass initialize= to fill its payload")
         self._initialize(name, tensor, payload)
 
+    def _mark_statistics_buffers(self, model: nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._NormBase):
                 for buffer in module.buffers(recurse=False):
@@ -368,6 +382,8 @@ class OffloadTrainingManager:
             if isinstance(offloader, TrainableParamOffloader):
                 offloader.hand_over_grad()
         self._copies.end_step()
+        if self.activations is not None:
+            self.activations.end_step()
         if self._stepper is not None:
             self._stepper.end_backward()
         self._end_step()
@@ -410,7 +426,17 @@ class OffloadTrainingManager:
 
     def stats(self) -> OffloadStats:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""
-        return self._stats.snapshot(self.arena.reserved_bytes, self.arena.requested_bytes)
+        if self.activations is None:
+            return self._stats.snapshot(self.arena.reserved_bytes, self.arena.requested_bytes)
+        saved = self.activations
+        return dataclasses.replace(
+            self._stats.snapshot(
+                self.arena.reserved_bytes + saved.arena.reserved_bytes,
+                self.arena.requested_bytes + saved.arena.requested_bytes,
+            ),
+            activation_offloaded_bytes=saved.offloaded_bytes,
+            activation_host_bytes=saved.peak_held_bytes,
+        )
 
     def remove(self) -> nn.Module:
         """Detach every hook and leave ``model`` an ordinary CPU model holding the trained values."""

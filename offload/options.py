@@ -66,6 +66,12 @@ class OffloadOptions:
         reuse_ring_slots: a frozen weight whose ring slot still holds its bytes from its last visit (the
             step's two turnarounds) is not copied again (ring.py); ``False`` copies on every visit, for
             comparison, or for code that writes frozen weights through ``.data``, which no version counter sees.
+        offload_activations: keep what gradient checkpointing saves (each block's input) in pinned host memory
+            from forward to the block's recompute (activations.py; ``manager.activations.wrap`` the
+            checkpoint function), so the sequence length is bound by host memory rather than the device.
+        activation_host_bytes: the host buffers one step's checkpointed inputs take, in the order they are
+            saved (a job plans them from its sequence length); the memory plan sizes their arena from them,
+            which grows if a step saves more. Empty: allocated as they come.
     """
 
     prefetch: int = 1
@@ -75,6 +81,8 @@ class OffloadOptions:
     pin_memory: bool = True
     dequantize_on_arrival: bool = True
     reuse_ring_slots: bool = True
+    offload_activations: bool = False
+    activation_host_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:

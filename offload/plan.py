@@ -83,6 +83,8 @@ class MemoryPlan:
         device_trainables: ids of the trainable parameters that stay on the device with their optimizer
             although optimizer offload is on (``trainables_on_device``); ``device_trainable_bytes``: the
             budget they take (``OPTIMIZER_ON_DEVICE_FACTOR`` times their bytes).
+        activation_reserved_bytes / activation_requested_bytes: with ``offload_activations``, what the pinned
+            arena for checkpointed inputs (activations.py) reserves / what ``activation_host_bytes`` needs.
     """
 
     units: list[UnitPlan]
@@ -97,6 +99,8 @@ class MemoryPlan:
     largest_unit_bytes: int
     device_trainables: frozenset[int] = frozenset()
     device_trainable_bytes: int = 0
+    activation_reserved_bytes: int = 0
+    activation_requested_bytes: int = 0
 
     def describe(self) -> str:
         """One line for logs and estimate notes."""
@@ -187,6 +191,11 @@ def plan_memory(
     for nbytes in host_sizes:
         arena.allocate((nbytes,), torch.uint8)
     streamed = sum(n for draft in drafts for n in draft[3])
+    # The checkpointed inputs' own arena (activations.py), replayed with the sizes the job planned.
+    saved = list(options.activation_host_bytes) if options.offload_activations else []
+    activations = PinnedArenaPool(sum(aligned(n) for n in saved), pin=False, dry_run=True)
+    for nbytes in saved:
+        activations.allocate((nbytes,), torch.uint8)
     return MemoryPlan(
         units=units,
         layouts=layouts,
@@ -200,6 +209,8 @@ def plan_memory(
         largest_unit_bytes=max((c.slot_bytes for c in classes), default=0),
         device_trainables=frozenset(on_device),
         device_trainable_bytes=on_device_bytes,
+        activation_reserved_bytes=activations.reserved_bytes,
+        activation_requested_bytes=activations.requested_bytes,
     )
 
 

@@ -28,6 +28,8 @@ class OffloadStats:
             budget's from step 1 on, a measured ``"auto"`` one's from step 2 on); never copied again.
         reused_bytes: frozen weight bytes not copied because their ring slot still held them (ring.py):
             the units at each end of the forward, reused by the backward or the next forward.
+        activation_offloaded_bytes: checkpointed inputs copied to the host (``offload_activations``), in all.
+        activation_host_bytes: the most host bytes they held at once.
     """
 
     h2d_bytes: int = 0
@@ -47,6 +49,8 @@ class OffloadStats:
     ring_overflows: int = 0
     kept_resident_bytes: int = 0
     reused_bytes: int = 0
+    activation_offloaded_bytes: int = 0
+    activation_host_bytes: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         """JSON-able numbers, for progress reports."""

@@ -151,11 +151,67 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         if needed and pinned > 1.1 * needed:
             notes.append(f"pinned arena reserves {_gib(pinned)} for {_gib(needed)} of host copies (chunk rounding)")
     peak = resident + max(activations, step_temp)
+    saved = _offloaded_inputs(spec, model, peak)
+    if saved:
+        # Held on the host from forward to the recompute: on the device, the input being recomputed and the
+        # one its prefetch brings back.
+        activations -= sum(saved) - 2 * max(saved)
+        peak = resident + max(activations, step_temp)
+        arena = engine_plan(model, spec, activation_host_bytes=saved).activation_reserved_bytes
+        pinned += arena
+        notes.append(
+            f"offload.activations: {len(saved)} checkpointed inputs ({_gib(sum(saved))}) in pinned host memory "
+            f"({_gib(arena)} reserved), two on the device"
+        )
+    quantize = getattr(spec.model, "quantize", None)
+    if quantize is not None and offload.enable_model_cpu_offload:
+        notes.append(
+            f"model.quantize {quantize}: the frozen linears are quantized as they load, one at a time, and held "
+            "quantized in the pinned arena (the dense model is never in host memory)"
+        )
     notes.append(
         f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
         f"temporaries {_gib(step_temp)}); excludes the CUDA context"
     )
     return MemoryEstimate(int(peak), int(pinned), notes, device_ring_bytes=ring)
+
+
+def offloaded_activations(spec: JobSpec) -> tuple[int, ...]:
+    """The host buffers of the checkpointed inputs ``spec`` offloads (``offload.activations``), in the order
+    they are saved; empty when it does not. ``auto`` offloads when the estimate with them on the device
+    exceeds ``offload.gpu_memory_limit`` or, without one, this process's GPU (never on a machine without one)."""
+    family = family_of(spec.model)
+    if not _offloads_at_all(spec) or family.checkpointed_inputs is None:
+        return ()
+    if spec.offload.activations == "auto":
+        kept = spec.model_copy(update={"offload": spec.offload.model_copy(update={"activations": False})})
+        if estimate_memory(kept).peak_device_bytes <= (_usable_device_bytes(spec) or 2**62):
+            return ()
+    return tuple(family.checkpointed_inputs(spec, _shapes_only_model(spec)))
+
+
+def _offloaded_inputs(spec: JobSpec, model: nn.Module, peak: float) -> tuple[int, ...]:
+    """``offloaded_activations`` for the model being estimated, whose peak without them is ``peak``."""
+    family = family_of(spec.model)
+    if not _offloads_at_all(spec) or family.checkpointed_inputs is None:
+        return ()
+    if spec.offload.activations == "auto" and peak <= (_usable_device_bytes(spec) or 2**62):
+        return ()
+    return tuple(family.checkpointed_inputs(spec, model))
+
+
+def _offloads_at_all(spec: JobSpec) -> bool:
+    offload = spec.offload
+    return (
+        offload.activations is not False and offload.enable_model_cpu_offload and spec.training.gradient_checkpointing
+    )
+
+
+def _usable_device_bytes(spec: JobSpec) -> int | None:
+    limit = parse_bytes(spec.offload.gpu_memory_limit)
+    if limit is not None:
+        return limit
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
 def _shapes_only_model(spec: JobSpec) -> nn.Module:
@@ -178,9 +234,10 @@ def _lora_bytes(model: nn.Module, spec: JobSpec) -> int:
     return total
 
 
-def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
+def engine_plan(model: nn.Module, spec: JobSpec, *, activation_host_bytes: tuple[int, ...] = ()) -> MemoryPlan:
     """The offload engine's own memory plan for ``spec``'s model (``offload.plan_memory``, the function the
-    engine builds itself from). Under LoRA the base model is frozen, as peft leaves it."""
+    engine builds itself from). Under LoRA the base model is frozen, as peft leaves it. ``activation_host_bytes``:
+    the checkpointed inputs it offloads (``offloaded_activations``), whose pinned arena the plan sizes."""
     if spec.lora is not None:
         model.requires_grad_(False)
     offload = spec.offload
@@ -194,7 +251,11 @@ def engine_plan(model: nn.Module, spec: JobSpec) -> MemoryPlan:
         cpu_offload_split_threshold=offload.cpu_offload_split_threshold,
         # The job's own options (with optimizer offload a set budget keeps the first trainables on the device,
         # with no host copies), over a dry-run arena.
-        options=offload.engine_options(pin_memory=False),
+        options=offload.engine_options(
+            pin_memory=False,
+            offload_activations=bool(activation_host_bytes),
+            activation_host_bytes=activation_host_bytes,
+        ),
         **sizes,
     )
 

@@ -48,3 +48,9 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
     # measured LoRA peak; docs hold the comparison).
     logits = n * dims.vocab * (e + 8)
     return kept + max(logits, block_backward) + 4 * n * h * e  # + embeddings and final norm
+
+
+def decoder_checkpointed_inputs(spec: JobSpec, dims: DecoderDims) -> list[int]:
+    """What checkpointing keeps of a decoder: each block's input (batch x tokens x hidden), block by block."""
+    seq_len = getattr(spec.data, "seq_len", None) or 0
+    return [spec.training.batch_size * seq_len * dims.hidden * activation_element_size(spec)] * dims.layers

@@ -81,6 +81,10 @@ class ModelFamily(Generic[JobT]):
         checkpoint_problems: ``checkpoint_problems(model_spec) -> [(tensor, file, message)]``: the ways the
             checkpoint fails to fill the model, read from the files' headers at submit time (missing,
             unexpected, misshapen tensors); None when the family has no such check.
+        checkpointed_inputs: ``checkpointed_inputs(job_spec, meta_model) -> [bytes, ...]``: what gradient
+            checkpointing keeps from forward to backward, one entry per checkpointed call in the order they are
+            saved (a decoder's block inputs); ``offload.activations`` plans their pinned host memory from it.
+            None: the family's activations are not offloaded.
     """
 
     kind: str
@@ -108,6 +112,7 @@ class ModelFamily(Generic[JobT]):
     drop_precomputed: Callable[[JobT, nn.Module], None] | None = None
     build_on_meta: Callable[[Any, int, torch.device], tuple[nn.Module, WeightSource]] | None = None
     checkpoint_problems: Callable[[Any], list[tuple[str, str, str]]] | None = None
+    checkpointed_inputs: Callable[[JobT, nn.Module], list[int]] | None = None
     data_specs: tuple[type[Section], ...] = ()
     job_sections: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
     training_fields: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)

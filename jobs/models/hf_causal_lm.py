@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
 from jobs.checkpoints.export import HF_PRETRAINED
-from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
+from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily
 from jobs.models.hf_checkpoint import checkpoint_problems, checkpoint_source
 from jobs.models.hf_names import hf_module_names
@@ -104,12 +104,20 @@ def hf_checkpoint_problems(spec: HFCausalLMSpec) -> list[tuple[str, str, str]]:
 
 def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     """Llama-style blocks (gated MLP, RMSNorm, rotary embeddings), sized from the model's config."""
+    return decoder_activation_bytes(spec, _dims(model))
+
+
+def hf_checkpointed_inputs(spec: JobSpec, model: nn.Module) -> list[int]:
+    """The decoder layers' inputs, which transformers' checkpointing keeps (its other arguments are bound)."""
+    return decoder_checkpointed_inputs(spec, _dims(model))
+
+
+def _dims(model: nn.Module) -> DecoderDims:
     config: Any = model.config
     h = config.hidden_size
-    dims = DecoderDims(
+    return DecoderDims(
         h, getattr(config, "intermediate_size", 4 * h), config.num_hidden_layers, config.vocab_size, (10, 4)
     )
-    return decoder_activation_bytes(spec, dims)
 
 
 def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
@@ -155,4 +163,5 @@ FAMILY = ModelFamily(
     weights_format=HF_PRETRAINED,  # a full fine-tune loads with AutoModelForCausalLM.from_pretrained
     build_on_meta=build_hf_causal_lm_on_meta,
     checkpoint_problems=hf_checkpoint_problems,
+    checkpointed_inputs=hf_checkpointed_inputs,
 )

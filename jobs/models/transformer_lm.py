@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from jobs.errors import Problem
-from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
+from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily, linear_module_names
 from jobs.models.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
 from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
@@ -122,6 +122,7 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self._gradient_checkpointing_func: Callable[..., torch.Tensor] = checkpoint_block
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
@@ -134,7 +135,7 @@ class TransformerLM(nn.Module):
             if self.gradient_checkpointing and self.training:
                 # The block re-runs in backward (jobs/train/activation_checkpointing.py); the offload engine sees
                 # the recompute through its forward hooks and keeps the block's weights on the device for it.
-                x = checkpoint_block(block, x)
+                x = self._gradient_checkpointing_func(block, x)
             else:
                 x = block(x)
         logits = self.lm_head(self.norm(x))
@@ -211,10 +212,18 @@ def meta_transformer_lm(spec: TransformerLMSpec) -> TransformerLM:
 
 def transformer_lm_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     """The built-in GPT-style block keeps 9 hidden-wide and 2 intermediate-wide tensors per token."""
+    return decoder_activation_bytes(spec, _dims(spec))
+
+
+def transformer_lm_checkpointed_inputs(spec: JobSpec, model: nn.Module) -> list[int]:
+    """Each block's input, which ``checkpoint_block`` keeps."""
+    return decoder_checkpointed_inputs(spec, _dims(spec))
+
+
+def _dims(spec: JobSpec) -> DecoderDims:
     m = spec.model
     assert isinstance(m, TransformerLMSpec)
-    dims = DecoderDims(m.hidden_size, m.intermediate_size or 4 * m.hidden_size, m.num_layers, m.vocab_size, (9, 2))
-    return decoder_activation_bytes(spec, dims)
+    return DecoderDims(m.hidden_size, m.intermediate_size or 4 * m.hidden_size, m.num_layers, m.vocab_size, (9, 2))
 
 
 def _check_tokenizer_fits_vocab(spec: JobSpec) -> list[Problem]:
@@ -236,6 +245,7 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, TransformerLM):
             module.gradient_checkpointing = True
+            module._gradient_checkpointing_func = checkpoint_block  # replaceable, as in transformers
 
 
 FAMILY = ModelFamily(
@@ -250,4 +260,5 @@ FAMILY = ModelFamily(
     enable_gradient_checkpointing=_enable_gradient_checkpointing,
     rules=(_check_tokenizer_fits_vocab,),
     build_on_meta=build_transformer_lm_on_meta,
+    checkpointed_inputs=transformer_lm_checkpointed_inputs,
 )

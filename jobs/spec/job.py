@@ -235,6 +235,12 @@ class OffloadSpec(Section):
         description="a frozen weight whose ring slot still holds it from its last visit is not copied again "
         "(false: copy on every visit)",
     )
+    activations: bool | Literal["auto"] = Field(
+        False,
+        description="keep what gradient checkpointing saves (each block's input) in pinned host memory until "
+        "its recompute, so the sequence length is bound by host memory; auto: when the estimate says they "
+        "would not fit in offload.gpu_memory_limit (or the GPU)",
+    )
 
     @field_validator("gpu_memory_budget", "gpu_memory_limit")
     @classmethod
@@ -273,6 +279,14 @@ class OffloadSpec(Section):
         all three."""
         names = {f.name for f in dataclasses.fields(OffloadOptions)}
         return OffloadOptions(**{**{n: getattr(self, n) for n in names if n in type(self).model_fields}, **overrides})
+
+    @model_validator(mode="after")
+    def _check_activations_need_model_offload(self) -> OffloadSpec:
+        if self.activations is True and not self.enable_model_cpu_offload:
+            raise broken_rules(
+                [("activations", "needs offload.enable_model_cpu_offload: true (the engine moves them)")]
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_delayed_update_needs_optimizer_offload(self) -> OffloadSpec:

@@ -111,6 +111,17 @@ def _check_quantize_needs_a_frozen_base(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _check_activation_offload_needs_checkpointing(spec: JobSpec) -> list[Problem]:
+    if spec.offload.activations is True and not spec.training.gradient_checkpointing:
+        return [
+            (
+                "offload.activations",
+                "offloads what gradient checkpointing keeps; set training.gradient_checkpointing: true or turn it off",
+            )
+        ]
+    return []
+
+
 def _check_distributed_trains(spec: JobSpec) -> list[Problem]:
     if spec.distributed.world_size > 1 and spec.task != "train":
         return [("distributed.world_size", f"data parallelism trains; task {spec.task!r} runs on one rank: set 1")]
@@ -120,7 +131,6 @@ def _check_distributed_trains(spec: JobSpec) -> list[Problem]:
 RULES = (
     _check_task_supported,
     _check_distributed_trains,
-
     _check_data_fits_model,
     _check_epochs_need_finite_data,
     _check_lora_targets_exist,
@@ -128,6 +138,7 @@ RULES = (
     _check_precision_fits_device,
     _check_warmup_fits_steps,
     _check_delayed_update_without_clipping,
+    _check_activation_offload_needs_checkpointing,
     _check_quantize_needs_a_frozen_base,
     *LLM_RULES,
 )

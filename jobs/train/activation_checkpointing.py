@@ -31,11 +31,18 @@ checkpointing.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction, checkpoint, detach_variable, set_device_states
+
+if TYPE_CHECKING:
+    from offload import ActivationOffload
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"  # where transformers and diffusers keep a layer's checkpoint
 
 
 def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -101,6 +108,22 @@ class _ReentrantCheckpoint(CheckpointFunction):
         if reached:
             torch.autograd.backward([out for out, _ in reached], [grad for _, grad in reached])
         return (None, None, *(arg.grad if isinstance(arg, torch.Tensor) else None for arg in detached))
+
+
+def offload_checkpointed_inputs(model: nn.Module, activations: ActivationOffload) -> int:
+    """Send what each checkpointed call of ``model`` keeps to the host (``offload.activations``): every
+    module's ``_gradient_checkpointing_func`` (transformers' layers, diffusers' blocks, ``transformer_lm``)
+    runs under the engine's saved-tensor hooks. Returns how many were wrapped; none is a warning."""
+    wrapped = 0
+    for module in model.modules():
+        function = getattr(module, CHECKPOINT_FUNCTION, None)
+        if callable(function):
+            setattr(module, CHECKPOINT_FUNCTION, activations.wrap(function))
+            wrapped += 1
+    if not wrapped:
+        log.warning("offload.activations: %s checkpoints no block through _gradient_checkpointing_func; nothing is "
+                    "offloaded", type(model).__name__)  # fmt: skip
+    return wrapped
 
 
 def enable_block_checkpointing(model: Any) -> None:

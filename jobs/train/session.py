@@ -206,17 +206,39 @@ def _setup_data(
 def _setup_offload(
     spec: JobSpec, model: nn.Module, device: torch.device, limit: int | None, source: WeightSource | None
 ) -> OffloadTrainingManager | None:
-    """The offload engine attached to ``model`` under model offload; None without it."""
+    """The offload engine attached to ``model`` under model offload; None without it. With
+    ``offload.activations`` the engine also holds what checkpointing keeps, planned from the job's estimate."""
     if not spec.offload.enable_model_cpu_offload:
         return None
-    return OffloadTrainingManager(
+    saved = _offloaded_activations(spec)
+    manager = OffloadTrainingManager(
         model,
         device,
         enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
-        options=spec.offload.engine_options(gpu_memory_limit=limit),
+        options=spec.offload.engine_options(
+            gpu_memory_limit=limit,
+            offload_activations=spec.offload.activations is True or bool(saved),
+            activation_host_bytes=saved,
+        ),
         initialize=source.fill if source is not None else None,
     )
+    if manager.activations is not None:
+        from jobs.train.activation_checkpointing import offload_checkpointed_inputs
+
+        offload_checkpointed_inputs(model, manager.activations)
+    return manager
+
+
+def _offloaded_activations(spec: JobSpec) -> tuple[int, ...]:
+    """The checkpointed inputs' host buffers when ``offload.activations`` is on (or ``auto`` turns it on)."""
+    if spec.offload.activations is False or not spec.training.gradient_checkpointing:
+        return ()
+    from jobs.fit.estimate import offloaded_activations  # the fit check's decision and sizes, to the byte
+
+    saved = offloaded_activations(spec)
+    log.info("offload.activations=%s: %d checkpointed inputs to the host", spec.offload.activations, len(saved))
+    return saved
 
 
 def _setup_optimizer(
