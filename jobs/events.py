@@ -84,13 +84,13 @@ class LoadStats(BaseModel):
     seconds: float = Field(description="wall time of the load")
     gb_per_s: float
     peak_host_rss_bytes: int = Field(description="the job process's peak resident memory up to here")
-
-
     quantized: str | None = Field(None, description="model.quantize applied as the weights loaded (nf4, int8)")
     stored_bytes: int | None = Field(None, description="quantized: bytes written into the pinned arena")
     quantize_seconds: float | None = Field(
         None, description="quantized: time inside the quantization kernels, summed over the loader's threads"
     )
+
+
 class StartedEvent(JobEvent):
     """The attempt has set up and is about to train."""
 
