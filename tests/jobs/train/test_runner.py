@@ -36,7 +36,9 @@ STEP_KEYS = {
     "pinned_bytes",
     "offload",
     "preference",
+    "ranks",
 }
+
 OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
 
 

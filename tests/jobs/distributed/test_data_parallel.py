@@ -1,0 +1,112 @@
+"""Data parallelism on the CPU with two gloo ranks: the ranks together train what one rank does with their
+union batch (losses and weights within float summation order), rank 0 alone writes checkpoints and events,
+a checkpoint resumes on another number of ranks, a stop request reaches every rank."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.testing import assert_close
+
+from jobs import JobOutcome, PathRoots, run_job
+from jobs.events import event_to_wire
+from tests.jobs.helpers import TINY_LM, TOY, final_weights, merged, spec_from
+
+OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
+# Two ranks against one: the same rows, reduced in another order (two half-batch matmuls and a sum instead of
+# one). float32 rounding stays near 1e-7 of a value; the tolerances leave room for a few steps of it.
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def run(data: dict[str, Any], out: Path, roots: PathRoots | None = None, **kwargs: Any) -> tuple[JobOutcome, list]:
+    events: list[dict[str, Any]] = []
+    outcome = run_job(
+        spec_from(data, roots), output_dir=out, report=lambda e: events.append(event_to_wire(e)), **kwargs
+    )
+    return outcome, events
+
+
+def on_ranks(data: dict[str, Any], world_size: int, batch_size: int) -> dict[str, Any]:
+    """``data`` on ``world_size`` ranks of ``batch_size`` rows each."""
+    return merged(data, distributed={"world_size": world_size}, training={"batch_size": batch_size})
+
+
+def losses(events: list[dict[str, Any]]) -> list[float]:
+    return [e["loss"] for e in events if e["type"] == "step"]
+
+
+def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert_close(a[name], b[name], **TIGHT, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_two_ranks_train_what_one_rank_trains_on_their_union_batch(tmp_path: Path) -> None:
+    """A resident full fine-tune with gradient accumulation (buckets reduced after the last micro-batch),
+    and the events: once, from rank 0, with both ranks' figures."""
+    data = merged(TOY, training={"steps": 4, "gradient_accumulation_steps": 2})
+    outcome, events = run(on_ranks(data, 2, 4), tmp_path / "two")
+    _, union = run(on_ranks(data, 1, 8), tmp_path / "one")
+    assert outcome == JobOutcome("succeeded", 4, str(tmp_path / "two" / "checkpoints" / "step-00000004"))
+    assert_close(losses(events), losses(union), **TIGHT)
+    assert_close_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+    kinds = [e["type"] for e in events]
+    assert kinds.count("started") == kinds.count("finished") == kinds.count("checkpoint") == 1
+    steps = [e for e in events if e["type"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    assert all([r["rank"] for r in e["ranks"]] == [0, 1] for e in steps)
+    assert all(r["step_s"] > 0 and r["host_rss_bytes"] > 0 for e in steps for r in e["ranks"])
+    assert [e["ranks"] for e in union if e["type"] == "step"] == [None] * 4
+    assert [p.name for p in (tmp_path / "two" / "checkpoints").iterdir()] == ["step-00000004"]
+
+
+def test_lora_with_model_offload_on_two_ranks(tmp_path: Path, roots: PathRoots) -> None:
+    """LoRA adapters on the device (target cpu), the frozen base streamed by the engine on each rank."""
+    data = merged(
+        TINY_LM,
+        model={"dropout": 0.0},  # a dropout mask depends on the rows a rank holds
+        lora={"target_modules": ["to_q", "to_v"], "rank": 4},
+        training={"steps": 3},
+        offload={"enable_model_cpu_offload": True},
+    )
+    _, events = run(on_ranks(data, 2, 2), tmp_path / "two", roots)
+    _, union = run(on_ranks(data, 1, 4), tmp_path / "one", roots)
+    assert_close(losses(events), losses(union), **TIGHT)
+    assert_close_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+
+
+def test_optimizer_offload_resumes_across_world_sizes(tmp_path: Path) -> None:
+    """A full fine-tune with model and optimizer offload (gradients reduced before their copy to the host,
+    the CPU optimizer overlapped): a 2-rank checkpoint resumes on one rank and a 1-rank one on two ranks; all
+    end where one rank trained straight through on the union batch."""
+    data = merged(TOY, offload=OFFLOAD_BOTH, training={"steps": 4}, checkpoint={"every_steps": 2, "keep_last": 5})
+    run(on_ranks(data, 1, 8), tmp_path / "one")
+    run(on_ranks(data, 2, 4), tmp_path / "two")
+    straight = final_weights(tmp_path / "one")
+    assert_close_weights(final_weights(tmp_path / "two"), straight)
+    for source, world_size, batch_size in (("two", 1, 8), ("one", 2, 4)):
+        resumed = tmp_path / f"{source}-resumed-on-{world_size}"
+        shutil.copytree(tmp_path / source / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+        outcome, events = run(on_ranks(data, world_size, batch_size), resumed)
+        assert outcome.status == "succeeded" and events[0]["resumed_from_step"] == 2
+        assert [e["step"] for e in events if e["type"] == "step"] == [3, 4]
+        assert_close_weights(final_weights(resumed), straight)
+
+
+def test_a_cancel_reaches_every_rank(tmp_path: Path) -> None:
+    """Rank 0 reads the request and broadcasts it: both ranks stop before the same step and the job returns."""
+    events: list[dict[str, Any]] = []
+
+    def should_stop() -> str | None:
+        return "cancel" if any(e["type"] == "step" for e in events) else None
+
+    spec = spec_from(on_ranks(merged(TOY, training={"steps": 100_000}), 2, 4))
+    outcome = run_job(
+        spec, output_dir=tmp_path, report=lambda e: events.append(event_to_wire(e)), should_stop=should_stop
+    )
+    assert outcome.status == "cancelled" and 1 <= outcome.step < 100_000
+    assert events[-1] == {"type": "finished", "status": "cancelled", "step": outcome.step}
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
