@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jobs.errors import JobSpecError, OutOfMemoryHint
+from jobs.errors import JobSpecError, OutOfMemoryHint, SpecProblem
 from jobs.events import (
     CacheProgressEvent,
     CheckpointEvent,
@@ -23,10 +23,11 @@ from jobs.events import (
     StartedEvent,
     StepEvent,
 )
+from jobs.fit.checks import device_problem, host_memory_problem
 from jobs.fit.estimate import estimate_memory
-from jobs.paths import PathRoots
+from jobs.paths import PathRoots, default_data_roots, default_model_roots
 from jobs.spec.job import JobSpec
-from jobs.spec.loading import job_spec_schema, load_job_spec
+from jobs.spec.loading import job_spec_schema, line_of, load_job_spec
 from jobs.spec.preflight import preflight_problems
 from jobs.train.runner import run_job
 
@@ -44,15 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "merge":
         return _merge(args)
     try:
-        spec = _load(args)
+        spec, text = _load(args)
     except (JobSpecError, OSError) as error:
         print(error, file=sys.stderr)
         return 2
-    if args.command == "validate":
-        problems = preflight_problems(spec)  # the data's first rows and the model's module names
+    if args.command in ("validate", "run"):
+        # The data's first rows and the model's module names (validate), and as the service checks at
+        # submit: a GPU for device: cuda, the host memory the estimate needs.
+        problems = preflight_problems(spec) if args.command == "validate" else []
+        if not args.no_fit_check:
+            problems += machine_problems(spec, text)
         if problems:
             print(JobSpecError(problems), file=sys.stderr)
             return 2
+    if args.command == "validate":
         print(f"ok: {spec.name} ({_length(spec)}, model {spec.model.kind}, device {spec.device})")
         return 0
     if args.command == "estimate":
@@ -94,15 +100,23 @@ def _parser() -> argparse.ArgumentParser:
             action="append",
             type=Path,
             default=None,
-            help="directory model paths must stay in (repeatable; default: current directory)",
+            help="directory model paths must stay in (repeatable; default: the current directory and the "
+            "service's default, ferry-data/models)",
         )
         command.add_argument(
             "--data-root",
             action="append",
             type=Path,
             default=None,
-            help="directory data paths must stay in (repeatable; default: current directory)",
+            help="directory data paths must stay in (repeatable; default: the current directory and the "
+            "service's defaults, ferry-data/datasets and the bundled configs/data)",
         )
+        if name != "estimate":
+            command.add_argument(
+                "--no-fit-check",
+                action="store_true",
+                help="skip the GPU and host-memory checks (the service's ?fit_check=false&queue_anyway=true)",
+            )
         if name == "run":
             command.add_argument("--output", type=Path, help="output directory (default: out/<name>)")
             command.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
@@ -126,9 +140,36 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> JobSpec:
-    roots = PathRoots(model_roots=args.model_root or [Path.cwd()], data_roots=args.data_root or [Path.cwd()])
-    return load_job_spec(args.file.read_text(), roots=roots)
+def _load(args: argparse.Namespace) -> tuple[JobSpec, str]:
+    """The spec and its text, its paths confined to the roots given, else to the service's default roots
+    (`jobs.paths`) beside the current directory: a shipped config runs here as it submits there."""
+    roots = PathRoots(
+        model_roots=args.model_root or [Path.cwd(), *default_model_roots()],
+        data_roots=args.data_root or [Path.cwd(), *default_data_roots()],
+    )
+    text = args.file.read_text()
+    return load_job_spec(text, roots=roots), text
+
+
+def machine_problems(spec: JobSpec, text: str) -> list[SpecProblem]:
+    """The service's submit-time checks against this machine: a GPU for ``device: cuda``, enough host memory
+    for the estimate (`jobs.fit.checks`, the messages the service gives)."""
+    import psutil
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    found = [device_problem(spec, has_gpu=has_gpu)]
+    if found[0] is None:
+        estimate = estimate_memory(spec)
+        found.append(
+            host_memory_problem(
+                peak_device_bytes=estimate.peak_device_bytes,
+                pinned_host_bytes=estimate.pinned_host_bytes,
+                host_total_bytes=psutil.virtual_memory().total,
+                on_host=spec.device == "cpu" or not has_gpu,
+            )
+        )
+    return [SpecProblem(path, message, line_of(text, path)) for path, message in filter(None, found)]
 
 
 def _length(spec: JobSpec) -> str:

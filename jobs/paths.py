@@ -42,6 +42,20 @@ def bundled_data_roots() -> list[Path]:
     return [BUNDLED_DATA] if BUNDLED_DATA.is_dir() else []
 
 
+DEFAULT_STORAGE_DIR = Path("ferry-data")  # the service's data directory unless FERRY_DATA_DIR says otherwise
+
+
+def default_model_roots(storage_dir: Path = DEFAULT_STORAGE_DIR) -> list[Path]:
+    """The service's model roots when none is configured: ``<storage_dir>/models``."""
+    return [Path(storage_dir) / "models"]
+
+
+def default_data_roots(storage_dir: Path = DEFAULT_STORAGE_DIR) -> list[Path]:
+    """The service's data roots when none is configured: ``<storage_dir>/datasets`` and the bundled example
+    data (`bundled_data_roots`), so the example configs run as shipped."""
+    return [Path(storage_dir) / "datasets", *bundled_data_roots()]
+
+
 def confine(raw: str | Path, roots: list[Path], kind: str) -> Path:
     """Resolve ``raw`` and check that it exists inside one of ``roots``.
 

@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from jobs.paths import DEFAULT_STORAGE_DIR, default_data_roots, default_model_roots  # stdlib only: no torch
+
 MIN_TOKEN_LENGTH = 16  # for a token that serves other machines (service/api/access.py enforces it per request)
-# jobs.paths.BUNDLED_DATA, computed here so that reading the settings does not import jobs (and torch).
-_BUNDLED_DATA = Path(__file__).resolve().parents[1] / "configs" / "data"
 
 
 def is_loopback(host: str) -> bool:
@@ -36,7 +36,7 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    data_dir: Path = Path("ferry-data")
+    data_dir: Path = DEFAULT_STORAGE_DIR
     api_token: SecretStr | None = None  # kept out of reprs and logs
 
     # "auto": one worker per visible GPU, or `cpu_workers` CPU workers when there is none.
@@ -143,10 +143,10 @@ class Settings(BaseSettings):
     @property
     def effective_model_roots(self) -> list[Path]:
         """The configured model roots, or ``<storage_dir>/models`` when none is."""
-        return self.model_roots or [self.storage_dir / "models"]
+        return self.model_roots or default_model_roots(self.storage_dir)  # python -m jobs defaults to them too
 
     @property
     def effective_data_roots(self) -> list[Path]:
         """The configured data roots, or ``<storage_dir>/datasets`` and the example data shipped in a source
         checkout (``configs/data``, so the example configs submit as shipped) when none is."""
-        return self.data_roots or [self.storage_dir / "datasets", *([_BUNDLED_DATA] if _BUNDLED_DATA.is_dir() else [])]
+        return self.data_roots or default_data_roots(self.storage_dir)

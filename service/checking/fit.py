@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 
 from jobs import JobSpec, estimate_memory, line_of, parse_bytes
-from jobs.fit.estimate import human_bytes
+from jobs.fit.checks import device_problem, host_memory_problem
 from jobs.spec.text import ParsedSpec
 from service.api.errors import ApiError
 from service.api.schemas import DeviceFit, FitEstimate
@@ -103,21 +103,15 @@ def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str | Parse
     swapped out either. Such a job would die building its model or arena (or take the host down with it).
     """
     on_host = spec.device == "cpu" or all(d.device is None for d in fit.devices)
-    needed = fit.pinned_host_bytes + (fit.peak_device_bytes if on_host else 0)
-    if needed <= fit.host_total_bytes:
+    problem = host_memory_problem(
+        peak_device_bytes=fit.peak_device_bytes,
+        pinned_host_bytes=fit.pinned_host_bytes,
+        host_total_bytes=fit.host_total_bytes,
+        on_host=on_host,
+    )
+    if problem is None:
         return
-    if on_host:
-        message = (
-            f"the job needs an estimated {human_bytes(needed)} of host memory (peak {human_bytes(fit.peak_device_bytes)}"
-            f" + pinned copies {human_bytes(fit.pinned_host_bytes)}) but this machine has "
-            f"{human_bytes(fit.host_total_bytes)}"
-        )
-    else:
-        message = (
-            f"the offload engine's pinned host copies need {fit.pinned_host_bytes / GIB:.1f} GiB but this machine "
-            f"has {fit.host_total_bytes / GIB:.1f} GiB of memory"
-        )
-    path = "model"
+    path, message = problem
     raise ApiError(
         422,
         "does_not_fit",
@@ -140,21 +134,24 @@ def refuse_if_no_worker_has_the_device(spec: JobSpec, slots: list[Slot], text: s
     It would wait in the queue for ever (or run on no GPU); ``?queue_anyway=true`` queues it still, for a
     server about to gain a GPU worker.
     """
-    if spec.device != "cuda" or any(slot.device is not None for slot in slots):
-        return
-    message = (
-        f"device: cuda, but this service has no GPU worker (its workers: {', '.join(s.id for s in slots)}); "
-        "set device: cpu or auto, or run the service on a machine with a GPU"
+    problem = device_problem(
+        spec,
+        has_gpu=any(slot.device is not None for slot in slots),
+        where=f"this service has no GPU worker (its workers: {', '.join(s.id for s in slots)})",
+        elsewhere="run the service on a machine with a GPU",
     )
+    if problem is None:
+        return
+    path, message = problem
     raise ApiError(
         422,
         "device_unavailable",
         f"The job cannot run here: {message}. Submit with ?queue_anyway=true to queue it anyway.",
         problems=[
             {
-                "path": "device",
+                "path": path,
                 "message": message,
-                "line": _line_of(text, "device"),
+                "line": _line_of(text, path),
                 "suggestion": None,
             }
         ],
