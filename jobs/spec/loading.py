@@ -179,8 +179,12 @@ def _valid_keys(loc: Loc) -> list[str]:
 
 
 def _closest(word: str, candidates: list[str]) -> str | None:
-    matches = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return matches[0] if matches else None
+    # Compared case-folded: a value that differs only in case ("adamW") is that value, not a near one ("adam").
+    folded = {candidate.casefold(): candidate for candidate in candidates}
+    if word.casefold() in folded:
+        return folded[word.casefold()]
+    matches = difflib.get_close_matches(word.casefold(), list(folded), n=1, cutoff=0.6)
+    return folded[matches[0]] if matches else None
 
 
 def job_spec_schema() -> dict[str, Any]:
