@@ -42,6 +42,17 @@ export async function api(path, { method = "GET", body, contentType, headers = {
     init.body = typeof body === "string" ? body : JSON.stringify(body);
     init.headers["Content-Type"] = contentType || (typeof body === "string" ? "application/yaml" : "application/json");
   }
+  return send(path, init);
+}
+
+/**
+ * `DELETE path`: answered 204 with no body, so there is nothing to read; errors raise as `api`'s do.
+ */
+export async function apiDelete(path) {
+  await send(path, { method: "DELETE", headers: authHeaders({}) });
+}
+
+async function send(path, init) {
   let response;
   try {
     response = await fetch(path, init);

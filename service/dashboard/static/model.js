@@ -209,3 +209,27 @@ function fitEstimate(e) {
     notes: e.notes,
   };
 }
+
+/**
+ * Whether a job trains on the CPU: its spec says so, or a CPU worker runs it. Its memory is the host's and
+ * no bytes cross to a GPU, so the page speaks of host memory and shows no transfer charts.
+ */
+export function isCpuJob(job) {
+  return job?.spec?.device === "cpu" || (!job?.gpu && String(job?.worker || "").startsWith("cpu"));
+}
+
+/** Whether any step moved bytes between host and GPU (its copy rates or totals above zero). */
+export function bytesMoved(rows) {
+  return (rows || []).some((r) => r.h2d > 0 || r.d2h > 0 || r.h2dBytes > 0);
+}
+
+/**
+ * A sample's text as shown: whitespace only (a model that learned to emit newlines) becomes a short note
+ * instead of a block as tall as its line breaks.
+ * @returns {{text: string, blank: boolean}}
+ */
+export function sampleText(text) {
+  const raw = String(text ?? "");
+  if (raw.trim()) return { text: raw, blank: false };
+  return { text: raw ? `(whitespace only: ${raw.length} characters)` : "(empty)", blank: true };
+}

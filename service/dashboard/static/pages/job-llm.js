@@ -3,7 +3,7 @@
 import { api } from "../api.js";
 import { lineChart } from "../charts.js";
 import { h, isNum, num } from "../format.js";
-import { normalizeSample, samplesOf } from "../model.js";
+import { normalizeSample, sampleText, samplesOf } from "../model.js";
 import { gallery } from "./job-gallery.js";
 
 /** Eval loss by step (`evalPoint`s from `/metrics`' `eval` and live `eval` events); hidden while there is none. */
@@ -51,7 +51,7 @@ export function samplesCard(path) {
         images.length ? gallery(images) : null,
         ...byStep.get(step).filter((s) => !s.url).map((s) => h("div", { class: "sample" },
           h("div", { class: "sample-prompt" }, h("strong", {}, s.prompt ?? "")),
-          h("pre", { class: "sample-text" }, s.text ?? ""))));
+          sampleBody(s.text))));
     }));
   }
 
@@ -66,6 +66,12 @@ export function samplesCard(path) {
       this.add(samplesOf(await api(`${path}/samples?limit=1000`)).map((sample) => normalizeSample(sample, path)));
     },
   };
+}
+
+/** A sample's text in a bounded block; whitespace only is said in words, not drawn as empty lines. */
+function sampleBody(text) {
+  const shown = sampleText(text);
+  return h("pre", { class: `sample-text${shown.blank ? " sample-blank muted" : ""}` }, shown.text);
 }
 
 /** The last evaluation in a line (an `evalPoint`). */

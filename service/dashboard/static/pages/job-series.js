@@ -3,7 +3,7 @@
 import { api } from "../api.js";
 import { lineChart } from "../charts.js";
 import { isNum } from "../format.js";
-import { eventsPage, flattenStep, metricsPage } from "../model.js";
+import { bytesMoved, eventsPage, flattenStep, metricsPage } from "../model.js";
 
 /** The stored series, page by page (`?after=` cursor) until the service says there is no more. */
 export async function loadMetrics(path, series, onEval = () => {}, onSteps = () => {}) {
@@ -55,12 +55,15 @@ export function seriesStore() {
   };
 }
 
-export function makeCharts() {
+/** The job page's charts; a CPU job (`cpu`) charts host memory only, and no chart of copies that never happen. */
+export function makeCharts({ cpu = false } = {}) {
   const loss = lineChart({ title: "Loss", xLabel: "step", yLabel: "loss", series: [{ label: "loss" }], testId: "loss",
     logToggle: true });
   const lr = lineChart({ title: "Learning rate", xLabel: "step", yLabel: "learning rate", series: [{ label: "lr", color: "#7048e8" }], testId: "lr" });
-  const memory = lineChart({ title: "Memory over time", xLabel: "time since the first step", xUnit: "duration", yLabel: "memory", unit: "bytes", testId: "memory",
-    series: [{ label: "GPU allocated" }, { label: "GPU reserved", color: "#0c8599" }, { label: "GPU peak", color: "#c2255c" },
+  const memoryKeys = cpu ? ["pinned", "hostRss"] : ["allocated", "reserved", "peak", "pinned", "hostRss"];
+  const memory = lineChart({ title: cpu ? "Host memory over time" : "Memory over time", xLabel: "time since the first step",
+    xUnit: "duration", yLabel: "memory", unit: "bytes", testId: "memory",
+    series: [...(cpu ? [] : [{ label: "GPU allocated" }, { label: "GPU reserved", color: "#0c8599" }, { label: "GPU peak", color: "#c2255c" }]),
       { label: "pinned host", color: "#d9480f" }, { label: "host RSS", color: "#868e96" }] });
   const throughput = lineChart({ title: "Throughput", xLabel: "step", yLabel: "samples", unit: "samples/s", testId: "throughput",
     series: [{ label: "samples/s", color: "#2b8a3e" }] });
@@ -81,9 +84,13 @@ export function makeCharts() {
     const clock = rows.every((r) => isNum(r.time)) ? "time" : "elapsed";
     const timed = rows.filter((r) => isNum(r[clock]));
     const t0 = timed.length ? Math.min(...timed.map((r) => r[clock])) : 0;
-    memory.setData(timed.map((r) => r[clock] - t0), ...["allocated", "reserved", "peak", "pinned", "hostRss"].map(
+    memory.setData(timed.map((r) => r[clock] - t0), ...memoryKeys.map(
       (k) => timed.map((r) => (isNum(r[k]) ? r[k] : null))));
     throughput.setData(steps, col("samplesPerS"));
+    // On the CPU nothing crosses to a GPU: no chart of zeros where no byte moved.
+    const copies = !cpu || bytesMoved(rows);
+    transfer.element.hidden = !copies;
+    wait.element.hidden = !copies;
     transfer.setData(steps, col("h2d"), col("d2h"));
     wait.setData(steps, perStepWaitMs(rows));
   }

@@ -1,9 +1,9 @@
 // Job: status and error first, then progress, live charts, the event log, checkpoints and the spec.
 
-import { AuthError, ApiError, api, streamEvents } from "../api.js";
+import { AuthError, ApiError, api, apiDelete, streamEvents } from "../api.js";
 import { DASH, bytes, dateTime, duration, h, isNum, num, percent, rate, secondsSince } from "../format.js";
 import { describeError, poll } from "../live.js";
-import { TERMINAL, evalPoint, normalizeJob, normalizeSample, offloadFigures, unwrapEvent } from "../model.js";
+import { TERMINAL, evalPoint, isCpuJob, normalizeJob, normalizeSample, offloadFigures, unwrapEvent } from "../model.js";
 import { errorState, failureBanner, progressBar, stat, statusBadge } from "../widgets.js";
 import { eventLog } from "./event-log.js";
 import { loadHistory, loadMetrics, makeCharts, seriesStore } from "./job-series.js";
@@ -31,7 +31,7 @@ export async function render(root, { params: [jobId], ctx }) {
   const banner = h("div", { class: "banner-slot" });
   const stats = h("div", { class: "stats" });
   const series = seriesStore();
-  const charts = makeCharts();
+  const charts = makeCharts({ cpu: isCpuJob(job) });
   const log = eventLog();
   const checkpoints = checkpointsCard(jobId, ctx);
   const evals = evalChart();
@@ -57,6 +57,7 @@ export async function render(root, { params: [jobId], ctx }) {
   }
 
   async function act(action) {
+    if (action === "delete") return remove();
     try {
       job = normalizeJob(await api(`${path}/${action}`, { method: "POST" }));
       ctx.toast(`${action === "cancel" ? "Cancel" : action === "pause" ? "Pause" : "Resume"} requested.`, "info");
@@ -64,6 +65,19 @@ export async function render(root, { params: [jobId], ctx }) {
     } catch (err) {
       if (err instanceof AuthError) return ctx.needToken(err.message);
       ctx.toast(err.message, "error");
+    }
+  }
+
+  async function remove() {
+    if (!window.confirm(`Delete job ${job.name || job.id} with its events, checkpoints and logs?`)) { draw(); return; }
+    try {
+      await apiDelete(path);
+      ctx.toast("Job deleted.", "info");
+      window.location.hash = "#/jobs";
+    } catch (err) {
+      if (err instanceof AuthError) return ctx.needToken(err.message);
+      ctx.toast(err.message, "error");
+      draw();
     }
   }
 
@@ -136,7 +150,9 @@ function drawHeader(header, job, act) {
         job.createdAt ? h("span", {}, `submitted ${dateTime(job.createdAt)}`) : null,
         isNum(job.attempt) && job.attempt > 1 ? h("span", {}, `attempt ${job.attempt}`) : null,
         job.stopRequested ? h("span", { class: "stopping" }, `${job.stopRequested} requested…`) : null)),
-    h("div", { class: "actions" }, button("pause", "Pause", ""), button("resume", "Resume", ""), button("cancel", "Cancel", "danger")));
+    h("div", { class: "actions" }, button("pause", "Pause", ""), button("resume", "Resume", ""), button("cancel", "Cancel", "danger"),
+      // A finished job only (the service lists delete among its allowed actions then).
+      allowed("delete") ? button("delete", "Delete", "danger") : null));
 }
 
 function drawError(slot, job) {
@@ -166,8 +182,8 @@ function drawStats(root, job, last) {
     stat("Learning rate", num(from("lr"), 3), { id: "lr" }),
     stat("Throughput", rate(from("samplesPerS"), "samples/s"), { id: "throughput",
       sub: isNum(from("tokensPerS")) ? rate(from("tokensPerS"), "tokens/s") : null }),
-    onCpu(job) && last && !from("peak")
-      ? stat("GPU memory", "CPU job", { id: "gpu-mem", sub: "runs on the CPU: no GPU memory used" })
+    isCpuJob(job)
+      ? stat("Host memory", bytes(from("hostRss")), { id: "gpu-mem", sub: "runs on the CPU: its memory is the host's (RSS)" })
       : stat("GPU memory", bytes(from("allocated")), { id: "gpu-mem",
         sub: `reserved ${bytes(from("reserved"))} · peak ${bytes(from("peak"))}` }),
     stat("Pinned host", bytes(from("pinned")), { id: "pinned", sub: isNum(from("hostRss")) ? `RSS ${bytes(from("hostRss"))}` : null }),
@@ -175,13 +191,12 @@ function drawStats(root, job, last) {
   );
 }
 
-function onCpu(job) {
-  return job.spec?.device === "cpu" || (!job.gpu && String(job.worker || "").startsWith("cpu"));
-}
-
 function offloadStat(last, job) {
   const o = isNum(last?.h2d) ? last : offloadFigures(job.offload);
   if (!isNum(o.h2d)) return stat("Offload", DASH, { id: "offload", sub: "no offload figures (offload off or not started)" });
+  if (isCpuJob(job) && !(o.h2dBytes > 0)) {
+    return stat("Offload", "on the CPU", { id: "offload", sub: "the target device is the host: no copies to move" });
+  }
   return stat("Offload H→D", `${num(o.h2d, 3)} GB/s`, { id: "offload",
     sub: `D→H ${num(o.d2h, 3)} GB/s · ${num(o.copyWait, 3)} s waiting on copies in all`
       + (isNum(o.kept) && o.kept > 0 ? ` · ${bytes(o.kept)} of weights kept on the GPU` : "")

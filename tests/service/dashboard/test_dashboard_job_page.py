@@ -1,0 +1,63 @@
+"""The job page's readers in model.js (run by node, as the browser would): a CPU job is described in CPU
+terms with no transfer charts where no byte moved, a whitespace-only sample is said in words, and a finished
+job offers Delete."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from service.dashboard.mount import STATIC_DIR
+from tests.service.dashboard.test_dashboard_readers import read_with
+
+node = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed (CI installs it)")
+
+
+@node
+def test_a_cpu_job_is_known_by_its_spec_or_its_worker() -> None:
+    jobs = [
+        {"spec": {"device": "cpu"}},
+        {"spec": {"device": "auto"}, "worker": "cpu-0"},
+        {"spec": {"device": "auto"}, "worker": "gpu-0", "gpu": "NVIDIA H200"},
+        {"spec": {"device": "cuda"}},
+    ]
+    assert read_with("a.jobs.map(m.isCpuJob)", jobs=jobs) == [True, True, False, False]
+
+
+@node
+def test_transfer_charts_only_where_bytes_moved() -> None:
+    cpu_rows = [{"step": 1, "h2d": 0, "d2h": 0, "h2dBytes": 0}, {"step": 2, "h2d": None, "d2h": None}]
+    gpu_rows = [*cpu_rows, {"step": 3, "h2d": 12.5, "d2h": 3.1, "h2dBytes": 1 << 30}]
+    assert read_with("[m.bytesMoved(a.cpu), m.bytesMoved(a.gpu), m.bytesMoved([])]", cpu=cpu_rows, gpu=gpu_rows) == [
+        False,
+        True,
+        False,
+    ]
+
+
+@node
+def test_a_whitespace_only_sample_is_said_in_words_not_drawn_as_a_thousand_empty_lines() -> None:
+    texts = ["\n" * 1000, "", None, "  Paris.\n"]
+    assert read_with("a.texts.map(m.sampleText)", texts=texts) == [
+        {"text": "(whitespace only: 1000 characters)", "blank": True},
+        {"text": "(empty)", "blank": True},
+        {"text": "(empty)", "blank": True},
+        {"text": "  Paris.\n", "blank": False},
+    ]
+
+
+def test_sample_blocks_are_bounded_in_height() -> None:
+    css = (STATIC_DIR / "style.css").read_text()
+    rule = re.search(r"\.sample-text \{([^}]*)\}", css)
+    assert rule is not None and "max-height" in rule.group(1) and "overflow: auto" in rule.group(1)
+
+
+def test_the_job_page_speaks_of_host_memory_on_the_cpu_and_offers_delete_when_finished() -> None:
+    page = (STATIC_DIR / "pages" / "job.js").read_text()
+    series = (STATIC_DIR / "pages" / "job-series.js").read_text()
+    assert "makeCharts({ cpu: isCpuJob(job) })" in page and 'stat("Host memory"' in page
+    assert 'allowed("delete") ? button("delete", "Delete", "danger")' in page
+    assert "await apiDelete(path)" in page
+    assert "transfer.element.hidden = !copies" in series
