@@ -118,7 +118,7 @@ class PinnedArenaPool:
         size = plan_chunk_size(_align(nbytes), max(self._remaining, 0))
         while True:
             try:
-                chunk = _Chunk(size, self.pin, materialize=not self.dry_run)
+                chunk = self._new_chunk(size)
                 break
             except RuntimeError as error:  # page-locking can fail when the OS limit is reached
                 if size // 2 >= _align(nbytes):
@@ -130,7 +130,16 @@ class PinnedArenaPool:
         self._remaining -= _align(nbytes)
         return chunk.take(nbytes)
 
+    def _new_chunk(self, nbytes: int) -> _Chunk:
+        """The next chunk's memory (a subclass may place it elsewhere: shared_arena.py)."""
+        return _Chunk(nbytes, self.pin, materialize=not self.dry_run)
+
+    def filled_elsewhere(self, host: torch.Tensor) -> bool:
+        """Whether another process wrote ``host``'s bytes (a shared arena's follower): nothing to copy in."""
+        return False
+
     def _allocate_fallback(self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+
         try:
             tensor = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         except RuntimeError:

@@ -7,7 +7,6 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from offload.trainable import TrainableParamOffloader
 from offload.transfers import CopyEngine, in_backward
 from offload.units import OffloadUnit, UnitPlan
 
+ArenaFactory = Callable[[int, bool], PinnedArenaPool]  # (expected bytes, pin) -> the frozen weights' arena
 Initializer = Callable[[str, torch.Tensor, torch.Tensor], None]  # (name, meta tensor, pinned host copy to fill)
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class OffloadTrainingManager:
         options: OffloadOptions | None = None,
         *,
         initialize: Initializer | None = None,
+        frozen_arena: ArenaFactory | None = None,
     ) -> None:
         self.device = resolve_target_device(target_device)
         self.options = options if options is not None else OffloadOptions()
@@ -116,7 +117,11 @@ class OffloadTrainingManager:
         if self.options.gpu_memory_budget == auto_budget.AUTO_BUDGET:
             auto_budget.start_measuring(self.device)
         pin = self.options.pin_memory and can_pin_memory()
-        self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes), pin=pin)
+        frozen = _frozen_host_bytes(model) if frozen_arena is not None else 0
+        self.arena = PinnedArenaPool(sum(aligned(n) for n in self.plan.host_sizes) - frozen, pin=pin)
+        # The frozen weights' host copies: in the arena, or in one the processes of a machine share
+        # (shared_arena.py: data-parallel ranks stream from one host copy).
+        self.frozen_arena = frozen_arena(frozen, pin) if frozen_arena is not None else self.arena
         self.ring = DeviceRing(self.plan.ring_classes, self.device, reuse=self.options.reuse_ring_slots)
         # What gradient checkpointing keeps, in pinned host memory till the recompute (activations.py); the
         # model's checkpoint function must be wrapped (``activations.wrap``) by whoever knows where it is.
@@ -166,7 +171,7 @@ class OffloadTrainingManager:
         hosts: dict[int, torch.Tensor] = {}
         if layout.span:
             span = [by_id[i][1] for i in layout.span]
-            group = FlatGroup(span, self.arena, self._copies)
+            group = FlatGroup(span, self.frozen_arena, self._copies)
             group.placement = placement
             hosts = {id(t): group.host_view(i, t) for i, t in enumerate(span)}
         ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
@@ -196,15 +201,20 @@ class OffloadTrainingManager:
         if is_quantized(tensor) and not tensor.requires_grad:
             arrival = self.options.dequantize_on_arrival and dequantizes_on_arrival(tensor)
             kind = DequantizedParamOffloader if arrival else QuantizedParamOffloader
-            payload = self.arena.allocate((stored_bytes(tensor),), torch.uint8)
-            if tensor.is_meta:  # a quantized placeholder (quant/on_load.py): its payload is filled here, quantized
+            payload = self.frozen_arena.allocate((stored_bytes(tensor),), torch.uint8)
+            # A quantized placeholder (quant/on_load.py): its payload is filled here, quantized (unless another
+            # process of this machine filled the shared arena's bytes).
+            if tensor.is_meta and not self.frozen_arena.filled_elsewhere(payload):
                 self._fill_placeholder(name, tensor, payload)
             quantized = kind(name, tensor, self._copies, payload)
             quantized.on_backward_use = self._schedule.weight_unpacked
             self._offloaders[id(tensor)] = quantized
             return quantized
         if host is None and self._wants_host_copy(tensor):
-            host = self._host_like(tensor)
+            frozen = isinstance(tensor, nn.Parameter) and not tensor.requires_grad
+            host = self._host_like(tensor, self.frozen_arena if frozen else self.arena)
+        if host is not None and self.frozen_arena.filled_elsewhere(host):
+            self._adopt_filled(tensor, host)  # another process of this machine wrote these bytes
         if tensor.is_meta:
             self._materialize(name, tensor, host)
         offloader: TensorOffloader
@@ -223,9 +233,17 @@ class OffloadTrainingManager:
         self._offloaders[id(tensor)] = offloader
         return offloader
 
-    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _host_like(self, tensor: torch.Tensor, arena: PinnedArenaPool | None = None) -> torch.Tensor:
         """Arena memory for ``tensor`` with its layout (a transposed weight stays transposed)."""
-        return shaped_like(self.arena.allocate((tensor.numel(),), tensor.dtype), tensor)
+        return shaped_like((arena or self.arena).allocate((tensor.numel(),), tensor.dtype), tensor)
+
+    def _adopt_filled(self, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """``tensor`` becomes ``host``, whose bytes another process filled: nothing is read or copied."""
+        if tensor.is_meta:  # the same tensor object, now over the host copy (see _materialize)
+            alias = nn.Parameter(host, requires_grad=False) if isinstance(tensor, nn.Parameter) else host[...]
+            torch.utils.swap_tensors(tensor, alias)
+        else:
+            tensor.data = host
 
     def _materialize(self, name: str, tensor: torch.Tensor, host: torch.Tensor | None) -> None:
         """A tensor built on the meta device: ``initialize`` fills its pinned host copy, then the tensor object
@@ -426,14 +444,13 @@ class OffloadTrainingManager:
 
     def stats(self) -> OffloadStats:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""
+        arenas = list({id(a): a for a in (self.arena, self.frozen_arena)}.values())  # a shared one counts too
+        reserved, requested = sum(a.reserved_bytes for a in arenas), sum(a.requested_bytes for a in arenas)
         if self.activations is None:
-            return self._stats.snapshot(self.arena.reserved_bytes, self.arena.requested_bytes)
+            return self._stats.snapshot(reserved, requested)
         saved = self.activations
         return dataclasses.replace(
-            self._stats.snapshot(
-                self.arena.reserved_bytes + saved.arena.reserved_bytes,
-                self.arena.requested_bytes + saved.arena.requested_bytes,
-            ),
+            self._stats.snapshot(reserved + saved.arena.reserved_bytes, requested + saved.arena.requested_bytes),
             activation_offloaded_bytes=saved.offloaded_bytes,
             activation_host_bytes=saved.peak_held_bytes,
         )
@@ -487,3 +504,10 @@ def _memory_fraction(device: torch.device) -> float | None:
         return None
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     return getter(device) if getter is not None else 1.0
+
+
+def _frozen_host_bytes(model: nn.Module) -> int:
+    """The host bytes of ``model``'s frozen parameters (quantized ones as stored), aligned as the arena carves
+    them: what a separate arena for them should expect."""
+    unique = {id(p): p for p in model.parameters() if not p.requires_grad}.values()
+    return sum(aligned(stored_bytes(p) if is_quantized(p) else p.numel() * p.element_size()) for p in unique)

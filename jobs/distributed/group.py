@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from jobs.events import StepEvent
     from jobs.spec.job import JobSpec
     from offload import OffloadTrainingManager
+    from offload.manager import ArenaFactory
+    from offload.shared_arena import SharedArenaPool
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,9 @@ class RankGroup:
     local_rank: int
     world_size: int
     device: torch.device
+    run_id: str = "local"  # the launcher's run id: names the shared arena's files
     reducer: GradientReducer | None = field(default=None, repr=False)
+    shared_arena: SharedArenaPool | None = field(default=None, repr=False)
 
     @property
     def leads(self) -> bool:
@@ -76,6 +80,31 @@ class RankGroup:
         self.reducer = GradientReducer(
             model, manager, world_size=self.world_size, accumulation_steps=accumulation_steps
         )
+
+    def frozen_arena_before_attach(self) -> ArenaFactory:
+        """Call right before attaching the offload engine, and `after_attach` right after: the factory of the
+        arena the frozen weights' host copies go in, shared by this machine's ranks (offload/shared_arena.py).
+        Local rank 0 makes and fills its chunks; the other ranks wait here until it has, then map them."""
+        from offload.shared_arena import SharedArenaPool
+
+        def make(expected_bytes: int, pin: bool) -> SharedArenaPool:
+            self.shared_arena = SharedArenaPool(
+                expected_bytes, name=f"ferry-{self.run_id}-frozen", leader=self.local_rank == 0, pin=pin
+            )
+            return self.shared_arena
+
+        if self.local_rank != 0:
+            dist.barrier()  # paired with the leader's in after_attach: its chunks are filled
+        return make
+
+    def after_attach(self) -> None:
+        """See `frozen_arena_before_attach`. Once every rank has mapped the chunks their files are removed:
+        the memory lives while a rank maps it, and nothing stays in /dev/shm after the job, however it ends."""
+        if self.local_rank == 0:
+            dist.barrier()  # the chunks are filled: the other ranks may map them
+        dist.barrier()  # every rank has mapped them
+        if self.shared_arena is not None:
+            self.shared_arena.unlink()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` (a step's loss) over the ranks; every rank calls it at the same point."""
@@ -141,7 +170,8 @@ def join_group(device_choice: str) -> RankGroup:
     dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     for name in LAUNCHER_VARIABLES:
         os.environ.pop(name, None)
-    _current = RankGroup(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", f"pid{os.getppid()}")
+    _current = RankGroup(rank=rank, local_rank=local_rank, world_size=world_size, device=device, run_id=run_id)
     log.info("rank %d of %d (local %d) on %s over %s", rank, world_size, local_rank, device, backend)
     return _current
 
@@ -151,6 +181,8 @@ def leave_group() -> None:
     global _current
     if _current is not None and _current.reducer is not None:
         _current.reducer.remove()
+    if _current is not None and _current.shared_arena is not None:
+        _current.shared_arena.unlink()  # left only if the job failed between making and mapping the chunks
     _current = None
     if dist.is_initialized():
         dist.destroy_process_group()

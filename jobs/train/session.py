@@ -211,6 +211,8 @@ def _setup_offload(
     if not spec.offload.enable_model_cpu_offload:
         return None
     saved = _offloaded_activations(spec)
+    group = current_group()  # data parallelism: the ranks of a machine share one host copy of the frozen weights
+    frozen_arena = group.frozen_arena_before_attach() if group else None  # other ranks wait for the first here
     manager = OffloadTrainingManager(
         model,
         device,
@@ -222,8 +224,12 @@ def _setup_offload(
             activation_host_bytes=saved,
         ),
         initialize=source.fill if source is not None else None,
+        frozen_arena=frozen_arena,
     )
+    if group is not None:
+        group.after_attach()
     if manager.activations is not None:
+
         from jobs.train.activation_checkpointing import offload_checkpointed_inputs
 
         offload_checkpointed_inputs(model, manager.activations)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.testing import assert_close
@@ -18,7 +18,7 @@ from tests.jobs.helpers import TINY_LM, TOY, final_weights, merged, spec_from
 OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
 # Two ranks against one: the same rows, reduced in another order (two half-batch matmuls and a sum instead of
 # one). float32 rounding stays near 1e-7 of a value; the tolerances leave room for a few steps of it.
-TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def run(data: dict[str, Any], out: Path, roots: PathRoots | None = None, **kwargs: Any) -> tuple[JobOutcome, list]:
@@ -41,7 +41,7 @@ def losses(events: list[dict[str, Any]]) -> list[float]:
 def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        assert_close(a[name], b[name], **TIGHT, msg=lambda m, name=name: f"{name}: {m}")
+        assert_close(a[name], b[name], rtol=RTOL, atol=ATOL, msg=f"{name} differs")
 
 
 def test_two_ranks_train_what_one_rank_trains_on_their_union_batch(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_two_ranks_train_what_one_rank_trains_on_their_union_batch(tmp_path: Pat
     outcome, events = run(on_ranks(data, 2, 4), tmp_path / "two")
     _, union = run(on_ranks(data, 1, 8), tmp_path / "one")
     assert outcome == JobOutcome("succeeded", 4, str(tmp_path / "two" / "checkpoints" / "step-00000004"))
-    assert_close(losses(events), losses(union), **TIGHT)
+    assert_close(losses(events), losses(union), rtol=RTOL, atol=ATOL)
     assert_close_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
     kinds = [e["type"] for e in events]
     assert kinds.count("started") == kinds.count("finished") == kinds.count("checkpoint") == 1
@@ -74,7 +74,7 @@ def test_lora_with_model_offload_on_two_ranks(tmp_path: Path, roots: PathRoots) 
     )
     _, events = run(on_ranks(data, 2, 2), tmp_path / "two", roots)
     _, union = run(on_ranks(data, 1, 4), tmp_path / "one", roots)
-    assert_close(losses(events), losses(union), **TIGHT)
+    assert_close(losses(events), losses(union), rtol=RTOL, atol=ATOL)
     assert_close_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
 
 
@@ -100,7 +100,7 @@ def test_a_cancel_reaches_every_rank(tmp_path: Path) -> None:
     """Rank 0 reads the request and broadcasts it: both ranks stop before the same step and the job returns."""
     events: list[dict[str, Any]] = []
 
-    def should_stop() -> str | None:
+    def should_stop() -> Literal["cancel"] | None:
         return "cancel" if any(e["type"] == "step" for e in events) else None
 
     spec = spec_from(on_ranks(merged(TOY, training={"steps": 100_000}), 2, 4))
