@@ -5,6 +5,10 @@
     python bench/big_models.py disk14b --out big    # 14B sharded safetensors written to local disk, then
                                                     # loaded by a LoRA job under 16GiB; disk read rate too
     python bench/big_models.py full3b --out big     # 3B full fine-tune, model + optimizer offload, 16GiB
+    python bench/big_models.py qlora70b --out big   # 70B QLoRA (Llama-3.1-70B shape, NF4 quantized as it loads)
+                                                    # over HTTP under 24GiB, beside the same job all resident
+    python bench/big_models.py long32k --out big    # 32B bf16 LoRA at 32768 tokens under 24GiB with activation
+                                                    # offload, beside the resident 32k step and the 4096 one
     python bench/big_models.py headline --cpu --scale 0.02 --out big   # the same path, tiny, anywhere
 
 Each figure sits beside its floor measured in the same run: the pinned host->device copy rate (GB/s) gives
@@ -14,6 +18,7 @@ the copy floor 2 x weight bytes / H2D; the disk's own read rate (``dd iflag=dire
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import itertools
 import json
@@ -40,6 +45,9 @@ QWEN_14B = {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers"
             "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False}  # fmt: skip
 QWEN_3B = {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
            "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}  # fmt: skip
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+             "tie_word_embeddings": False}  # fmt: skip
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -52,19 +60,25 @@ def scaled(shape: dict[str, Any], scale: float) -> dict[str, Any]:
             "num_attention_heads": heads, "num_key_value_heads": 2, "vocab_size": 1024}  # fmt: skip
 
 
-def write_config(directory: Path, shape: dict[str, Any]) -> None:
-    from transformers import Qwen2Config
+def config_of(shape: dict[str, Any], **extra: Any) -> Any:
+    """The transformers config of ``shape`` (Qwen2 unless it names another ``model_type``)."""
+    from transformers import AutoConfig
 
+    fields = {k: v for k, v in shape.items() if k != "model_type"}
+    return AutoConfig.for_model(shape.get("model_type", "qwen2"), **fields, **extra)
+
+
+def write_config(directory: Path, shape: dict[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    Qwen2Config(**shape, max_position_embeddings=32768, torch_dtype="bfloat16").save_pretrained(directory)
+    config_of(shape, max_position_embeddings=32768, torch_dtype="bfloat16").save_pretrained(directory)
 
 
 def weight_bytes(shape: dict[str, Any]) -> int:
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config_of(shape), dtype=torch.bfloat16)
     return sum(p.numel() * 2 for p in model.parameters())
 
 
@@ -216,7 +230,7 @@ def disk_read_gbps(path: Path) -> dict[str, Any]:
             "dd": done.stderr.strip().splitlines()[-1:] if done.stderr else []}  # fmt: skip
 
 
-def run_in_process(spec: dict[str, Any], root: Path) -> dict[str, Any]:
+def run_in_process(spec: dict[str, Any], root: Path, output: str = "out") -> dict[str, Any]:
     """A job through jobs.run_job in this process; step times from the events' arrival."""
     import yaml
 
@@ -231,7 +245,7 @@ def run_in_process(spec: dict[str, Any], root: Path) -> dict[str, Any]:
         arrivals.append(time.perf_counter())
 
     started = time.perf_counter()
-    outcome = run_job(load_job_spec(yaml.safe_dump(spec), roots=roots), output_dir=root / "out", report=report)
+    outcome = run_job(load_job_spec(yaml.safe_dump(spec), roots=roots), output_dir=root / output, report=report)
     steps = [(e, t) for e, t in zip(events, arrivals, strict=True) if isinstance(e, StepEvent)]
     times = [b[1] - a[1] for a, b in itertools.pairwise(steps)][1:]  # the first step records the order
     start = next(e for e in events if isinstance(e, StartedEvent))
@@ -355,6 +369,147 @@ def full_markdown(r: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------- table 5
+def qlora70b(args: argparse.Namespace) -> dict[str, Any]:
+    """A 70B QLoRA job over HTTP under 24GiB: NF4 quantized as it loads (random init drawn and quantized on the
+    GPU, one weight at a time), beside the same job with every unit kept on the device (no limit)."""
+    import httpx
+    import yaml
+    from gpu_e2e import run_job as follow_job
+    from gpu_e2e import start_server
+
+    root = args.out / "qlora70b"
+    shape = scaled(LLAMA_70B, args.scale)
+    write_config(root / "models" / "llama-3.1-70b-shape", shape)
+    corpus(root / "datasets" / "corpus")
+    tokens = 4096 if args.scale >= 1 else 64
+    limited = lora_spec("llama70b-shape-qlora", "llama-3.1-70b-shape", args.limit or "24GiB", args.steps, tokens,
+                        "random", "cpu" if args.cpu else "cuda")  # fmt: skip
+    limited["model"]["quantize"] = "nf4"
+    limited["checkpoint"] = {"save_final": False}
+    # Resident: every unit kept on the device by the budget, NF4 kept quantized (torchao dequantizes in each
+    # layer, as an NF4 model on the GPU does), no limit. Not `offload: off`: its in-memory build would hold the
+    # whole bf16 model (141 GB) in host memory before quantizing.
+    resident = copy.deepcopy(limited)
+    resident["name"] = "llama70b-shape-qlora-resident"
+    resident["offload"] = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": "1TiB",
+                           "dequantize_on_arrival": False}  # fmt: skip
+    server, url = start_server(root, "bench-token", {})
+    runs = {}
+    try:
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer bench-token"}, timeout=60) as client:
+            for key, spec in (("limited", limited), ("resident", resident)):
+                text = yaml.safe_dump(spec, sort_keys=False)
+                validation = client.post(
+                    "/v1/jobs/validate", content=text, headers={"Content-Type": "application/yaml"}
+                )
+                job = follow_job(client, spec["name"], text, timeout=args.timeout)
+                events = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+                runs[key] = {"job": job, "spec": text, **_from_events(events),
+                             "estimate": validation.json().get("estimate") if validation.status_code == 200 else None}  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {"runs": runs, "weight_bytes": weight_bytes(shape), "h2d_gbps": pinned_h2d_gbps()}
+
+
+def _from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The load (rates, quantized bytes, peak host RSS) and the last step's allocator peaks, from a job's events."""
+    started: dict[str, Any] = next((e["data"] for e in events if e["type"] == "started"), {})
+    last: dict[str, Any] = next((e["data"] for e in reversed(events) if e["type"] == "step"), {})
+    return {"load": started.get("load") or {}, "device_peak_gib": (last.get("device_peak_bytes") or 0) / GIB,
+            "device_reserved_gib": (last.get("device_peak_reserved_bytes") or 0) / GIB}  # fmt: skip
+
+
+def qlora_markdown(r: dict[str, Any]) -> str:
+    limited, resident = r["runs"]["limited"], r["runs"]["resident"]
+    load = limited["load"]
+    dense, stored, quantize_s = load.get("bytes") or 0, load.get("stored_bytes") or 0, load.get("quantize_seconds")
+    rss = (load.get("peak_host_rss_bytes") or 0) / GIB
+    rows = [
+        "| figure | 24 GiB limit, streamed | resident (all units kept, no limit) |",
+        "|---|---|---|",
+        f"| status, median step (s) | {limited['job']['status']}, {_f(limited['job'].get('median_step_s'), '.3f')} "
+        f"| {resident['job']['status']}, {_f(resident['job'].get('median_step_s'), '.3f')} |",
+        f"| load: drawn (GB/s) | {dense / 1e9:.1f} GB in {_f(load.get('seconds'), '.1f')} s = "
+        f"{_f(load.get('gb_per_s'), '.2f')} | {_f(resident['load'].get('gb_per_s'), '.2f')} |",
+        f"| quantize (GB/s of bf16) | {_f(dense / quantize_s / 1e9 if quantize_s else None, '.2f')} "
+        f"({_f(quantize_s, '.1f')} s) | {_f(_rate(resident['load']), '.2f')} |",
+        f"| pinned host (GiB) | {limited['job']['pinned_gib']:.2f} (NF4 payload {stored / GIB:.2f}; bf16 would be "
+        f"{r['weight_bytes'] / GIB:.2f}) | {resident['job']['pinned_gib']:.2f} |",
+        f"| peak host RSS at start (GiB) | {rss:.2f} | "
+        f"{(resident['load'].get('peak_host_rss_bytes') or 0) / GIB:.2f} |",
+        f"| peak GPU allocated / reserved (GiB) | {limited['device_peak_gib']:.2f} / "
+        f"{limited['device_reserved_gib']:.2f} (limit 24) | {resident['device_peak_gib']:.2f} / "
+        f"{resident['device_reserved_gib']:.2f} |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _rate(load: dict[str, Any]) -> float | None:
+    seconds = load.get("quantize_seconds")
+    return (load.get("bytes") or 0) / seconds / 1e9 if seconds else None
+
+
+# ---------------------------------------------------------------------------------------------- table 6
+def long32k(args: argparse.Namespace) -> dict[str, Any]:
+    """The 32B shape's bf16 LoRA at 32768 tokens under 24GiB with activation offload, beside the resident step
+    at the same length (no offload, no limit) and the 24GiB step at 4096 tokens; in this process."""
+    root = args.out / "long32k"
+    shape = scaled(QWEN_32B, args.scale)
+    write_config(root / "models" / "qwen2.5-32b-shape", shape)
+    corpus(root / "datasets" / "corpus")
+    long, short = (32768, 4096) if args.scale >= 1 else (256, 64)
+    device, limit = "cpu" if args.cpu else "cuda", args.limit or "24GiB"
+
+    def spec(name: str, tokens: int, offload: dict[str, Any]) -> dict[str, Any]:
+        job = lora_spec(name, "qwen2.5-32b-shape", limit, args.steps, tokens, "random", device)
+        return {**job, "offload": offload, "checkpoint": {"save_final": False}}
+
+    streamed = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": limit}
+    jobs = {
+        "offloaded_long": spec("qwen32b-shape-lora-32k-offload", long, {**streamed, "activations": True}),
+        "streamed_short": spec("qwen32b-shape-lora-4k", short, streamed),
+        "resident_long": spec("qwen32b-shape-lora-32k-resident", long, {}),
+    }
+    runs = {key: run_in_process(job, root, output=f"out-{key}") for key, job in jobs.items()}
+    return {"runs": runs, "tokens": {"long": long, "short": short}, "weight_bytes": weight_bytes(shape)}
+
+
+def long_markdown(r: dict[str, Any]) -> str:
+    tokens = r["tokens"]
+    columns = [("offloaded_long", f"{tokens['long']} tokens, 24 GiB, activations offloaded"),
+               ("resident_long", f"{tokens['long']} tokens, resident, no limit"),
+               ("streamed_short", f"{tokens['short']} tokens, 24 GiB")]  # fmt: skip
+    runs = [r["runs"][key] for key, _ in columns]
+
+    def row(label: str, cell: Any) -> str:
+        return f"| {label} | " + " | ".join(cell(job) for job in runs) + " |"
+
+    def per_token(job: dict[str, Any], n: int) -> str:
+        step = job.get("median_step_s")
+        return _f(n / step if step else None, ".0f")
+
+    counts = [tokens["long"], tokens["long"], tokens["short"]]
+    rows = [
+        "| figure | " + " | ".join(label for _, label in columns) + " |",
+        "|---|---|---|---|",
+        row("status, median step (s)", lambda j: f"{j['status']}, {_f(j.get('median_step_s'), '.3f')}"),
+        "| tokens/s | " + " | ".join(per_token(j, n) for j, n in zip(runs, counts, strict=True)) + " |",
+        row(
+            "peak GPU allocated / reserved (GiB)",
+            lambda j: f"{j['device_peak_gib']:.2f} / {j['device_reserved_gib']:.2f}",
+        ),
+        row("pinned host (GiB)", lambda j: f"{j['pinned_gib']:.2f}"),
+        row(
+            "checkpointed inputs on the host (GiB)",
+            lambda j: f"{((j.get('offload') or {}).get('activation_host_bytes') or 0) / GIB:.2f}",
+        ),
+        row("H2D per step (GB)", lambda j: f"{((j.get('offload') or {}).get('last_step_h2d_bytes') or 0) / 1e9:.1f}"),
+    ]
+    return "\n".join(rows) + "\n"
+
+
 def _f(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -363,6 +518,8 @@ RUNS = {
     "headline": (headline, headline_markdown),
     "disk14b": (disk14b, disk_markdown),
     "full3b": (full3b, full_markdown),
+    "qlora70b": (qlora70b, qlora_markdown),
+    "long32k": (long32k, long_markdown),
 }
 
 
@@ -371,7 +528,10 @@ def main() -> None:
     parser.add_argument("run", choices=RUNS)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--limit", help="gpu_memory_limit (default: 24GiB for headline, 16GiB for disk14b and full3b)")
+    parser.add_argument(
+        "--limit",
+        help="gpu_memory_limit (default: 24GiB for headline, qlora70b and long32k, 16GiB for disk14b and full3b)",
+    )
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
