@@ -52,10 +52,3 @@ class OutOfMemoryHint(RuntimeError):
 class RankLost(RuntimeError):
     """A rank of a data-parallel job ended without finishing (killed, crashed, or another rank failed): the
     attempt is interrupted and the job resumes from its last checkpoint."""
-
-
-
-class RankLost(RuntimeError):
-    """A rank of a data-parallel job ended without finishing (killed, crashed, or another rank failed): the
-    attempt is interrupted and the job resumes from its last checkpoint."""
-

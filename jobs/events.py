@@ -168,7 +168,6 @@ class StepEvent(JobEvent, StepMetrics, MemorySnapshot):
 
 
 class EvalEvent(JobEvent):
-
     """An evaluation pass finished."""
 
     type: Literal["eval"] = "eval"

@@ -229,7 +229,6 @@ def _setup_offload(
     if group is not None:
         group.after_attach()
     if manager.activations is not None:
-
         from jobs.train.activation_checkpointing import offload_checkpointed_inputs
 
         offload_checkpointed_inputs(model, manager.activations)
