@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from service.queue.store import JobNotFound, JobStore
 from service.settings import Settings
 from service.workers.devices import Slot, threads_for
 from service.workers.executor import Executor, LaunchRequest, RunHandle
+from service.workers.placement import Placement, gpus_needed
 
 log = logging.getLogger("ferry.scheduler")
 _HONOURED = {"cancel": (JobStatus.CANCELLED, "cancelled"), "pause": (JobStatus.PAUSED, "paused")}
@@ -48,7 +50,8 @@ class Scheduler:
 
     def __init__(self, store: JobStore, executor: Executor, slots: list[Slot], settings: Settings) -> None:
         self.store, self.executor, self.slots, self.settings = store, executor, slots, settings
-        self.running: dict[str, Running] = {}  # by slot id
+        self.running: dict[str, Running] = {}  # by slot id (a job of several GPUs under each of its slots)
+        self.placement = Placement()  # which queued job starts on which free slots (placement.py)
         # Ended processes whose outcome could not be written yet (a full disk): retried every tick, so no job
         # stays `running` without a process.
         self.unsettled: list[tuple[Running, int]] = []
@@ -101,16 +104,38 @@ class Scheduler:
         for run in self.running.values():  # still running
             self._forward_stop(run)
             self._compact(run)
-        for slot in self.slots:
-            if slot.id not in self.running and not self._stopping.is_set() and not self._start_next(slot):
-                break
+        free = [slot for slot in self.slots if slot.id not in self.running]
+        if free and not self._stopping.is_set():
+            queued = [job for job in self.store.jobs_with_status(JobStatus.QUEUED) if self._can_ever_run(job)]
+            for job, slots in self.placement.choose(queued, free, self.slots):
+                self._start(job, slots)
         if not self._stopping.is_set():
             self.executor.keep_warm()
 
-    def _start_next(self, slot: Slot) -> bool:
-        job = self.store.claim_next(worker=slot.id, device=slot.device)
-        if job is None:
-            return False
+    def _can_ever_run(self, job: JobRecord) -> bool:
+        """False (and the job failed) when it needs more GPUs than this host's slots: it would wait for ever."""
+        need, gpus = gpus_needed(job, self.slots), sum(slot.device is not None for slot in self.slots)
+        if need <= max(gpus, 1):
+            return True
+        message = f"distributed.world_size={need} needs {need} GPUs of one host; this service has {gpus}"
+        with contextlib.suppress(IllegalTransition, JobNotFound):  # cancelled meanwhile
+            # Failed as a launch that could not start: claimed (queued -> running), then failed.
+            self.store.transition(job.id, JobStatus.RUNNING, reason="claimed to check its GPUs")
+            self.store.transition(
+                job.id, JobStatus.FAILED, reason="needs more GPUs than this host has",
+                error_code=ErrorCode.LAUNCH_FAILED, error_message=message,
+            )  # fmt: skip
+        return False
+
+    def _start(self, job: JobRecord, slots: list[Slot]) -> None:
+        # A job of several GPUs: one worker named after its slots, CUDA_VISIBLE_DEVICES listing their GPUs.
+        slot = Slot(id="+".join(s.id for s in slots), device=",".join(s.device for s in slots if s.device) or None)
+        try:
+            job = self.store.transition(
+                job.id, JobStatus.RUNNING, reason=f"started on {slot.id}", worker=slot.id, device=slot.device
+            )
+        except (IllegalTransition, JobNotFound):  # cancelled or paused since the queue was read
+            return
         try:
             handle = self.executor.launch(self._launch_request(job, slot))
         except Exception as error:
@@ -122,11 +147,12 @@ class Scheduler:
                 error_code=ErrorCode.LAUNCH_FAILED,
                 error_message=f"Could not start the job: {error}",
             )
-            return True
+            return
         self.store.set_process(job.id, pid=handle.pid, started_at=handle.started_at)
-        self.running[slot.id] = Running(job.id, job.attempt, handle)
+        run = Running(job.id, job.attempt, handle)
+        for held in slots:
+            self.running[held.id] = run
         log.info("started %s attempt %d on %s (pid %s)", job.id, job.attempt, slot.id, handle.pid)
-        return True
 
     def _launch_request(self, job: JobRecord, slot: Slot) -> LaunchRequest:
         job_dir = self.settings.job_dir(job.id)
@@ -204,7 +230,6 @@ class Scheduler:
         if isinstance(outcome, FailedEvent) and outcome.error is ErrorCode.INTERRUPTED:  # a lost rank: resume
             return JobStatus.INTERRUPTED, outcome.message, {}
         if isinstance(outcome, FailedEvent):
-
             return (
                 JobStatus.FAILED,
                 "the job raised an error",
@@ -266,6 +291,9 @@ class Scheduler:
         """Settle every run whose process has ended, freeing its slot."""
         for slot_id, run in list(self.running.items()):
             code = run.handle.exit_code()
-            if code is not None:
-                del self.running[slot_id]
+            if code is not None and slot_id in self.running:  # not settled under another of its slots
+                held = [s for s, other in self.running.items() if other is run]
+                for s in held:
+                    del self.running[s]
+                self.placement.freed(held)
                 self._settle(run, code)
