@@ -16,6 +16,7 @@ import torch
 
 from jobs.errors import Problem
 from jobs.events import CacheProgressEvent, LogEvent, Report, StartedEvent, StopPoll
+from jobs.models.diffusion.data.batches import encode_prompt
 from jobs.models.diffusion.data.cache import (
     CacheWriter,
     data_fingerprint,
@@ -89,10 +90,11 @@ def run_cache_job(
             size = target_size(*image_size(row), spec.data.max_pixels)
             pixels = load_pixels(row, size, spec.data.num_frames).unsqueeze(0)
             latents = _timed(seconds, "vae_s", encoders.encode_pixels, pixels)[0]
-            embeds = _timed(
-                seconds, "text_encoder_s", encoders.encode_prompts, [row.prompt], spec.data.max_sequence_length
-            )[0]
-            writer.add(latents, embeds, {"source_row": row.index, "media": row.media.name, "prompt": row.prompt})
+            embeds = _timed(seconds, "text_encoder_s", encode_prompt, row.prompt, spec.data, encoders)
+            described = {"source_row": row.index, "media": row.media.name, "prompt": row.prompt}
+            if row.repeats > 1:
+                described["repeats"] = row.repeats
+            writer.add(latents, embeds[0], described, pooled=embeds[1] if len(embeds) > 1 else None)
             elapsed = time.perf_counter() - started
             rate = (done - first) / max(elapsed, 1e-9)
             report(
@@ -106,7 +108,8 @@ def run_cache_job(
                     **memory_snapshot(device),
                 )
             )
-        writer.finish()
+        empty = encode_prompt("", spec.data, encoders)  # what caption dropout trains with
+        writer.finish(dict(zip(("prompt_embeds", "pooled_prompt_embeds"), empty, strict=False)))
     finally:
         encoders.close()
     return "succeeded", writer.samples_done

@@ -49,26 +49,41 @@ def load_vae(path: Path, family: DiffusionFamily, init: str, dtype: torch.dtype,
     return vae.eval().requires_grad_(False)
 
 
-def load_text_encoder(path: Path, family: DiffusionFamily, init: str, dtype: torch.dtype, seed: int) -> nn.Module:
-    """The text encoder (``text_encoder/``) on the CPU, in eval mode and frozen; never runs remote code."""
+def load_text_encoder(
+    path: Path,
+    family: DiffusionFamily,
+    init: str,
+    dtype: torch.dtype,
+    seed: int,
+    *,
+    folder: str | None = None,
+    class_name: str | None = None,
+) -> nn.Module:
+    """A text encoder (the family's, or ``folder`` of class ``class_name``) on the CPU, in eval mode and frozen;
+    never runs remote code."""
     import transformers
 
-    cls = getattr(transformers, family.text_encoder_class)
-    folder = _part(path, "text_encoder")
+    cls = getattr(transformers, class_name or family.text_encoder_class)
+    folder_path = _part(path, folder or family.text_encoder_folder)
     if init == "pretrained":
-        encoder = cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True, trust_remote_code=False)
+        encoder = cls.from_pretrained(str(folder_path), dtype=dtype, local_files_only=True, trust_remote_code=False)
     else:
-        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        config = transformers.AutoConfig.from_pretrained(
+            str(folder_path), local_files_only=True, trust_remote_code=False
+        )
         with init_empty_weights(include_buffers=False):
             encoder = cls._from_config(config)
         encoder = random_init(materialize(encoder, dtype), seed + 2)
     return encoder.eval().requires_grad_(False)
 
 
-def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
+def load_tokenizer(path: Path, folder: str = "tokenizer", *, processor: bool = False) -> Any:
+    """The tokenizer in ``folder``; ``processor``: through AutoProcessor (Flux.2's PixtralProcessor folder), whose
+    ``apply_chat_template`` the pipeline calls."""
+    from transformers import AutoProcessor, AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(_part(path, "tokenizer")), local_files_only=True, trust_remote_code=False)
+    loader = AutoProcessor if processor else AutoTokenizer
+    return loader.from_pretrained(str(_part(path, folder)), local_files_only=True, trust_remote_code=False)
 
 
 def _part(path: Path, name: str) -> Path:

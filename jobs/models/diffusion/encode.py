@@ -1,7 +1,8 @@
 """The frozen encoders of a pipeline: prompts to embeddings, pixels to latents and back, under no_grad.
 
-With ``offload.enable_model_cpu_offload`` the text encoder (7B for Qwen-Image) runs through the offload
-engine like the DiT, so it fits the same small card; the VAE (about 0.1B) is moved to the device whole.
+With ``offload.enable_model_cpu_offload`` the text encoder (7B for Qwen-Image, T5-XXL's 4.7B for Flux.1, 24B for
+Flux.2) runs through the offload engine like the DiT, so it fits the same small card; the VAE (about 0.1B) and
+Flux.1's CLIP-L (0.1B), whose pooled output the DiT takes, are moved to the device whole.
 Everything returned is on the CPU: callers cache it or put it in a batch.
 """
 
@@ -27,10 +28,17 @@ class Encoders:
     """
 
     def __init__(
-        self, family: DiffusionFamily, device: torch.device, text_encoder: Any, tokenizer: Any, vae: Any
+        self,
+        family: DiffusionFamily,
+        device: torch.device,
+        text_encoder: Any,
+        tokenizer: Any,
+        vae: Any,
+        pooled: tuple[Any, Any] | None = None,
     ) -> None:
         self.family, self.device = family, device
         self.text_encoder, self.tokenizer, self.vae = text_encoder, tokenizer, vae
+        self.pooled = pooled  # (encoder, tokenizer) of Flux.1's CLIP-L, else None
         self.manager: OffloadTrainingManager | None = None
 
     @classmethod
@@ -43,9 +51,20 @@ class Encoders:
         text_dtype = getattr(torch, model.text_encoder_dtype or model.dtype)
         seed = spec.training.seed
         encoder = load_text_encoder(path, family, model.init, text_dtype, seed) if with_text else None
-        tokenizer = load_tokenizer(path) if with_text else None
+        tokenizer = (
+            load_tokenizer(path, family.tokenizer_folder, processor=family.tokenizer_is_processor)
+            if with_text
+            else None
+        )
         vae = load_vae(path, family, model.init, getattr(torch, model.vae_dtype), seed) if with_vae else None
-        encoders = cls(family, device, encoder, tokenizer, vae)
+        pooled = None
+        if with_text and family.pooled_encoder is not None:
+            part = family.pooled_encoder
+            clip = load_text_encoder(
+                path, family, model.init, text_dtype, seed + 1, folder=part.folder, class_name=part.encoder_class
+            )
+            pooled = (clip.to(device), load_tokenizer(path, part.tokenizer_folder))
+        encoders = cls(family, device, encoder, tokenizer, vae, pooled)
         if encoder is not None:
             if spec.offload.enable_model_cpu_offload:
                 encoders.manager = OffloadTrainingManager(encoder, device, options=spec.offload.engine_options())
@@ -67,33 +86,31 @@ class Encoders:
         return [e.to("cpu") for e in embeds]
 
     @torch.no_grad()
+    def encode_pooled(self, prompts: list[str]) -> list[torch.Tensor] | None:
+        """One pooled ``[dim]`` embedding per prompt (CPU) where the family has a pooled encoder, else None."""
+        if self.pooled is None or self.family.pooled_encoder is None:
+            return None
+        encoder, tokenizer = self.pooled
+        return [e.to("cpu") for e in self.family.pooled_encoder.encode(encoder, tokenizer, prompts, self.device)]
+
+    @torch.no_grad()
     def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[B, 3, F, H, W]`` in [-1, 1] to normalized latents ``[B, C, F', H/8, W/8]`` (CPU, float32).
 
         The posterior's mode, not a sample: the same image always gives the same latents, so a cache and
         on-the-fly encoding train identically.
         """
-        vae = self.vae
-        posterior = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist
-        mean, std = self._stats(posterior.mode())
-        return ((posterior.mode() - mean) / std).float().cpu()
+        latents = self.family.encode_latents(self.vae, pixels.to(self.device, self.vae.dtype))
+        return latents.float().cpu()
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents to pixels ``[B, 3, F, H, W]`` in [-1, 1] (CPU, float32)."""
-        x = latents.to(self.device, self.vae.dtype)
-        mean, std = self._stats(x)
-        return self.vae.decode(x * std + mean, return_dict=False)[0].float().clamp(-1, 1).cpu()
-
-    def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        config = self.vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(like.device, like.dtype)
-        std = torch.tensor(config.latents_std).view(shape).to(like.device, like.dtype)
-        return mean, std
+        pixels = self.family.decode_latents(self.vae, latents.to(self.device, self.vae.dtype))
+        return pixels.float().clamp(-1, 1).cpu()
 
     def close(self) -> None:
         """Detach the engine and drop the parts, so their host and device memory can be freed."""
         if self.manager is not None:
             self.manager.remove()
-        self.text_encoder = self.tokenizer = self.vae = self.manager = None
+        self.text_encoder = self.tokenizer = self.vae = self.manager = self.pooled = None

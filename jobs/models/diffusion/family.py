@@ -1,4 +1,4 @@
-"""``model.kind: diffusers_transformer``: Qwen-Image and Wan DiTs trained with flow matching.
+"""``model.kind: diffusers_transformer``: Qwen-Image, Wan, Flux.1 and Flux.2 DiTs trained with flow matching.
 
 The registry entry; the pieces live in jobs/models/diffusion/ (families, flow matching, data, the encoder cache,
 samples). Data is either ``image_caption`` (encoded on the fly by the pipeline's own encoders) or
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _PROMPT_TOKENS_GUESS = 256  # the fit check's prompt length when no cache says better
+FLUX_TRAIN_GUIDANCE = 3.5  # the guidance input diffusers' and kohya's Flux LoRA scripts train with
 
 
 def meta_dit(spec: DiffusersTransformerSpec) -> nn.Module:
@@ -66,7 +67,7 @@ def dit_activation_bytes(spec: DiffusionJobSpec, model: nn.Module) -> int:
     e = activation_element_size(spec)
     config: Any = model.config
     h = config.num_attention_heads * config.attention_head_dim
-    layers = config.num_layers
+    layers = config.num_layers + getattr(config, "num_single_layers", 0)  # Flux: double and single blocks
     image_tokens, prompt_tokens = _token_counts(spec, read_manifest)
     n = spec.training.batch_size * (image_tokens + prompt_tokens)
     block = n * (14 * h + 2 * 4 * h) * e
@@ -77,15 +78,17 @@ def dit_activation_bytes(spec: DiffusionJobSpec, model: nn.Module) -> int:
 
 def _token_counts(spec: DiffusionJobSpec, read_manifest: Any) -> tuple[int, int]:
     data: Any = spec.data  # image_caption or diffusion_cache (data_kinds)
+    family = pipeline_family(spec.model.path)
     if data.kind == "diffusion_cache":
         manifest = read_manifest(data.path) or {"shards": []}
         rows = [r for s in manifest["shards"] for r in s["rows"]] or [
             {"latents_shape": [1, 1, 64, 64], "prompt_tokens": 1}
         ]
-        image = max(r["latents_shape"][1] * r["latents_shape"][2] * r["latents_shape"][3] // 4 for r in rows)
+        image = max(family.image_tokens(tuple(r["latents_shape"])) for r in rows)
         return image, max(r["prompt_tokens"] for r in rows)
     frames = (data.num_frames - 1) // 4 + 1
-    return frames * data.max_pixels // 256, data.max_sequence_length or _PROMPT_TOKENS_GUESS
+    prompt = data.max_sequence_length or (family.max_sequence_length if family.embedded_guidance else None)
+    return frames * data.max_pixels // 256, prompt or _PROMPT_TOKENS_GUESS
 
 
 def build_diffusion_data(spec: DiffusionJobSpec, device: torch.device, model: nn.Module) -> Any:
@@ -114,7 +117,18 @@ def build_diffusion_data(spec: DiffusionJobSpec, device: torch.device, model: nn
         seed=spec.training.seed,
         repeat=data.repeat,
         modulation=modulation,
+        caption_dropout=data.caption_dropout,
+        guidance=training_guidance(spec),
     )
+
+
+def training_guidance(spec: DiffusionJobSpec) -> float | None:
+    """The guidance input training gives a guidance-distilled DiT (``guidance_embeds`` in its config), else None."""
+    from jobs.models.diffusion.variants import transformer_config
+
+    if not transformer_config(spec.model.path).get("guidance_embeds"):
+        return None
+    return spec.training.guidance if spec.training.guidance is not None else FLUX_TRAIN_GUIDANCE
 
 
 def uses_modulation_table(spec: DiffusionJobSpec) -> bool:
@@ -180,13 +194,16 @@ def make_sampler(spec: DiffusionJobSpec, device: torch.device) -> Any:
     from jobs.models.diffusion.samples import Sampler
 
     encoders = Encoders.load(spec, device, with_text=True, with_vae=True)
-    guided = spec.sample.guidance_scale > 1
-    embeds = encoders.encode_prompts([*spec.sample.prompts, *([spec.sample.negative_prompt] if guided else [])])
+    # Classifier-free guidance needs the negative prompt; Flux's guidance is the DiT's own input instead.
+    guided = spec.sample.guidance_scale > 1 and not encoders.family.embedded_guidance
+    prompts = [*spec.sample.prompts, *([spec.sample.negative_prompt] if guided else [])]
+    embeds = encoders.encode_prompts(prompts)
+    pooled = encoders.encode_pooled(list(spec.sample.prompts))
     if encoders.manager is not None:
         encoders.manager.remove()
-    encoders.text_encoder = encoders.tokenizer = encoders.manager = None
+    encoders.text_encoder = encoders.tokenizer = encoders.manager = encoders.pooled = None
     negative = embeds.pop() if guided else None
-    return Sampler(spec.sample, embeds, encoders, negative_embeds=negative)
+    return Sampler(spec.sample, embeds, encoders, negative_embeds=negative, pooled_embeds=pooled)
 
 
 def run_cache_task(spec: DiffusionJobSpec, **kwargs: Any) -> tuple[Literal["succeeded", "paused", "cancelled"], int]:
@@ -228,12 +245,17 @@ def _check_cache_data(spec: DiffusionJobSpec) -> list[Problem]:
         return []
     from jobs.models.diffusion.data.cache import cache_problems_for_training
 
-    return [("data.path", message) for message in cache_problems_for_training(spec.data.path, spec.model)]
+    problems = cache_problems_for_training(spec.data.path, spec.model, spec.data.caption_dropout)
+    return [("data.path", message) for message in problems]
 
 
 def _check_encoders_present(spec: DiffusionJobSpec) -> list[Problem]:
     needs = spec.task == "cache" or spec.data.kind == "image_caption" or spec.sample is not None
-    missing = [part for part in ("text_encoder", "tokenizer", "vae") if not (Path(spec.model.path) / part).is_dir()]
+    family = pipeline_family(spec.model.path)
+    parts = [family.text_encoder_folder, family.tokenizer_folder, "vae"]
+    if family.pooled_encoder is not None:
+        parts = [family.pooled_encoder.folder, family.pooled_encoder.tokenizer_folder, *parts]
+    missing = [part for part in sorted(parts) if not (Path(spec.model.path) / part).is_dir()]
     if needs and missing:
         why = (
             "task: cache"
@@ -249,15 +271,33 @@ def _check_encoders_present(spec: DiffusionJobSpec) -> list[Problem]:
     return []
 
 
+_FAMILY_NAMES = {"qwen_image": "Qwen-Image", "flux1": "Flux.1", "flux2": "Flux.2"}
+
+
 def _check_frames(spec: DiffusionJobSpec) -> list[Problem]:
-    if pipeline_family(spec.model.path).name != "qwen_image":
+    family = pipeline_family(spec.model.path)
+    if family.video:
         return []
+    name = _FAMILY_NAMES.get(family.name, family.name)
     problems = []
     if spec.data.kind == "image_caption" and spec.data.num_frames != 1:
-        problems.append(("data.num_frames", f"Qwen-Image trains on images; set it to 1 (got {spec.data.num_frames})"))
+        problems.append(("data.num_frames", f"{name} trains on images; set it to 1 (got {spec.data.num_frames})"))
     if spec.sample is not None and spec.sample.num_frames != 1:
-        problems.append(("sample.num_frames", f"Qwen-Image makes images; set it to 1 (got {spec.sample.num_frames})"))
+        problems.append(("sample.num_frames", f"{name} makes images; set it to 1 (got {spec.sample.num_frames})"))
     return problems
+
+
+def _check_guidance(spec: DiffusionJobSpec) -> list[Problem]:
+    from jobs.models.diffusion.variants import transformer_config
+
+    if spec.training.guidance is None or transformer_config(spec.model.path).get("guidance_embeds"):
+        return []
+    return [
+        (
+            "training.guidance",
+            "this DiT has no guidance embedding (guidance_embeds is not set in transformer/config.json); remove it",
+        )
+    ]
 
 
 def _check_modulation_table(spec: DiffusionJobSpec) -> list[Problem]:
@@ -283,7 +323,14 @@ FAMILY = ModelFamily(
     lora_target_names=lambda spec: linear_module_names(meta_dit(spec)),
     enable_gradient_checkpointing=enable_dit_checkpointing,
     weights_format=WeightsFormat("diffusers", save_dit, load_dit),
-    rules=(_check_cache_task, _check_cache_data, _check_encoders_present, _check_frames, _check_modulation_table),
+    rules=(
+        _check_cache_task,
+        _check_cache_data,
+        _check_encoders_present,
+        _check_frames,
+        _check_modulation_table,
+        _check_guidance,
+    ),
     shrink_hint="data.max_pixels",
     apply_lora=apply_dit_lora,
     build_data=build_diffusion_data,
@@ -303,6 +350,16 @@ FAMILY = ModelFamily(
             Field(TimestepRange(), description="part of the noise schedule to train on"),
         ),
         "timestep_weighting": (Literal["bell", "none"], Field("bell", description="loss weight per timestep")),
+        "guidance": (
+            float | None,
+            Field(
+                None,
+                ge=0.0,
+                le=30.0,
+                description="the guidance input of a guidance-distilled DiT (Flux.1-dev, Flux.2-dev) while training; "
+                "default 3.5, as diffusers' and kohya's Flux scripts",
+            ),
+        ),
     },
     section_rules=(_check_cache_section, _check_sample_section),
 )

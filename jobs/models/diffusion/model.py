@@ -18,7 +18,7 @@ from torch import nn
 from jobs.models.diffusion.components import load_transformer
 from jobs.models.diffusion.flow_match import flow_matching_loss, noisy_latents
 from jobs.models.diffusion.modulation_table import feed_modulation
-from jobs.models.diffusion.variants import FAMILIES, DiffusionFamily
+from jobs.models.diffusion.variants import FAMILIES, Conditioning, DiffusionFamily
 from jobs.train.activation_checkpointing import enable_block_checkpointing
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -44,15 +44,21 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 def flow_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The flow-matching loss of one micro-batch (flow_match.py has the objective and its weighting). A batch
-    has ``prompt_mask`` only when a prompt in it is padded (batches.padded_mask), and ``modulation`` when the
-    DiT's modulation is precomputed (modulation_table.py)."""
+    has ``prompt_mask`` only when a prompt in it is padded (batches.padded_mask), ``modulation`` when the
+    DiT's modulation is precomputed (modulation_table.py), ``pooled_prompt_embeds`` for Flux.1 and
+    ``guidance`` for a guidance-distilled DiT (Flux)."""
     dtype = compute_dtype(model)
     latents, noise, sigma = batch["latents"], batch["noise"], batch["sigma"]
     noisy = noisy_latents(latents, noise, sigma).to(dtype)
     feed_modulation(model, batch.get("modulation"))
-    prediction = family_of_model(model).predict(
-        model, noisy, sigma, batch["prompt_embeds"].to(dtype), batch.get("prompt_mask")
+    pooled = batch.get("pooled_prompt_embeds")
+    cond = Conditioning(
+        batch["prompt_embeds"].to(dtype),
+        batch.get("prompt_mask"),
+        pooled.to(dtype) if pooled is not None else None,
+        batch.get("guidance"),
     )
+    prediction = family_of_model(model).predict(model, noisy, sigma, cond)
     return flow_matching_loss(prediction, latents, noise, batch["weight"])
 
 

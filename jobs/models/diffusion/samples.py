@@ -2,7 +2,8 @@
 
 The prompts (and, with ``guidance_scale`` above 1, the negative prompt) are encoded once when the job starts;
 each Euler step then calls the DiT with the prompt and with the negative prompt and combines the two as the
-family's pipeline does (families.py ``guide``). The VAE decodes the latents. Each prompt gives one PNG
+family's pipeline does (variants.py ``guide``). Flux's DiTs are guidance-distilled: ``guidance_scale`` is their
+guidance input, one call a step, on the pipeline's schedule for the image's size. The VAE decodes the latents. Each prompt gives one PNG
 (one per frame for video), named ``sample-<prompt>.png`` or ``sample-<prompt>-f<frame>.png``, written
 into the checkpoint directory of the same step, so samples are checkpoint artifacts.
 """
@@ -19,6 +20,7 @@ from jobs.models.diffusion.data.batches import pad_prompts, padded_mask
 from jobs.models.diffusion.flow_match import euler_sample
 from jobs.models.diffusion.model import compute_dtype, family_of_model
 from jobs.models.diffusion.modulation_table import modulation_table
+from jobs.models.diffusion.variants import Conditioning
 
 
 class Sampler:
@@ -30,11 +32,13 @@ class Sampler:
         prompt_embeds: list[torch.Tensor],
         encoders: Any,
         negative_embeds: torch.Tensor | None = None,
+        pooled_embeds: list[torch.Tensor] | None = None,
     ) -> None:
         self.spec, self.prompt_embeds, self.encoders = sample_spec, prompt_embeds, encoders
         self.every_steps: int = sample_spec.every_steps
         self.prompts: list[str] = list(sample_spec.prompts)
-        self.negative_embeds = negative_embeds  # None: no guidance (guidance_scale 1)
+        self.negative_embeds = negative_embeds  # None: no classifier-free guidance (guidance_scale 1, or Flux)
+        self.pooled_embeds = pooled_embeds  # Flux.1's pooled CLIP embedding per prompt
 
     def write(self, model: nn.Module, directory: Path) -> list[str]:
         """Generate with ``model`` and write the PNGs into ``directory`` (a checkpoint being written)."""
@@ -45,11 +49,9 @@ class Sampler:
 
     def latent_shape(self) -> tuple[int, ...]:
         """The latents that decode to the sample's size, from the VAE's own down-sampling (a factor of 8 in the
-        released models; 2 per stage, in time 2 per stage marked in ``temperal_downsample``)."""
-        vae = self.encoders.vae
-        spatial, temporal = 2 ** len(vae.temperal_downsample), 2 ** sum(vae.temperal_downsample)
-        frames = (self.spec.num_frames - 1) // temporal + 1
-        return (vae.config.z_dim, frames, self.spec.height // spatial, self.spec.width // spatial)
+        released models) as the family lays latents out."""
+        spec = self.spec
+        return self.encoders.family.latent_shape(self.encoders.vae, spec.num_frames, spec.height, spec.width)
 
     @torch.no_grad()
     def generate(self, model: nn.Module, device: torch.device) -> list[torch.Tensor]:
@@ -62,23 +64,28 @@ class Sampler:
             images = []
             negative = self._padded(self.negative_embeds, family, device, dtype)  # the same for every prompt
             table = modulation_table(model)  # a precomputed modulation: each Euler step feeds its rows
+            guidance = torch.full((1,), self.spec.guidance_scale, device=device) if family.embedded_guidance else None
             for index, embeds in enumerate(self.prompt_embeds):
                 # Each prompt's noise from its own generator: adding a prompt does not change the others.
                 generator = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + index)
                 noise = torch.randn((1, *self.latent_shape()), generator=generator).to(device)
                 prompt = self._padded(embeds, family, device, dtype)
+                assert prompt is not None
+                pooled = self.pooled_embeds[index][None].to(device, dtype) if self.pooled_embeds else None
+                prompt = Conditioning(prompt.embeds, prompt.mask, pooled, guidance)
 
-                def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt=prompt) -> torch.Tensor:
+                def velocity(x: torch.Tensor, sigma: torch.Tensor, prompt: Conditioning = prompt) -> torch.Tensor:
                     x = x.to(dtype)
                     if table is not None:  # looked up on the CPU: one sync per Euler step, samples only
                         table.feed(table.rows_for(sigma).to(device))
-                    cond = family.predict(model, x, sigma, *prompt).float()
+                    cond = family.predict(model, x, sigma, prompt).float()
                     if negative is None:
                         return cond
-                    uncond = family.predict(model, x, sigma, *negative).float()
+                    uncond = family.predict(model, x, sigma, negative).float()
                     return family.guide(cond, uncond, self.spec.guidance_scale)
 
-                latents = euler_sample(velocity, noise, family.name, self.spec.num_inference_steps)
+                tokens = family.image_tokens(noise.shape)
+                latents = euler_sample(velocity, noise, family.name, self.spec.num_inference_steps, tokens)
                 images.append(self.encoders.decode(latents)[0])
             return images
         finally:
@@ -87,13 +94,13 @@ class Sampler:
     @staticmethod
     def _padded(
         embeds: torch.Tensor | None, family: Any, device: torch.device, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    ) -> Conditioning | None:
         """One prompt's embeddings as the DiT takes them (padded, with the mask if padded), on ``device``."""
         if embeds is None:
             return None
         padded, mask = pad_prompts([embeds], family, family.max_sequence_length)
         kept = padded_mask(mask)
-        return padded.to(device, dtype), (kept.to(device) if kept is not None else None)
+        return Conditioning(padded.to(device, dtype), kept.to(device) if kept is not None else None)
 
 
 def write_pngs(images: list[torch.Tensor], directory: Path) -> list[str]:

@@ -19,8 +19,9 @@ class DiffusersTransformerSpec(Section):
     """A diffusion transformer (DiT) from a local diffusers pipeline directory.
 
     The directory holds ``transformer/`` (config.json + safetensors) and, for caching or on-the-fly
-    encoding and for samples, ``text_encoder/``, ``tokenizer/`` and ``vae/``. The family (Qwen-Image,
-    Wan) follows from the class named in ``transformer/config.json``; nothing is imported by name.
+    encoding and for samples, ``text_encoder/``, ``tokenizer/`` and ``vae/`` (Flux.1 also ``text_encoder_2/`` and
+    ``tokenizer_2/``). The family (Qwen-Image, Wan, Flux.1, Flux.2) follows from the class named in
+    ``transformer/config.json``; nothing is imported by name.
     """
 
     kind: Literal["diffusers_transformer"]
@@ -54,7 +55,9 @@ class DiffusersTransformerSpec(Section):
 
 
 class ImageCaptionDataSpec(Section):
-    """Images (or videos) with captions in DiffSynth-Studio's layout: a folder and a metadata file.
+    """Images (or videos) with captions: DiffSynth-Studio's layout (a folder and a metadata file) or, without a
+    metadata file, kohya's caption folders (each image beside a ``.txt`` caption; ``<N>_<name>`` subfolders
+    repeat N times).
 
     ``metadata.csv`` (or ``.json``, a list of objects) has an ``image`` (or ``video``) column of paths
     relative to the folder and a ``prompt`` column. Each image is resized to at most ``max_pixels`` keeping
@@ -69,6 +72,20 @@ class ImageCaptionDataSpec(Section):
     repeat: int = Field(1, gt=0, description="serve the set this many times per epoch (--dataset_repeat)")
     num_frames: int = Field(1, gt=0, description="video frames per sample (Wan: 4k+1); 1 for images")
     max_sequence_length: int | None = Field(None, gt=0, description="prompt tokens; default: the family's")
+    caption_extension: str = Field(
+        ".txt",
+        pattern=r"^\.[A-Za-z0-9_]+$",
+        description="caption folders: the sidecar's suffix (image.png + image.txt)",
+    )
+    trigger_word: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="replaces [trigger] in each caption, or is put in front of it (ai-toolkit's trigger_word)",
+    )
+    caption_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="train this fraction of samples with the empty caption (kohya, ai-toolkit)"
+    )
 
     @field_validator("path")
     @classmethod
@@ -91,6 +108,9 @@ class DiffusionCacheDataSpec(Section):
     kind: Literal["diffusion_cache"]
     path: Path = Field(description="the cache directory (its manifest.json) under a data root")
     repeat: int = Field(1, gt=0, description="serve the cache this many times per epoch")
+    caption_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="train this fraction of samples with the empty caption (kohya, ai-toolkit)"
+    )
 
     @field_validator("path")
     @classmethod
@@ -129,7 +149,8 @@ class SampleSpec(Section):
         ge=1.0,
         le=30.0,
         description="classifier-free guidance against negative_prompt (two DiT calls a step); 1 = off. "
-        "Qwen-Image's pipeline uses 4 (true_cfg_scale), Wan's 5",
+        "Qwen-Image's pipeline uses 4 (true_cfg_scale), Wan's 5. Flux: the DiT's guidance input instead (one call "
+        "a step; FluxPipeline's default 3.5, Flux2Pipeline's 4)",
     )
     negative_prompt: str = Field(" ", max_length=2000, description="the prompt guidance steers away from")
 
@@ -155,6 +176,7 @@ if TYPE_CHECKING:
 
         timestep_range: TimestepRange
         timestep_weighting: Literal["bell", "none"]
+        guidance: float | None
 
     class DiffusionJobSpec(JobSpec):
         """A job as this family's callbacks see it: its model section, and the sections it adds to every job."""

@@ -1,8 +1,8 @@
 """Micro-batches for flow-matching training, from a cache or encoded on the fly.
 
 Batch ``i`` is a pure function of (seed, i): which samples (a seeded shuffle into size buckets per
-epoch), and the noise, sigmas and loss weights drawn on the CPU from a generator seeded by (seed, i).
-So a resumed job continues exactly, and offloaded and plain training see identical tensors.
+epoch), and the noise, sigmas, loss weights and caption dropouts drawn on the CPU from a generator seeded by
+(seed, i). So a resumed job continues exactly, and offloaded and plain training see identical tensors.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from jobs.models.diffusion.variants import DiffusionFamily
 
 
 class SampleSource(Protocol):
-    """Per-sample latents and prompt embeddings, and each sample's latent shape (for bucketing)."""
+    """Per-sample latents and prompt embeddings (and Flux.1's pooled embedding), and each sample's latent shape
+    (for bucketing). A source may also say how often a sample repeats (``repeats(index)``) and give the empty
+    caption's embeddings (``empty_prompt()``, for caption dropout)."""
 
     def __len__(self) -> int: ...
     def latent_shape(self, index: int) -> tuple[int, ...]: ...
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def sample(self, index: int) -> tuple[torch.Tensor, ...]: ...
 
 
 class OnTheFlySamples:
@@ -40,16 +42,28 @@ class OnTheFlySamples:
         w, h = self.sizes[index]
         return (h // 8, w // 8)  # only its equality matters: it picks the bucket
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def repeats(self, index: int) -> int:
+        return self.rows[index].repeats
+
+    def sample(self, index: int) -> tuple[torch.Tensor, ...]:
         return encode_row(self.rows[index], self.sizes[index], self.data, self.encoders)
 
+    def empty_prompt(self) -> tuple[torch.Tensor, ...]:
+        return encode_prompt("", self.data, self.encoders)
 
-def encode_row(row: Row, size: tuple[int, int], data: Any, encoders: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's (latents ``[C, F, h, w]``, prompt embeddings ``[tokens, dim]``), as the cache stores them."""
+
+def encode_prompt(prompt: str, data: Any, encoders: Any) -> tuple[torch.Tensor, ...]:
+    """A caption's (prompt embeddings ``[tokens, dim]``[, pooled ``[dim]``]), as the cache stores them."""
+    embeds = encoders.encode_prompts([prompt], data.max_sequence_length)[0]
+    pooled = encoders.encode_pooled([prompt])
+    return (embeds,) if pooled is None else (embeds, pooled[0])
+
+
+def encode_row(row: Row, size: tuple[int, int], data: Any, encoders: Any) -> tuple[torch.Tensor, ...]:
+    """One row's (latents ``[C, F, h, w]``, prompt embeddings ``[tokens, dim]``[, pooled]), as the cache stores them."""
     pixels = load_pixels(row, size, data.num_frames).unsqueeze(0)
     latents = encoders.encode_pixels(pixels)[0]
-    embeds = encoders.encode_prompts([row.prompt], data.max_sequence_length)[0]
-    return latents, embeds
+    return (latents, *encode_prompt(row.prompt, data, encoders))
 
 
 class DiffusionBatches:
@@ -67,11 +81,18 @@ class DiffusionBatches:
         seed: int,
         repeat: int = 1,
         modulation: ModulationTable | None = None,
+        caption_dropout: float = 0.0,
+        guidance: float | None = None,
     ) -> None:
         self.source, self.family, self.timesteps = source, family, timesteps
         self.modulation = modulation  # the DiT's precomputed modulation: each batch carries its rows
         self.batch_size, self.seed = batch_size, seed
-        self.shapes = [source.latent_shape(i) for i in range(len(source))] * repeat
+        self.caption_dropout, self.guidance = caption_dropout, guidance
+        self.empty = self._empty_prompt(source) if caption_dropout > 0 else None
+        # Each sample once per folder repeat (a caption folder's N_name), the whole list data.repeat times.
+        repeats = getattr(source, "repeats", lambda index: 1)
+        self.members = [i for i in range(len(source)) for _ in range(repeats(i))] * repeat
+        self.shapes = [source.latent_shape(i) for i in self.members]
         self._epoch: tuple[int, list[list[int]]] | None = None
         self.batches_per_epoch = len(self._batches(0))
         if self.batches_per_epoch == 0:
@@ -88,13 +109,20 @@ class DiffusionBatches:
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         """The ``index``-th micro-batch (CPU tensors), counting across epochs."""
         epoch, within = divmod(index, self.batches_per_epoch)
-        members = [self.source.sample(i % len(self.source)) for i in self._batches(epoch)[within]]
+        members = [self.source.sample(self.members[i]) for i in self._batches(epoch)[within]]
         latents = torch.stack([m[0].float() for m in members])
-        embeds, mask = pad_prompts([m[1] for m in members], self.family, self.max_length)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         noise = torch.randn(latents.shape, generator=generator)
-        sigma, weight = self.timesteps.draw(generator, len(members))
+        sigma, weight = self.timesteps.draw(generator, len(members), self.family.image_tokens(latents.shape))
+        if self.empty is not None:  # drawn after the rest, so a job without dropout draws as before
+            dropped = torch.rand(len(members), generator=generator) < self.caption_dropout
+            members = [(m[0], *self.empty) if drop else m for m, drop in zip(members, dropped.tolist(), strict=True)]
+        embeds, mask = pad_prompts([m[1] for m in members], self.family, self.max_length)
         batch = {"latents": latents, "noise": noise, "sigma": sigma, "weight": weight, "prompt_embeds": embeds}
+        if len(members[0]) > 2:  # Flux.1's pooled CLIP embedding
+            batch["pooled_prompt_embeds"] = torch.stack([m[2] for m in members])
+        if self.guidance is not None:  # the guidance input of a guidance-distilled DiT
+            batch["guidance"] = torch.full((len(members),), self.guidance, dtype=torch.float32)
         if padded_mask(mask) is not None:  # read here, on the CPU: on the device it would cost a sync a step
             batch["prompt_mask"] = mask
         if self.modulation is not None:  # looked up here, where sigma is on the CPU
@@ -104,6 +132,15 @@ class DiffusionBatches:
     @property
     def max_length(self) -> int:
         return self.family.max_sequence_length
+
+    @staticmethod
+    def _empty_prompt(source: SampleSource) -> tuple[torch.Tensor, ...]:
+        empty = getattr(source, "empty_prompt", lambda: None)()
+        if empty is None:
+            raise ValueError(
+                "data.caption_dropout needs the empty caption's embedding, which this cache lacks; re-run its cache job"
+            )
+        return tuple(empty)
 
 
 def padded_mask(mask: torch.Tensor) -> torch.Tensor | None:

@@ -4,6 +4,9 @@ Layout of a cache directory::
 
     manifest.json           format, fingerprint, complete, and per shard: file, bytes, sha256 and its rows
     shard-00000.safetensors "<n>.latents" [C, F, h, w] float32, "<n>.prompt_embeds" [tokens, dim]
+                            (Flux.1: and "<n>.pooled_prompt_embeds" [dim], CLIP-L's pooled output)
+    empty-prompt.safetensors the empty caption's "prompt_embeds" (and "pooled_prompt_embeds"), which caption
+                            dropout trains with
 
 The fingerprint records what the tensors depend on: the encoders (their configs, weight files and
 dtypes) and the data settings. A cache job finds a complete cache with its own fingerprint and reuses it;
@@ -29,32 +32,42 @@ from jobs.models.diffusion.variants import family_of
 MANIFEST = "manifest.json"
 FORMAT = 1
 # Fingerprint keys a training job compares with its own model (the rest describe the data).
-MODEL_KEYS = ("family", "text_encoder", "vae", "text_encoder_dtype", "vae_dtype", "init")
+MODEL_KEYS = ("family", "text_encoder", "pooled_text_encoder", "vae", "text_encoder_dtype", "vae_dtype", "init")
+EMPTY_PROMPT = "empty-prompt.safetensors"
 
 
 def model_fingerprint(model: Any) -> dict[str, Any]:
     """What the encoders' outputs depend on: family, their config and weight files, dtypes, init."""
     path = Path(model.path)
-    return {
-        "family": family_of(path).name,
-        "text_encoder": _folder_identity(path / "text_encoder"),
+    family = family_of(path)
+    fingerprint = {
+        "family": family.name,
+        "text_encoder": _folder_identity(path / family.text_encoder_folder),
         "vae": _folder_identity(path / "vae"),
         "text_encoder_dtype": model.text_encoder_dtype or model.dtype,
         "vae_dtype": model.vae_dtype,
         "init": model.init,
     }
+    if family.pooled_encoder is not None:  # only where there is one: older caches' fingerprints stay equal
+        fingerprint["pooled_text_encoder"] = _folder_identity(path / family.pooled_encoder.folder)
+    return fingerprint
 
 
 def data_fingerprint(data: Any) -> dict[str, Any]:
-    """What the samples depend on: the metadata file's content and the resize and prompt settings."""
-    from jobs.models.diffusion.data.images import metadata_file
+    """What the samples depend on: the metadata file's content (or, for caption folders, every image's path and
+    caption), the resize and prompt settings, and the trigger word where one is set."""
+    from jobs.models.diffusion.data.captions import captions_sha256
+    from jobs.models.diffusion.data.images import metadata_file, uses_caption_files
 
-    return {
-        "metadata_sha256": file_sha256(metadata_file(data)),
+    fingerprint = {
+        "metadata_sha256": captions_sha256(data) if uses_caption_files(data) else file_sha256(metadata_file(data)),
         "max_pixels": data.max_pixels,
         "num_frames": data.num_frames,
         "max_sequence_length": data.max_sequence_length,
     }
+    if data.trigger_word:  # only where set: older caches' fingerprints stay equal
+        fingerprint["trigger_word"] = data.trigger_word
+    return fingerprint
 
 
 def _folder_identity(folder: Path) -> str:
@@ -83,7 +96,7 @@ def differences(have: dict[str, Any], want: dict[str, Any], keys: tuple[str, ...
     return [f"{k}: cache has {have.get(k)!r}, this job {want.get(k)!r}" for k in names if have.get(k) != want.get(k)]
 
 
-def cache_problems_for_training(directory: Path, model: Any) -> list[str]:
+def cache_problems_for_training(directory: Path, model: Any, caption_dropout: float = 0.0) -> list[str]:
     """Why a training job cannot use the cache at ``directory`` (empty when it can)."""
     manifest = read_manifest(directory)
     if manifest is None:
@@ -96,6 +109,11 @@ def cache_problems_for_training(directory: Path, model: Any) -> list[str]:
     if diff:
         return [
             f"the cache at {directory} was made with other encoders than model.path's ({'; '.join(diff)}); re-run the cache job with this model"
+        ]
+    if caption_dropout and not manifest.get("empty_prompt"):
+        return [
+            f"data.caption_dropout needs the empty caption's embedding, which the cache at {directory} lacks "
+            "(written by an older cache job); re-run the cache job into a new cache.path"
         ]
     return []
 
@@ -119,11 +137,19 @@ class CacheWriter:
     def samples_done(self) -> int:
         return sum(len(s["rows"]) for s in self.shards)
 
-    def add(self, latents: torch.Tensor, prompt_embeds: torch.Tensor, row: dict[str, Any]) -> None:
+    def add(
+        self,
+        latents: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        row: dict[str, Any],
+        pooled: torch.Tensor | None = None,
+    ) -> None:
         """Add one sample; a full shard is written at once."""
         n = len(self._rows)
         self._tensors[f"{n}.latents"] = latents.contiguous()
         self._tensors[f"{n}.prompt_embeds"] = prompt_embeds.contiguous()
+        if pooled is not None:
+            self._tensors[f"{n}.pooled_prompt_embeds"] = pooled.contiguous()
         self._rows.append({**row, "latents_shape": list(latents.shape), "prompt_tokens": prompt_embeds.shape[0]})
         if len(self._rows) == self.shard_samples:
             self.flush()
@@ -140,19 +166,24 @@ class CacheWriter:
         self._tensors, self._rows = {}, []
         self._write_manifest(complete=False)
 
-    def finish(self) -> None:
+    def finish(self, empty_prompt: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the last shard, the empty caption's embedding (for caption dropout), and the complete manifest."""
         self.flush()
-        self._write_manifest(complete=True)
+        if empty_prompt is not None:
+            save_file({k: v.contiguous() for k, v in empty_prompt.items()}, str(self.directory / EMPTY_PROMPT))
+        self._write_manifest(complete=True, empty_prompt=empty_prompt is not None)
         self.complete = True
 
-    def _write_manifest(self, *, complete: bool) -> None:
-        manifest = {
+    def _write_manifest(self, *, complete: bool, empty_prompt: bool = False) -> None:
+        manifest: dict[str, Any] = {
             "format": FORMAT,
             "fingerprint": self.fingerprint,
             "complete": complete,
             "samples": self.samples_done,
             "shards": self.shards,
         }
+        if empty_prompt:
+            manifest["empty_prompt"] = EMPTY_PROMPT
         tmp = self.directory / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, self.directory / MANIFEST)  # atomic: a reader sees the old or the new manifest
@@ -185,10 +216,27 @@ class CachedSamples:
     def latent_shape(self, index: int) -> tuple[int, ...]:
         return tuple(self.rows[index]["latents_shape"])
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latents, prompt embeddings) of sample ``index`` (CPU)."""
+    def repeats(self, index: int) -> int:
+        """How often sample ``index`` is served per epoch (a caption folder's ``N_name`` prefix)."""
+        return int(self.rows[index].get("repeats", 1))
+
+    def sample(self, index: int) -> tuple[torch.Tensor, ...]:
+        """(latents, prompt embeddings[, pooled prompt embedding]) of sample ``index`` (CPU)."""
         file, local = self._where[index]
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(str(self.directory / file), framework="pt")
-        return handle.get_tensor(f"{local}.latents"), handle.get_tensor(f"{local}.prompt_embeds")
+        found = [handle.get_tensor(f"{local}.latents"), handle.get_tensor(f"{local}.prompt_embeds")]
+        if f"{local}.pooled_prompt_embeds" in set(handle.keys()):
+            found.append(handle.get_tensor(f"{local}.pooled_prompt_embeds"))
+        return tuple(found)
+
+    def empty_prompt(self) -> tuple[torch.Tensor, ...] | None:
+        """The empty caption's (prompt embeddings[, pooled]), or None in a cache written without it."""
+        if not self.manifest.get("empty_prompt"):
+            return None
+        with safe_open(str(self.directory / self.manifest["empty_prompt"]), framework="pt") as handle:
+            embeds = [handle.get_tensor("prompt_embeds")]
+            if "pooled_prompt_embeds" in set(handle.keys()):
+                embeds.append(handle.get_tensor("pooled_prompt_embeds"))
+        return tuple(embeds)

@@ -1,8 +1,9 @@
-"""Image/video + caption datasets in DiffSynth-Studio's layout, resized to a pixel budget, in aspect buckets.
+"""Image/video + caption datasets, resized to a pixel budget, in aspect buckets.
 
-A dataset is a folder with ``metadata.csv`` (or ``metadata.json``: a list of objects) whose rows name an
-``image`` (or ``video``) path relative to the folder and a ``prompt``. Rows are checked when the spec is
-loaded (every unreadable row is named then), pixels are read only when a sample is encoded.
+Two layouts: DiffSynth-Studio's, a folder with ``metadata.csv`` (or ``metadata.json``: a list of objects) whose
+rows name an ``image`` (or ``video``) path relative to the folder and a ``prompt``; or, without a metadata file,
+kohya's and ai-toolkit's caption folders (captions.py). Rows are checked when the spec is loaded (every
+unreadable row and every image without a caption is named then), pixels are read only when a sample is encoded.
 """
 
 from __future__ import annotations
@@ -10,29 +11,20 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from jobs.errors import Problem
+from jobs.models.diffusion.data.captions import caption_rows, scan_caption_folder, with_trigger
+from jobs.models.diffusion.data.rows import Row
 
 if TYPE_CHECKING:
     from jobs.models.diffusion.spec import ImageCaptionDataSpec
 
 SIDE_MULTIPLE = 16  # VAE factor 8 x patch 2, for Qwen-Image and Wan alike
 _FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-
-
-@dataclass(frozen=True)
-class Row:
-    """One sample: its position in the metadata file, the media path, and the caption."""
-
-    index: int
-    media: Path
-    prompt: str
-    is_video: bool
 
 
 def metadata_file(spec: ImageCaptionDataSpec) -> Path:
@@ -45,8 +37,20 @@ def metadata_file(spec: ImageCaptionDataSpec) -> Path:
     return spec.path / "metadata.csv"
 
 
+def uses_caption_files(spec: ImageCaptionDataSpec) -> bool:
+    """The caption-folder layout: no ``data.metadata`` and no metadata file in the folder."""
+    return spec.metadata is None and not any((spec.path / n).is_file() for n in ("metadata.csv", "metadata.json"))
+
+
 def read_rows(spec: ImageCaptionDataSpec) -> list[Row]:
-    """Every row of the metadata file (raises ValueError naming the file and the missing column)."""
+    """Every sample, its caption with the trigger word (raises ValueError naming the file and what is missing)."""
+    rows = caption_rows(spec) if uses_caption_files(spec) else _metadata_rows(spec)
+    if not spec.trigger_word:
+        return rows
+    return [Row(r.index, r.media, with_trigger(r.prompt, spec.trigger_word), r.is_video, r.repeats) for r in rows]
+
+
+def _metadata_rows(spec: ImageCaptionDataSpec) -> list[Row]:
     file = metadata_file(spec)
     if not file.is_file():
         raise ValueError(f"{file} not found; put metadata.csv or metadata.json in data.path, or set data.metadata")
@@ -71,13 +75,40 @@ def read_rows(spec: ImageCaptionDataSpec) -> list[Row]:
 
 
 def metadata_problems(spec: ImageCaptionDataSpec) -> list[Problem]:
-    """Submit-time checks: the metadata reads, and every image opens (each bad row named, up to 10)."""
-    from PIL import Image, UnidentifiedImageError
-
+    """Submit-time checks: the metadata reads, and every image opens (each bad row named, up to 10); in a caption
+    folder every image has its caption file and opens (each bad file named, up to 10)."""
+    if uses_caption_files(spec):
+        return _caption_folder_problems(spec)
     try:
         rows = read_rows(spec)
     except (OSError, ValueError) as exc:
         return [("metadata" if spec.metadata else "path", str(exc))]
+    bad = [f"row {row.index} ({row.media.name}): {problem}" for row, problem in _unopened(rows)]
+    if bad:
+        shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        return [("path", f"{len(bad)} of {len(rows)} rows of {metadata_file(spec).name} do not open: {shown}")]
+    return []
+
+
+def _caption_folder_problems(spec: ImageCaptionDataSpec) -> list[Problem]:
+    rows, missing = scan_caption_folder(spec)
+    if not rows and not missing:
+        try:
+            caption_rows(spec)
+        except ValueError as exc:
+            return [("path", str(exc))]
+    bad = missing + [f"{row.media.relative_to(spec.path)}: {problem}" for row, problem in _unopened(rows)]
+    if bad:
+        shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        images = len(rows) + len(missing)
+        return [("path", f"{len(bad)} of {images} images in {spec.path} cannot be used: {shown}")]
+    return []
+
+
+def _unopened(rows: list[Row]) -> list[tuple[Row, str]]:
+    """Each row whose media does not open, with why."""
+    from PIL import Image, UnidentifiedImageError
+
     bad = []
     for row in rows:
         try:
@@ -87,11 +118,8 @@ def metadata_problems(spec: ImageCaptionDataSpec) -> list[Problem]:
                 with Image.open(row.media) as image:
                     image.verify()  # reads the header and structure, not the pixels
         except (OSError, ValueError, UnidentifiedImageError) as exc:
-            bad.append(f"row {row.index} ({row.media.name}): {type(exc).__name__}: {exc}")
-    if bad:
-        shown = "; ".join(bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
-        return [("path", f"{len(bad)} of {len(rows)} rows of {metadata_file(spec).name} do not open: {shown}")]
-    return []
+            bad.append((row, f"{type(exc).__name__}: {exc}"))
+    return bad
 
 
 def _check_video(path: Path) -> None:

@@ -31,7 +31,7 @@ def test_an_unknown_transformer_class_is_refused(roots, tmp_path: Path) -> None:
     problems = _problems(train_job(), roots)
     assert problems["model.path"] == (
         "transformer/config.json names class 'SD3Transformer2DModel'; supported: "
-        "QwenImageTransformer2DModel, WanTransformer3DModel"
+        "QwenImageTransformer2DModel, WanTransformer3DModel, FluxTransformer2DModel, Flux2Transformer2DModel"
     )
 
 
