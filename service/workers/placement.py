@@ -23,8 +23,13 @@ log = logging.getLogger("ferry.placement")
 
 def ranks_of(job: JobRecord) -> int:
     """The job's ``distributed.world_size`` (1 when absent; the spec was validated when it was queued)."""
+    return ranks_in(job.spec_text)
+
+
+def ranks_in(spec_text: str) -> int:
+    """``distributed.world_size`` of a queued spec's text."""
     try:
-        spec = yaml.safe_load(job.spec_text)
+        spec = yaml.safe_load(spec_text)
         size = int(((spec or {}).get("distributed") or {}).get("world_size", 1))
     except (yaml.YAMLError, AttributeError, TypeError, ValueError):
         return 1

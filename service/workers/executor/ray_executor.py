@@ -15,11 +15,14 @@ from typing import Any
 import ray
 import yaml
 from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from jobs.events import LogEvent
 from service.queue.store import JobStore
 from service.workers.executor.base import LaunchRequest, StopKind
 from service.workers.executor.remote_job import RemoteJob
+from service.workers.placement import ranks_in
 
 log = logging.getLogger("ferry.ray")
 
@@ -37,8 +40,10 @@ class RayRunHandle:
     attempt on its complete record, as for a local process.
     """
 
-    def __init__(self, actor: Any, request: LaunchRequest, store_factory: Callable[[], JobStore]) -> None:
-        self._actor, self._request = actor, request
+    def __init__(
+        self, actor: Any, request: LaunchRequest, store_factory: Callable[[], JobStore], group: Any = None
+    ) -> None:
+        self._actor, self._request, self._group = actor, request, group  # group: the job's placement group
         self.pid: int | None = None  # the remote worker's pid, known once Ray has placed the actor
         self.started_at: float | None = None  # no local process to tell apart after a restart
         self.host: str | None = None
@@ -94,6 +99,9 @@ class RayRunHandle:
             if self._code is not None:  # its process may linger idle after run() returned
                 with contextlib.suppress(RayError):
                     ray.kill(self._actor, no_restart=True)
+                if self._group is not None:  # the GPUs it reserved go back to the cluster
+                    with contextlib.suppress(RayError):
+                        remove_placement_group(self._group)
 
     def _place(self, store: JobStore) -> None:
         where = self._get(self._actor.where.remote())  # waits while Ray looks for a free GPU
@@ -152,7 +160,14 @@ class RayExecutor:
         wants_gpu = self._wants_gpu(request.spec_text)
         # Ray sets OMP_NUM_THREADS to num_cpus, so a GPU job asks for CPUs too: a CPU-offloaded optimizer
         # step runs on them.
-        resources = {"num_gpus": 1 if wants_gpu else 0, "num_cpus": self._cpus_per_job}
+        ranks = ranks_in(request.spec_text) if wants_gpu else 1
+        resources: dict[str, Any] = {"num_gpus": ranks if wants_gpu else 0, "num_cpus": self._cpus_per_job}
+        group = None
+        if ranks > 1:  # distributed.world_size: all its GPUs on one node, reserved together
+            group = placement_group(
+                rank_bundles(ranks, self._cpus_per_job), strategy="STRICT_PACK", name=f"ferry-{request.job_id}"
+            )
+            resources["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         actor = self._remote_job.options(
             **resources,
             max_concurrency=4,
@@ -160,7 +175,7 @@ class RayExecutor:
             max_task_retries=0,
             name=f"ferry-{request.job_id}-{request.attempt}",
         ).remote(request, hide_gpus=not wants_gpu)
-        handle = RayRunHandle(actor, request, self._open_store)
+        handle = RayRunHandle(actor, request, self._open_store, group)
         self._handles = [h for h in self._handles if h.exit_code() is None] + [handle]
         return handle
 
@@ -186,6 +201,16 @@ class RayExecutor:
 
     def _open_store(self) -> JobStore:
         return JobStore(self._db_path)
+
+
+def rank_bundles(ranks: int, cpus: int) -> list[dict[str, float]]:
+    """The placement group of a job of ``ranks`` GPUs: one bundle holding them all, packed on one node.
+
+    One bundle, not one per GPU: the job is one actor (its process launches the ranks, one per GPU it sees),
+    and an actor takes its resources from a single bundle. The group makes Ray reserve the GPUs together, on
+    one node, before the actor starts, and hands them back when the attempt ends.
+    """
+    return [{"GPU": float(ranks), "CPU": float(cpus)}]
 
 
 def _first_line(error: BaseException) -> str:
