@@ -59,14 +59,14 @@ def _mean_std(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return mean, std
 
 
-def _encode_mean_std(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+def _encode_mean_std(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     """Qwen-Image's and Wan's VAEs: 5-D pixels to latents normalized by the config's per-channel mean and std."""
     mode = vae.encode(pixels).latent_dist.mode()
     mean, std = _mean_std(vae, mode)
     return (mode - mean) / std
 
 
-def _decode_mean_std(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+def _decode_mean_std(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     mean, std = _mean_std(vae, latents)
     return vae.decode(latents * std + mean, return_dict=False)[0]
 
@@ -126,8 +126,8 @@ class DiffusionFamily:
     tokenizer_folder: str = "tokenizer"
     tokenizer_is_processor: bool = False
     pooled_encoder: PooledEncoder | None = None
-    encode_latents: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _encode_mean_std
-    decode_latents: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _decode_mean_std
+    encode_latents: Callable[[Any, torch.Tensor], torch.Tensor] = _encode_mean_std
+    decode_latents: Callable[[Any, torch.Tensor], torch.Tensor] = _decode_mean_std
     latent_shape: Callable[[Any, int, int, int], tuple[int, ...]] = _latent_shape_causal
     tokens_per_latent_pixel: float = 0.25
     embedded_guidance: bool = False

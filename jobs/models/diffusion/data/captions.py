@@ -48,7 +48,8 @@ def scan_caption_folder(spec: ImageCaptionDataSpec) -> tuple[list[Row], list[str
     named (``dogs/cat_01.png: no caption file cat_01.txt``)."""
     root = Path(spec.path)
     images = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    rows, missing = [], []
+    rows: list[Row] = []
+    missing: list[str] = []
     for image in images:
         caption = image.with_suffix(spec.caption_extension)
         if not caption.is_file():

@@ -24,23 +24,23 @@ if TYPE_CHECKING:
     from jobs.models.diffusion.variants import Conditioning
 
 
-def _spatial_factor(vae: nn.Module) -> int:
+def _spatial_factor(vae: Any) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
 # ---- Flux.1 -------------------------------------------------------------------------------------------
-def flux1_encode_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+def flux1_encode_latents(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     """``[B, 3, 1, H, W]`` to normalized ``[B, C, 1, H/8, W/8]``: the posterior's mode, shifted and scaled."""
     z = vae.encode(pixels[:, :, 0]).latent_dist.mode()
     return ((z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor).unsqueeze(2)
 
 
-def flux1_decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+def flux1_decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     z = latents[:, :, 0] / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
     return vae.decode(z, return_dict=False)[0].unsqueeze(2)
 
 
-def flux1_latent_shape(vae: nn.Module, frames: int, height: int, width: int) -> tuple[int, ...]:
+def flux1_latent_shape(vae: Any, frames: int, height: int, width: int) -> tuple[int, ...]:
     del frames  # images only
     factor = _spatial_factor(vae)
     return (vae.config.latent_channels, 1, height // factor, width // factor)
@@ -92,7 +92,7 @@ def _bn_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return mean, std
 
 
-def flux2_encode_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+def flux2_encode_latents(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
     """``[B, 3, 1, H, W]`` to ``[B, 4 C, 1, H/16, W/16]``: the mode, patchified, batch-norm normalized."""
     from diffusers import Flux2Pipeline
 
@@ -101,7 +101,7 @@ def flux2_encode_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     return ((z - mean) / std).unsqueeze(2)
 
 
-def flux2_decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+def flux2_decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     from diffusers import Flux2Pipeline
 
     x = latents[:, :, 0]
@@ -109,7 +109,7 @@ def flux2_decode_latents(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
     return vae.decode(Flux2Pipeline._unpatchify_latents(x * std + mean), return_dict=False)[0].unsqueeze(2)
 
 
-def flux2_latent_shape(vae: nn.Module, frames: int, height: int, width: int) -> tuple[int, ...]:
+def flux2_latent_shape(vae: Any, frames: int, height: int, width: int) -> tuple[int, ...]:
     del frames  # images only
     factor = 2 * _spatial_factor(vae)
     return (4 * vae.config.latent_channels, 1, height // factor, width // factor)

@@ -176,7 +176,13 @@ def stand_in_roots(data: dict, tmp_path: Path) -> object:
     models, datasets = tmp_path / "models", tmp_path / "data"
     model = data["model"]
     pipeline = models / model["path"]
-    (wan_pipeline if "wan" in model["path"].lower() else qwen_image_pipeline)(pipeline)
+    name = model["path"].lower()
+    if "flux" in name:
+        from tests.jobs.models.diffusion.flux_pipelines import flux1_pipeline, flux2_pipeline
+
+        (flux2_pipeline if "flux.2" in name or "flux2" in name else flux1_pipeline)(pipeline)
+    else:
+        (wan_pipeline if "wan" in name else qwen_image_pipeline)(pipeline)
     section = data["data"]
     if section["kind"] == "image_caption" and section.get("num_frames", 1) > 1:
         video_folder(datasets / section["path"], section["num_frames"])
