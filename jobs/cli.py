@@ -1,5 +1,5 @@
 """Command line: ``python -m jobs run FILE [--output DIR]``, ``validate FILE``, ``estimate FILE``, ``schema``,
-``merge CHECKPOINT [--output DIR]``."""
+``merge CHECKPOINT [--output DIR]``, ``import-axolotl FILE``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "merge":
         return _merge(args)
+    if args.command == "import-axolotl":
+        return _import_axolotl(args.file)
     try:
         spec, text = _load(args)
     except (JobSpecError, OSError) as error:
@@ -125,7 +127,24 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint", type=Path, help="a checkpoint directory of a LoRA job")
     merge.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-merged")
     merge.add_argument("--no-archive", action="store_true", help="do not also write <output>.tar")
+    imported = commands.add_parser("import-axolotl", help="print an axolotl config as a Ferry spec (YAML)")
+    imported.add_argument("file", type=Path, help="the axolotl YAML config")
     return parser
+
+
+def _import_axolotl(file: Path) -> int:
+    """The Ferry spec on stdout (keys it cannot honour as comments at its top), and those keys on stderr."""
+    from jobs.spec.axolotl import convert_axolotl
+
+    try:
+        converted = convert_axolotl(file.read_text())
+    except (ValueError, OSError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    for warning in converted.warnings:
+        print(f"not honoured: {warning}", file=sys.stderr)
+    print(converted.to_yaml(), end="")
+    return 0
 
 
 def _merge(args: argparse.Namespace) -> int:
