@@ -168,7 +168,7 @@ def precompute_modulation(
             for stream, name in enumerate(STREAMS):
                 sequential = getattr(block, name)
                 _, _, linear = _base_linear(sequential[1], sequential)
-                weight, bias = linear.weight.to(device), None if linear.bias is None else linear.bias.to(device)
+                weight, bias = _plain(linear.weight.to(device)), None if linear.bias is None else linear.bias.to(device)
                 # One row at a time: the call a batch of one makes in training, so its values are bitwise the same.
                 out = torch.cat([F.linear(sequential[0](t), weight, bias) for t in temb]).cpu()
                 if rows is None:
@@ -233,3 +233,12 @@ def _on(module: nn.Module, device: torch.device) -> Iterator[None]:
     finally:
         for param, data in saved:
             param.data = data
+
+
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    """A quantized (torchao) weight dequantized once, so the row-by-row calls below do not each dequantize it
+    again; a plain weight as it is. torchao's NF4 and affine tensors name the method differently."""
+    for method in ("get_original_weight", "dequantize"):
+        if type(weight).__module__.startswith("torchao.") and hasattr(weight, method):
+            return getattr(weight, method)()
+    return weight

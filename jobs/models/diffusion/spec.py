@@ -32,6 +32,9 @@ class DiffusersTransformerSpec(Section):
     dtype: Dtype = "bfloat16"
     text_encoder_dtype: Dtype | None = Field(None, description="default: dtype")
     vae_dtype: Dtype = Field("float32", description="the VAE encodes and decodes in this dtype")
+    quantize: Literal["nf4", "int8"] | None = Field(
+        None, description="store, stream and keep the DiT's frozen linear weights quantized (QLoRA); needs lora"
+    )
     precompute_modulation: bool | None = Field(
         None,
         description="Qwen-Image: compute every block's timestep modulation (img_mod.1, txt_mod.1: a third of the "

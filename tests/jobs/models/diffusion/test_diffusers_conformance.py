@@ -20,8 +20,6 @@ import pytest
 import torch
 
 from jobs import PathRoots, run_job
-from jobs.errors import JobSpecError
-from jobs.models.diffusion.spec import DiffusersTransformerSpec
 from tests.jobs.helpers import losses_and_saved
 from tests.jobs.models.diffusion.conftest import SIZES
 from tests.jobs.models.diffusion.helpers import cache_job, spec_from, train_job
@@ -82,12 +80,6 @@ def test_offloaded_lora_equals_resident_lora(family: str, sharded_roots: PathRoo
     assert all(torch.equal(value, expected_adapter[name]) for name, value in adapter.items())
 
 
-@pytest.mark.xfail(
-    "quantize" not in DiffusersTransformerSpec.model_fields,
-    raises=JobSpecError,
-    strict=True,
-    reason="the diffusers_transformer model section has no quantize field yet (the engine path under it trains)",
-)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_qlora_trains(family: str, sharded_roots: PathRoots, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("torchao")
