@@ -32,6 +32,7 @@ from offload.quant.quantized import METHODS, quantizable, quantizer, set_quantiz
 
 log = logging.getLogger(__name__)
 
+QUANTIZING_AT_ONCE = 2
 Initializer = Callable[[str, torch.Tensor, torch.Tensor], None]  # (name, meta tensor, host copy to fill)
 DenseValues = Callable[[str, torch.Tensor], torch.Tensor]  # (name, dense meta weight) -> its values, any device
 
@@ -104,6 +105,9 @@ class QuantizingFill:
         self.stored_bytes = 0  # quantized bytes written into the arena
         self.quantize_seconds = 0.0  # time inside torchao's quantization (summed over threads)
         self._lock = threading.Lock()
+        # Reads run in as many threads as the loader has; quantizations two at a time: each holds the dense
+        # weight and torchao's temporaries (about twice its bytes) on the device, under the job's memory limit.
+        self._quantizing = threading.Semaphore(QUANTIZING_AT_ONCE)
 
     def __call__(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
         original = self.placeholders.get(id(tensor))
@@ -114,17 +118,20 @@ class QuantizingFill:
         self.run(lambda: self._quantize_into(name, tensor, original, host))
 
     def _quantize_into(self, name: str, placeholder: torch.Tensor, original: torch.Tensor, host: torch.Tensor) -> None:
-        dense = self.dense_values(name, original).to(self.device).contiguous()
-        started = time.perf_counter()
-        quantized = self.quantize(dense)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # a sync point: the kernels' time, not their launch
-        seconds = time.perf_counter() - started
-        expected = [(n, t.shape, t.dtype) for n, t in inner_tensors(placeholder)]
-        actual = [(n, t.shape, t.dtype) for n, t in inner_tensors(quantized)]
-        assert actual == expected, f"{name}: quantized to {actual}, planned as {expected}"
-        del dense  # the dense weight goes before the next one is read
-        QuantizedPayload(quantized, host)  # copies the inner tensors into the payload's views (device -> pinned)
+        values = self.dense_values(name, original)
+        with self._quantizing:
+            dense = values.to(self.device).contiguous()
+            del values
+            started = time.perf_counter()
+            quantized = self.quantize(dense)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # a sync point: the kernels' time, not launches
+            seconds = time.perf_counter() - started
+            del dense  # the dense weight goes before the next one is read
+            expected = [(n, t.shape, t.dtype) for n, t in inner_tensors(placeholder)]
+            actual = [(n, t.shape, t.dtype) for n, t in inner_tensors(quantized)]
+            assert actual == expected, f"{name}: quantized to {actual}, planned as {expected}"
+            QuantizedPayload(quantized, host)  # copies the inner tensors into the payload's views (device -> pinned)
         with self._lock:
             self.dense_bytes += original.numel() * original.element_size()
             self.stored_bytes += host.numel() * host.element_size()
