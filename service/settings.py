@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
 
     max_body_bytes: int = Field(1_048_576, ge=1024)
+    # POST /v1/files streams an upload to disk (<storage_dir>/uploads) up to this many bytes, past max_body_bytes.
+    max_upload_bytes: int = Field(512 << 20, ge=1024)
     max_yaml_depth: int = Field(32, ge=2)
     max_yaml_nodes: int = Field(20_000, ge=10)  # after alias expansion
     max_queued_jobs: int = Field(100, ge=1)
@@ -141,6 +143,12 @@ class Settings(BaseSettings):
         return self.jobs_dir / job_id
 
     @property
+    def uploads_dir(self) -> Path:
+        """Where ``POST /v1/files`` keeps uploads (``file-<id>/<name>``); always a data root, so that a spec names
+        an upload by its id (``data: {path: file-<id>}``)."""
+        return self.storage_dir / "uploads"
+
+    @property
     def effective_model_roots(self) -> list[Path]:
         """The configured model roots, or ``<storage_dir>/models`` when none is."""
         return self.model_roots or default_model_roots(self.storage_dir)  # python -m jobs defaults to them too
@@ -148,5 +156,7 @@ class Settings(BaseSettings):
     @property
     def effective_data_roots(self) -> list[Path]:
         """The configured data roots, or ``<storage_dir>/datasets`` and the example data shipped in a source
-        checkout (``configs/data``, so the example configs submit as shipped) when none is."""
-        return self.data_roots or default_data_roots(self.storage_dir)
+        checkout (``configs/data``, so the example configs submit as shipped) when none is; and the uploads
+        directory either way."""
+        configured = self.data_roots or default_data_roots(self.storage_dir)
+        return [*configured, self.uploads_dir]

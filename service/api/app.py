@@ -15,11 +15,13 @@ from service.api.access import AccessMiddleware
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.errors import install_error_handlers
 from service.api.job_answers import JobAnswers
-from service.api.routes import checkpoints, events, health, jobs, samples, workers
+from service.api.routes import checkpoints, conversions, events, files, fine_tuning, health, jobs, samples, workers
 from service.checking.checker import SpecChecker, SpecCheckerProcess
 from service.dashboard import mount_dashboard
 from service.queue.data_dir import DataDirLock, make_private
 from service.queue.disk import ensure_reserve
+from service.queue.files import FileStore
+from service.queue.fine_tuning import FineTuningStore
 from service.queue.store import JobStore
 from service.settings import Settings
 from service.workers.devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
@@ -66,6 +68,7 @@ def create_app(
         scheduler = Scheduler(store, runner, slots, settings)
         app.state.settings, app.state.store, app.state.scheduler = settings, store, scheduler
         app.state.gpu_monitor, app.state.spec_checker = gpu_monitor, checker
+        app.state.files, app.state.fine_tuning = FileStore(store.db), FineTuningStore(store.db)
         scheduler.start()
         log.info("Ferry ready: data in %s, workers %s", settings.data_dir.resolve(), [s.id for s in slots])
         # What start-up built (modules, routes, pydantic's validators) lives as long as the server: out of
@@ -98,7 +101,8 @@ def create_app(
         telemetry={"tracing": False, "metrics": False, "logs": False},
         openapi_url=None,  # set below, after the API's routes: FastAPI matches routes in order
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    uploads = {"/v1/files": (settings.max_upload_bytes, "FERRY_MAX_UPLOAD_BYTES")}  # uploads have a limit of their own
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, path_limits=uploads)
     token = settings.api_token.get_secret_value() if settings.api_token else None
     app.add_middleware(AccessMiddleware, token=token)  # outermost: peer and token before anything reads the request
     install_error_handlers(app)
@@ -107,7 +111,7 @@ def create_app(
     # Straight into the app, not through a /v1 router of their own: FastAPI matches an included router's
     # routes level by level, and a level costs each request a measurable share (bench/profile_requests.py).
     # The token is checked by AccessMiddleware.
-    for module in (jobs, events, samples, checkpoints, workers):
+    for module in (jobs, events, samples, checkpoints, workers, files, fine_tuning, conversions):
         app.include_router(module.router, prefix="/v1")
     app.include_router(health.router)
     app.include_router(health.metrics_router)

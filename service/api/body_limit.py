@@ -12,18 +12,24 @@ class _TooLarge(Exception):
 
 
 class BodyLimitMiddleware:
-    """Pure ASGI: checks Content-Length up front and counts chunked bodies as they arrive."""
+    """Pure ASGI: checks Content-Length up front and counts chunked bodies as they arrive.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    ``path_limits`` gives a path a limit of its own, with the setting that raises it (the uploads route:
+    ``{"/v1/files": (max_upload_bytes, "FERRY_MAX_UPLOAD_BYTES")}``).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, *, path_limits: dict[str, tuple[int, str]] | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):  # no route reads a GET's body
             await self.app(scope, receive, send)
             return
+        limit, setting = self.path_limits.get(scope["path"], (self.max_bytes, "FERRY_MAX_BODY_BYTES"))
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(send, limit, setting)
             return
         received = 0
         started = False
@@ -33,7 +39,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     raise _TooLarge
             return message
 
@@ -46,13 +52,11 @@ class BodyLimitMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, limit, setting)
 
-    async def _refuse(self, send: Send) -> None:
-        message = (
-            f"The request body is larger than {self.max_bytes} bytes; send a smaller spec "
-            "or raise FERRY_MAX_BODY_BYTES."
-        )
+    async def _refuse(self, send: Send, limit: int, setting: str) -> None:
+        what = "file" if setting != "FERRY_MAX_BODY_BYTES" else "spec"
+        message = f"The request body is larger than {limit} bytes; send a smaller {what} or raise {setting}."
         body = json.dumps({"error": {"code": "body_too_large", "message": message}}).encode()
         await send(
             {

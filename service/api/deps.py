@@ -8,6 +8,8 @@ from fastapi import Depends, Request
 
 from service.api.job_answers import JobAnswers
 from service.checking.checker import SpecChecker
+from service.queue.files import FileStore
+from service.queue.fine_tuning import FineTuningStore
 from service.queue.store import JobStore
 from service.settings import Settings
 from service.workers.devices import GpuMonitor
@@ -34,6 +36,14 @@ async def get_store(request: Request) -> JobStore:
     return store_of(request)
 
 
+async def get_files(request: Request) -> FileStore:
+    return request.app.state.files
+
+
+async def get_fine_tuning(request: Request) -> FineTuningStore:
+    return request.app.state.fine_tuning
+
+
 async def get_scheduler(request: Request) -> Scheduler:
     return request.app.state.scheduler
 
@@ -54,6 +64,8 @@ async def read_body(request: Request) -> bytes:
 SpecBody = Annotated[bytes, Depends(read_body)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[JobStore, Depends(get_store)]
+FilesDep = Annotated[FileStore, Depends(get_files)]
+FineTuningDep = Annotated[FineTuningStore, Depends(get_fine_tuning)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 GpuMonitorDep = Annotated[GpuMonitor, Depends(get_gpu_monitor)]
 SpecCheckerDep = Annotated[SpecChecker, Depends(get_spec_checker)]

@@ -7,21 +7,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jobs.spec.axolotl import AxolotlConversion, convert_axolotl
 from service.api.errors import ApiError
+from service.checking.yaml_guard import YamlShapeError, check_yaml_shape
 
 YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain"})
 JSON_TYPES = frozenset({"application/json"})
+AXOLOTL_TYPE = "application/x-axolotl+yaml"  # an axolotl config, converted to a spec first (jobs/spec/axolotl.py)
 
 
 def spec_text_from_body(body: bytes, content_type: str | None) -> str:
     """The spec as text; JSON is accepted as is because JSON is YAML."""
     media_type = (content_type or "application/yaml").split(";")[0].strip().lower()
-    if media_type not in YAML_TYPES | JSON_TYPES:
+    if media_type not in YAML_TYPES | JSON_TYPES | {AXOLOTL_TYPE}:
         raise ApiError(
             415,
             "unsupported_media_type",
             f"Content-Type {media_type!r} is not accepted; send the spec as application/yaml "
-            "(or text/yaml) or as application/json.",
+            f"(or text/yaml) or as application/json, or an axolotl config as {AXOLOTL_TYPE}.",
         )
     try:
         text = body.decode("utf-8")
@@ -35,7 +38,23 @@ def spec_text_from_body(body: bytes, content_type: str | None) -> str:
         )
     if media_type in JSON_TYPES:
         _check_json(text)
+    if media_type == AXOLOTL_TYPE:
+        return axolotl_conversion(text).to_yaml()
     return text
+
+
+def axolotl_conversion(text: str, *, max_depth: int = 32, max_nodes: int = 20_000) -> AxolotlConversion:
+    """The Ferry spec of an axolotl config (the keys it cannot honour become comments in its text), or a 422.
+
+    The config is read here, in the API process, so its shape is checked before it is expanded (yaml_guard.py);
+    the limits are the settings' defaults unless given."""
+    try:
+        check_yaml_shape(text, max_depth=max_depth, max_nodes=max_nodes)
+        return convert_axolotl(text)
+    except YamlShapeError as error:
+        raise spec_error([{"path": "", "message": error.message, "line": error.line, "suggestion": None}]) from None
+    except ValueError as error:
+        raise spec_error([{"path": "", "message": str(error), "line": None, "suggestion": None}]) from None
 
 
 def _check_json(text: str) -> None:

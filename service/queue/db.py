@@ -49,6 +49,29 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 CREATE INDEX IF NOT EXISTS events_by_job_type ON events (job_id, type, id);
+CREATE TABLE IF NOT EXISTS files (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,       -- list order and cursor
+    id         TEXT NOT NULL UNIQUE,                    -- file-<hex>, as a spec names it (data.path)
+    filename   TEXT NOT NULL,                           -- as uploaded
+    purpose    TEXT NOT NULL,
+    bytes      INTEGER NOT NULL,
+    sha256     TEXT NOT NULL,
+    path       TEXT NOT NULL,                           -- under the uploads directory: <id>/<safe name>
+    format     TEXT,                                    -- a checked fine-tuning file: 'chat' or 'preference'
+    rows       INTEGER,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS fine_tuning_jobs (
+    job_id          TEXT PRIMARY KEY,                   -- the Ferry job it created (jobs.id)
+    model           TEXT NOT NULL,
+    training_file   TEXT NOT NULL,
+    validation_file TEXT,
+    suffix          TEXT,
+    seed            INTEGER NOT NULL,
+    method_json     TEXT NOT NULL,                      -- {type, <type>: {hyperparameters}}, as resolved
+    metadata_json   TEXT,
+    created_at      REAL NOT NULL
+);
 """
 
 

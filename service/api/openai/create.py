@@ -1,0 +1,188 @@
+"""An OpenAI fine-tuning request (``POST /v1/fine_tuning/jobs``) as a Ferry job spec.
+
+What OpenAI's request names maps onto the spec; what it leaves to the server takes Ferry's defaults:
+
+- ``model``: a Hugging Face model directory under a model root (``model: {kind: hf_causal_lm, path}``), its
+  tokenizer read from the same directory;
+- ``training_file`` / ``validation_file``: uploaded files (``data.path`` / ``eval.path`` name them by id);
+  a chat file trains ``data.format: chat``, a preference file ``data.format: preference``;
+- ``hyperparameters`` (or ``method.<type>.hyperparameters``): ``n_epochs`` → ``training.epochs`` (auto: 3),
+  ``batch_size`` → ``training.batch_size`` (auto: Ferry's 1), ``learning_rate_multiplier`` → ``training.learning_rate``
+  as a multiple of Ferry's 1e-4 (auto: 1); DPO's ``beta`` → ``training.dpo.beta`` (auto: 0.1);
+- ``seed`` → ``training.seed`` (a random one when absent, shown on the job); ``suffix`` names the job;
+- LoRA on ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` at Ferry's rank, no offload, the fit check on;
+- ``ferry``: anything else, as spec sections merged over the above (``{lora: null}`` trains in full,
+  ``{offload: {enable_model_cpu_offload: true}}`` streams the weights).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.api.errors import ApiError
+
+BASE_LEARNING_RATE = 1e-4  # Ferry's training.learning_rate, which learning_rate_multiplier scales
+AUTO_EPOCHS = 3
+AUTO_BETA = 0.1
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # Llama, Qwen, Mistral and Gemma name them so
+FILE_ID = r"^file-[0-9a-f]{1,64}$"
+Auto = Literal["auto"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Hyperparameters(_Body):
+    n_epochs: int | Auto | None = Field("auto", description="auto: 3")
+    batch_size: int | Auto | None = Field("auto", description="auto: Ferry's training.batch_size (1)")
+    learning_rate_multiplier: float | Auto | None = Field("auto", description="times Ferry's 1e-4; auto: 1")
+
+
+class DpoHyperparameters(Hyperparameters):
+    beta: float | Auto | None = Field("auto", description="auto: 0.1")
+
+
+class Supervised(_Body):
+    hyperparameters: Hyperparameters = Hyperparameters()
+
+
+class Dpo(_Body):
+    hyperparameters: DpoHyperparameters = DpoHyperparameters()
+
+
+class Method(_Body):
+    type: Literal["supervised", "dpo"]
+    supervised: Supervised | None = None
+    dpo: Dpo | None = None
+
+
+class FineTuningCreate(_Body):
+    """The body of ``POST /v1/fine_tuning/jobs``: OpenAI's fields, and ``ferry`` for spec sections."""
+
+    model: str = Field(min_length=1, max_length=255, description="a model directory under a model root")
+    training_file: str = Field(pattern=FILE_ID)
+    validation_file: str | None = Field(None, pattern=FILE_ID)
+    suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]*$")
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    integrations: list[Any] | None = None
+    ferry: dict[str, Any] | None = Field(None, description="spec sections merged over the translated spec")
+
+    @property
+    def method_type(self) -> str:
+        return self.method.type if self.method else "supervised"
+
+    def chosen_hyperparameters(self) -> Hyperparameters:
+        """The method's hyperparameters, or the top-level ones (OpenAI's older form)."""
+        section = getattr(self.method, self.method_type, None) if self.method else None
+        return section.hyperparameters if section else (self.hyperparameters or Hyperparameters())
+
+
+def parse_create(body: bytes) -> FineTuningCreate:
+    """The request, or a 400 naming the first bad parameter."""
+    try:
+        return FineTuningCreate.model_validate_json(body or b"{}")
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        raise request_error(param, message) from None
+
+
+def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: int) -> dict[str, Any]:
+    """The Ferry spec for ``create`` (see the module docstring), ``ferry`` merged over it."""
+    _refuse_unsupported(create, training_format)
+    chosen = create.chosen_hyperparameters()
+    training: dict[str, Any] = {"epochs": _given(chosen.n_epochs, AUTO_EPOCHS), "seed": seed}
+    if isinstance(chosen.batch_size, int):
+        training["batch_size"] = chosen.batch_size
+    training["learning_rate"] = BASE_LEARNING_RATE * _given(chosen.learning_rate_multiplier, 1.0)
+    if create.method_type == "dpo":
+        beta = _given(getattr(chosen, "beta", None), AUTO_BETA)
+        training.update(objective="dpo", dpo={"beta": beta})
+    spec: dict[str, Any] = {
+        "name": _name(create),
+        "model": {"kind": "hf_causal_lm", "path": create.model},
+        "data": {
+            "kind": "text",
+            "path": create.training_file,
+            "format": "preference" if create.method_type == "dpo" else "chat",
+            "tokenizer": {"kind": "hf", "path": create.model},
+        },
+        "lora": {"target_modules": list(LORA_TARGETS)},
+        "training": training,
+    }
+    if create.validation_file:
+        spec["eval"] = {"path": create.validation_file}
+    return merge(spec, create.ferry or {})
+
+
+def resolved_method(create: FineTuningCreate, spec: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``method`` with the values the job trains with (``auto`` resolved, ``ferry`` applied)."""
+    training = spec.get("training") or {}
+    hyperparameters: dict[str, Any] = {
+        "n_epochs": training.get("epochs", "auto"),
+        "batch_size": training.get("batch_size", 1),
+        "learning_rate_multiplier": training.get("learning_rate", BASE_LEARNING_RATE) / BASE_LEARNING_RATE,
+    }
+    if create.method_type == "dpo":
+        hyperparameters["beta"] = (training.get("dpo") or {}).get("beta", AUTO_BETA)
+    return {"type": create.method_type, create.method_type: {"hyperparameters": hyperparameters}}
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` over ``base``, mappings merged key by key; a ``None`` value removes the key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def new_seed() -> int:
+    return secrets.randbelow(2**31)
+
+
+def _refuse_unsupported(create: FineTuningCreate, training_format: str | None) -> None:
+    if create.integrations:
+        raise _bad("integrations", "integrations are not supported; set ferry: {tracking: {wandb: {...}}} instead")
+    if create.method and create.method.type != "supervised" and create.hyperparameters:
+        raise _bad("hyperparameters", "give a dpo job's hyperparameters in method.dpo.hyperparameters")
+    wanted = "preference" if create.method_type == "dpo" else "chat"
+    if training_format is not None and training_format != wanted:
+        raise _bad(
+            "training_file",
+            f"holds {training_format} rows; a {create.method_type} job trains on {wanted} rows "
+            + ("(input, preferred_output, non_preferred_output)" if wanted == "preference" else "(messages)"),
+        )
+
+
+def _given(value: Any, auto: Any) -> Any:
+    return auto if value is None or value == "auto" else value
+
+
+def _name(create: FineTuningCreate) -> str:
+    stem = create.suffix or create.model.rstrip("/").rsplit("/", 1)[-1]
+    return ("ft-" + re.sub(r"[^A-Za-z0-9._-]+", "-", stem))[:128]
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return request_error(param, f"{param}: {message}")
+
+
+def request_error(param: str | None, message: str) -> ApiError:
+    """A 400 naming the request's ``param`` (``@param`` as its problem's path: see ``errors.param_of``)."""
+    return ApiError(
+        400, "invalid_request", message, problems=[{"path": f"@{param}" if param else "", "message": message}]
+    )

@@ -1,0 +1,92 @@
+"""OpenAI's error envelope, ``{"error": {"message", "type", "param", "code"}}``, on the routes that speak its API.
+
+``OpenAIRoute`` (a router's ``route_class``) answers every refusal of its routes in that envelope: Ferry's own
+errors (``ApiError``, an unknown job, a refused transition) and a request FastAPI could not validate. A refused
+request is a 400, as OpenAI answers one; the ``code`` is Ferry's (``invalid_spec``, ``does_not_fit``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+
+from service.api.errors import ApiError
+from service.queue.status import IllegalTransition
+from service.queue.store import JobNotFound
+
+# What OpenAI calls each kind of refusal.
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+# A spec path that names what the request set, as the request's parameter.
+_PARAMS = {
+    "data.path": "training_file",
+    "eval.path": "validation_file",
+    "model.path": "model",
+    "data.tokenizer.path": "model",
+    "training.epochs": "hyperparameters.n_epochs",
+    "training.batch_size": "hyperparameters.batch_size",
+    "training.learning_rate": "hyperparameters.learning_rate_multiplier",
+    "training.seed": "seed",
+}
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """Every refusal on the OpenAI-compatible routes."""
+
+    error: OpenAIErrorDetail
+
+
+def openai_error(status_code: int, message: str, *, code: str | None, param: str | None = None) -> Response:
+    status_code = 400 if status_code == 422 else status_code
+    kind = _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return Response(json.dumps(body, ensure_ascii=True), status_code=status_code, media_type="application/json")
+
+
+def param_of(problems: list[dict[str, Any]] | None) -> str | None:
+    """The request parameter behind the first spec problem: a spec path the request set, else ``ferry.<path>``."""
+    if not problems:
+        return None
+    path = str(problems[0].get("path") or "")
+    if path.startswith("@"):  # a request parameter itself (create.request_error)
+        return path[1:]
+    return _PARAMS.get(path) or (f"ferry.{path}" if path else None)
+
+
+class OpenAIRoute(APIRoute):
+    """A route whose refusals are OpenAI's error envelope."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answer(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as error:
+                response = openai_error(
+                    error.status_code, error.message, code=error.code, param=param_of(error.problems)
+                )
+                response.headers.update(error.headers or {})
+                return response
+            except JobNotFound as error:
+                return openai_error(404, str(error), code="not_found")
+            except IllegalTransition as error:
+                return openai_error(409, str(error), code="illegal_transition")
+            except RequestValidationError as error:
+                first = error.errors()[0]
+                param = ".".join(str(p) for p in first["loc"][1:]) or None
+                return openai_error(400, f"{param or 'request'}: {first['msg']}", code="invalid_request", param=param)
+
+        return answer

@@ -1,0 +1,218 @@
+"""/v1/fine_tuning/jobs: OpenAI's fine-tuning API over Ferry's queue (create, list, retrieve, cancel, pause, resume,
+events, checkpoints), in OpenAI's object shapes and error envelope.
+
+A created job is an ordinary Ferry job (``/v1/jobs/<id>`` shows it too): the request becomes a spec
+(``openai/create.py``), checked as any submission is, and queued. ``fine_tuning_jobs`` remembers the request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import datetime
+from typing import Annotated, Any
+
+import yaml
+from fastapi import APIRouter, Header, Query
+
+from jobs.checkpoints.directory import list_checkpoints
+from service.api.deps import (
+    FilesDep,
+    FineTuningDep,
+    GpuMonitorDep,
+    SchedulerDep,
+    SettingsDep,
+    SpecBody,
+    SpecCheckerDep,
+    StoreDep,
+)
+from service.api.errors import ApiError
+from service.api.openai.create import build_spec, new_seed, parse_create, request_error, resolved_method
+from service.api.openai.errors import OpenAIErrorBody, OpenAIRoute
+from service.api.openai.shapes import CheckpointPublic, EventPublic, FineTuningJobPublic, ListPage, checkpoint_id
+from service.checking.messages import CheckRequest
+from service.queue.disk import refuse_if_disk_low
+from service.queue.files import FileNotFound, FileStore
+from service.queue.fine_tuning import FineTuningRecord
+from service.queue.store import IdempotencyConflict, QueueFull
+
+router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning (OpenAI-compatible)"], route_class=OpenAIRoute)
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": OpenAIErrorBody},
+    404: {"model": OpenAIErrorBody},
+    409: {"model": OpenAIErrorBody},
+}
+_CREATE_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+@router.post("", openapi_extra=_CREATE_BODY, responses={**_ERRORS, 429: {"model": OpenAIErrorBody}})
+def create_fine_tuning_job(
+    body: SpecBody,
+    store: StoreDep,
+    files: FilesDep,
+    fine_tuning: FineTuningDep,
+    scheduler: SchedulerDep,
+    settings: SettingsDep,
+    gpus: GpuMonitorDep,
+    checker: SpecCheckerDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> FineTuningJobPublic:
+    """Create a fine-tuning job from uploaded files; it is checked as ``POST /v1/jobs`` checks a spec, then queued."""
+    create = parse_create(body)
+    training = _uploaded(files, create.training_file, "training_file")
+    if create.validation_file:
+        _uploaded(files, create.validation_file, "validation_file")
+    seed = create.seed if create.seed is not None else new_seed()
+    spec = build_spec(create, training_format=training.format, seed=seed)
+    text = yaml.safe_dump(spec, sort_keys=False)
+    checked = checker.check(
+        CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=False, fit="refuse")
+    )
+    refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
+    if checked.refusal is not None:
+        raise checked.refusal.error()
+    try:
+        job, created = store.create_job(
+            job_id=f"job-{secrets.token_hex(6)}",
+            name=checked.name,
+            spec_text=text,
+            spec=checked.spec,
+            idempotency_key=idempotency_key,
+            request_sha256=hashlib.sha256(body).hexdigest(),
+            max_queued=settings.max_queued_jobs,
+        )
+    except QueueFull:
+        raise ApiError(
+            429,
+            "queue_full",
+            f"The queue already holds {settings.max_queued_jobs} jobs; try again later.",
+            headers={"Retry-After": "10"},
+        ) from None
+    except IdempotencyConflict:
+        raise request_error(
+            None, f"Idempotency-Key {idempotency_key!r} was already used with another request."
+        ) from None
+    if created:
+        record = FineTuningRecord(
+            job_id=job.id,
+            model=create.model,
+            training_file=create.training_file,
+            validation_file=create.validation_file,
+            suffix=create.suffix,
+            seed=seed,
+            method=resolved_method(create, spec),
+            metadata=create.metadata,
+            created_at=job.created_at,
+        )
+        fine_tuning.add(record)
+        scheduler.wake()
+    return FineTuningJobPublic.of(*fine_tuning.get(job.id))
+
+
+@router.get("", responses=_ERRORS)
+def list_fine_tuning_jobs(
+    fine_tuning: FineTuningDep,
+    after: Annotated[str | None, Query(max_length=64, description="the last job id of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> ListPage:
+    """Jobs created through this API, newest first."""
+    jobs, has_more = fine_tuning.page(after=after, limit=limit)
+    return ListPage.of([FineTuningJobPublic.of(request, job) for request, job in jobs], has_more)
+
+
+@router.get("/{job_id}", responses=_ERRORS)
+def retrieve_fine_tuning_job(job_id: str, fine_tuning: FineTuningDep) -> FineTuningJobPublic:
+    """One job, OpenAI's shape (``GET /v1/jobs/<id>`` has Ferry's, with progress and memory)."""
+    return FineTuningJobPublic.of(*fine_tuning.get(job_id))
+
+
+@router.post("/{job_id}/cancel", responses=_ERRORS)
+def cancel_fine_tuning_job(
+    job_id: str, store: StoreDep, fine_tuning: FineTuningDep, scheduler: SchedulerDep
+) -> FineTuningJobPublic:
+    """Cancel; a running job stops within FERRY_CANCEL_GRACE_S (``ferry.stop_requested``: cancel meanwhile)."""
+    fine_tuning.get(job_id)
+    store.cancel(job_id)
+    scheduler.wake()
+    return FineTuningJobPublic.of(*fine_tuning.get(job_id))
+
+
+@router.post("/{job_id}/pause", responses=_ERRORS)
+def pause_fine_tuning_job(
+    job_id: str, store: StoreDep, fine_tuning: FineTuningDep, scheduler: SchedulerDep
+) -> FineTuningJobPublic:
+    """Pause: a running job checkpoints at its next step and frees its worker (status ``paused``)."""
+    fine_tuning.get(job_id)
+    store.pause(job_id)
+    scheduler.wake()
+    return FineTuningJobPublic.of(*fine_tuning.get(job_id))
+
+
+@router.post("/{job_id}/resume", responses=_ERRORS)
+def resume_fine_tuning_job(
+    job_id: str, store: StoreDep, fine_tuning: FineTuningDep, scheduler: SchedulerDep, settings: SettingsDep
+) -> FineTuningJobPublic:
+    """Queue a paused (or failed) job again; it continues from its last checkpoint."""
+    fine_tuning.get(job_id)
+    refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
+    store.resume(job_id)
+    scheduler.wake()
+    return FineTuningJobPublic.of(*fine_tuning.get(job_id))
+
+
+@router.get("/{job_id}/events", responses=_ERRORS)
+def list_fine_tuning_events(
+    job_id: str,
+    fine_tuning: FineTuningDep,
+    after: Annotated[
+        str | None, Query(pattern=r"^(ftevent-)?[0-9]{1,18}$", description="the last event id seen")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+) -> ListPage:
+    """The job's events newest first, as OpenAI lists them; ``after`` pages back to older ones. Steps are
+    ``metrics`` events (``data.train_loss``), status changes, checkpoints and errors ``message`` events."""
+    fine_tuning.get(job_id)
+    before = int(after.removeprefix("ftevent-")) if after else None
+    events, has_more = fine_tuning.events_page(job_id, before=before, limit=limit)
+    return ListPage.of([EventPublic.of(e) for e in events], has_more)
+
+
+@router.get("/{job_id}/checkpoints", responses=_ERRORS)
+def list_fine_tuning_checkpoints(
+    job_id: str,
+    fine_tuning: FineTuningDep,
+    settings: SettingsDep,
+    after: Annotated[
+        str | None, Query(max_length=100, description="the last checkpoint id of the previous page")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 10,
+) -> ListPage:
+    """The job's complete checkpoints, newest first; ``ferry.url`` lists each one's files for download."""
+    request, _ = fine_tuning.get(job_id)
+    output = settings.job_dir(job_id) / "output"
+    found = list(reversed(list_checkpoints(output))) if output.exists() else []
+    if after is not None:
+        ids = [checkpoint_id(job_id, info.step) for info in found]
+        found = found[ids.index(after) + 1 :] if after in ids else []
+    page, has_more = found[:limit], len(found) > limit
+    losses = fine_tuning.step_losses(job_id, [info.step for info in page])
+    data = [
+        CheckpointPublic.of(request, info, losses.get(info.step), datetime.fromisoformat(info.created).timestamp())
+        for info in page
+    ]
+    return ListPage.of(data, has_more)
+
+
+def _uploaded(files: FileStore, file_id: str, param: str) -> Any:
+    try:
+        record = files.get(file_id)
+    except FileNotFound:
+        raise request_error(
+            param, f"{param}: no uploaded file {file_id!r}; upload it with POST /v1/files first."
+        ) from None
+    if record.purpose != "fine-tune":
+        raise request_error(
+            param,
+            f"{param}: file {file_id} was uploaded with purpose {record.purpose!r}; upload it with purpose 'fine-tune'.",
+        )
+    return record

@@ -1,0 +1,138 @@
+"""The row check of a fine-tuning upload: every JSONL row a chat conversation, or every row a preference pair.
+
+It runs in the API process, so it reads JSON and nothing else (no tokenizer, no torch); the rules are those the
+job's own data check applies at submit (``jobs/data/chat.py``, ``jobs/data/preference.py``), so a file accepted
+here is not refused there for its layout. What needs the tokenizer (the chat template) is checked at job creation.
+
+Example:
+    checked = check_fine_tuning_rows(Path("train.jsonl"))   # FileRows(format="chat", rows=120)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+ROLES = ("system", "user", "assistant", "tool", "developer")  # as jobs/data/chat.py reads them
+OPENAI_PAIR = ("input", "preferred_output", "non_preferred_output")  # OpenAI's DPO layout
+TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
+
+Format = Literal["chat", "preference"]
+
+
+class RowProblem(ValueError):
+    """A row that does not fit: its 1-based line, the offending field and why."""
+
+    def __init__(self, row: int, field: str, message: str) -> None:
+        where = f"field '{field}'" if field else "the row"
+        super().__init__(f"row {row}: {where}: {message}")
+        self.row, self.field, self.message = row, field, message
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """A checked fine-tuning file: the layout of its rows and how many there are."""
+
+    format: Format
+    rows: int
+
+
+def check_fine_tuning_rows(path: Path) -> FileRows:
+    """Check every row of the JSONL file at ``path``; the first bad one raises.
+
+    Raises:
+        RowProblem: naming the row (its line) and the field, e.g. ``row 3: field 'messages[1].role': ...``.
+    """
+    layout: Format | None = None
+    count = 0
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            record = _parse(line, number)
+            kind = _layout(record, number)
+            if layout is not None and kind != layout:
+                raise RowProblem(number, "", f"is a {kind} row in a file whose first row is a {layout} row")
+            layout = kind
+            try:
+                _check_pair(record) if kind == "preference" else _messages(record.get("messages"), "messages")
+            except _FieldError as error:
+                raise RowProblem(number, error.field, error.message) from None
+            count += 1
+    if layout is None:
+        raise RowProblem(1, "", "the file holds no rows; upload one JSON object per line")
+    return FileRows(layout, count)
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+def _parse(line: bytes, number: int) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is a ValueError
+        raise RowProblem(number, "", f"is not valid JSON ({error}); upload JSON Lines, one object per line") from None
+    if not isinstance(record, dict):
+        raise RowProblem(number, "", f"must be a JSON object; got {type(record).__name__}")
+    return record
+
+
+def _layout(record: dict[str, Any], number: int) -> Format:
+    if "messages" in record:
+        return "chat"
+    if any(key in record for key in (*OPENAI_PAIR, *TRL_PAIR)):
+        return "preference"
+    raise RowProblem(
+        number,
+        "messages",
+        "is missing; a fine-tuning row is a chat ({messages: [{role, content}]}) or a preference pair "
+        "({input: {messages}, preferred_output, non_preferred_output})",
+    )
+
+
+def _check_pair(record: dict[str, Any]) -> None:
+    if any(key in record for key in OPENAI_PAIR):
+        source = record.get("input")
+        if not isinstance(source, dict):
+            raise _FieldError("input", f"must be an object with messages (OpenAI's DPO layout); got {_shown(source)}")
+        _messages(source.get("messages"), "input.messages", need_assistant=False)
+        names = OPENAI_PAIR[1:]
+    else:
+        prompt = record.get("prompt")
+        if not isinstance(prompt, str):
+            _messages(prompt, "prompt", need_assistant=False)
+        names = TRL_PAIR[1:]
+    for name in names:
+        value = record.get(name)
+        if not isinstance(value, str) or name in OPENAI_PAIR:
+            _messages(value, name)
+
+
+def _messages(messages: Any, field: str, *, need_assistant: bool = True) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _FieldError(field, f"must be a non-empty list of {{role, content}} objects; got {_shown(messages)}")
+    for index, message in enumerate(messages):
+        where = f"{field}[{index}]"
+        if not isinstance(message, dict):
+            raise _FieldError(where, f"must be an object with role and content; got {_shown(message)}")
+        role, content, weight = message.get("role"), message.get("content"), message.get("weight")
+        if role not in ROLES:
+            raise _FieldError(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {_shown(role)}")
+        if not isinstance(content, str):
+            raise _FieldError(f"{where}.content", f"must be a string; got {_shown(content)}")
+        if weight is not None and (weight not in (0, 1) or isinstance(weight, bool)):
+            raise _FieldError(f"{where}.weight", f"must be 0 or 1 (OpenAI's per-message weight); got {weight!r}")
+        if weight is not None and role != "assistant":
+            raise _FieldError(f"{where}.weight", "only assistant messages carry a weight")
+    if need_assistant and not any(m.get("role") == "assistant" for m in messages):
+        raise _FieldError(field, "has no assistant message, so there is nothing to train on")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)  # as jobs/data/chat.py shows a value
+    return text if len(text) <= 60 else text[:57] + "..."

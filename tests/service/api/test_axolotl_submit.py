@@ -1,0 +1,34 @@
+"""axolotl configs over HTTP: converted with the keys not honoured listed, and submitted as Ferry specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+EXAMPLE = (Path(__file__).parents[3] / "configs" / "axolotl" / "llama-lora.yml").read_text()
+AXOLOTL = {"content-type": "application/x-axolotl+yaml"}
+
+
+def test_conversion_route_lists_what_is_not_honoured(client: httpx.Client) -> None:
+    answer = client.post("/v1/conversions/axolotl", content=EXAMPLE, headers=AXOLOTL)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["spec"]["lora"]["rank"] == 4 and body["spec"]["training"]["steps"] == 4
+    assert "flash_attention" not in " ".join(body["warnings"])  # false: nothing to honour
+    assert body["warnings"][1] == "model_type: Ferry reads the architecture from the model's config.json"
+    assert body["spec_text"].startswith("# Converted from an axolotl config.\n# Not honoured:\n")
+    refused = client.post("/v1/conversions/axolotl", content="base_model: m\n", headers=AXOLOTL)
+    assert refused.status_code == 422
+    assert refused.json()["error"]["message"] == (
+        "The job spec has 1 problem: spec: the axolotl config has no datasets; Ferry needs both"
+    )
+
+
+def test_submit_converts_an_axolotl_config_and_checks_the_spec(client: httpx.Client) -> None:
+    # The shared server has no model named llama: the converted spec is checked, and refused for that.
+    answer = client.post("/v1/jobs/validate", content=EXAMPLE, headers=AXOLOTL)
+    assert answer.status_code == 422
+    problems = {p["path"] for p in answer.json()["error"]["problems"]}
+    assert {"model.path", "data.path", "data.tokenizer.path"} <= problems
+    assert all(p["line"] for p in answer.json()["error"]["problems"])  # lines of the converted spec's text
