@@ -62,6 +62,21 @@ def test_no_route_imports_torch_into_the_api_process(tmp_path: Path) -> None:
             assert merged.status_code == 200, merged.text
             assert client.get(merged.json()["archive"]["url"]).status_code == 200
             assert client.get("/metrics").status_code == 200 and client.get("/ui/").status_code == 200
+            chats = "".join(json.dumps(chat_record(i)) + "\n" for i in range(4)).encode()
+            upload = client.post("/v1/files", files={"file": ("c.jsonl", chats)}, data={"purpose": "fine-tune"})
+            assert upload.status_code == 201, upload.text
+            assert client.get(f"/v1/files/{upload.json()['id']}/content").content == chats
+            created = client.post(
+                "/v1/fine_tuning/jobs",
+                json={"model": "llama", "training_file": upload.json()["id"], "ferry": {"device": "cpu"}},
+            )
+            assert created.status_code == 400  # the model directory has no tokenizer: refused by the checker
+            assert client.get("/v1/fine_tuning/jobs").status_code == 200
+            axolotl = "base_model: llama\ndatasets: [{path: chat.jsonl, type: chat_template}]\nadapter: lora\n"
+            converted = client.post(
+                "/v1/conversions/axolotl", content=axolotl, headers={"content-type": "application/x-axolotl+yaml"}
+            )
+            assert converted.status_code == 200
     finally:
         server.stop()
     imported = set(json.loads(dump.read_text()))
