@@ -51,10 +51,14 @@ def make_model() -> CheckpointedStack:
     return model
 
 
-def gradients(options: OffloadOptions | None, steps: int = 3) -> tuple[list[dict[str, torch.Tensor]], object]:
-    """Each step's adapter gradients (AdamW steps between them), and the manager (or None)."""
+def gradients(
+    options: OffloadOptions | None, steps: int = 3, device: str = "cpu"
+) -> tuple[list[dict[str, torch.Tensor]], object]:
+    """Each step's adapter gradients (AdamW steps between them, on the CPU), and the manager (or None)."""
     model = make_model()
-    manager = OffloadTrainingManager(model, "cpu", options=options) if options is not None else None
+    manager = OffloadTrainingManager(model, device, options=options) if options is not None else None
+    if manager is None:
+        model.to(device)
     if manager is not None and manager.activations is not None:
         model._gradient_checkpointing_func = manager.activations.wrap(model._gradient_checkpointing_func)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -62,11 +66,11 @@ def gradients(options: OffloadOptions | None, steps: int = 3) -> tuple[list[dict
     generator = torch.Generator().manual_seed(1)
     grads = []
     for _ in range(steps):
-        x = torch.randn(2, TOKENS, WIDTH, generator=generator)
+        x = torch.randn(2, TOKENS, WIDTH, generator=generator).to(device)
         F.mse_loss(model(x), x + 1).backward()
         if manager is not None:
             manager.after_backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        grads.append({n: p.grad.cpu().clone() for n, p in model.named_parameters() if p.grad is not None})
         optimizer.step()
         optimizer.zero_grad()
     return grads, manager
@@ -111,6 +115,20 @@ def test_the_plan_sizes_the_activation_arena_and_the_engine_keeps_to_it() -> Non
     arena = manager.activations.arena  # type: ignore[attr-defined]
     assert arena.reserved_bytes == plan.activation_reserved_bytes  # after three steps: nothing allocated since
     assert manager.stats().pinned_reserved_bytes == manager.arena.reserved_bytes + arena.reserved_bytes  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [1, 0], ids=["copy-streams", "compute-stream"])
+def test_on_cuda_the_copies_and_their_events_give_the_same_gradients(prefetch: int) -> None:
+    """The device->host copies on their stream, the prefetches on the copy stream (or, prefetch 0, every copy
+    on the compute stream) and the reuse of host buffers across steps: the same gradients as without."""
+    plain, _ = gradients(None, device="cuda")
+    offloaded, manager = gradients(OffloadOptions(prefetch=prefetch, offload_activations=True), device="cuda")
+    for a, b in zip(plain, offloaded, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    stats = manager.stats()  # type: ignore[attr-defined]
+    assert stats.activation_offloaded_bytes == 3 * DEPTH * INPUT_BYTES
+    assert stats.activation_host_bytes == DEPTH * INPUT_BYTES
 
 
 def test_a_forward_without_grad_saves_nothing_to_the_host() -> None:
