@@ -70,3 +70,38 @@ def test_a_follower_needs_the_leaders_chunks(name: str) -> None:
     follower = SharedArenaPool(4096, name=name, leader=False, pin=False)
     with pytest.raises(FileNotFoundError, match="the leader has not made this chunk"):
         follower.allocate((16,), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["leaf", "block"])
+def test_on_cuda_each_mapping_is_page_locked_and_a_follower_trains_as_resident(name: str, granularity: str) -> None:
+    """Each process registers its mapping (``cudaHostRegister``): copies from it are asynchronous, and the
+    follower, which filled nothing, trains as the resident model does."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    options = OffloadOptions(granularity=granularity)
+    reference, want, _ = train(make_stack("adapter", None), device="cuda")
+    arenas: list[SharedArenaPool] = []
+    train(
+        make_stack("adapter", None),
+        device="cuda",
+        offload={"options": options, "frozen_arena": shared(name, leader=True, made=arenas)},
+    )
+    follower_model = make_stack("adapter", None)
+    with torch.no_grad():
+        for param in follower_model.parameters():
+            if not param.requires_grad:
+                param.zero_()
+    losses, state, manager = train(
+        follower_model,
+        device="cuda",
+        offload={"options": options, "frozen_arena": shared(name, leader=False, made=arenas)},
+    )
+    leader, follower = arenas
+    assert leader.pin and follower.pin
+    assert all(chunk.registered and chunk.memory.is_pinned() for chunk in follower._shared + leader._shared)
+    assert manager is not None and manager.stats().h2d_bytes > 0
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    for key in want:
+        torch.testing.assert_close(state[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+    leader.close()
+    follower.close()
