@@ -21,6 +21,7 @@ from service.api.openai.shapes import FileDeleted, FilePublic, FilesPublic
 from service.api.schemas import ErrorBody
 from service.queue.disk import refuse_if_disk_low
 from service.queue.files import FileInUse, FileNotFound, FileRecord, FileStore
+from service.queue.store import storable
 from service.uploads.receive import UploadTooLarge, UploadWriter, remove_upload, safe_name
 from service.uploads.rows import RowProblem, check_fine_tuning_rows
 
@@ -175,7 +176,7 @@ def _keep(files: FileStore, file_id: str, filename: str, purpose: str, received:
             ) from None
     record = files.add(
         file_id=file_id,
-        filename=filename[:255],
+        filename=storable(filename[:255]),  # a lone surrogate from the query string stored would fail every answer
         purpose=purpose,
         size=received.size,
         sha256=received.sha256,
