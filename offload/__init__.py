@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from offload.quant.dequantize_on_arrival import DequantizedParamOffloader
     from offload.quant.on_load import QuantizingFill, quantized_placeholders
     from offload.quant.quantized import QuantizedParamOffloader, quantize_frozen_weights
+    from offload.shared_arena import SharedArenaPool
     from offload.stats import OffloadStats
     from offload.trainable import TrainableParamOffloader
     from offload.units import OffloadUnit, discover_units
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 _HOME = {
     "ActivationOffload": "offload.activations",
     "PinnedArenaPool": "offload.arena",
+    "SharedArenaPool": "offload.shared_arena",
     "DequantizedParamOffloader": "offload.quant.dequantize_on_arrival",
     "set_gpu_memory_limit": "offload.devices",
     "OffloadTrainingManager": "offload.manager",
@@ -71,6 +73,7 @@ __all__ = [
     "PinnedArenaPool",
     "QuantizedParamOffloader",
     "QuantizingFill",
+    "SharedArenaPool",
     "StaticParamOffloader",
     "TensorOffloader",
     "TrainableParamOffloader",

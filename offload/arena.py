@@ -48,7 +48,9 @@ def plan_chunk_size(needed: int, remaining: int) -> int:
     return min(candidates, key=lambda size: ((size % needed) / size, -size))
 
 
-class _Chunk:
+class ArenaChunk:
+    """A power-of-two block of host memory that tensors are carved from with a bump pointer."""
+
     def __init__(self, nbytes: int, pin: bool, materialize: bool = True) -> None:
         # A dry-run chunk (materialize=False) only counts: the planner replays the arena with it.
         self.storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) if materialize else None
@@ -81,7 +83,7 @@ class PinnedArenaPool:
     def __init__(self, expected_bytes: int = 0, *, pin: bool = True, dry_run: bool = False) -> None:
         self.pin = pin
         self.dry_run = dry_run
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[ArenaChunk] = []
         self._remaining = expected_bytes
         self.requested_bytes = 0
         self.fallback_bytes = 0
@@ -130,9 +132,9 @@ class PinnedArenaPool:
         self._remaining -= _align(nbytes)
         return chunk.take(nbytes)
 
-    def _new_chunk(self, nbytes: int) -> _Chunk:
+    def _new_chunk(self, nbytes: int) -> ArenaChunk:
         """The next chunk's memory (a subclass may place it elsewhere: shared_arena.py)."""
-        return _Chunk(nbytes, self.pin, materialize=not self.dry_run)
+        return ArenaChunk(nbytes, self.pin, materialize=not self.dry_run)
 
     def filled_elsewhere(self, host: torch.Tensor) -> bool:
         """Whether another process wrote ``host``'s bytes (a shared arena's follower): nothing to copy in."""

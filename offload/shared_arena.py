@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from offload.arena import PinnedArenaPool, _Chunk
+from offload.arena import ArenaChunk, PinnedArenaPool
 
 log = logging.getLogger(__name__)
 
 SHM_DIRECTORY = Path("/dev/shm")
 
 
-class _SharedChunk(_Chunk):
+class _SharedChunk(ArenaChunk):
     """A chunk over a shared file mapping, page-locked by ``cudaHostRegister`` when ``pin``."""
 
     def __init__(self, path: Path, nbytes: int, *, create: bool, pin: bool) -> None:
@@ -83,7 +83,7 @@ class SharedArenaPool(PinnedArenaPool):
         """The chunk files, in allocation order (until `unlink`)."""
         return [chunk.path for chunk in self._shared]
 
-    def _new_chunk(self, nbytes: int) -> _Chunk:
+    def _new_chunk(self, nbytes: int) -> ArenaChunk:
         path = self.directory / f"{self.name}-{len(self._shared)}"
         if self.leader and path.exists():
             path.unlink()  # left by an earlier attempt of the same name: start from zeros

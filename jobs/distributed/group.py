@@ -167,6 +167,8 @@ def join_group(device_choice: str) -> RankGroup:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+        # The ranks of a CPU job share the cores its slot was given (OMP_NUM_THREADS, read by each rank).
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     for name in LAUNCHER_VARIABLES:
         os.environ.pop(name, None)

@@ -55,7 +55,7 @@ def test_pool_falls_back_to_per_tensor_memory_when_a_chunk_cannot_be_had(monkeyp
     def refuse(*args, **kwargs):
         raise RuntimeError("cudaErrorMemoryAllocation")
 
-    monkeypatch.setattr(arena, "_Chunk", refuse)
+    monkeypatch.setattr(arena, "ArenaChunk", refuse)
     pool = PinnedArenaPool(expected_bytes=4096, pin=False)
     tensor = pool.allocate((4, 4), torch.bfloat16)
     assert tensor.shape == (4, 4) and tensor.dtype == torch.bfloat16
