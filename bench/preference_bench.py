@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     write_data(root, rows=64, words=4 * seq)
     runs = {}
     for objective in ("sft", "dpo"):
-        runs[objective] = run_in_process(job(f"{objective}-32b", objective=objective, args=args, seq=seq), root)
-        (root / "out").rename(root / f"out-{objective}")  # the next job must not resume from this one
+        # Each job in a process of its own: a 32B job's pinned host copy is most of the host's memory, and
+        # the next job must find it returned to the system, not waiting on this process's garbage collector.
+        result = root / f"{objective}.json"
+        command = [sys.executable, __file__, "--out", str(root), "--steps", str(args.steps), "--seq", str(args.seq),
+                   "--limit", args.limit, "--scale", str(args.scale), "--only", objective, *(["--cpu"] if args.cpu else [])]  # fmt: skip
+        print(f"{objective}: {' '.join(command[1:])}", flush=True)
+        subprocess.run(command, check=True)
+        runs[objective] = json.loads(result.read_text())
     sft, dpo = runs["sft"]["median_step_s"], runs["dpo"]["median_step_s"]
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
@@ -128,8 +135,15 @@ def main() -> None:
     parser.add_argument("--limit", default="24GiB")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--only", choices=["sft", "dpo"], help="run one job in this process (used by the others)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        seq = args.seq if args.scale >= 1 else 32
+        run = run_in_process(job(f"{args.only}-32b", objective=args.only, args=args, seq=seq), args.out)
+        (args.out / "out").rename(args.out / f"out-{args.only}")  # the next job must not resume from this one
+        (args.out / f"{args.only}.json").write_text(json.dumps(run, default=str))
+        return
     record = measure(args)
     text = markdown(record)
     print(text)
