@@ -1,18 +1,23 @@
-"""Diffusion transformers on one GPU: a DiT of Qwen-Image's shape LoRA-trained from a cache, and the cache's
-text encoder throughput, under ``offload.gpu_memory_limit`` (24 GiB by default).
+"""Diffusion transformers on one GPU: a DiT of Qwen-Image's, Flux.1-dev's or Flux.2-dev's shape LoRA-trained from a
+cache, and the cache's text encoder throughput, under ``offload.gpu_memory_limit``.
 
 Every figure comes from a real job (``jobs.run_job``, what the service's worker runs), with random weights
-(``model.init: random``) of the released shapes: Qwen-Image's 60-layer MMDiT (about 20B parameters) trains
-on a synthetic cache of 1024 x 1024 latents (128 x 128 x 16, 4096 image tokens) and 64-token prompts; the
-text encoder has Qwen2.5-VL 7B's shape. Beside each step time: the copy floor (the streamed bytes twice,
-at the pinned host-to-device rate measured in the same run) and the resident step (no offload, no limit).
+(``model.init: random``) of the released shapes, on a synthetic cache of 1024 x 1024 latents (4096 image tokens).
+``--family qwen_image`` (the default): Qwen-Image's 60-layer MMDiT (about 20B parameters), 64-token prompts, a
+text encoder of Qwen2.5-VL 7B's shape, under 24 GiB. ``--family flux1``: Flux.1-dev's DiT (19 double + 38 single
+blocks, 12B), T5's 512 tokens and CLIP-L's pooled embedding, the LoRA of
+configs/diffusers_transformer_flux1_lora_model-offload.yaml, under 16 GiB. ``--family flux2``: Flux.2-dev's DiT
+(8 double + 48 single blocks, 32B), 512 tokens of Mistral-Small-3.1's stacked hidden states, the LoRA of
+configs/diffusers_transformer_flux2_lora_model-offload.yaml, a text encoder of Mistral-Small-3.1 24B's shape, under
+24 GiB. Beside each step time: the copy floor (the streamed bytes twice, at the pinned host-to-device rate
+measured in the same run) and the resident step (no offload, no limit).
 ``--only resident,resident-link-busy,ferry`` adds the resident job run while host-to-device copies keep the
 link busy in the background (bench/copy_load.py): what copies cost a step the host bounds, apart from the
 engine's own work.
 
-Run on a GPU box:  python bench/diffusion_bench.py [--steps 4] [--limit 24GiB] [--budget 14GiB] [--service [--service-rows resident,ferry]]
-Check on a CPU:    python bench/diffusion_bench.py --tiny --no-write
-Writes its section of bench/RESULTS.md (date, GPU, torch, commit, figures) unless --no-write.
+Run on a GPU box:  python bench/diffusion_bench.py [--family qwen_image|flux1|flux2] [--steps 4] [--limit 24GiB] [--budget 14GiB] [--service [--service-rows resident,ferry]]
+Check on a CPU:    python bench/diffusion_bench.py [--family flux1] --cpu --no-write
+Writes its family's section of bench/RESULTS.md (date, GPU, torch, commit, figures) unless --no-write.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,6 +49,7 @@ from jobs.events import event_to_wire
 from jobs.models.diffusion.data.cache import CacheWriter, model_fingerprint
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+ROOT = Path(__file__).resolve().parents[1]
 ONLY_DEFAULT = "encoder,resident,ferry,seed"
 SECTION = "## Diffusion transformers"
 SEED_TARGETS = "to_q,to_k,to_v,add_q_proj,add_k_proj,add_v_proj,to_out.0,to_add_out,img_mlp.net.2,img_mod.1,txt_mlp.net.2,txt_mod.1"
@@ -58,24 +66,49 @@ QWEN25_VL_7B_TEXT = {
 }  # fmt: skip
 TINY_TEXT = {**QWEN25_VL_7B_TEXT, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3], "rope_type": "default"}}  # fmt: skip
+# Flux.1-dev's DiT is FluxTransformer2DModel's defaults (19 double + 38 single blocks) with the guidance embedding
+# of the guidance-distilled dev weights; its VAE is AutoencoderKL with 16 latent channels and no quant convs.
+FLUX1_DEV_DIT = {"guidance_embeds": True}
+TINY_FLUX1_DIT = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16,
+                  "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 16,
+                  "guidance_embeds": True, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
+FLUX1_VAE = {"block_out_channels": (128, 256, 512, 512), "latent_channels": 16, "shift_factor": 0.1159,
+             "scaling_factor": 0.3611, "use_quant_conv": False, "use_post_quant_conv": False}  # fmt: skip
+TINY_VAE = {"block_out_channels": (8, 8, 8, 8), "latent_channels": 4, "norm_num_groups": 4, "layers_per_block": 1}
+CLIP_L_TEXT = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+               "projection_dim": 768}  # fmt: skip
+T5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_layers": 24, "num_heads": 64, "vocab_size": 32128,
+          "feed_forward_proj": "gated-gelu", "is_gated_act": True, "dense_act_fn": "gelu_new"}  # fmt: skip
+TINY_CLIP = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "projection_dim": 16}  # fmt: skip
+TINY_T5 = {"d_model": 32, "d_kv": 8, "d_ff": 32, "num_layers": 2, "num_heads": 4}
+# Flux.2-dev's DiT, VAE and text encoder are Flux2Transformer2DModel's, AutoencoderKLFlux2's and Mistral3Config's
+# defaults (8 double + 48 single blocks; Mistral-Small-3.1 24B, whose hidden states 10, 20, 30 the DiT reads).
+TINY_FLUX2_DIT = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16,
+                  "num_attention_heads": 2, "joint_attention_dim": 48, "timestep_guidance_channels": 32,
+                  "axes_dims_rope": (4, 4, 4, 4)}  # fmt: skip
+TINY_MISTRAL3 = {
+    "text_config": {"model_type": "mistral", "vocab_size": 272, "hidden_size": 16, "intermediate_size": 16,
+                    "num_hidden_layers": 30, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+                    "max_position_embeddings": 1024},
+    "vision_config": {"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                      "num_attention_heads": 2, "head_dim": 8, "image_size": 32, "patch_size": 8},
+    "image_token_index": 271,
+}  # fmt: skip
 
 
-def make_pipeline_dir(root: Path, *, tiny: bool) -> Path:
-    """transformer/, text_encoder/, vae/ (configs only: init random) and tokenizer/ of Qwen-Image's shapes."""
-    from accelerate import init_empty_weights
+def _qwen_image_parts(root: Path, tiny: bool) -> None:
+    """transformer/, text_encoder/ and vae/ configs of Qwen-Image's shapes."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig
 
-    from tests.jobs.models.diffusion.pipelines import byte_tokenizer
-
-    with init_empty_weights():
-        QwenImageTransformer2DModel(**(TINY_DIT if tiny else QWEN_IMAGE_DIT)).save_config(str(root / "transformer"))
-        vae = (
-            AutoencoderKLQwenImage(base_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1)
-            if tiny
-            else AutoencoderKLQwenImage()
-        )
-        vae.save_config(str(root / "vae"))
+    QwenImageTransformer2DModel(**(TINY_DIT if tiny else QWEN_IMAGE_DIT)).save_config(str(root / "transformer"))
+    vae = (
+        AutoencoderKLQwenImage(base_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1)
+        if tiny
+        else AutoencoderKLQwenImage()
+    )
+    vae.save_config(str(root / "vae"))
     vision = (
         {"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32} if tiny else {}
     )
@@ -83,24 +116,212 @@ def make_pipeline_dir(root: Path, *, tiny: bool) -> Path:
     Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, **{k: text[k] for k in ("hidden_size", "vocab_size")}
     ).save_pretrained(str(root / "text_encoder"))
-    byte_tokenizer().save_pretrained(str(root / "tokenizer"))
+
+
+def _flux1_parts(root: Path, tiny: bool) -> None:
+    """transformer/, vae/, text_encoder/ (CLIP-L) and text_encoder_2/ (T5-XXL) configs of FLUX.1-dev's shapes."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, T5Config
+
+    FluxTransformer2DModel(**(TINY_FLUX1_DIT if tiny else FLUX1_DEV_DIT)).save_config(str(root / "transformer"))
+    blocks = {"down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4}
+    AutoencoderKL(**blocks, **(TINY_VAE if tiny else FLUX1_VAE)).save_config(str(root / "vae"))
+    CLIPTextConfig(**(TINY_CLIP if tiny else CLIP_L_TEXT)).save_pretrained(str(root / "text_encoder"))
+    T5Config(**(TINY_T5 if tiny else T5_XXL)).save_pretrained(str(root / "text_encoder_2"))
+
+
+def _flux2_parts(root: Path, tiny: bool) -> None:
+    """transformer/, vae/ and text_encoder/ (Mistral3) configs of FLUX.2-dev's shapes."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Mistral3Config
+
+    Flux2Transformer2DModel(**(TINY_FLUX2_DIT if tiny else {})).save_config(str(root / "transformer"))
+    AutoencoderKLFlux2(**(TINY_VAE if tiny else {})).save_config(str(root / "vae"))
+    Mistral3Config(**(TINY_MISTRAL3 if tiny else {})).save_pretrained(str(root / "text_encoder"))
+
+
+def _tokenizers(root: Path, folders: tuple[str, ...], chat_template: str | None = None) -> None:
+    """Byte-level tokenizers (nothing downloaded); Flux.2's with a chat template, as its pipeline applies one."""
+    from tests.jobs.models.diffusion.pipelines import byte_tokenizer
+
+    for folder in folders:
+        tokenizer: Any = byte_tokenizer()
+        if folder == "tokenizer" and "tokenizer_2" in folders:  # Flux.1's CLIP tokenizer: 77 tokens
+            tokenizer.model_max_length = 77
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(str(root / folder))
+
+
+@dataclass(frozen=True)
+class BenchFamily:
+    """What the bench measures of one diffusion family: its pipeline's shapes, its LoRA, its rows and defaults.
+
+    Attributes:
+        name: the ``--family`` value; title: how the results name the model; section: its RESULTS.md heading.
+        folder: the pipeline directory's name under the models root.
+        parts: ``(root, tiny)`` writes the pipeline's configs (``init: random`` needs no weights).
+        tokenizers: the tokenizer folders; chat_template: Flux.2's (its pipeline formats every prompt).
+        blocks / text_encoder: how the results describe the DiT and the cache job's text encoder.
+        config: the configs/ file whose ``lora`` section the rows train (None: the seed's targets, rank 32).
+        prompt_tokens: the cached prompts' length at full size (Flux pads to its max_sequence_length).
+        limit / budget: the defaults of ``--limit`` and ``--budget``.
+        rows: the rows that apply (the modulation table is Qwen-Image's; the encoder row needs its text encoder).
+        only: the default of ``--only``.
+        blocks: how the DiT's blocks are described.
+    """
+
+    name: str
+    title: str
+    section: str
+    folder: str
+    parts: Callable[[Path, bool], None]
+    tokenizers: tuple[str, ...]
+    config: str | None
+    prompt_tokens: int
+    limit: str
+    budget: str
+    rows: tuple[str, ...]
+    only: str
+    blocks: str
+    text_encoder: str
+    chat_template: str | None = None
+
+    @property
+    def modulation_table(self) -> bool:
+        return "ferry-streamed-modulation" in self.rows
+
+    def lora(self) -> dict[str, Any]:
+        """The LoRA section the rows train: the family's config's targets and rank."""
+        if self.config is None:
+            return {"target_modules": SEED_TARGETS.split(","), "rank": 32}
+        section = yaml.safe_load((ROOT / self.config).read_text())["lora"]
+        return {"target_modules": list(section["target_modules"]), "rank": section["rank"]}
+
+
+_TRAINING_ROWS = ("resident", "resident-link-busy", "ferry", "ferry-copy-all", "seed")
+FLUX2_CHAT_TEMPLATE = (  # a Mistral-style template over content lists, as Flux2Pipeline's format_input builds them
+    "{% for message in messages %}{% for part in message['content'] %}"
+    "[{{ message['role'] }}]{{ part['text'] }}{% endfor %}{% endfor %}"
+)
+FAMILIES = {
+    "qwen_image": BenchFamily(
+        name="qwen_image",
+        title="Qwen-Image",
+        section=SECTION,
+        folder="qwen-image-shape",
+        parts=_qwen_image_parts,
+        tokenizers=("tokenizer",),
+        config=None,
+        prompt_tokens=64,
+        limit="24GiB",
+        # 14GiB: what fits beside the activations under 24GiB (the job peaked at 16.1 GiB allocated, 17.5 reserved
+        # with 10GiB resident); the resident blocks are spread over the step, so every one of them hides copies.
+        budget="14GiB",
+        rows=("encoder", *_TRAINING_ROWS, "ferry-streamed-modulation"),
+        only=ONLY_DEFAULT,
+        blocks="QwenImageTransformer2DModel, 60 layers",
+        text_encoder="Qwen2.5-VL 7B",
+    ),
+    "flux1": BenchFamily(
+        name="flux1",
+        title="Flux.1-dev",
+        section=f"{SECTION}: Flux.1",
+        folder="flux1-dev-shape",
+        parts=_flux1_parts,
+        tokenizers=("tokenizer", "tokenizer_2"),
+        config="configs/diffusers_transformer_flux1_lora_model-offload.yaml",
+        prompt_tokens=512,
+        limit="16GiB",
+        # 7GiB of 16: a double block is about Qwen-Image's (0.68 GB) and the activations of 4096 + 512 tokens over
+        # 57 checkpointed blocks about 1.1x Qwen-Image's, whose job peaked about 6 GiB above its budget.
+        budget="7GiB",
+        rows=_TRAINING_ROWS,
+        only="resident,ferry,seed",
+        blocks="FluxTransformer2DModel, 19 double + 38 single blocks, guidance embedding",
+        text_encoder="T5-XXL",
+    ),
+    "flux2": BenchFamily(
+        name="flux2",
+        title="Flux.2-dev",
+        section=f"{SECTION}: Flux.2",
+        folder="flux2-dev-shape",
+        parts=_flux2_parts,
+        tokenizers=("tokenizer",),
+        chat_template=FLUX2_CHAT_TEMPLATE,
+        config="configs/diffusers_transformer_flux2_lora_model-offload.yaml",
+        prompt_tokens=512,
+        limit="24GiB",
+        # 8GiB of 24: 6144 wide, the activations of 4096 + 512 tokens over 56 checkpointed blocks are about twice
+        # Qwen-Image's, and a double block (1.96 GB) and the next one in flight take about 4 GB more.
+        budget="8GiB",
+        rows=("encoder", *_TRAINING_ROWS),
+        only="encoder,resident,ferry,seed",
+        blocks="Flux2Transformer2DModel, 8 double + 48 single blocks, guidance embedding",
+        text_encoder="Mistral-Small-3.1 24B",
+    ),
+}
+
+
+def make_pipeline_dir(root: Path, *, tiny: bool, family: str = "qwen_image") -> Path:
+    """transformer/, text encoders', vae/ (configs only: init random) and tokenizer folders of ``family``'s shapes."""
+    from accelerate import init_empty_weights
+
+    bench = FAMILIES[family]
+    with init_empty_weights():
+        bench.parts(root, tiny)
+    _tokenizers(root, bench.tokenizers, bench.chat_template)
     return root
 
 
+def latent_shape(pipeline: Path, side: int) -> tuple[int, ...]:
+    """``[C, 1, h, w]`` of a ``side`` x ``side`` image's latents as the family's cache job writes them (its VAE's
+    factor and channels; Flux.2's patchified 2 x 2 into channels)."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    from jobs.models.diffusion.variants import family_of
+
+    family = family_of(pipeline)
+    cls = getattr(diffusers, family.vae_class)
+    with init_empty_weights():
+        vae = cls.from_config(cls.load_config(str(pipeline / "vae")))
+    return tuple(family.latent_shape(vae, 1, side, side))
+
+
 def write_synthetic_cache(
-    directory: Path, pipeline: Path, *, samples: int, side: int, prompt_tokens: int, dim: int
+    directory: Path, pipeline: Path, *, samples: int, side: int, prompt_tokens: int, dim: int | None = None
 ) -> None:
-    """A complete cache of random 1024 x 1024-image latents whose fingerprint names this pipeline's encoders."""
+    """A complete cache of random ``side`` x ``side``-image latents whose fingerprint names this pipeline's encoders,
+    with the empty caption's embedding (caption dropout) and, for Flux.1, CLIP's pooled embedding per sample."""
+    from jobs.models.diffusion.variants import transformer_config
+
+    config = transformer_config(pipeline)
+    dim = dim or config["joint_attention_dim"]
+    pooled_dim = config.get("pooled_projection_dim") if config["_class_name"] == "FluxTransformer2DModel" else None
     model = SimpleNamespace(
         path=pipeline, text_encoder_dtype=None, dtype="bfloat16", vae_dtype="bfloat16", init="random"
     )
     writer = CacheWriter(directory, {**model_fingerprint(model), "synthetic": True}, shard_samples=samples)
     generator = torch.Generator().manual_seed(0)
+    shape = latent_shape(pipeline, side)
+
+    def embeds() -> dict[str, torch.Tensor]:
+        found = {"prompt_embeds": torch.randn((prompt_tokens, dim), generator=generator).to(torch.bfloat16)}
+        if pooled_dim:
+            found["pooled_prompt_embeds"] = torch.randn((pooled_dim,), generator=generator).to(torch.bfloat16)
+        return found
+
     for index in range(samples):
-        latents = torch.randn((16, 1, side // 8, side // 8), generator=generator)
-        embeds = torch.randn((prompt_tokens, dim), generator=generator).to(torch.bfloat16)
-        writer.add(latents, embeds, {"source_row": index, "media": f"synthetic-{index}", "prompt": "synthetic"})
-    writer.finish()
+        latents = torch.randn(shape, generator=generator)
+        prompt = embeds()
+        writer.add(
+            latents,
+            prompt["prompt_embeds"],
+            {"source_row": index, "media": f"synthetic-{index}", "prompt": "synthetic"},
+            pooled=prompt.get("pooled_prompt_embeds"),
+        )
+    writer.finish(embeds())
 
 
 def share_one_dit_build() -> None:
@@ -223,8 +444,16 @@ def pool_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def dit_job(
-    name: str, path: str, *, steps: int, device: str, offload: dict[str, Any], model: dict[str, Any] | None = None
+    name: str,
+    path: str,
+    *,
+    steps: int,
+    device: str,
+    offload: dict[str, Any],
+    model: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A LoRA job on the DiT at ``path`` from the synthetic cache (the seed's targets at rank 32 unless ``lora``)."""
     return {
         "name": name,
         "device": device,
@@ -237,27 +466,34 @@ def dit_job(
             **(model or {}),
         },
         "data": {"kind": "diffusion_cache", "path": "dit-cache"},
-        "lora": {"target_modules": SEED_TARGETS.split(","), "rank": 32},
+        "lora": lora or {"target_modules": SEED_TARGETS.split(","), "rank": 32},
         "training": {"steps": steps, "learning_rate": 1e-4, "gradient_checkpointing": True},
         "offload": offload,
         "checkpoint": {"save_final": False},
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the family's defaults filled in (``--limit``, ``--budget``, ``--only``) and
+    ``args.bench`` its BenchFamily; rows that do not apply to the family are refused, all of them at once."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=tuple(FAMILIES), default="qwen_image", help="the DiT's shape")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--limit", default="24GiB", help="offload.gpu_memory_limit of the offloaded jobs")
-    # 14GiB: what fits beside the activations under 24GiB (the job peaked at 16.1 GiB allocated, 17.5 reserved
-    # with 10GiB resident); the resident blocks are spread over the step, so every one of them hides copies.
-    parser.add_argument("--budget", default="14GiB", help="offload.gpu_memory_budget of Ferry's schedule")
+    parser.add_argument(
+        "--limit", default=None, help="offload.gpu_memory_limit of the offloaded jobs (default: the family's)"
+    )
+    parser.add_argument(
+        "--budget", default=None, help="offload.gpu_memory_budget of Ferry's schedule (default: the family's)"
+    )
     parser.add_argument("--encoder-budget", default="10GiB", help="offload.gpu_memory_budget of the cache job")
     parser.add_argument("--prompts", type=int, default=16, help="samples the cache job encodes")
     # The encoder first: the DiT built once for the other rows stays on the GPU after the resident row, and
     # the cache job runs under the same gpu_memory_limit in this process.
-    parser.add_argument("--only", default=ONLY_DEFAULT, help="what to run, in this order")
+    parser.add_argument("--only", default=None, help="what to run, in this order (default: the family's rows)")
     parser.add_argument("--seed-steps", type=int, default=2, help="steps of the (slow) seed schedule")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs")
+    parser.add_argument(
+        "--tiny", "--cpu", dest="tiny", action="store_true", help="tiny shapes on the CPU: checks the script runs"
+    )
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--service", action="store_true", help="submit Ferry's row over HTTP to python -m service")
     parser.add_argument(
@@ -276,27 +512,41 @@ def main() -> None:
     )
     parser.add_argument("--build-each", action="store_true", help="build the DiT afresh for every job")
     parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    bench = args.bench = FAMILIES[args.family]
+    args.limit, args.budget = args.limit or bench.limit, args.budget or bench.budget
+    args.only = args.only or bench.only
+    wrong = [key for key in args.only.split(",") if key not in bench.rows]
+    if wrong:
+        parser.error(f"--only {','.join(wrong)}: not a row of --family {args.family}; its rows: {','.join(bench.rows)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    bench = args.bench
     device = "cpu" if args.tiny else "cuda"
     side = 64 if args.tiny else 1024
     work = Path(args.work or tempfile.mkdtemp(prefix="ferry-diffusion-bench-"))
     models, data = work / "models", work / "data"
     data.mkdir(parents=True, exist_ok=True)
-    pipeline = make_pipeline_dir(models / "qwen-image-shape", tiny=args.tiny)
+    pipeline = make_pipeline_dir(models / bench.folder, tiny=args.tiny, family=bench.name)
     roots = PathRoots(model_roots=[models], data_roots=[data])
     h2d = pinned_h2d_gbps() if device == "cuda" else float("nan")
-    dim = (TINY_DIT if args.tiny else QWEN_IMAGE_DIT)["joint_attention_dim"]
-    write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=64, dim=dim)
+    prompt_tokens = 64 if args.tiny else bench.prompt_tokens
+    write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=prompt_tokens)
     from jobs.models.diffusion.family import meta_dit
 
     probe = load_job_spec(
-        yaml.safe_dump(dit_job("probe", "qwen-image-shape", steps=1, device=device, offload={})), roots
+        yaml.safe_dump(dit_job("probe", bench.folder, steps=1, device=device, offload={}, lora=bench.lora())), roots
     )
     shapes = meta_dit(probe.model)
     weights = sum(p.numel() for p in shapes.parameters())
     weight_bytes = 2 * weights
-    # What model.precompute_modulation takes off the link: every block's img_mod.1 and txt_mod.1.
+    # What model.precompute_modulation takes off the link: every block's img_mod.1 and txt_mod.1 (Qwen-Image's
+    # alone: Flux's modulation streams with the rest).
     modulation_bytes = 2 * sum(p.numel() for n, p in shapes.named_parameters() if "_mod.1." in n)
+    modulation_bytes *= bench.modulation_table
     limited = {} if args.tiny else {"gpu_memory_limit": args.limit}
     ferry = {
         "enable_model_cpu_offload": True,
@@ -311,7 +561,8 @@ def main() -> None:
         # host apart from the engine's own work (bench/copy_load.py).
         "resident-link-busy": ("no offload, no limit, link busy (host-to-device copies in the background)", {}),
         "ferry": (
-            f"model offload, block units, prefetch 1, modulation precomputed, budget {args.budget}, limit {args.limit}",
+            f"model offload, block units, prefetch 1, {'modulation precomputed, ' if bench.modulation_table else ''}"
+            f"budget {args.budget}, limit {args.limit}",
             ferry,
         ),
         # Ferry's schedule with the modulation layers streamed like the rest: the same-run baseline of the table.
@@ -335,7 +586,8 @@ def main() -> None:
                 "reuse_ring_slots": False,
                 **limited,
             },
-            {"precompute_modulation": False},  # the seed streams every weight
+            # The seed streams every weight (Flux's DiTs have no table to switch off).
+            {"precompute_modulation": False} if bench.modulation_table else None,
         ),
     }
     if not args.build_each:
@@ -371,7 +623,7 @@ def main() -> None:
                 rounds.setdefault(key, []).append(rows[key])
                 rows[key] = pool_rounds(rounds[key])
         if not args.no_write:  # after every row: a run cut short still leaves what it measured
-            write_section(rendered())
+            write_section(rendered(), bench.section)
         gc.collect()  # the finished job's model and engine hold reference cycles (hooks)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -379,7 +631,7 @@ def main() -> None:
     report = rendered()
     print("\n" + report)
     if not args.no_write:
-        write_section(report)
+        write_section(report, bench.section)
     (work / "results.json").write_text(
         json.dumps({"rows": rows, "failures": failures, "encoder": encoder, "h2d_gbps": h2d}, indent=1)
     )
@@ -399,11 +651,12 @@ def rows_or_failure(
 ) -> None:
     """Run one DiT schedule and record its figures (or why it failed) under ``key``."""
     label, offload, model = (*config, None)[:3]
+    bench = args.bench
     offload = {k: v for k, v in offload.items() if v is not None}
     started = time.perf_counter()
     try:
         steps = args.seed_steps if key == "seed" else args.steps
-        job = dit_job(key, "qwen-image-shape", steps=steps, device=device, offload=offload, model=model)
+        job = dit_job(key, bench.folder, steps=steps, device=device, offload=offload, model=model, lora=bench.lora())
         link_busy = key == "resident-link-busy"
         load = BackgroundCopies(directions=("h2d",)) if link_busy and device == "cuda" else None
         try:
@@ -465,7 +718,8 @@ def cache_throughput(
     events = run(spec, roots, data.parent / "out-encoder")
     progress = [e for e in events if e["type"] == "cache_progress"]
     last = progress[-1]
-    tokens = len(prompt) + 2  # byte-level tokenizer: one token per byte of the prompt
+    # Byte-level tokenizer: one token per byte of the prompt; Flux's pipelines pad every prompt to 512 tokens.
+    tokens = len(prompt) + 2 if args.bench.name == "qwen_image" else args.bench.prompt_tokens
     return {
         "samples": last["step"],
         "samples_per_s": last["samples_per_s"],
@@ -492,6 +746,7 @@ def render(
     device: str,
 ) -> str:
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (--tiny check)"
+    bench = FAMILIES[args.family]
     floor_all = 2 * weight_bytes / (h2d * 1e9)
     from offload import parse_bytes
 
@@ -506,18 +761,22 @@ def render(
         floor_streamed = 2 * max(weight_bytes - budget, 0) / (h2d * 1e9)
     resident = rows.get("resident", {}).get("step_s")
     lines = [
-        f"{SECTION}\n",
+        f"{bench.section}\n",
         f"{datetime.date.today()} — {gpu} — torch {torch.__version__} — commit {commit()}\n",
-        f"Reproduce: `python bench/diffusion_bench.py --steps {args.steps} --seed-steps {args.seed_steps} "
+        f"Reproduce: `python bench/diffusion_bench.py{'' if bench.name == 'qwen_image' else f' --family {bench.name}'} --steps {args.steps} --seed-steps {args.seed_steps} "
         f"--prompts {args.prompts} --limit {args.limit} --budget {args.budget}{f' --service --service-rows {args.service_rows}' if args.service else ''}"
-        f"{'' if args.only == ONLY_DEFAULT else f' --only {args.only}'}"
+        f"{'' if args.only == bench.only else f' --only {args.only}'}"
         f"{f' --rounds {args.rounds}' if args.rounds > 1 else ''}`\n",
-        f"DiT of Qwen-Image's shape (QwenImageTransformer2DModel, 60 layers, {weights / 1e9:.2f}B parameters, "
-        f"{weight_bytes / 1e9:.1f} GB bf16, random init), LoRA rank 32 on the seed's 12 targets, gradient "
-        "checkpointing, batch 1 from a synthetic cache of 1024 x 1024 latents (4096 image + 64 prompt tokens). "
-        f"Pinned host-to-device copy measured in this run: {h2d:.1f} GB/s. Copy floor = the streamed weights "
-        f"twice / that rate: all weights {floor_all:.2f} s; with {args.budget} kept resident {floor_streamed:.2f} s, "
-        f"and without the {modulation_bytes / 1e9:.1f} GB of modulation layers the table replaces {floor_budget:.2f} s"
+        f"DiT of {bench.title}'s shape ({bench.blocks}, {weights / 1e9:.2f}B parameters, "
+        f"{weight_bytes / 1e9:.1f} GB bf16, random init), {lora_words(bench)}, gradient "
+        f"checkpointing, batch 1 from a synthetic cache of 1024 x 1024 latents (4096 image + {bench.prompt_tokens} "
+        f"prompt tokens). Pinned host-to-device copy measured in this run: {h2d:.1f} GB/s. Copy floor = the streamed "
+        f"weights twice / that rate: all weights {floor_all:.2f} s; with {args.budget} kept resident {floor_streamed:.2f} s"
+        + (
+            f", and without the {modulation_bytes / 1e9:.1f} GB of modulation layers the table replaces {floor_budget:.2f} s"
+            if bench.modulation_table
+            else ""
+        )
         + (" (auto: Ferry's bytes copied per step / that rate). " if args.budget == "auto" else ". ")
         + "Step = median of the steps after the first. Each row is a real job: a row marked so went through the "
         "service (POST /v1/jobs, its worker's child process), the others through `jobs.run_job` in the bench's "
@@ -582,7 +841,7 @@ def render(
             )
     if encoder:
         lines.append(
-            f"\nCache job (`task: cache`) with a text encoder of Qwen2.5-VL 7B's shape (random init, bf16) under "
+            f"\nCache job (`task: cache`) with a text encoder of {bench.text_encoder}'s shape (random init, bf16) under "
             f"the same limit through the offload engine (block units, budget {args.encoder_budget}), {encoder['samples']} "
             f"1024 x 1024 images, {encoder['prompt_tokens']}-token prompts: {encoder['samples_per_s']:.2f} samples/s "
             f"overall; text encoder alone {encoder['text_encoder_samples_per_s']:.2f} samples/s "
@@ -592,14 +851,23 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-def write_section(report: str) -> None:
-    """Replace (or add) this benchmark's section of bench/RESULTS.md, leaving the others as they are."""
+def lora_words(bench: BenchFamily) -> str:
+    """The rows' LoRA, as the results describe it."""
+    lora = bench.lora()
+    where = "the seed's" if bench.config is None else f"{bench.config}'s"
+    return f"LoRA rank {lora['rank']} on {where} {len(lora['target_modules'])} targets"
+
+
+def write_section(report: str, section: str = SECTION) -> None:
+    """Replace (or add) this benchmark's ``section`` of bench/RESULTS.md, leaving the others as they are (the
+    heading matched as a whole line: Qwen-Image's is the start of the Flux sections' headings)."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if SECTION in text:
-        start = text.index(SECTION)
+    heading = f"\n{section}\n"
+    if heading in "\n" + text:
+        start = ("\n" + text).index(heading)  # the heading's first character in text
         # The section ends where the next one starts (its heading, or the marker comment some sections open
         # with) or at its first subsection: the "### " notes written by hand below the generated part stay.
-        after = start + len(SECTION)
+        after = start + len(section)
         ends = [
             i for i in (text.find("\n## ", after), text.find("\n### ", after), text.find("\n<!-- ", after)) if i != -1
         ]

@@ -54,7 +54,7 @@ def test_the_link_busy_row_is_set_beside_the_resident_step() -> None:
     resident = {**_round([1.0, 1.2, 1.4], 40.0, 41.0), "label": "no offload", "pinned_gib": 0.0, "h2d_gb": 0.0}
     busy = {**resident, "label": "link busy", "step_s": 1.5, "load_gbps": 53.2}
     args = SimpleNamespace(
-        steps=4, seed_steps=2, prompts=4, limit="24GiB", budget="14GiB", service=False, service_rows="ferry",
+        family="qwen_image", steps=4, seed_steps=2, prompts=4, limit="24GiB", budget="14GiB", service=False, service_rows="ferry",
         only="resident,resident-link-busy", rounds=1, build_each=False,
     )  # fmt: skip
     report = diffusion_bench.render(
@@ -108,7 +108,7 @@ def test_ferry_with_the_modulation_table_is_set_beside_the_same_schedule_streami
         "ferry-streamed-modulation": row("streamed", 1.4, 50.0),
     }
     args = SimpleNamespace(
-        steps=4, seed_steps=2, prompts=4, limit="24GiB", budget="10GB", service=False, service_rows="ferry",
+        family="qwen_image", steps=4, seed_steps=2, prompts=4, limit="24GiB", budget="10GB", service=False, service_rows="ferry",
         only="resident,ferry,ferry-streamed-modulation", rounds=1, build_each=False,
     )  # fmt: skip
     report = diffusion_bench.render(
@@ -124,3 +124,64 @@ def test_ferry_with_the_modulation_table_is_set_beside_the_same_schedule_streami
     assert (
         "Ferry 1.10 s copying 24.0 GB per step; with the modulation layers streamed 1.40 s, 50.0 GB (0.79x)" in report
     )
+
+
+def _tiny_run(family: str, only: str, tmp_path: Path) -> dict:
+    """The bench's --cpu run of ``family``'s rows, in a process of its own, as a user runs it; its results.json."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(diffusion_bench.__file__).resolve().parents[1]
+    command = [sys.executable, "bench/diffusion_bench.py", "--family", family, "--cpu", "--no-write", "--steps", "2",
+               "--seed-steps", "2", "--prompts", "1", "--only", only, "--work", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert not results["failures"], results["failures"]
+    heading = diffusion_bench.FAMILIES[family].section
+    assert f"\n{heading}\n" in done.stdout, done.stdout[-2000:]
+    return results
+
+
+@pytest.mark.parametrize(("family", "only"), [("flux1", "resident,ferry,seed"), ("flux2", "encoder,resident,ferry")])
+def test_a_flux_family_runs_tiny_on_the_cpu_beside_the_resident_step_and_the_seed(
+    family: str, only: str, tmp_path: Path
+) -> None:
+    """Flux.2's run has the cache job's row instead of the seed's (the seed's schedule is the same for both)."""
+    results = _tiny_run(family, only, tmp_path)
+    assert set(results["rows"]) == set(only.split(",")) - {"encoder"}
+    losses = {key: row["loss"] for key, row in results["rows"].items()}
+    assert all(loss == pytest.approx(losses["resident"]) for loss in losses.values()), losses
+    if family == "flux2":  # Flux.2's text encoder in the cache job: its prompts padded to 512 tokens
+        assert results["encoder"]["samples"] == 1 and results["encoder"]["prompt_tokens"] == 512
+
+
+def test_the_synthetic_caches_have_the_shapes_of_1024_squared_and_what_the_reader_expects(tmp_path: Path) -> None:
+    """At full size: Flux.1's latents [16, 1, 128, 128] with T5's [512, 4096] and CLIP's pooled [768]; Flux.2's
+    [128, 1, 64, 64] with [512, 15360]; each cache with the empty caption's embedding and its model's fingerprint."""
+    from types import SimpleNamespace
+
+    from jobs.models.diffusion.data.cache import CachedSamples, cache_problems_for_training
+
+    want = {"flux1": ((16, 1, 128, 128), (512, 4096), (768,)), "flux2": ((128, 1, 64, 64), (512, 15360))}
+    for family, shapes in want.items():
+        pipeline = diffusion_bench.make_pipeline_dir(tmp_path / family, tiny=False, family=family)
+        cache = tmp_path / f"cache-{family}"
+        diffusion_bench.write_synthetic_cache(cache, pipeline, samples=1, side=1024, prompt_tokens=512)
+        samples = CachedSamples(cache)
+        assert tuple(tuple(t.shape) for t in samples.sample(0)) == shapes
+        assert tuple(tuple(t.shape) for t in samples.empty_prompt() or ()) == shapes[1:]
+        model = SimpleNamespace(
+            path=pipeline, text_encoder_dtype=None, dtype="bfloat16", vae_dtype="bfloat16", init="random"
+        )
+        assert cache_problems_for_training(cache, model, caption_dropout=0.1) == []
+
+
+def test_a_row_that_does_not_apply_to_the_family_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        diffusion_bench.parse_args(["--family", "flux1", "--only", "encoder,ferry,ferry-streamed-modulation"])
+    assert "--only encoder,ferry-streamed-modulation: not a row of --family flux1" in capsys.readouterr().err
+    args = diffusion_bench.parse_args(["--family", "flux2"])
+    assert (args.limit, args.budget, args.only) == ("24GiB", "8GiB", "encoder,resident,ferry,seed")
+    assert diffusion_bench.parse_args([]).budget == "14GiB"
