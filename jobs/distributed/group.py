@@ -119,6 +119,12 @@ class RankGroup:
         dist.broadcast(code, src=0)
         return {value: key for key, value in STOP_CODES.items()}[int(code.item())]
 
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (early stopping: the ranks must leave the loop at the same step)."""
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.broadcast(value, src=0)
+        return bool(value.item())
+
     def with_rank_figures(self, event: StepEvent, step_s: float) -> StepEvent:
         """``event`` with every rank's step time and memory (``ranks``), gathered to all ranks."""
         from jobs.events import RankFigures

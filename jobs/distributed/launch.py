@@ -22,6 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from jobs.distributed.group import STOP_CODES, StopRequest, join_group, leave_group
 from jobs.errors import RankLost
 from jobs.events import FailedEvent, Report, StopPoll, failed_event
@@ -38,7 +40,7 @@ def run_ranks(spec: Any, *, output_dir: Path, report: Report, resume: bool, shou
     Raises:
         RankLost: a rank ended without rank 0 reporting why (killed, crashed, or another rank raised);
             reported as an ``interrupted`` failure, so the service resumes the job from its last checkpoint.
-        RuntimeError: rank 0 raised; its ``failed`` event has been reported already.
+        RuntimeError: rank 0 raised first; its ``failed`` event has been reported.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -63,15 +65,19 @@ def run_ranks(spec: Any, *, output_dir: Path, report: Report, resume: bool, shou
         results = elastic_launch(config, rank_main)(spec, str(output_dir), resume, events, stop)
     except ChildFailedError as error:
         relay.finish()
-        if relay.failure is not None:
+        rank, failure = error.get_first_failure()
+        if rank == 0 and failure.exitcode == 1 and relay.failure is not None:  # rank 0 raised first: its error
+            report(relay.failure)
             raise RuntimeError(f"rank 0 failed: {relay.failure.message}") from error
-        lost = RankLost(f"a rank of {world_size} ended without finishing: {_first_failure(error)}")
+        # Another rank first, or a signal: what rank 0 reported, if anything, followed from that.
+        lost = RankLost(f"a rank of {world_size} ended without finishing: {_describe(rank, failure)}")
         report(failed_event(lost))
         raise lost from error
     relay.finish()
     return results[0]
 
 
+@record  # a rank's exception reaches the launcher's ChildFailedError (its message names the rank's error)
 def rank_main(spec: Any, output_dir: str, resume: bool, events: Any, stop: Any) -> Any:
     """One rank: join the group, run the job, leave. Rank 0 alone reports (into ``events``)."""
     _die_with_launcher()
@@ -104,10 +110,11 @@ def _die_with_launcher() -> None:
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL
 
 
-def _first_failure(error: Any) -> str:
-    rank, failure = error.get_first_failure()
-    how = f"signal {failure.signal_name()}" if failure.signal_name() else f"exit code {failure.exitcode}"
-    return f"rank {rank} ({how})"
+def _describe(rank: int, failure: Any) -> str:
+    if failure.exitcode < 0:
+        return f"rank {rank} (signal {failure.signal_name()})"
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    return f"rank {rank} (exit code {failure.exitcode}{': ' + message if message else ''})"
 
 
 class _Relay(threading.Thread):
@@ -142,6 +149,7 @@ class _Relay(threading.Thread):
                 event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return
-            if isinstance(event, FailedEvent):
+            if isinstance(event, FailedEvent):  # held until the launch says which rank failed first
                 self.failure = event
+                continue
             self.report(event)

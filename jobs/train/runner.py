@@ -253,6 +253,8 @@ def _train(
             event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})
         report(event)
         stop_early = between.after_step(step)
+        if group is not None:
+            stop_early = group.agree(stop_early)  # rank 0's decision: every rank leaves after the same step
         sample_every = session.sampler.every_steps if session.sampler is not None else None
         due = [n for n in (every, sample_every) if n is not None and step % n == 0]
         if due and step < total:

@@ -8,10 +8,13 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
+import pytest
 import torch
 from torch.testing import assert_close
 
 from jobs import JobOutcome, PathRoots, run_job
+from jobs.errors import RankLost
 from jobs.events import event_to_wire
 from tests.jobs.helpers import TINY_LM, TOY, final_weights, merged, spec_from
 
@@ -110,3 +113,35 @@ def test_a_cancel_reaches_every_rank(tmp_path: Path) -> None:
     assert outcome.status == "cancelled" and 1 <= outcome.step < 100_000
     assert events[-1] == {"type": "finished", "status": "cancelled", "step": outcome.step}
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_lost_rank_ends_the_attempt_as_interrupted(tmp_path: Path) -> None:
+    """A rank killed mid-run: the launcher ends the others and reports an interrupted failure (the service
+    then resumes the job from its last checkpoint)."""
+    events: list[dict[str, Any]] = []
+    killed: list[int] = []
+
+    def kill_a_rank_after_a_step() -> None:
+        if killed or not any(e["type"] == "step" for e in events):
+            return None
+        ranks = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        ranks = [p for p in ranks if "resource_tracker" not in " ".join(p.cmdline())]
+        ranks[-1].kill()
+        killed.append(ranks[-1].pid)
+        return None
+
+    spec = spec_from(on_ranks(merged(TOY, training={"steps": 100_000}), 2, 4))
+    with pytest.raises(RankLost, match=r"a rank of 2 ended without finishing: rank \d \(signal SIGKILL\)"):
+        run_job(
+            spec,
+            output_dir=tmp_path,
+            report=lambda e: events.append(event_to_wire(e)),
+            should_stop=kill_a_rank_after_a_step,
+        )
+    assert killed and events[-1]["type"] == "failed" and events[-1]["error"] == "interrupted"
+    assert not any(psutil.pid_exists(pid) for pid in killed)  # reaped: the launcher waited for it
+    assert not [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
+    ]  # the other rank was ended too
