@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jobs.models.chunked_loss import CHUNK_ABOVE_BYTES, chunk_tokens
 from jobs.models.family import activation_element_size
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ class DecoderDims:
     layers: int
     vocab: int
     per_layer: tuple[int, int]
+    chunked_logits: bool = False  # the loss makes its logits a chunk at a time when large (chunked_loss.py)
 
 
 def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
@@ -46,7 +48,10 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
     # The loss: logits, their float32 copy and log-softmax. They are gone before the blocks' backward starts,
     # so the peak is the larger of the two phases on top of what is kept (adding both phases overestimates a
     # measured LoRA peak; docs hold the comparison).
-    logits = n * dims.vocab * (e + 8)
+    logits_tokens = n
+    if dims.chunked_logits and n * dims.vocab * 4 > CHUNK_ABOVE_BYTES:
+        logits_tokens = min(n, chunk_tokens(dims.vocab))
+    logits = logits_tokens * dims.vocab * (e + 8)
     return kept + max(logits, block_backward) + 4 * n * h * e  # + embeddings and final norm
 
 

@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from torch import nn
 
 from jobs.checkpoints.export import HF_PRETRAINED
+from jobs.models.chunked_loss import chunked_lm_loss
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily
 from jobs.models.hf_checkpoint import checkpoint_problems, checkpoint_source
@@ -115,9 +116,16 @@ def hf_checkpointed_inputs(spec: JobSpec, model: nn.Module) -> list[int]:
 def _dims(model: nn.Module) -> DecoderDims:
     config: Any = model.config
     h = config.hidden_size
-    return DecoderDims(
-        h, getattr(config, "intermediate_size", 4 * h), config.num_hidden_layers, config.vocab_size, (10, 4)
-    )
+    chunked = getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", None) is None
+    intermediate = getattr(config, "intermediate_size", 4 * h)
+    return DecoderDims(h, intermediate, config.num_hidden_layers, config.vocab_size, (10, 4), chunked_logits=chunked)
+
+
+def hf_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The next-token loss; over chunks of positions when the whole sequence's logits would be large
+    (chunked_loss.py), else transformers' own."""
+    loss = chunked_lm_loss(model, batch)
+    return loss if loss is not None else lm_loss(model, batch)
 
 
 def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
@@ -151,7 +159,7 @@ FAMILY = ModelFamily(
     kind="hf_causal_lm",
     spec=HFCausalLMSpec,
     build=build_hf_causal_lm,
-    loss=lm_loss,
+    loss=hf_lm_loss,
     data_kinds=("text",),
     meta_model=meta_hf_causal_lm,
     activation_bytes=hf_activation_bytes,

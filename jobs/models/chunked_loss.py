@@ -1,0 +1,78 @@
+"""A causal LM's next-token loss over a few thousand tokens at a time: the whole sequence's logits never exist.
+
+transformers computes the loss from the logits of every position, upcast to float32: at 32768 tokens and a
+152064-token vocabulary that is 20 GB of float32 logits plus 10 GB of bf16 ones, on top of what the blocks need,
+more than a 24 GiB card holds whatever the offload engine does with the weights and the blocks' inputs. Here
+the decoder runs as usual and returns its hidden states; the head and the cross-entropy run over chunks of
+positions, each chunk checkpointed (its logits are made again in backward, one chunk at a time). The loss is
+transformers' (float32 logits, labels shifted by one, -100 ignored, the sum over the batch's counted tokens);
+only the order of the sum differs, so it equals it to float rounding, not bit for bit
+(tests/jobs/models/test_chunked_loss.py).
+
+Used for Hugging Face causal LMs whose float32 logits would exceed ``CHUNK_ABOVE_BYTES``; models with logit
+soft-capping, or whose decoder and head cannot be found, keep transformers' loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_ABOVE_BYTES = 2**30  # float32 logits above this are computed in chunks
+CHUNK_BYTES = 2**29  # each chunk's float32 logits (bf16 ones and the gradient come on top)
+IGNORE_INDEX = -100
+
+
+def chunk_tokens(vocab: int) -> int:
+    """Positions per chunk for a vocabulary of ``vocab``."""
+    return max(1, CHUNK_BYTES // (vocab * 4))
+
+
+def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The next-token loss of ``batch`` computed chunk by chunk; None when ``model`` is not one it can split
+    (the caller then asks the model for its own loss) or the logits are small enough to make at once."""
+    parts = _decoder_and_head(model)
+    labels = batch["labels"]
+    if parts is None:
+        return None
+    decoder, head, vocab = parts
+    if labels.numel() * vocab * 4 <= CHUNK_ABOVE_BYTES:
+        return None
+    extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
+    hidden = decoder(input_ids=batch["input_ids"], **extra).last_hidden_state
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1
+    counted = (targets != IGNORE_INDEX).sum()
+    step = chunk_tokens(vocab)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[1], step):
+        end = min(start + step, hidden.shape[1])
+        total = total + checkpoint(_chunk_loss, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
+    return total / counted.clamp(min=1)
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # as transformers' loss: float32 logits
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, int] | None:
+    get_base = getattr(model, "get_base_model", None)  # peft's wrapper
+    base: Any = get_base() if callable(get_base) else model
+    config = getattr(base, "config", None)
+    prefix = getattr(base, "base_model_prefix", None)
+    if config is None or not prefix or getattr(config, "final_logit_softcapping", None) is not None:
+        return None
+    if getattr(config, "logit_scale", None) is not None:  # a head that scales its logits (Cohere)
+        return None
+    decoder = getattr(base, prefix, None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module) or not vocab:
+        return None
+    return decoder, head, int(vocab)
