@@ -106,14 +106,14 @@ class TestRejectedSpecs:
         )
 
     def test_path_escaping_the_data_root(self, client: httpx.Client, server: Server) -> None:
-        root = (server.data_dir.parent / "datasets").resolve()
+        roots = f"{(server.data_dir.parent / 'datasets').resolve()}, {(server.data_dir / 'uploads').resolve()}"
         escape = "../" * 12 + "etc/passwd"  # enough ../ to reach / from any tmp dir
         text = spec_yaml().replace("{kind: synthetic_regression}", f"{{kind: text, path: {escape}}}")
         assert spec_error(post_spec(client, text))[:2] == (
             422,
             (
                 f"The job spec has 1 problem: data.path (line 3): '{escape}' resolves to /etc/passwd, "
-                f"outside the allowed data roots ({root})"
+                f"outside the allowed data roots ({roots})"
             ),
         )
 
@@ -131,7 +131,7 @@ class TestRejectedSpecs:
         assert response.status_code == 415
         assert response.json()["error"]["message"] == (
             "Content-Type 'application/xml' is not accepted; send the spec as application/yaml (or text/yaml) "
-            "or as application/json."
+            "or as application/json, or an axolotl config as application/x-axolotl+yaml."
         )
 
     @pytest.mark.parametrize(
