@@ -88,7 +88,11 @@ def test_shared_dir_holds_job_outputs_and_default_roots_while_the_queue_stays_lo
     assert settings.db_path == Path("/var/ferry/ferry.sqlite3")
     assert settings.job_dir("job-1") == Path("/mnt/shared/ferry/jobs/job-1")
     # and the example data of a source checkout, so the example configs submit as shipped
-    assert settings.effective_data_roots == [Path("/mnt/shared/ferry/datasets"), REPO / "configs" / "data"]
+    assert settings.effective_data_roots == [
+        Path("/mnt/shared/ferry/datasets"),
+        REPO / "configs" / "data",
+        Path("/mnt/shared/ferry/uploads"),  # uploads, named by id in a spec, on the shared storage too
+    ]
     assert settings.effective_model_roots == [Path("/mnt/shared/ferry/models")]
     assert Settings(data_dir=Path("/var/ferry"), _env_file=None).job_dir("job-1") == Path("/var/ferry/jobs/job-1")
 
