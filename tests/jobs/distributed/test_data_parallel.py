@@ -72,7 +72,7 @@ def test_lora_with_model_offload_on_two_ranks(tmp_path: Path, roots: PathRoots) 
         TINY_LM,
         model={"dropout": 0.0},  # a dropout mask depends on the rows a rank holds
         lora={"target_modules": ["to_q", "to_v"], "rank": 4},
-        training={"steps": 3},
+        training={"steps": 2},
         offload={"enable_model_cpu_offload": True},
     )
     _, events = run(on_ranks(data, 2, 2), tmp_path / "two", roots)
@@ -81,22 +81,35 @@ def test_lora_with_model_offload_on_two_ranks(tmp_path: Path, roots: PathRoots) 
     assert_close_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
 
 
-def test_optimizer_offload_resumes_across_world_sizes(tmp_path: Path) -> None:
+OPTIMIZER_OFFLOAD = merged(
+    TOY, offload=OFFLOAD_BOTH, training={"steps": 4}, checkpoint={"every_steps": 2, "keep_last": 5}
+)
+
+
+def resume_from_step_2(source: Path, out: Path, world_size: int, batch_size: int) -> dict[str, torch.Tensor]:
+    """Resume ``source``'s step-2 checkpoint in ``out`` on ``world_size`` ranks; the final weights."""
+    shutil.copytree(source / "checkpoints" / "step-00000002", out / "checkpoints" / "step-00000002")
+    outcome, events = run(on_ranks(OPTIMIZER_OFFLOAD, world_size, batch_size), out)
+    assert outcome.status == "succeeded" and events[0]["resumed_from_step"] == 2
+    assert [e["step"] for e in events if e["type"] == "step"] == [3, 4]
+    return final_weights(out)
+
+
+def test_optimizer_offload_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
     """A full fine-tune with model and optimizer offload (gradients reduced before their copy to the host,
-    the CPU optimizer overlapped): a 2-rank checkpoint resumes on one rank and a 1-rank one on two ranks; all
-    end where one rank trained straight through on the union batch."""
-    data = merged(TOY, offload=OFFLOAD_BOTH, training={"steps": 4}, checkpoint={"every_steps": 2, "keep_last": 5})
-    run(on_ranks(data, 1, 8), tmp_path / "one")
-    run(on_ranks(data, 2, 4), tmp_path / "two")
+    the CPU optimizer overlapped) trains what one rank does, and its checkpoint, which holds nothing of a
+    rank's own, resumes on one rank to the same end."""
+    run(on_ranks(OPTIMIZER_OFFLOAD, 1, 8), tmp_path / "one")
+    run(on_ranks(OPTIMIZER_OFFLOAD, 2, 4), tmp_path / "two")
     straight = final_weights(tmp_path / "one")
     assert_close_weights(final_weights(tmp_path / "two"), straight)
-    for source, world_size, batch_size in (("two", 1, 8), ("one", 2, 4)):
-        resumed = tmp_path / f"{source}-resumed-on-{world_size}"
-        shutil.copytree(tmp_path / source / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
-        outcome, events = run(on_ranks(data, world_size, batch_size), resumed)
-        assert outcome.status == "succeeded" and events[0]["resumed_from_step"] == 2
-        assert [e["step"] for e in events if e["type"] == "step"] == [3, 4]
-        assert_close_weights(final_weights(resumed), straight)
+    assert_close_weights(resume_from_step_2(tmp_path / "two", tmp_path / "resumed", 1, 8), straight)
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
+    run(on_ranks(OPTIMIZER_OFFLOAD, 1, 8), tmp_path / "one")
+    resumed = resume_from_step_2(tmp_path / "one", tmp_path / "resumed", 2, 4)
+    assert_close_weights(resumed, final_weights(tmp_path / "one"))
 
 
 def test_a_cancel_reaches_every_rank(tmp_path: Path) -> None:
