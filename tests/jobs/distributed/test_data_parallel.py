@@ -158,3 +158,24 @@ def test_a_lost_rank_ends_the_attempt_as_interrupted(tmp_path: Path) -> None:
         for p in psutil.Process().children(recursive=True)
         if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
     ]  # the other rank was ended too
+
+
+def test_a_pause_checkpoints_once_and_the_job_resumes_on_one_rank(tmp_path: Path) -> None:
+    """Rank 0 checkpoints where every rank stopped; the other rank writes nothing."""
+    events: list[dict[str, Any]] = []
+
+    def should_stop() -> Literal["pause"] | None:
+        return "pause" if any(e["type"] == "step" for e in events) else None
+
+    data = merged(TOY, training={"steps": 100_000})
+    outcome = run_job(
+        spec_from(on_ranks(data, 2, 4)),
+        output_dir=tmp_path,
+        report=lambda e: events.append(event_to_wire(e)),
+        should_stop=should_stop,
+    )
+    assert outcome.status == "paused" and outcome.checkpoint is not None
+    assert [e["step"] for e in events if e["type"] == "checkpoint"] == [outcome.step]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [Path(outcome.checkpoint).name]
+    resumed, later = run(on_ranks(merged(data, training={"steps": outcome.step + 1}), 1, 8), tmp_path)
+    assert resumed.status == "succeeded" and later[0]["resumed_from_step"] == outcome.step
