@@ -15,7 +15,7 @@ from tests.service.conftest import TOKEN, Server, spec_yaml
 UNKNOWN_KEY_HINT = (
     "unknown key (valid keys: steps, epochs, batch_size, gradient_accumulation_steps, optimizer, "
     "learning_rate, weight_decay, scheduler, max_grad_norm, seed, mixed_precision, "
-    "gradient_checkpointing, timestep_range, timestep_weighting)"
+    "gradient_checkpointing, objective, dpo, orpo, timestep_range, timestep_weighting, guidance)"
 )
 
 
