@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _import_axolotl(file: Path) -> int:
     """The Ferry spec on stdout (keys it cannot honour as comments at its top), and those keys on stderr."""
-    from jobs.spec.axolotl import convert_axolotl
+    from jobs.convert.axolotl import convert_axolotl
 
     try:
         converted = convert_axolotl(file.read_text())

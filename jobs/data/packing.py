@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jobs.data.examples import IGNORE, Example
+from jobs.data.formats.examples import IGNORE, Example
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jobs.data.examples import IGNORE, Example
+from jobs.data.formats.examples import IGNORE, Example
 
 WINDOW_BATCHES = 50
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from jobs.data.examples import Example, RecordError
-from jobs.data.formats import record_example
+from jobs.data.formats.examples import Example, RecordError
+from jobs.data.formats.preference import PreferenceBatches, PreferencePair, preference_pair, truncate
+from jobs.data.formats.record import record_example
 from jobs.data.mixing import mix
 from jobs.data.packing import PackingCounts, concatenate, fit_examples, pack
 from jobs.data.padded import PaddedBatches
-from jobs.data.preference import PreferenceBatches, PreferencePair, preference_pair, truncate
 from jobs.data.records import Record, iter_records
 from jobs.data.text import PackedText
 from jobs.data.tokenizers import HFTokenizer, Tokenizer, build_tokenizer

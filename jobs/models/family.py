@@ -18,7 +18,7 @@ from torch import nn
 
 from jobs.checkpoints.weights import TRAINABLE_SAFETENSORS, WeightsFormat
 from jobs.errors import Problem
-from jobs.models.weight_sources import WeightSource
+from jobs.models.loading.weight_sources import WeightSource
 from jobs.spec.sections import Section
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class ModelFamily(Generic[JobT]):
         task_help: A line of help per name of ``tasks``, shown in the ``task`` field's description.
         build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
             with its weights on the meta device and the source that fills the offload engine's pinned host
-            copies directly (jobs/models/weight_sources.py); None when the family can only be built in memory.
+            copies directly (jobs/models/loading/weight_sources.py); None when the family can only be built in memory.
         checkpoint_problems: ``checkpoint_problems(model_spec) -> [(tensor, file, message)]``: the ways the
             checkpoint fails to fill the model, read from the files' headers at submit time (missing,
             unexpected, misshapen tensors); None when the family has no such check.

@@ -13,10 +13,10 @@ from jobs.checkpoints.export import HF_PRETRAINED
 from jobs.models.chunked_loss import chunked_lm_loss
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily
-from jobs.models.hf_checkpoint import checkpoint_problems, checkpoint_source
 from jobs.models.hf_names import hf_module_names
+from jobs.models.loading.hf_checkpoint import checkpoint_problems, checkpoint_source
+from jobs.models.loading.weight_sources import RandomSource, WeightSource
 from jobs.models.transformer_lm import lm_loss
-from jobs.models.weight_sources import RandomSource, WeightSource
 from jobs.spec.sections import Dtype, Section, confined_path
 
 if TYPE_CHECKING:

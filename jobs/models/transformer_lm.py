@@ -21,7 +21,7 @@ from torch import nn
 from jobs.errors import Problem
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily, linear_module_names
-from jobs.models.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
+from jobs.models.loading.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
 from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
 from jobs.train.activation_checkpointing import checkpoint_block
 

@@ -63,7 +63,7 @@ def _checkpoint_problems(spec: JobSpec, check: Callable[[Any], list[tuple[str, s
 
 
 def _data_problems(spec: JobSpec) -> list[SpecProblem]:
-    from jobs.data.formats import RecordError, record_example
+    from jobs.data.formats.record import RecordError, record_example
     from jobs.data.records import iter_records
     from jobs.data.tokenizers import build_tokenizer
 
@@ -104,8 +104,8 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
 def _chat_prompt_problems(spec: JobSpec) -> list[SpecProblem]:
     """Chat-message sample prompts rendered now with the job's chat template: none, or one that refuses them
     (some refuse a system turn), is refused at submit rather than at the first sample."""
-    from jobs.data.chat import conversation_prompt
-    from jobs.data.examples import RecordError
+    from jobs.data.formats.chat import conversation_prompt
+    from jobs.data.formats.examples import RecordError
     from jobs.data.tokenizers import HFTokenizer, build_tokenizer
 
     samples, data = spec.text_samples, spec.data

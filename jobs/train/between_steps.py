@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from jobs.evaluate.held_out import EvalHistory, evaluate
 from jobs.events import EvalEvent, LogEvent, Report, SampleEvent
 from jobs.spec.job import JobSpec
-from jobs.train.evaluation import EvalHistory, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class EvalAndSamples:
         return result.loss
 
     def sample(self, step: int) -> None:
-        from jobs.train.text_samples import generate_samples
+        from jobs.evaluate.text_samples import generate_samples
 
         session = self.session
         samples = generate_samples(

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs.data.examples import IGNORE
+from jobs.data.formats.examples import IGNORE
 
 METRICS = (
     "rewards_chosen",

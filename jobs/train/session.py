@@ -20,7 +20,7 @@ from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_a
 from jobs.distributed.group import current_group
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
-from jobs.models.weight_sources import LoadReport, WeightSource
+from jobs.models.loading.weight_sources import LoadReport, WeightSource
 from jobs.reporting.telemetry import peak_rss_bytes
 from jobs.spec.job import JobSpec
 from jobs.train.optim import build_optimizer, build_scheduler
@@ -185,7 +185,7 @@ def _setup_model(
         keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
     quantize = getattr(spec.model, "quantize", None)
     if quantize is not None and source is not None:
-        from jobs.models.quantizing_source import QuantizingSource  # torchao is an optional extra
+        from jobs.models.loading.quantizing_source import QuantizingSource  # torchao is an optional extra
 
         # The meta model's frozen linears become quantized placeholders, each quantized as it loads.
         source = QuantizingSource(source, model, quantize, device)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jobs.spec.axolotl import AxolotlConversion, convert_axolotl
+from jobs.convert.axolotl import AxolotlConversion, convert_axolotl
 from service.api.errors import ApiError
 from service.checking.yaml_guard import YamlShapeError, check_yaml_shape
 
 YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain"})
 JSON_TYPES = frozenset({"application/json"})
-AXOLOTL_TYPE = "application/x-axolotl+yaml"  # an axolotl config, converted to a spec first (jobs/spec/axolotl.py)
+AXOLOTL_TYPE = "application/x-axolotl+yaml"  # an axolotl config, converted to a spec first (jobs/convert/axolotl.py)
 
 
 def spec_text_from_body(body: bytes, content_type: str | None) -> str:

@@ -1,7 +1,7 @@
 """The row check of a fine-tuning upload: every JSONL row a chat conversation, or every row a preference pair.
 
 It runs in the API process, so it reads JSON and nothing else (no tokenizer, no torch); the rules are those the
-job's own data check applies at submit (``jobs/data/chat.py``, ``jobs/data/preference.py``), so a file accepted
+job's own data check applies at submit (``jobs/data/formats/chat.py``, ``jobs/data/formats/preference.py``), so a file accepted
 here is not refused there for its layout. What needs the tokenizer (the chat template) is checked at job creation.
 
 Example:
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-ROLES = ("system", "user", "assistant", "tool", "developer")  # as jobs/data/chat.py reads them
+ROLES = ("system", "user", "assistant", "tool", "developer")  # as jobs/data/formats/chat.py reads them
 OPENAI_PAIR = ("input", "preferred_output", "non_preferred_output")  # OpenAI's DPO layout
 TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
 
@@ -134,5 +134,5 @@ def _messages(messages: Any, field: str, *, need_assistant: bool = True) -> None
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)  # as jobs/data/chat.py shows a value
+    text = repr(value)  # as jobs/data/formats/chat.py shows a value
     return text if len(text) <= 60 else text[:57] + "..."

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.data.formats import IGNORE, RecordError, record_example
+from jobs.data.formats.record import IGNORE, RecordError, record_example
 from jobs.data.tokenizers import HFTokenizer
 from jobs.spec.job import TextDataSpec
 from tests.jobs.llm_helpers import save_bpe_tokenizer

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.data.formats import IGNORE, Example
+from jobs.data.formats.record import IGNORE, Example
 from jobs.data.packing import concatenate, fit_examples, pack
 from jobs.data.padded import PaddedBatches
 from jobs.data.prepare import model_keeps_documents_apart

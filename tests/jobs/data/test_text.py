@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jobs.data import build_data
-from jobs.data.formats import Example
+from jobs.data.formats.record import Example
 from jobs.data.packing import concatenate
 from jobs.data.records import iter_records
 from jobs.data.text import PackedText

@@ -17,7 +17,7 @@ from torch import nn
 
 from jobs import PathRoots, run_job
 from jobs.events import StartedEvent, StepEvent
-from jobs.models.weight_sources import RandomSource, WeightSource
+from jobs.models.loading.weight_sources import RandomSource, WeightSource
 from offload import OffloadTrainingManager
 from tests.jobs.helpers import TINY_LM, merged, spec_from
 
@@ -54,7 +54,7 @@ def assert_same_payloads(a: dict[str, list[torch.Tensor]], b: dict[str, list[tor
 
 
 def quantized_on_load(model: nn.Module, source: WeightSource, method: str) -> nn.Module:
-    from jobs.models.quantizing_source import QuantizingSource
+    from jobs.models.loading.quantizing_source import QuantizingSource
 
     model.requires_grad_(False)
     quantizing = QuantizingSource(source, model, method, torch.device("cpu"))
@@ -132,7 +132,7 @@ def test_no_more_than_one_dense_weight_is_ever_alive(tmp_path: Path, monkeypatch
     dense_bytes = sum(w.numel() * w.element_size() for w in linears)
     largest = max(w.numel() * w.element_size() for w in linears)
     model.requires_grad_(False)
-    from jobs.models.quantizing_source import QuantizingSource
+    from jobs.models.loading.quantizing_source import QuantizingSource
 
     quantizing = QuantizingSource(source, model, "nf4", torch.device("cpu"))
     manager = OffloadTrainingManager(model, "cpu", initialize=quantizing.fill)

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from jobs import PathRoots, run_job
 from jobs.events import StartedEvent, StepEvent
+from jobs.models.loading.weight_sources import RandomSource, SafetensorsSource
 from jobs.models.transformer_lm import TransformerLMSpec, build_transformer_lm, build_transformer_lm_on_meta
-from jobs.models.weight_sources import RandomSource, SafetensorsSource
 from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import TINY_LM, merged, spec_from
 

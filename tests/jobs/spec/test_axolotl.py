@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from jobs.cli import main
+from jobs.convert.axolotl import convert_axolotl
 from jobs.paths import PathRoots
-from jobs.spec.axolotl import convert_axolotl
 from jobs.spec.loading import load_job_spec
 from jobs.train.runner import run_job
 from tests.jobs.llm_helpers import chat_record, save_bpe_tokenizer, save_llama, write_jsonl

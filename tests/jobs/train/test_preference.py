@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from jobs import PathRoots, load_job_spec, run_job
-from jobs.data.preference import collate_pairs, preference_pair
+from jobs.data.formats.preference import collate_pairs, preference_pair
 from jobs.data.tokenizers import HFTokenizer
 from jobs.errors import JobSpecError
 from jobs.events import event_to_wire

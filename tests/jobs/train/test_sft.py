@@ -200,7 +200,7 @@ def test_eval_at_start_false_skips_the_base_model(tmp_path: Path, llm_roots: Pat
 
 def test_text_samples_from_chat_messages_render_with_the_template(tmp_path: Path, llm_roots: PathRoots) -> None:
     from jobs.data.tokenizers import HFTokenizer
-    from jobs.train.text_samples import prompt_text
+    from jobs.evaluate.text_samples import prompt_text
 
     conversation = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "the quick fox"}]
     data = llm_spec(text_samples={"prompts": ["a lazy dog", conversation], "max_new_tokens": 3}, training={"steps": 1})

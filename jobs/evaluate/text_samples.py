@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.data.formats import instruction_prompt
+from jobs.data.formats.record import instruction_prompt
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 
@@ -15,12 +15,12 @@ def prompt_text(prompt: str | list[Any], data_spec: Any, tokenizer: Tokenizer) -
     """``prompt`` as the model saw prompts in training: a chat user turn, an instruction, or plain text; chat
     messages (``[{role, content}, ...]``) rendered with the chat template, whatever the data's format."""
     if isinstance(prompt, list):
-        from jobs.data.chat import conversation_prompt
+        from jobs.data.formats.chat import conversation_prompt
 
         assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat prompts without an HF tokenizer
         return conversation_prompt([{"role": m.role, "content": m.content} for m in prompt], tokenizer)
     if data_spec.format == "chat":
-        from jobs.data.chat import chat_prompt
+        from jobs.data.formats.chat import chat_prompt
 
         assert isinstance(tokenizer, HFTokenizer)
         return chat_prompt(prompt, tokenizer)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.data.chat import chat_example, check_messages
-from jobs.data.examples import IGNORE as IGNORE
-from jobs.data.examples import Example as Example
-from jobs.data.examples import RecordError as RecordError
-from jobs.data.sharegpt import is_sharegpt, sharegpt_messages
+from jobs.data.formats.chat import chat_example, check_messages
+from jobs.data.formats.examples import IGNORE as IGNORE
+from jobs.data.formats.examples import Example as Example
+from jobs.data.formats.examples import RecordError as RecordError
+from jobs.data.formats.sharegpt import is_sharegpt, sharegpt_messages
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 ALPACA = (
@@ -39,8 +39,8 @@ def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> E
         prompt, response = instruction_texts(fields, spec)
         return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
     assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
-    if spec.format == "preference":  # checked here at submit time; trained as pairs (jobs/data/preference.py)
-        from jobs.data.preference import preference_pair
+    if spec.format == "preference":  # checked here at submit time; trained as pairs (jobs/data/formats/preference.py)
+        from jobs.data.formats.preference import preference_pair
 
         pair = preference_pair(fields, tokenizer)
         return pair.example(pair.chosen)

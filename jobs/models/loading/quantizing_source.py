@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from jobs.models.weight_sources import LoadReport, WeightSource
+from jobs.models.loading.weight_sources import LoadReport, WeightSource
 
 
 class QuantizingSource(WeightSource):

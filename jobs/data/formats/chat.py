@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.data.examples import Example, RecordError
+from jobs.data.formats.examples import Example, RecordError
 from jobs.data.tokenizers import HFTokenizer
 
 ROLES = ("system", "user", "assistant", "tool", "developer")

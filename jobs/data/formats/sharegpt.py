@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.data.examples import RecordError
+from jobs.data.formats.examples import RecordError
 
 FIELD = "conversations"
 ROLES = {

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.models.weight_sources import (
+from jobs.models.loading.weight_sources import (
     SAFETENSORS_DTYPES,
     LoadReport,
     SafetensorsSource,

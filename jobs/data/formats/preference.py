@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from jobs.data.chat import check_messages
-from jobs.data.examples import IGNORE, Example, RecordError
+from jobs.data.formats.chat import check_messages
+from jobs.data.formats.examples import IGNORE, Example, RecordError
 from jobs.data.tokenizers import HFTokenizer
 
 
