@@ -7,8 +7,6 @@ A created job is an ordinary Ferry job (``/v1/jobs/<id>`` shows it too): the req
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -26,15 +24,15 @@ from service.api.deps import (
     SpecCheckerDep,
     StoreDep,
 )
-from service.api.errors import ApiError
 from service.api.openai.create import build_spec, new_seed, parse_create, request_error, resolved_method
 from service.api.openai.errors import OpenAIErrorBody, OpenAIRoute
 from service.api.openai.shapes import CheckpointPublic, EventPublic, FineTuningJobPublic, ListPage, checkpoint_id
+from service.api.submission import queue_checked_spec
 from service.checking.messages import CheckRequest
 from service.queue.disk import refuse_if_disk_low
 from service.queue.files import FileNotFound, FileStore
 from service.queue.fine_tuning import FineTuningRecord
-from service.queue.store import IdempotencyConflict, QueueFull
+from service.queue.store import IdempotencyConflict
 
 router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning (OpenAI-compatible)"], route_class=OpenAIRoute)
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -68,26 +66,10 @@ def create_fine_tuning_job(
     checked = checker.check(
         CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=False, fit="refuse")
     )
-    refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
-    if checked.refusal is not None:
-        raise checked.refusal.error()
     try:
-        job, created = store.create_job(
-            job_id=f"job-{secrets.token_hex(6)}",
-            name=checked.name,
-            spec_text=text,
-            spec=checked.spec,
-            idempotency_key=idempotency_key,
-            request_sha256=hashlib.sha256(body).hexdigest(),
-            max_queued=settings.max_queued_jobs,
+        job, created = queue_checked_spec(
+            checked, text, body, store=store, settings=settings, idempotency_key=idempotency_key
         )
-    except QueueFull:
-        raise ApiError(
-            429,
-            "queue_full",
-            f"The queue already holds {settings.max_queued_jobs} jobs; try again later.",
-            headers={"Retry-After": "10"},
-        ) from None
     except IdempotencyConflict:
         raise request_error(
             None, f"Idempotency-Key {idempotency_key!r} was already used with another request."

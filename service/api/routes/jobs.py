@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import secrets
 import shutil
 from typing import Annotated
 
@@ -23,14 +21,14 @@ from service.api.deps import (
 from service.api.errors import INT64_MAX, ApiError
 from service.api.intake import spec_text_from_body
 from service.api.schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
+from service.api.submission import queue_checked_spec
 from service.checking.messages import CheckRequest
 from service.queue.disk import refuse_if_disk_low, with_space_to_free
 from service.queue.status import JobStatus
-from service.queue.store import IdempotencyConflict, QueueFull
+from service.queue.store import IdempotencyConflict
 
 log = logging.getLogger("ferry.api")
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-RETRY_AFTER_S = 10  # a full queue: about when a job may have started and freed a place
 
 _SPEC_BODY = {
     "requestBody": {
@@ -77,27 +75,10 @@ def create_job(
     fit = "refuse" if fit_check else "skip"
     check = CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=queue_anyway, fit=fit)
     checked = checker.check(check)  # the spec's problems: 422, all at once (in the checker's process)
-    refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
-    if checked.refusal is not None:  # no GPU worker for device: cuda, or estimated not to fit
-        raise checked.refusal.error()
     try:
-        job, created = store.create_job(
-            job_id=f"job-{secrets.token_hex(6)}",
-            name=checked.name,
-            spec_text=text,
-            spec=checked.spec,
-            idempotency_key=idempotency_key,
-            request_sha256=hashlib.sha256(body).hexdigest(),
-            max_queued=settings.max_queued_jobs,
+        job, created = queue_checked_spec(
+            checked, text, body, store=store, settings=settings, idempotency_key=idempotency_key
         )
-    except QueueFull:
-        raise ApiError(
-            429,
-            "queue_full",
-            f"The queue already holds {settings.max_queued_jobs} jobs "
-            "(FERRY_MAX_QUEUED_JOBS); wait for some to start or cancel queued ones.",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None
     except IdempotencyConflict:
         raise ApiError(
             422,

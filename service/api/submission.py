@@ -1,0 +1,58 @@
+"""Queueing a spec the checker has accepted: the one path from a checked spec to a stored job, shared by
+``POST /v1/jobs`` and the OpenAI-compatible ``POST /v1/fine_tuning/jobs``."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from service.api.errors import ApiError
+from service.checking.messages import CheckedSpec
+from service.queue.disk import refuse_if_disk_low
+from service.queue.records import JobRecord
+from service.queue.store import JobStore, QueueFull
+from service.settings import Settings
+
+RETRY_AFTER_S = 10  # a full queue: about when a job may have started and freed a place
+
+
+def queue_checked_spec(
+    checked: CheckedSpec,
+    text: str,
+    body: bytes,
+    *,
+    store: JobStore,
+    settings: Settings,
+    idempotency_key: str | None,
+) -> tuple[JobRecord, bool]:
+    """Store the job of ``checked`` (the spec's ``text``, the request's ``body`` for its idempotency digest).
+
+    Returns:
+        The job and whether this call created it (``False``: the same request again under its idempotency key).
+
+    Raises:
+        ApiError: 507 when the data directory's disk is low, the checker's refusal (no GPU worker, does not
+            fit), or 429 when the queue is full.
+        IdempotencyConflict: the key was used with another request; each API answers it in its own words.
+    """
+    refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
+    if checked.refusal is not None:  # no GPU worker for device: cuda, or estimated not to fit
+        raise checked.refusal.error()
+    try:
+        return store.create_job(
+            job_id=f"job-{secrets.token_hex(6)}",
+            name=checked.name,
+            spec_text=text,
+            spec=checked.spec,
+            idempotency_key=idempotency_key,
+            request_sha256=hashlib.sha256(body).hexdigest(),
+            max_queued=settings.max_queued_jobs,
+        )
+    except QueueFull:
+        raise ApiError(
+            429,
+            "queue_full",
+            f"The queue already holds {settings.max_queued_jobs} jobs "
+            "(FERRY_MAX_QUEUED_JOBS); wait for some to start or cancel queued ones.",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
