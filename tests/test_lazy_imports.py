@@ -14,7 +14,15 @@ HEAVY = ("torch", "transformers", "diffusers", "peft", "datasets")
 
 
 @pytest.mark.parametrize(
-    "module", ["jobs.events", "jobs.checkpoints.directory", "jobs.spec.text", "offload.stats", "offload"]
+    "module",
+    [
+        "jobs.events",
+        "jobs.checkpoints.directory",
+        "jobs.spec.text",
+        "jobs.data.formats.chat",
+        "offload.stats",
+        "offload",
+    ],
 )
 def test_light_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"

@@ -1,16 +1,44 @@
-"""Data sources chosen by ``data.kind``. Each serves micro-batch ``i`` as a pure function of (seed, i)."""
+"""Data sources chosen by ``data.kind``. Each serves micro-batch ``i`` as a pure function of (seed, i).
+
+The names below are imported on first use (PEP 562), so that the record checks of ``jobs.data.formats``
+(which the service's API process runs on uploaded files) import no torch.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from jobs.data.padded import PaddedBatches
-from jobs.data.prepare import TextData, model_keeps_documents_apart, prepare_text_data
-from jobs.data.synthetic import SyntheticRegression
-from jobs.data.text import PackedText
-from jobs.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+    from jobs.data.padded import PaddedBatches
+    from jobs.data.prepare import TextData, model_keeps_documents_apart, prepare_text_data
+    from jobs.data.synthetic import SyntheticRegression
+    from jobs.data.text import PackedText
+    from jobs.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+
+_HOME = {
+    "PaddedBatches": "jobs.data.padded",
+    "TextData": "jobs.data.prepare",
+    "model_keeps_documents_apart": "jobs.data.prepare",
+    "prepare_text_data": "jobs.data.prepare",
+    "SyntheticRegression": "jobs.data.synthetic",
+    "PackedText": "jobs.data.text",
+    "ByteTokenizer": "jobs.data.tokenizers",
+    "HFTokenizer": "jobs.data.tokenizers",
+    "Tokenizer": "jobs.data.tokenizers",
+    "build_tokenizer": "jobs.data.tokenizers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'jobs.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
 
 class BatchSource(Protocol):
@@ -45,6 +73,9 @@ def build_data(
         packed_path: The model keeps packed documents apart (see `prepare_text_data`).
         eval_spec: The ``eval`` section, whose held-out records the training source leaves out.
     """
+    from jobs.data.prepare import prepare_text_data
+    from jobs.data.synthetic import SyntheticRegression
+
     if spec.kind == "synthetic_regression":
         if width is None:
             raise ValueError("data.kind=synthetic_regression needs a model with an input width (e.g. toy_mlp)")

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-ROLES = ("system", "user", "assistant", "tool", "developer")  # as jobs/data/formats/chat.py reads them
+from jobs.data.formats.chat import check_messages
+from jobs.data.formats.examples import RecordError
+
 OPENAI_PAIR = ("input", "preferred_output", "non_preferred_output")  # OpenAI's DPO layout
 TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
 
@@ -114,23 +116,11 @@ def _check_pair(record: dict[str, Any]) -> None:
 
 
 def _messages(messages: Any, field: str, *, need_assistant: bool = True) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise _FieldError(field, f"must be a non-empty list of {{role, content}} objects; got {_shown(messages)}")
-    for index, message in enumerate(messages):
-        where = f"{field}[{index}]"
-        if not isinstance(message, dict):
-            raise _FieldError(where, f"must be an object with role and content; got {_shown(message)}")
-        role, content, weight = message.get("role"), message.get("content"), message.get("weight")
-        if role not in ROLES:
-            raise _FieldError(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {_shown(role)}")
-        if not isinstance(content, str):
-            raise _FieldError(f"{where}.content", f"must be a string; got {_shown(content)}")
-        if weight is not None and (weight not in (0, 1) or isinstance(weight, bool)):
-            raise _FieldError(f"{where}.weight", f"must be 0 or 1 (OpenAI's per-message weight); got {weight!r}")
-        if weight is not None and role != "assistant":
-            raise _FieldError(f"{where}.weight", "only assistant messages carry a weight")
-    if need_assistant and not any(m.get("role") == "assistant" for m in messages):
-        raise _FieldError(field, "has no assistant message, so there is nothing to train on")
+    """The training data's own check of a conversation (torch-free), its error as this module's."""
+    try:
+        check_messages(messages, field, need_assistant=need_assistant)
+    except RecordError as error:
+        raise _FieldError(error.field, error.message) from None
 
 
 def _shown(value: Any) -> str:

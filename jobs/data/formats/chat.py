@@ -8,16 +8,19 @@ tokenized on its own: the labels follow the pieces exactly, whatever the templat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobs.data.formats.examples import Example, RecordError
-from jobs.data.tokenizers import HFTokenizer
+
+if TYPE_CHECKING:  # checking messages needs no torch: the API process checks uploaded rows with it
+    from jobs.data.tokenizers import HFTokenizer
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
-    """The conversation of a record, checked: a non-empty list of ``{role, content[, weight]}``.
+def check_messages(messages: Any, field: str, *, need_assistant: bool = True) -> list[dict[str, Any]]:
+    """The conversation of a record, checked: a non-empty list of ``{role, content[, weight]}`` with an
+    assistant turn to train on (``need_assistant=False``: a prompt, whose completion comes from elsewhere).
 
     Raises:
         RecordError: naming the offending field, e.g. ``messages[2].role``.
@@ -34,12 +37,12 @@ def check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
             raise RecordError(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {_shown(role)}")
         if not isinstance(content, str):
             raise RecordError(f"{where}.content", f"must be a string; got {_shown(content)}")
-        if weight is not None and weight not in (0, 1):
+        if weight is not None and (weight not in (0, 1) or isinstance(weight, bool)):
             raise RecordError(f"{where}.weight", f"must be 0 or 1 (OpenAI's per-message weight); got {weight!r}")
         if weight is not None and role != "assistant":
             raise RecordError(f"{where}.weight", "only assistant messages carry a weight")
         checked.append({"role": role, "content": content, "weight": 1 if weight is None else weight})
-    if not any(m["role"] == "assistant" for m in checked):
+    if need_assistant and not any(m["role"] == "assistant" for m in checked):
         raise RecordError(field, "has no assistant message, so there is nothing to train on")
     return checked
 

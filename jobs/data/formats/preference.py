@@ -98,8 +98,7 @@ def _messages(value: Any, field: str, *, prompt: bool) -> list[dict[str, Any]]:
     if prompt:
         if not isinstance(value, list) or not value:
             raise RecordError(field, "must be a non-empty list of {role, content} objects or a string")
-        # check_messages wants an assistant turn to train on; a prompt's comes from the completions.
-        checked = check_messages([*value, {"role": "assistant", "content": ""}], field)[:-1]
+        checked = check_messages(value, field, need_assistant=False)  # the completions hold the assistant turns
     else:
         checked = check_messages(value, field)
         if checked[-1]["role"] != "assistant":

@@ -151,3 +151,15 @@ def test_sharegpt_errors_name_the_turn(tmp_path: Path, tokenizer: HFTokenizer, t
         record_example(
             {"conversations": [{"from": "human", "value": "hi"}]}, data_spec(tmp_path, format="chat"), tokenizer
         )
+
+
+def test_a_message_weight_must_be_the_number_0_or_1_not_a_boolean() -> None:
+    from jobs.data.formats.chat import check_messages
+    from jobs.data.formats.examples import RecordError
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "weight": True}]
+    with pytest.raises(RecordError, match=r"must be 0 or 1 \(OpenAI's per-message weight\); got True"):
+        check_messages(messages, "messages")
+    assert check_messages([messages[0]], "prompt", need_assistant=False) == [
+        {"role": "user", "content": "hi", "weight": 1}
+    ]
