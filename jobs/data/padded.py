@@ -54,14 +54,19 @@ class PaddedBatches:
         return self._order[1]
 
     def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        chosen = [self.examples[i] for i in indices]
-        width = max(len(e.input_ids) for e in chosen)
-        ids = torch.full((len(chosen), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(chosen), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(chosen), width), dtype=torch.long)
-        for row, example in enumerate(chosen):
-            n = len(example.input_ids)
-            ids[row, :n] = torch.tensor(example.input_ids)
-            labels[row, :n] = torch.tensor(example.labels)
-            mask[row, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        return pad_examples([self.examples[i] for i in indices], self.pad_id)
+
+
+def pad_examples(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels`` (-100 on padding) and ``attention_mask`` of ``examples``, right-padded to the
+    longest."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        ids[row, :n] = torch.tensor(example.input_ids)
+        labels[row, :n] = torch.tensor(example.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

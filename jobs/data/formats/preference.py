@@ -21,6 +21,7 @@ import torch
 
 from jobs.data.formats.chat import check_messages
 from jobs.data.formats.examples import IGNORE, Example, RecordError
+from jobs.data.padded import pad_examples
 from jobs.data.tokenizers import HFTokenizer
 
 
@@ -151,14 +152,4 @@ class PreferenceBatches:
 def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
     """``input_ids``, ``labels`` (-100 off the completions) and ``attention_mask`` of the chosen rows, then the
     rejected rows, right-padded to the longest row."""
-    rows = [p.example(p.chosen) for p in pairs] + [p.example(p.rejected) for p in pairs]
-    width = max(len(r.input_ids) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for row, example in enumerate(rows):
-        n = len(example.input_ids)
-        ids[row, :n] = torch.tensor(example.input_ids)
-        labels[row, :n] = torch.tensor(example.labels)
-        mask[row, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return pad_examples([p.example(p.chosen) for p in pairs] + [p.example(p.rejected) for p in pairs], pad_id)
