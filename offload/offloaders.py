@@ -145,8 +145,9 @@ class TensorOffloader:
     def offload(self) -> None:
         raise NotImplementedError
 
-    def detach(self) -> None:
-        """Leave the tensor as an ordinary CPU tensor holding its current value."""
+    def detach(self, copy: bool = True) -> None:
+        """Leave the tensor as an ordinary CPU tensor holding its current value: in memory of its own, or
+        (``copy=False``) as a view of its host copy, which then lives as long as the tensor does."""
         raise NotImplementedError
 
     def leave_ring(self) -> None:
@@ -212,9 +213,10 @@ class StaticParamOffloader(TensorOffloader):
             self._in_ring.release(self.copies.device)
             self._in_ring = None
 
-    def detach(self) -> None:
-        self.offload()
-        self.tensor.data = self.host.clone()
+    def detach(self, copy: bool = True) -> None:
+        self.offload()  # the tensor reads its host copy
+        if copy:
+            self.tensor.data = self.host.clone()
 
 
 class BufferOffloader(StaticParamOffloader):
@@ -277,7 +279,7 @@ class AlwaysOnGPUParamOffloader(TensorOffloader):
     def offload(self) -> None:
         pass
 
-    def detach(self) -> None:
+    def detach(self, copy: bool = True) -> None:
         self.tensor.data = self.tensor.data.to("cpu")
         if self.tensor.grad is not None:
             self.tensor.grad = self.tensor.grad.to("cpu")

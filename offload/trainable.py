@@ -170,7 +170,7 @@ class TrainableParamOffloader(StaticParamOffloader):
             self.tensor.grad = self.grad_host
             self._handed_over = True
 
-    def detach(self) -> None:
+    def detach(self, copy: bool = True) -> None:
         self.settle_grad()
         if self._handed_over:  # the user's gradient (None after zero_grad), out of the arena
             grad = self.tensor.grad
@@ -178,5 +178,5 @@ class TrainableParamOffloader(StaticParamOffloader):
         else:  # a gradient still accumulating (between micro-batches)
             grad = self.grad_host.clone() if self._grad_valid else None
         self.tensor.grad = None
-        super().detach()
+        super().detach(copy)
         self.tensor.grad = grad

@@ -373,7 +373,7 @@ def _check_vocab_fits(model: nn.Module, vocab: int | None) -> None:
 def close_session(session: TrainingSession | None) -> None:
     """Detach the engine and free device memory, so the next job in this process starts clean."""
     if session is not None and session.manager is not None:
-        session.manager.remove()
+        session.manager.remove(copy=False)  # the model goes with the session: no second copy of its weights
     remove_hooks = getattr(session.loss_fn, "remove", None) if session is not None else None
     if callable(remove_hooks):
         remove_hooks()  # a preference loss's adapter hooks

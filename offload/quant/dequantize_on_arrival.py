@@ -157,11 +157,11 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
             assert self.batch is not None  # attached through it
             self.batch.detached()
 
-    def detach(self) -> None:
+    def detach(self, copy: bool = True) -> None:
         self._plain_over.clear()
         if self.batch is not None:
             self.batch.forget()
-        super().detach()
+        super().detach(copy)
 
 
 def _stream_of(copies: Any, pending: PendingCopy) -> torch.cuda.Stream | None:

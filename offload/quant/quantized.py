@@ -223,7 +223,7 @@ class QuantizedParamOffloader(StaticParamOffloader):
             self._in_ring.release(self.copies.device)
             self._in_ring = None
 
-    def detach(self) -> None:
+    def detach(self, copy: bool = True) -> None:
         self.offload()
         self._over_ring.clear()
-        torch.utils.swap_tensors(self.tensor, self.payload.tensor_over(self.host, clone=True))
+        torch.utils.swap_tensors(self.tensor, self.payload.tensor_over(self.host, clone=copy))

@@ -312,3 +312,30 @@ def test_attach_optimizer_needs_optimizer_offload() -> None:
     manager = OffloadTrainingManager(model, "cpu")
     with pytest.raises(ValueError, match="attach_optimizer needs enable_optimizer_cpu_offload=True"):
         manager.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_remove_without_copy_keeps_one_host_copy_of_the_weights() -> None:
+    """A job's end removes the engine from a model that is dropped next: copying every host copy into memory
+    of its own first put a second copy of the weights in host memory (64 GB more for a 32B model, which the
+    OOM killer ended). ``remove(copy=False)`` leaves the tensors reading the host copies, with their values."""
+    model = make_stack("adapter", None)
+    manager = OffloadTrainingManager(model, "cpu")
+    x = torch.randn(8, WIDTH)
+    F.mse_loss(model(x), x).backward()
+    manager.after_backward()
+    hosts = {o.name: o.host for o in manager._offloaders.values() if type(o) is StaticParamOffloader}
+    assert hosts
+    manager.remove(copy=False)
+    views = [name for name, tensor in model.named_parameters() if name in hosts]
+    assert len(views) == len(hosts)
+    for name in views:
+        tensor = model.get_parameter(name)
+        assert tensor.device.type == "cpu"
+        assert tensor.data_ptr() == hosts[name].data_ptr(), name
+    reference = copy.deepcopy(model)
+    manager = OffloadTrainingManager(model, "cpu")
+    manager.remove()  # the default still copies out: a model used on afterwards owns its memory
+    for (name, tensor), (_, kept) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(tensor, kept), name
+        if name in hosts:
+            assert tensor.data_ptr() != hosts[name].data_ptr(), name

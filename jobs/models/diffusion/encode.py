@@ -112,5 +112,5 @@ class Encoders:
     def close(self) -> None:
         """Detach the engine and drop the parts, so their host and device memory can be freed."""
         if self.manager is not None:
-            self.manager.remove()
+            self.manager.remove(copy=False)  # the encoder is dropped next: no second copy of its weights
         self.text_encoder = self.tokenizer = self.vae = self.manager = self.pooled = None

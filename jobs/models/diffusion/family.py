@@ -200,7 +200,7 @@ def make_sampler(spec: DiffusionJobSpec, device: torch.device) -> Any:
     embeds = encoders.encode_prompts(prompts)
     pooled = encoders.encode_pooled(list(spec.sample.prompts))
     if encoders.manager is not None:
-        encoders.manager.remove()
+        encoders.manager.remove(copy=False)  # the text encoder is dropped next: no second copy of it
     encoders.text_encoder = encoders.tokenizer = encoders.manager = encoders.pooled = None
     negative = embeds.pop() if guided else None
     return Sampler(spec.sample, embeds, encoders, negative_embeds=negative, pooled_embeds=pooled)
