@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from offload.activations import ActivationOffload
     from offload.arena import PinnedArenaPool
-    from offload.devices import set_gpu_memory_limit
+    from offload.devices import return_cached_host_memory, set_gpu_memory_limit
     from offload.manager import OffloadTrainingManager
     from offload.offloaders import (
         AlwaysOnGPUParamOffloader,
@@ -41,6 +41,7 @@ _HOME = {
     "PinnedArenaPool": "offload.arena",
     "SharedArenaPool": "offload.shared_arena",
     "DequantizedParamOffloader": "offload.quant.dequantize_on_arrival",
+    "return_cached_host_memory": "offload.devices",
     "set_gpu_memory_limit": "offload.devices",
     "OffloadTrainingManager": "offload.manager",
     "AlwaysOnGPUParamOffloader": "offload.offloaders",
@@ -82,6 +83,7 @@ __all__ = [
     "plan_memory",
     "quantize_frozen_weights",
     "quantized_placeholders",
+    "return_cached_host_memory",
     "set_gpu_memory_limit",
 ]  # the names of _HOME
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 
@@ -41,6 +43,19 @@ def resolve_target_device(target_device: str | torch.device | int) -> torch.devi
 def can_pin_memory() -> bool:
     """Page-locked host memory needs an accelerator runtime; without one we use ordinary memory."""
     return torch.cuda.is_available()
+
+
+def return_cached_host_memory() -> None:
+    """Give the page-locked memory that torch's host allocator keeps cached back to the system.
+
+    Pinned tensors (the engine's arena chunks) go back to that allocator's cache when freed, not to the
+    system: a process that runs another job after one with a 50 GB arena would otherwise hold those 50 GB
+    while the next job allocates its own. Call it once the tensors are gone (a collection first, for the
+    ones only a reference cycle still holds). A no-op without CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    gc.collect()
+    torch._C._host_emptyCache()
 
 
 def synchronize(device: torch.device) -> None:

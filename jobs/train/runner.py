@@ -35,8 +35,9 @@ from jobs.spec.job import JobSpec
 from jobs.train.between_steps import EvalAndSamples
 from jobs.train.gc_pauses import setup_frozen_for_the_collector
 from jobs.train.oom import oom_message
+from jobs.train.reference_logps import needs_reference_pass, prepare_reference_logps
 from jobs.train.session import TrainingSession, close_session, open_session, resolve_device
-from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
+from offload import OffloadTrainingManager, parse_bytes, return_cached_host_memory, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ def run_job(
             report(LogEvent(level="warning", message=why))
         if session.text is not None:
             report(LogEvent(level="info", message=session.text.summary))  # truncated and skipped examples
+        if needs_reference_pass(spec):  # dpo on a full fine-tune: the initial model's log-probs, before step 1
+            prepare_reference_logps(session, spec, output_dir, report)
         with setup_frozen_for_the_collector():  # no full collection walks the model in the middle of a step
             outcome = _train(session, spec, resolved, output_dir, report, should_stop)
         report(FinishedEvent(status=outcome.status, step=outcome.step))
@@ -156,6 +159,8 @@ def run_job(
         raise
     finally:
         close_session(session)
+        session = None  # the model and the engine's pinned host copies go with it
+        return_cached_host_memory()  # ... and back to the system, for a next job in this process
         if tracking is not None:
             tracking.close()
 

@@ -365,3 +365,25 @@ def test_quantized_base_offloaded_trains_the_same_adapters_as_resident(
 def test_quantize_needs_lora(roots: PathRoots) -> None:
     with pytest.raises(ValueError, match=r"model.quantize.*add a lora section"):
         spec_from(merged(TINY_LM, model={"quantize": "nf4"}), roots)
+
+
+def test_a_job_returns_its_pinned_memory_once_its_model_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Freed pinned tensors go to torch's host allocator cache, not to the system: a 50 GB arena stayed held by
+    a process that ran the next job (a cache job's text encoder, then a DiT: the host ran out of memory). The
+    job empties that cache at its end, after the session, with the model and its host copies, is gone."""
+    import weakref
+
+    models: list[weakref.ref] = []
+    seen: list[bool] = []
+    open_session = jobs.train.runner.open_session
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        session = open_session(*args, **kwargs)
+        models.append(weakref.ref(session.model))
+        return session
+
+    monkeypatch.setattr(jobs.train.runner, "open_session", watched)
+    monkeypatch.setattr(jobs.train.runner, "return_cached_host_memory", lambda: seen.append(models[0]() is None))
+    outcome, _ = run(merged(TOY, offload=OFFLOAD_BOTH), tmp_path / "out")
+    assert outcome.status == "succeeded"
+    assert seen == [True]
