@@ -106,15 +106,6 @@ def _check_preference_setup(spec: JobSpec) -> list[Problem]:
     if objective == "sft":
         return []
     problems: list[Problem] = []
-    if objective == "dpo" and lora is None:
-        problems.append(
-            (
-                "training.objective",
-                "dpo with a full fine-tune needs the reference model's log-probs, computed before training, which "
-                "Ferry does not do yet; add a lora section (the reference is the base with the adapters off) or use "
-                "training.objective: orpo (no reference model)",
-            )
-        )
     if objective == "dpo" and lora is not None and (lora.use_dora or lora.modules_to_save):
         field = "lora.use_dora" if lora.use_dora else "lora.modules_to_save"
         problems.append(

@@ -7,6 +7,9 @@ peft's ``disable_adapter()`` gives). Each weight is therefore copied to the devi
 step streams the bytes of an SFT step. The hooks stay in place through the backward, so an activation
 checkpoint's recompute masks the same rows. The reference log-probs are detached.
 
+A full fine-tune has no base to switch back to: its reference log-probs are the initial model's, computed once
+before training (jobs/train/reference_logps.py), and each batch carries its rows' (``reference_logps``).
+
 The formulas are TRL's (``DPOTrainer``, ``ORPOTrainer``): log-probs summed over completion tokens for DPO,
 averaged for ORPO's odds ratio.
 """
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobs.checkpoints.weights import is_peft_model
 from jobs.data.formats.examples import IGNORE
 
 METRICS = (
@@ -77,7 +81,8 @@ class PreferenceLoss:
 
     Args:
         training: The ``training`` section (``objective``, ``dpo``, ``orpo``).
-        model: The model the job trains; DPO masks its LoRA adapters on the reference rows.
+        model: The model the job trains. DPO masks its LoRA adapters on the reference rows; a model without
+            adapters (a full fine-tune) reads the reference log-probs from the batch (``reference_logps``).
 
     Example:
         >>> loss_fn = PreferenceLoss(spec.training, model)
@@ -88,7 +93,9 @@ class PreferenceLoss:
     def __init__(self, training: Any, model: nn.Module) -> None:
         self.objective, self.dpo, self.orpo = training.objective, training.dpo, training.orpo
         self._mask: torch.Tensor | None = None  # 1 on policy rows, 0 on reference rows; kept through backward
-        self._handles = _mask_adapters(model, self) if self.objective == "dpo" else []
+        self._handles = _mask_adapters(model, self) if self.objective == "dpo" and is_peft_model(model) else []
+        # No adapters, no base to switch back to: the initial model's log-probs come with each batch.
+        self.cached_reference = self.objective == "dpo" and not self._handles
         self._sums: dict[str, torch.Tensor] = {}
         self._batches = 0
 
@@ -97,24 +104,17 @@ class PreferenceLoss:
         labels = batch["labels"]
         pairs = labels.shape[0] // 2
         if self.objective == "dpo":
-            rows = 2 * pairs
-            self._mask = torch.cat([labels.new_ones(rows), labels.new_zeros(rows)])
-            doubled = {name: torch.cat([tensor, tensor]) for name, tensor in batch.items() if name != "labels"}
-            logits = _logits(model, doubled)
-            logps, counts = completion_logps(logits, torch.cat([labels, labels]))
-            policy, reference = logps[:rows], logps[rows:].detach()
+            policy, reference, counts = self._policy_and_reference(model, batch)
             chosen, rejected = policy[:pairs], policy[pairs:]
             ref_chosen, ref_rejected = reference[:pairs], reference[pairs:]
-            losses = dpo_losses(
-                chosen, rejected, ref_chosen, ref_rejected, (counts[:pairs], counts[pairs:rows]), self.dpo
-            )
+            losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, (counts[:pairs], counts[pairs:]), self.dpo)
             rewards = (
                 self.dpo.beta * (chosen - ref_chosen).detach(),
                 self.dpo.beta * (rejected - ref_rejected).detach(),
             )
             loss = losses.mean()
         else:
-            logps, counts = completion_logps(_logits(model, batch), labels)
+            logps, counts = completion_logps(forward_logits(model, batch), labels)
             chosen, rejected = logps[:pairs], logps[pairs:]
             mean = logps / counts.clamp(min=1)
             nll = -chosen.sum() / counts[:pairs].sum().clamp(min=1)  # the chosen completions' token mean
@@ -122,6 +122,25 @@ class PreferenceLoss:
             rewards = (self.orpo.beta * mean[:pairs].detach(), self.orpo.beta * mean[pairs:].detach())
         self._record(rewards, chosen.detach(), rejected.detach())
         return loss
+
+    def _policy_and_reference(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row: the policy's summed completion log-probs, the reference's (detached), the completion tokens."""
+        labels = batch["labels"]
+        if self.cached_reference:
+            if "reference_logps" not in batch:
+                raise ValueError(
+                    "dpo without lora needs each batch's reference_logps, which the reference pass before training "
+                    "adds to the data (jobs/train/reference_logps.py)"
+                )
+            logps, counts = completion_logps(forward_logits(model, batch), labels)
+            return logps, batch["reference_logps"].to(logps.dtype), counts
+        rows = labels.shape[0]
+        self._mask = torch.cat([labels.new_ones(rows), labels.new_zeros(rows)])
+        doubled = {name: torch.cat([tensor, tensor]) for name, tensor in batch.items() if name != "labels"}
+        logps, counts = completion_logps(forward_logits(model, doubled), torch.cat([labels, labels]))
+        return logps[:rows], logps[rows:].detach(), counts[:rows]
 
     def _record(self, rewards: tuple[torch.Tensor, torch.Tensor], chosen: torch.Tensor, rejected: torch.Tensor) -> None:
         values = {
@@ -159,7 +178,8 @@ class PreferenceLoss:
         return output * mask.to(output.dtype).view(-1, *([1] * (output.dim() - 1)))
 
 
-def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's logits for a batch's ``input_ids`` (with its position ids and attention mask, where given)."""
     extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
     output = model(input_ids=batch["input_ids"], **extra)
     return output if isinstance(output, torch.Tensor) else output.logits
@@ -179,6 +199,4 @@ def _mask_adapters(model: nn.Module, loss: PreferenceLoss) -> list[Any]:
             )
         for adapter in module.lora_B.values():
             handles.append(adapter.register_forward_hook(lambda _m, _i, out: loss.mask_rows(out)))
-    if not handles:
-        raise ValueError("training.objective: dpo takes the reference from the base under LoRA; add a lora section")
     return handles

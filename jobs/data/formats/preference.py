@@ -116,7 +116,12 @@ def _render(tokenizer: HFTokenizer, messages: list[dict[str, Any]], *, generatio
 
 class PreferenceBatches:
     """Pairs in seeded random order, ``batch_size`` pairs a batch: ``2 * batch_size`` rows, right-padded,
-    chosen rows first. Batch ``i`` is a pure function of (seed, i), so resume is exact."""
+    chosen rows first. Batch ``i`` is a pure function of (seed, i), so resume is exact.
+
+    Given the reference model's log-probs (`use_reference`), a batch also carries ``reference_logps``, one per
+    row, looked up by each pair's place in ``pairs``: they travel with their rows through the shuffle and into a
+    rank's share of the batch (jobs/distributed/batches.py takes the same rows of every field).
+    """
 
     def __init__(self, pairs: list[PreferencePair], batch_size: int, seed: int, pad_id: int) -> None:
         if len(pairs) < batch_size:
@@ -129,6 +134,14 @@ class PreferenceBatches:
         lengths = [2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs]
         self.tokens_per_sample = round(sum(lengths) / len(pairs))  # a sample is a pair: both rows
         self._order: tuple[int, list[int]] | None = None
+        self.reference: torch.Tensor | None = None  # [pairs, 2]: chosen, rejected
+
+    def use_reference(self, table: torch.Tensor) -> None:
+        """Carry ``table`` (``[len(pairs), 2]``: each pair's summed reference log-probs of its chosen and its
+        rejected completion) in every batch from now on."""
+        if tuple(table.shape) != (len(self.pairs), 2):
+            raise ValueError(f"reference log-probs of shape {tuple(table.shape)} for {len(self.pairs)} pairs")
+        self.reference = table.float().cpu()
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -146,7 +159,11 @@ class PreferenceBatches:
         return self._collate(list(range(index * self.batch_size, min(len(self), (index + 1) * self.batch_size))))
 
     def _collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        return collate_pairs([self.pairs[i] for i in indices], self.pad_id)
+        batch = collate_pairs([self.pairs[i] for i in indices], self.pad_id)
+        if self.reference is not None:
+            chosen, rejected = self.reference[indices].unbind(1)
+            batch["reference_logps"] = torch.cat([chosen, rejected])  # the rows' order: chosen, then rejected
+        return batch
 
 
 def collate_pairs(pairs: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:

@@ -275,7 +275,7 @@ def test_orpo_trains_a_full_fine_tune(tiny: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("changes", "field", "text"),
     [
-        ({"lora": None}, "training.objective", "dpo with a full fine-tune needs the reference"),
+        ({"lora": None, "model": {"quantize": "nf4"}}, "model.quantize", "(QLoRA); add a lora section"),
         ({"data": {"format": "chat"}}, "training.objective", "dpo trains on preference pairs"),
         ({"training": {"objective": "sft"}}, "data.format", "train with training.objective: dpo or orpo"),
         ({"eval": {"split": 0.25}}, "eval", "is not supported with training.objective: dpo"),
