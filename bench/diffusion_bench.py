@@ -166,7 +166,12 @@ class BenchFamily:
         config: the configs/ file whose ``lora`` section the rows train (None: the seed's targets, rank 32).
         prompt_tokens: the cached prompts' length at full size (Flux pads to its max_sequence_length).
         limit / budget: the defaults of ``--limit`` and ``--budget``.
-        rows: the rows that apply (the modulation table is Qwen-Image's; the encoder row needs its text encoder).
+        rows: the rows that apply (``ferry-streamed-modulation`` where the family precomputes its modulation; the
+            encoder row needs its text encoder).
+        modulation_layers: the DiT's per-block modulation layers (name fragments) that
+            ``model.precompute_modulation`` takes off the link; modulation_passes_saved: how many of their two
+            passes a step (forward, recomputation) it saves: both for Qwen-Image's table, which replaces them, one
+            for Flux.1, which streams them once a step.
         only: the default of ``--only``.
         blocks: how the DiT's blocks are described.
     """
@@ -186,9 +191,12 @@ class BenchFamily:
     blocks: str
     text_encoder: str
     chat_template: str | None = None
+    modulation_layers: tuple[str, ...] = ()
+    modulation_passes_saved: int = 0
 
     @property
     def modulation_table(self) -> bool:
+        """The family precomputes its modulation (on by default for Ferry's LoRA row)."""
         return "ferry-streamed-modulation" in self.rows
 
     def lora(self) -> dict[str, Any]:
@@ -222,6 +230,8 @@ FAMILIES = {
         only=ONLY_DEFAULT,
         blocks="QwenImageTransformer2DModel, 60 layers",
         text_encoder="Qwen2.5-VL 7B",
+        modulation_layers=("img_mod.1.", "txt_mod.1."),
+        modulation_passes_saved=2,
     ),
     "flux1": BenchFamily(
         name="flux1",
@@ -236,10 +246,12 @@ FAMILIES = {
         # 7GiB of 16: a double block is about Qwen-Image's (0.68 GB) and the activations of 4096 + 512 tokens over
         # 57 checkpointed blocks about 1.1x Qwen-Image's, whose job peaked about 6 GiB above its budget.
         budget="7GiB",
-        rows=_TRAINING_ROWS,
+        rows=(*_TRAINING_ROWS, "ferry-streamed-modulation"),
         only="resident,ferry,seed",
         blocks="FluxTransformer2DModel, 19 double + 38 single blocks, guidance embedding",
         text_encoder="T5-XXL",
+        modulation_layers=(".norm1.linear.", ".norm1_context.linear.", ".norm.linear."),
+        modulation_passes_saved=1,
     ),
     "flux2": BenchFamily(
         name="flux2",
@@ -330,6 +342,7 @@ def share_one_dit_build() -> None:
     import dataclasses
 
     from jobs.models import registry
+    from jobs.models.diffusion.flux.modulation import flux_modulation
     from jobs.models.diffusion.modulation_table import modulation_table
 
     family = registry.FAMILIES["diffusers_transformer"]
@@ -341,9 +354,9 @@ def share_one_dit_build() -> None:
             built[key] = family.build(spec, seed)
             return built[key]
         model = built[key]
-        table = modulation_table(model)
-        if table is not None:  # the last job's precomputed modulation: its lookups sit inside the LoRA layers
-            table.remove(model)
+        precomputed = modulation_table(model) or flux_modulation(model)
+        if precomputed is not None:  # the last job's precomputed modulation: its lookups sit inside the LoRA layers
+            precomputed.remove(model)
         model.unload_lora()  # the last job's adapters; the engine was detached when that job ended
         model.disable_gradient_checkpointing()
         return model.to("cpu")
@@ -543,10 +556,11 @@ def main() -> None:
     shapes = meta_dit(probe.model)
     weights = sum(p.numel() for p in shapes.parameters())
     weight_bytes = 2 * weights
-    # What model.precompute_modulation takes off the link: every block's img_mod.1 and txt_mod.1 (Qwen-Image's
-    # alone: Flux's modulation streams with the rest).
-    modulation_bytes = 2 * sum(p.numel() for n, p in shapes.named_parameters() if "_mod.1." in n)
-    modulation_bytes *= bench.modulation_table
+    # The per-block modulation layers model.precompute_modulation takes off the link: Qwen-Image's img_mod.1 and
+    # txt_mod.1 (both passes), Flux.1's norm*.linear (the recomputation's pass); Flux.2 has none.
+    modulation_bytes = 2 * sum(
+        p.numel() for n, p in shapes.named_parameters() if any(layer in n for layer in bench.modulation_layers)
+    )
     limited = {} if args.tiny else {"gpu_memory_limit": args.limit}
     ferry = {
         "enable_model_cpu_offload": True,
@@ -756,8 +770,10 @@ def render(
         floor_streamed = floor_budget
     else:
         budget = parse_bytes(args.budget) or 0
-        # Ferry's row streams every weight but the modulation layers' (and those the budget keeps).
-        floor_budget = 2 * max(weight_bytes - modulation_bytes - budget, 0) / (h2d * 1e9)
+        # Ferry's row streams every weight twice but the modulation layers (and those the budget keeps), which
+        # cross the link as often as precompute_modulation leaves them to.
+        once_more = (2 - bench.modulation_passes_saved) * modulation_bytes
+        floor_budget = (2 * max(weight_bytes - modulation_bytes - budget, 0) + once_more) / (h2d * 1e9)
         floor_streamed = 2 * max(weight_bytes - budget, 0) / (h2d * 1e9)
     resident = rows.get("resident", {}).get("step_s")
     lines = [
@@ -773,7 +789,12 @@ def render(
         f"prompt tokens). Pinned host-to-device copy measured in this run: {h2d:.1f} GB/s. Copy floor = the streamed "
         f"weights twice / that rate: all weights {floor_all:.2f} s; with {args.budget} kept resident {floor_streamed:.2f} s"
         + (
-            f", and without the {modulation_bytes / 1e9:.1f} GB of modulation layers the table replaces {floor_budget:.2f} s"
+            (
+                f", and without the {modulation_bytes / 1e9:.1f} GB of modulation layers the table replaces"
+                if bench.modulation_passes_saved == 2
+                else f", and with the {modulation_bytes / 1e9:.1f} GB of per-block modulation layers streamed once"
+            )
+            + f" {floor_budget:.2f} s"
             if bench.modulation_table
             else ""
         )

@@ -65,8 +65,9 @@ class ModelFamily(Generic[JobT]):
         tasks: Jobs other than training this family runs, by ``task:`` name:
             ``run(job_spec, device=, report=, should_stop=) -> (status, step)``.
         drop_precomputed: ``drop_precomputed(job_spec, meta_model)`` removes, for the fit check, the layers whose
-            outputs the job computes once before training and keeps on the host (the DiT's modulation table), so
-            the check sizes what the device holds and the engine streams; None: nothing is precomputed.
+            outputs the job computes once before training and keeps on the host (the DiT's modulation table), or
+            regroups those it streams apart (Flux.1's modulation), so the check sizes what the device holds and
+            the engine streams; None: nothing is precomputed.
         data_specs: The ``data:`` sections only this family reads (each a `Section` with its own ``kind``),
             added to the job spec's data union after the shared ones.
         job_sections: Top-level job sections this family adds, ``name -> (annotation, pydantic Field)``.

@@ -8,7 +8,6 @@ samples). Data is either ``image_caption`` (encoded on the fly by the pipeline's
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,6 +25,11 @@ from jobs.models.diffusion.model import (
     flow_loss,
     load_dit,
     save_dit,
+)
+from jobs.models.diffusion.precompute import (
+    check_precompute_modulation,
+    drop_precomputed_modulation,
+    install_precomputed_modulation,
 )
 from jobs.models.diffusion.spec import (
     CacheSpec,
@@ -93,7 +97,7 @@ def _token_counts(spec: DiffusionJobSpec, read_manifest: Any) -> tuple[int, int]
 
 def build_diffusion_data(spec: DiffusionJobSpec, device: torch.device, model: nn.Module) -> Any:
     """Batches from the cache, or from the images with the encoders loaded for the whole job; each batch
-    carries its rows of the DiT's precomputed modulation when the job uses one (`uses_modulation_table`)."""
+    carries its rows of the DiT's modulation table when the job uses one (`uses_precomputed_modulation`)."""
     from jobs.models.diffusion.data.batches import DiffusionBatches, OnTheFlySamples, SampleSource
     from jobs.models.diffusion.data.cache import CachedSamples
     from jobs.models.diffusion.encode import Encoders
@@ -108,7 +112,7 @@ def build_diffusion_data(spec: DiffusionJobSpec, device: torch.device, model: nn
         source = CachedSamples(data.path)
     else:
         source = OnTheFlySamples(data, Encoders.load(spec, device, with_text=True, with_vae=True))
-    modulation = _modulation_table(spec, model, timesteps, device) if uses_modulation_table(spec) else None
+    modulation = install_precomputed_modulation(spec, model, timesteps, device)
     return DiffusionBatches(
         source,
         family,
@@ -129,61 +133,6 @@ def training_guidance(spec: DiffusionJobSpec) -> float | None:
     if not transformer_config(spec.model.path).get("guidance_embeds"):
         return None
     return spec.training.guidance if spec.training.guidance is not None else FLUX_TRAIN_GUIDANCE
-
-
-def uses_modulation_table(spec: DiffusionJobSpec) -> bool:
-    """``model.precompute_modulation``, or by default: a LoRA job under model offload whose DiT allows it."""
-    from jobs.models.diffusion.modulation_table import modulation_problem
-    from jobs.models.diffusion.variants import transformer_config
-
-    model: Any = spec.model
-    if model.precompute_modulation is not None:
-        return bool(model.precompute_modulation)
-    return (
-        spec.offload.enable_model_cpu_offload
-        and spec.lora is not None
-        and modulation_problem(transformer_config(model.path)) is None
-    )
-
-
-def drop_precomputed_modulation(spec: DiffusionJobSpec, model: nn.Module) -> None:
-    """For the fit check: the meta DiT without the modulation layers a table replaces (they never reach the
-    device), when the job uses one."""
-    if not uses_modulation_table(spec):
-        return
-    from jobs.models.diffusion.modulation_table import STREAMS
-
-    blocks: Any = model.transformer_blocks
-    for block in blocks:
-        for name in STREAMS:
-            getattr(block, name)[1] = nn.Identity()
-
-
-def _modulation_table(spec: DiffusionJobSpec, model: nn.Module, timesteps: Any, device: torch.device) -> Any:
-    """The table for the timesteps training draws and the samples' Euler steps, installed on ``model``; None
-    (with a warning) when the default would need a layer that trains (set ``true``, the job fails instead)."""
-    import contextlib
-
-    from accelerate.utils import get_mixed_precision_context_manager
-
-    from jobs.models.diffusion.flow_match import sigmas
-    from jobs.models.diffusion.modulation_table import precompute_modulation, trained_modulation
-
-    trained = trained_modulation(model)
-    if trained is not None and spec.model.precompute_modulation is None:
-        log.warning("model.precompute_modulation is off for this job: %s", trained)
-        return None
-
-    wanted = [timesteps.sigmas[timesteps.first : timesteps.last]]
-    if spec.sample is not None:
-        wanted.append(sigmas(timesteps.family, spec.sample.num_inference_steps))
-    mixed = spec.training.mixed_precision != "no"
-    # The forward's own autocast (accelerator.autocast() in train_step), so each row is the value it computes.
-    autocast = (lambda: get_mixed_precision_context_manager(True)) if mixed else contextlib.nullcontext
-    started = time.perf_counter()
-    table = precompute_modulation(model, torch.cat(wanted).float(), device, autocast)
-    log.info("precomputed the DiT's modulation in %.1f s: %s", time.perf_counter() - started, table)
-    return table
 
 
 def make_sampler(spec: DiffusionJobSpec, device: torch.device) -> Any:
@@ -300,18 +249,6 @@ def _check_guidance(spec: DiffusionJobSpec) -> list[Problem]:
     ]
 
 
-def _check_modulation_table(spec: DiffusionJobSpec) -> list[Problem]:
-    if not getattr(spec.model, "precompute_modulation", None):
-        return []
-    from jobs.models.diffusion.modulation_table import modulation_problem
-    from jobs.models.diffusion.variants import transformer_config
-
-    problem = modulation_problem(transformer_config(spec.model.path))
-    if problem is None and spec.lora is None:
-        problem = "a full fine-tune trains img_mod.1 and txt_mod.1; the table needs them frozen (add a lora section)"
-    return [("model.precompute_modulation", f"{problem}; set it to false or leave it out")] if problem else []
-
-
 FAMILY = ModelFamily(
     kind="diffusers_transformer",
     spec=DiffusersTransformerSpec,
@@ -328,7 +265,7 @@ FAMILY = ModelFamily(
         _check_cache_data,
         _check_encoders_present,
         _check_frames,
-        _check_modulation_table,
+        check_precompute_modulation,
         _check_guidance,
     ),
     shrink_hint="data.max_pixels",

@@ -38,8 +38,10 @@ class DiffusersTransformerSpec(Section):
     precompute_modulation: bool | None = Field(
         None,
         description="Qwen-Image: compute every block's timestep modulation (img_mod.1, txt_mod.1: a third of the "
-        "DiT's weights) once per timestep into host memory, so model offload never streams those weights; needs "
-        "them frozen (LoRA). Default: on for LoRA under model offload",
+        "DiT's weights) once per timestep into host memory, so model offload never streams those weights. Flux.1: "
+        "compute every block's modulation (norm1.linear, norm1_context.linear, norm.linear) once per DiT call, so "
+        "model offload streams those weights once a step, not again in the recomputation. Needs them and "
+        "time_text_embed frozen (LoRA). Default: on for LoRA under model offload",
     )
 
     @field_validator("path")

@@ -3,7 +3,6 @@ the saved LoRA in FluxPipeline / Flux2Pipeline, and the encodings against the pi
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +13,13 @@ from safetensors.torch import load_file
 from jobs import PathRoots, run_job
 from jobs.events import event_to_wire
 from jobs.models.diffusion.data.cache import CachedSamples
-from tests.jobs.models.diffusion.conftest import SIZES
-from tests.jobs.models.diffusion.flux_pipelines import FLUX1_TARGETS, FLUX2_TARGETS, flux1_pipeline, flux2_pipeline
+from tests.jobs.models.diffusion.flux_pipelines import FLUX1_TARGETS, FLUX2_TARGETS
 from tests.jobs.models.diffusion.helpers import cache_job, spec_from, train_job
-from tests.jobs.models.diffusion.pipelines import image_folder
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 TARGETS = {"flux1": FLUX1_TARGETS, "flux2": FLUX2_TARGETS}
 SAMPLE = {"every_steps": 2, "prompts": ["a red square"], "height": 32, "width": 32, "guidance_scale": 3.5}
 PIPELINES = {"flux1": "FluxPipeline", "flux2": "Flux2Pipeline"}
-
-
-@pytest.fixture(scope="module")
-def flux_pipelines(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("flux")
-    flux1_pipeline(root / "flux1")
-    flux2_pipeline(root / "flux2")
-    return root
-
-
-@pytest.fixture
-def flux_roots(tmp_path: Path, flux_pipelines: Path) -> PathRoots:
-    shutil.copytree(flux_pipelines, tmp_path / "models")
-    image_folder(tmp_path / "data" / "images", SIZES)
-    return PathRoots(model_roots=[tmp_path / "models"], data_roots=[tmp_path / "data"])
 
 
 def flux_job(family: str, **sections: Any) -> dict[str, Any]:

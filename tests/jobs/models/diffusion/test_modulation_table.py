@@ -167,7 +167,7 @@ def test_precompute_modulation_is_refused_where_it_cannot_apply(roots) -> None:
     images = {"kind": "image_caption", "path": "images", "max_pixels": 64 * 48}
     problems = _problems(train_job("wan", data=images, model={"precompute_modulation": True}), roots)
     assert problems["model.precompute_modulation"].startswith(
-        "only Qwen-Image's DiT has per-block modulation layers to precompute; got WanTransformer3DModel"
+        "only Qwen-Image's and Flux.1's DiTs have per-block modulation layers to precompute; got WanTransformer3DModel"
     )
     problems = _problems(train_job(data=images, lora=None, model={"precompute_modulation": True}), roots)
     assert problems["model.precompute_modulation"] == (
