@@ -10,7 +10,8 @@ only the order of the sum differs, so it equals it to float rounding, not bit fo
 (tests/jobs/models/test_chunked_loss.py).
 
 Used for Hugging Face causal LMs whose float32 logits would exceed ``CHUNK_ABOVE_BYTES``; models with logit
-soft-capping, or whose decoder and head cannot be found, keep transformers' loss.
+soft-capping, or whose decoder and head cannot be found, keep transformers' loss. The preference objectives'
+per-row log-probs (jobs/train/preference.py) are computed the same way (``chunked_completion_logps``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,38 @@ def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
         end = min(start + step, hidden.shape[1])
         total = total + checkpoint(_chunk_loss, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
     return total / counted.clamp(min=1)
+
+
+def chunked_completion_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row: the summed log-prob of ``labels``' counted tokens and how many there are, computed chunk by
+    chunk as `chunked_lm_loss` computes the loss (a preference objective's log-probs: DPO doubles the batch
+    with its reference rows, so 4096 tokens a step are 8192 rows' worth of logits, 5 GB of float32 at a
+    152064-token vocabulary). None when ``model`` cannot be split or the logits are small enough."""
+    parts = _decoder_and_head(model)
+    if parts is None:
+        return None
+    decoder, head, vocab = parts
+    if labels.numel() * vocab * 4 <= CHUNK_ABOVE_BYTES:
+        return None
+    extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
+    hidden = decoder(input_ids=batch["input_ids"], **extra).last_hidden_state
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1
+    step = chunk_tokens(vocab)
+    total = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
+    for start in range(0, hidden.shape[1], step):
+        end = min(start + step, hidden.shape[1])
+        total = total + checkpoint(_chunk_logps, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
+    return total, (targets != IGNORE_INDEX).sum(-1)
+
+
+def _chunk_logps(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    nll = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return -nll.view(targets.shape).sum(-1)  # an ignored position contributes 0
 
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

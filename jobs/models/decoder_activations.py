@@ -37,7 +37,7 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
         raise ValueError(
             f"model.kind={spec.model.kind} trains on token data with a seq_len; got data.kind={spec.data.kind}"
         )
-    n = spec.training.batch_size * seq_len
+    n = rows_per_micro_batch(spec) * seq_len
     layer = n * (dims.per_layer[0] * h + dims.per_layer[1] * i) * e
     if (
         spec.training.gradient_checkpointing
@@ -58,4 +58,16 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
 def decoder_checkpointed_inputs(spec: JobSpec, dims: DecoderDims) -> list[int]:
     """What checkpointing keeps of a decoder: each block's input (batch x tokens x hidden), block by block."""
     seq_len = getattr(spec.data, "seq_len", None) or 0
-    return [spec.training.batch_size * seq_len * dims.hidden * activation_element_size(spec)] * dims.layers
+    return [rows_per_micro_batch(spec) * seq_len * dims.hidden * activation_element_size(spec)] * dims.layers
+
+
+def rows_per_micro_batch(spec: JobSpec) -> int:
+    """The rows one forward runs: ``batch_size`` for SFT; a preference batch's pairs are two rows each
+    (chosen, rejected), and LoRA DPO doubles them again with its reference rows (jobs/train/preference.py)."""
+    rows = spec.training.batch_size
+    objective = getattr(spec.training, "objective", "sft")
+    if objective != "sft":
+        rows *= 2
+    if objective == "dpo" and getattr(spec, "lora", None) is not None:
+        rows *= 2
+    return rows

@@ -24,6 +24,7 @@ from torch import nn
 
 from jobs.checkpoints.weights import is_peft_model
 from jobs.data.formats.examples import IGNORE
+from jobs.models.chunked_loss import chunked_completion_logps
 
 METRICS = (
     "rewards_chosen",
@@ -114,7 +115,7 @@ class PreferenceLoss:
             )
             loss = losses.mean()
         else:
-            logps, counts = completion_logps(forward_logits(model, batch), labels)
+            logps, counts = sequence_logps(model, batch, labels)
             chosen, rejected = logps[:pairs], logps[pairs:]
             mean = logps / counts.clamp(min=1)
             nll = -chosen.sum() / counts[:pairs].sum().clamp(min=1)  # the chosen completions' token mean
@@ -134,12 +135,12 @@ class PreferenceLoss:
                     "dpo without lora needs each batch's reference_logps, which the reference pass before training "
                     "adds to the data (jobs/train/reference_logps.py)"
                 )
-            logps, counts = completion_logps(forward_logits(model, batch), labels)
+            logps, counts = sequence_logps(model, batch, labels)
             return logps, batch["reference_logps"].to(logps.dtype), counts
         rows = labels.shape[0]
         self._mask = torch.cat([labels.new_ones(rows), labels.new_zeros(rows)])
         doubled = {name: torch.cat([tensor, tensor]) for name, tensor in batch.items() if name != "labels"}
-        logps, counts = completion_logps(forward_logits(model, doubled), torch.cat([labels, labels]))
+        logps, counts = sequence_logps(model, doubled, torch.cat([labels, labels]))
         return logps[:rows], logps[rows:].detach(), counts[:rows]
 
     def _record(self, rewards: tuple[torch.Tensor, torch.Tensor], chosen: torch.Tensor, rejected: torch.Tensor) -> None:
@@ -176,6 +177,15 @@ class PreferenceLoss:
         if mask is None or output.shape[0] != mask.shape[0]:
             return None
         return output * mask.to(output.dtype).view(-1, *([1] * (output.dim() - 1)))
+
+
+def sequence_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``completion_logps`` of the model's forward over ``batch``: chunk by chunk where the float32 logits
+    would be large (jobs/models/chunked_loss.py), so they never exist for the whole batch at once."""
+    chunked = chunked_completion_logps(model, batch, labels)
+    return chunked if chunked is not None else completion_logps(forward_logits(model, batch), labels)
 
 
 def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -36,7 +36,7 @@ from jobs.data.formats.preference import PreferenceBatches, PreferencePair, coll
 from jobs.distributed.group import RankGroup, current_group, leads
 from jobs.events import LogEvent, Report
 from jobs.spec.job import JobSpec
-from jobs.train.preference import completion_logps, forward_logits
+from jobs.train.preference import sequence_logps
 
 if TYPE_CHECKING:
     from jobs.train.session import TrainingSession
@@ -143,7 +143,7 @@ def reference_pass(
                 batch = collate_pairs(pairs[start : start + batch_size], pad_id)
                 batch = {name: tensor.to(device) for name, tensor in batch.items()}
                 with accelerator.autocast():
-                    logps, _ = completion_logps(forward_logits(model, batch), batch["labels"])
+                    logps, _ = sequence_logps(model, batch, batch["labels"])
                 chosen, rejected = logps.float().chunk(2)
                 table[start : start + chosen.shape[0]] = torch.stack([chosen, rejected], dim=1)
                 if done % every == 0:

@@ -70,3 +70,34 @@ def test_the_fit_check_counts_one_chunk_of_logits(roots: PathRoots) -> None:
     whole = decoder_activation_bytes(spec, dims)
     chunked_bytes = decoder_activation_bytes(spec, DecoderDims(5120, 27648, 64, 152064, (10, 4), chunked_logits=True))
     assert whole - chunked_bytes > 30 * 2**30  # the 32768 x 152064 logits gone; a block's backward is the peak
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_preference_log_probs_are_made_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch, objective: str) -> None:
+    """DPO's doubled batch (policy rows, reference rows) at 2 x 2048 tokens made 8192 positions of float32
+    logits at once, 4.6 GiB at Qwen2.5's vocabulary: out of memory at step 1 of a 32B job under 24 GiB, where
+    the SFT step on the same tokens fits. Its log-probs come from the head chunk by chunk now, with the loss
+    and gradients of the whole-logits computation."""
+    from types import SimpleNamespace
+
+    from jobs.train.preference import PreferenceLoss
+
+    training = SimpleNamespace(
+        objective=objective,
+        dpo=SimpleNamespace(beta=0.1, loss_type="sigmoid", label_smoothing=0.0),
+        orpo=SimpleNamespace(beta=0.1),
+    )
+    model = tiny_llama()
+    loss_fn = PreferenceLoss(training, model)
+    expected, expected_grads = loss_and_grads(model, loss_fn)
+    positions: list[int] = []
+    head = model.get_base_model().get_output_embeddings()
+    head.register_forward_hook(lambda _m, inputs, _out: positions.append(inputs[0].shape[1]))
+    monkeypatch.setattr(chunked, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 300 * 4 * 7)  # 7 positions a chunk
+    got, grads = loss_and_grads(model, loss_fn)
+    assert positions and max(positions) <= 7  # the whole sequence's logits never exist
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert grads.keys() == expected_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-6)

@@ -297,3 +297,23 @@ def test_preflight_names_the_row_and_field_of_a_bad_pair(tiny: Path, tmp_path: P
     spec = load_job_spec(yaml.safe_dump(pref_spec(data={"path": "bad.jsonl", "format": "preference"})), roots(tiny))
     [problem] = preflight_problems(spec)
     assert problem.path == "data.path" and "bad.jsonl row 2: field 'rejected': is missing" in problem.message
+
+
+def test_the_fit_estimate_counts_the_rows_a_preference_step_runs(tiny: Path) -> None:
+    """A pair is two rows and LoRA DPO adds a reference row for each: the estimate counted batch_size rows, so
+    a DPO job that would not fit passed the fit check and ran out of device memory at its first step."""
+    from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
+
+    dims = DecoderDims(64, 128, 2, 300, (10, 4))
+    chat = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a, _ in FACTS]
+    write_jsonl(tiny / "data" / "chat.jsonl", chat)
+
+    def activations(data: dict[str, Any]) -> tuple[int, list[int]]:
+        spec = load_job_spec(yaml.safe_dump(data), roots(tiny))
+        return decoder_activation_bytes(spec, dims), decoder_checkpointed_inputs(spec, dims)
+
+    sixteen_rows = activations(llm_spec(training={"batch_size": 16}))
+    assert activations(pref_spec("dpo")) == sixteen_rows  # 4 pairs, chosen and rejected, policy and reference
+    assert activations(pref_spec("orpo", training={"batch_size": 8})) == sixteen_rows  # no reference rows
+    assert activations(pref_spec("dpo", lora=None, training={"batch_size": 8})) == sixteen_rows  # cached reference
+    assert activations(llm_spec(training={"batch_size": 4}))[0] < sixteen_rows[0]
