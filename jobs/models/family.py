@@ -133,3 +133,8 @@ def linear_module_names(model: nn.Module) -> list[str]:
 def activation_element_size(spec: JobSpec) -> int:
     """Bytes per activation element: 2 under mixed precision or a half-precision model, else 4."""
     return 2 if spec.training.mixed_precision != "no" or getattr(spec.model, "dtype", "float32") != "float32" else 4
+
+
+def lora_target_matches(module_name: str, target: str) -> bool:
+    """peft's rule for a list of target names: the whole name, or its last dotted components."""
+    return module_name == target or module_name.endswith("." + target)

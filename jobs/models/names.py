@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from jobs.models.family import lora_target_matches  # where the families' own checks find it too
 from jobs.models.registry import family_of
+
+__all__ = ["builtin_module_names", "lora_target_matches", "meta_model"]
 
 
 def meta_model(spec: object) -> nn.Module:
@@ -15,8 +18,3 @@ def meta_model(spec: object) -> nn.Module:
 def builtin_module_names(spec: object) -> list[str]:
     """Names of the Linear modules LoRA can target (empty when known only once the model is loaded)."""
     return family_of(spec).lora_target_names(spec) or []
-
-
-def lora_target_matches(module_name: str, target: str) -> bool:
-    """peft's rule for a list of target names: the whole name, or its last dotted components."""
-    return module_name == target or module_name.endswith("." + target)

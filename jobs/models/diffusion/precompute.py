@@ -137,8 +137,7 @@ def check_precompute_modulation(spec: DiffusionJobSpec) -> list[Problem]:
 def _trained_time_embedding(spec: DiffusionJobSpec) -> str | None:
     """The LoRA target that would train the modulation's input (``time_text_embed``), or None."""
     from jobs.models.diffusion.family import meta_dit
-    from jobs.models.family import linear_module_names
-    from jobs.models.names import lora_target_matches
+    from jobs.models.family import linear_module_names, lora_target_matches
 
     assert spec.lora is not None, "a full fine-tune is refused before"
     for name in linear_module_names(meta_dit(spec.model)):
