@@ -18,6 +18,8 @@ class DecoderDims:
 
     ``per_layer`` is (multiples of hidden_size, multiples of intermediate_size) saved per token per block:
     (9, 2) for the built-in GPT-style block, (10, 4) for a Llama-style one (gated MLP, RMSNorm, RoPE).
+    ``mlp_tile_tokens``: the MLP runs over tiles of this many tokens, each checkpointed (jobs/models/tiled_mlp.py),
+    so its intermediates (the ``intermediate_size`` multiples) exist for one tile at a time; None: whole.
     """
 
     hidden: int
@@ -26,6 +28,7 @@ class DecoderDims:
     vocab: int
     per_layer: tuple[int, int]
     chunked_logits: bool = False  # the loss makes its logits a chunk at a time when large (chunked_loss.py)
+    mlp_tile_tokens: int | None = None
 
 
 def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
@@ -38,13 +41,17 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
             f"model.kind={spec.model.kind} trains on token data with a seq_len; got data.kind={spec.data.kind}"
         )
     n = rows_per_micro_batch(spec) * seq_len
-    layer = n * (dims.per_layer[0] * h + dims.per_layer[1] * i) * e
+    # A tiled MLP's intermediates are one tile's, in the block's backward; forward keeps only the tiles' inputs.
+    tiled = dims.mlp_tile_tokens is not None
+    mlp_tokens = min(n, dims.mlp_tile_tokens) if dims.mlp_tile_tokens is not None else n
+    rest, mlp = n * dims.per_layer[0] * h * e, mlp_tokens * dims.per_layer[1] * i * e
+    layer = rest + mlp
     if (
         spec.training.gradient_checkpointing
     ):  # each block's input is kept; its recompute and backward come one at a time
         kept, block_backward = layers * n * h * e, 2 * layer
     else:
-        kept, block_backward = layers * layer, layer
+        kept, block_backward = layers * (rest if tiled else layer), layer
     # The loss: logits, their float32 copy and log-softmax. They are gone before the blocks' backward starts,
     # so the peak is the larger of the two phases on top of what is kept (adding both phases overestimates a
     # measured LoRA peak; docs hold the comparison).

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
 from jobs.checkpoints.export import HF_PRETRAINED
+from jobs.models import tiled_mlp
 from jobs.models.chunked_loss import chunked_lm_loss
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily
@@ -17,7 +18,7 @@ from jobs.models.hf_names import hf_module_names
 from jobs.models.loading.hf_checkpoint import checkpoint_problems, checkpoint_source
 from jobs.models.loading.weight_sources import RandomSource, WeightSource
 from jobs.models.transformer_lm import lm_loss
-from jobs.spec.sections import Dtype, Section, confined_path
+from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -37,11 +38,30 @@ class HFCausalLMSpec(Section):
         description="checkpoint: the safetensors in path; random: config.json only, weights drawn at random "
         "(N(0, initializer_range) matrices, unit norms; for benchmarking shapes without a checkpoint)",
     )
+    tiled_mlp: bool | Literal["auto"] = Field(
+        "auto",
+        description="run each decoder layer's position-wise MLP over tiles of tiled_mlp_tokens tokens, each "
+        "checkpointed, so a layer's backward holds one tile's MLP intermediates (one more MLP forward a step); "
+        "auto: with training.gradient_checkpointing, for micro-batches of more tokens than a tile",
+    )
+    tiled_mlp_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="tokens per MLP tile (all rows, a slice of positions); null: a power of two whose MLP "
+        "intermediates take about 0.5 GiB in the model's dtype, at least 1024",
+    )
 
     @field_validator("path")
     @classmethod
     def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
         return confined_path(value, info, "model")
+
+    @model_validator(mode="after")
+    def _check_tile_size_needs_tiling(self) -> HFCausalLMSpec:
+        if self.tiled_mlp is False and self.tiled_mlp_tokens is not None:
+            message = "sizes the MLP's tiles; set model.tiled_mlp: true or auto, or remove it"
+            raise broken_rules([("tiled_mlp_tokens", message)])
+        return self
 
 
 def build_hf_causal_lm(spec: HFCausalLMSpec, seed: int) -> nn.Module:
@@ -56,6 +76,7 @@ def build_hf_causal_lm(spec: HFCausalLMSpec, seed: int) -> nn.Module:
             str(spec.path), dtype=getattr(torch, spec.dtype), local_files_only=True, trust_remote_code=False
         )
     model.config.use_cache = False  # a KV cache is useless in training and costs memory
+    _tile_mlps(model, spec)
     return model
 
 
@@ -72,9 +93,25 @@ def build_hf_causal_lm_on_meta(spec: HFCausalLMSpec, seed: int, device: torch.de
     # nothing has tied them yet. Tied, they are one tensor: one pinned copy, loaded once.
     model.tie_weights()
     model.config.use_cache = False
+    _tile_mlps(model, spec)
     if spec.init == "random":
         return model, RandomSource(model, seed, getattr(config, "initializer_range", 0.02), device)
     return model, checkpoint_source(model, Path(spec.path), load=lambda: build_hf_causal_lm(spec, seed))
+
+
+def _tile_mlps(model: nn.Module, spec: HFCausalLMSpec) -> None:
+    """``model.tiled_mlp``: the MLPs tile from the start (``true``) or once checkpointing is on (``auto``)."""
+    if spec.tiled_mlp is not False:
+        tiled_mlp.install(model, _tile_tokens(spec, model.config), spec.tiled_mlp)
+
+
+def _tile_tokens(spec: HFCausalLMSpec, config: Any) -> int:
+    element_size = getattr(torch, spec.dtype).itemsize
+    return spec.tiled_mlp_tokens or tiled_mlp.default_tile_tokens(_intermediate(config), element_size)
+
+
+def _intermediate(config: Any) -> int:
+    return int(getattr(config, "intermediate_size", None) or 4 * config.hidden_size)
 
 
 def _config(spec: HFCausalLMSpec) -> Any:
@@ -104,8 +141,18 @@ def hf_checkpoint_problems(spec: HFCausalLMSpec) -> list[tuple[str, str, str]]:
 
 
 def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
-    """Llama-style blocks (gated MLP, RMSNorm, rotary embeddings), sized from the model's config."""
-    return decoder_activation_bytes(spec, _dims(model))
+    """Llama-style blocks (gated MLP, RMSNorm, rotary embeddings), sized from the model's config; the MLP's
+    intermediates per tile where the job tiles them (``model.tiled_mlp``)."""
+    return decoder_activation_bytes(spec, _dims(model, _mlp_tile_tokens(spec, model)))
+
+
+def _mlp_tile_tokens(spec: JobSpec, model: nn.Module) -> int | None:
+    """Tokens per MLP tile in ``spec``'s job, or None where its MLPs run whole: as the built model decides."""
+    section: Any = spec.model
+    tiles = section.tiled_mlp is True or (section.tiled_mlp == "auto" and spec.training.gradient_checkpointing)
+    if not tiles or not tiled_mlp.tileable_mlps(model):
+        return None
+    return _tile_tokens(section, model.config)
 
 
 def hf_checkpointed_inputs(spec: JobSpec, model: nn.Module) -> list[int]:
@@ -113,12 +160,14 @@ def hf_checkpointed_inputs(spec: JobSpec, model: nn.Module) -> list[int]:
     return decoder_checkpointed_inputs(spec, _dims(model))
 
 
-def _dims(model: nn.Module) -> DecoderDims:
+def _dims(model: nn.Module, mlp_tile_tokens: int | None = None) -> DecoderDims:
     config: Any = model.config
     h = config.hidden_size
     chunked = getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", None) is None
-    intermediate = getattr(config, "intermediate_size", 4 * h)
-    return DecoderDims(h, intermediate, config.num_hidden_layers, config.vocab_size, (10, 4), chunked_logits=chunked)
+    layers, vocab = config.num_hidden_layers, config.vocab_size
+    return DecoderDims(
+        h, _intermediate(config), layers, vocab, (10, 4), chunked_logits=chunked, mlp_tile_tokens=mlp_tile_tokens
+    )
 
 
 def hf_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -153,6 +202,7 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
     if getattr(model, "_require_grads_hook", None) is None:  # not already hooked by transformers
         enable = model.enable_input_require_grads
         enable()
+    tiled_mlp.checkpointing_enabled(model)  # model.tiled_mlp: auto tiles from now on
 
 
 FAMILY = ModelFamily(

@@ -1,0 +1,167 @@
+"""A decoder layer's MLP over tiles of the sequence, each tile checkpointed (``model.tiled_mlp``).
+
+At long sequences a gated MLP's intermediates are most of what one decoder layer's backward holds: gate, up, their
+activation and product are four ``intermediate_size`` vectors per token (7 GB at 32768 tokens of a 27648-wide
+bf16 MLP), where the checkpointed layer's other activations are about ten ``hidden_size`` ones. An MLP is
+position-wise, so its output for a slice of positions is its output on that slice: here it runs over tiles of
+about ``tokens`` tokens (all rows, a slice of positions), each under torch's non-reentrant checkpoint, and the
+tiles' outputs are concatenated. A tile's forward keeps only its input; backward recomputes one tile at a time,
+so a layer's backward holds one tile's intermediates instead of the whole sequence's (Arctic Long Sequence
+Training's TiledMLP, Unsloth's tiled MLP). The cost is one more forward of the MLP per step.
+
+Each row goes through the same layers, so values and gradients are training's without it to float rounding: a
+matmul kernel may block fewer rows differently, and a weight's gradient (an adapter's) sums its tokens tile by
+tile (tests/jobs/models/test_tiled_mlp.py). Dropout inside an MLP (GPT-2's) draws its masks tile by tile: other
+draws, the same distribution.
+
+Only MLPs known to be position-wise are tiled, recognized by their children: Llama-style gate/up/down (Llama,
+Qwen2/3, Mistral, Gemma, a mixture-of-experts model's dense layers), Phi-3's fused gate_up, GPT-2's and
+GPT-NeoX's two layers. A mixture of experts (its router and experts) is left alone. ``install`` overrides the
+instance's ``forward`` only: module names, state-dict keys and peft's adapters are untouched; ``remove`` is its
+exact inverse.
+
+The offload engine streams a layer's weights and restores them on the device before backward through the
+tensors autograd saves (offload/saved_tensors.py). Inside a tile's checkpoint those saves go to the checkpoint,
+not to the engine, so the MLP's weights are also saved around the tiles: once before them, which keeps them
+counted as needed until the last tile's backward is done, and once after them, whose backward onloads them before
+the first tile is recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+TILE_BYTES = 2**29  # a tile's MLP intermediates, by default
+MIN_TILE_TOKENS = 1024  # fewer rows per matmul than this costs more in launches than it saves
+INTERMEDIATES_PER_TOKEN = 4  # gate, up, activation, product: intermediate_size values each
+# The children of the MLPs known to be position-wise (their forward maps each position alone).
+POSITION_WISE = (
+    frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"}),  # Llama, Qwen2/3, Mistral, Gemma
+    frozenset({"gate_up_proj", "down_proj", "activation_fn"}),  # Phi-3
+    frozenset({"c_fc", "c_proj", "act", "dropout"}),  # GPT-2
+    frozenset({"dense_h_to_4h", "dense_4h_to_h", "act"}),  # GPT-NeoX
+)
+_ATTRIBUTE = "ferry_tiled_mlp"
+
+
+def default_tile_tokens(intermediate: int, element_size: int) -> int:
+    """Tokens per tile whose MLP intermediates take about ``TILE_BYTES``: a power of two, at least
+    ``MIN_TILE_TOKENS`` (2048 for a 27648-wide bf16 MLP, 4096 for a 14336-wide one)."""
+    fits = TILE_BYTES // (INTERMEDIATES_PER_TOKEN * intermediate * element_size)
+    return max(MIN_TILE_TOKENS, 1 << max(fits, 1).bit_length() - 1)
+
+
+def tileable_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder layers' MLPs (modules named ``mlp``) that are known to be position-wise."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "mlp" and frozenset(n for n, _ in module.named_children()) in POSITION_WISE
+    ]
+
+
+class TiledMLP:
+    """What one MLP instance tiles by, kept on it while its ``forward`` is overridden.
+
+    Args:
+        tokens: Tokens per tile (all the rows of a slice of positions).
+        mode: True: tile every input of more than ``tokens`` tokens; ``"auto"``: only once the layers are
+            checkpointed (``checkpointing``), as a checkpointed layer's recompute is where its intermediates
+            make the peak.
+    """
+
+    def __init__(self, tokens: int, mode: bool | Literal["auto"]) -> None:
+        self.tokens = tokens
+        self.mode = mode
+        self.checkpointing = False
+        self.forward: Any = None  # the instance's own forward attribute before install, if it had one
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` (rows x positions x hidden) runs tiled."""
+        active = self.mode is True or self.checkpointing
+        return active and x.dim() == 3 and x.shape[0] * x.shape[1] > self.tokens
+
+    def __repr__(self) -> str:
+        return f"TiledMLP(tokens={self.tokens}, mode={self.mode!r}, checkpointing={self.checkpointing})"
+
+
+def install(model: nn.Module, tokens: int, mode: bool | Literal["auto"]) -> int:
+    """Tile every position-wise MLP of ``model`` (module docstring); returns how many. An explicit ``True``
+    that finds none is logged as a warning."""
+    mlps = tileable_mlps(model)
+    for _, mlp in mlps:
+        if hasattr(mlp, _ATTRIBUTE):
+            continue
+        tiles = TiledMLP(tokens, mode)
+        tiles.forward = mlp.__dict__.get("forward")
+        setattr(mlp, _ATTRIBUTE, tiles)
+        mlp.forward = functools.partial(_tiled_forward, mlp, mlp.forward, tiles)
+    if not mlps and mode is True:
+        log.warning("model.tiled_mlp: %s has no position-wise MLP to tile; nothing is tiled", type(model).__name__)
+    return len(mlps)
+
+
+def checkpointing_enabled(model: nn.Module) -> None:
+    """The layers are checkpointed from now on: ``auto`` tiles start tiling."""
+    for module in model.modules():
+        tiles = getattr(module, _ATTRIBUTE, None)
+        if isinstance(tiles, TiledMLP):
+            tiles.checkpointing = True
+
+
+def remove(model: nn.Module) -> None:
+    """Undo ``install``: every MLP's ``forward`` is its own again."""
+    for module in model.modules():
+        tiles = module.__dict__.pop(_ATTRIBUTE, None)
+        if not isinstance(tiles, TiledMLP):
+            continue
+        del module.forward
+        if tiles.forward is not None:
+            module.forward = tiles.forward
+
+
+def _tiled_forward(mlp: nn.Module, forward: Any, tiles: TiledMLP, x: torch.Tensor) -> torch.Tensor:
+    if not tiles.applies(x):
+        return forward(x)
+    positions = max(1, tiles.tokens // x.shape[0])  # a tile keeps every row: per-row hooks (DPO's) still hold
+    if not torch.is_grad_enabled():  # a checkpointed layer's first forward, or evaluation: nothing to save
+        return torch.cat([forward(part) for part in x.split(positions, dim=1)], dim=1)
+    weights = tuple(mlp.parameters())
+    parts = _KeepForBackward.apply(x, weights).split(positions, dim=1)
+    outputs = [checkpoint(forward, part, use_reentrant=False) for part in parts]
+    return _OnloadBeforeBackward.apply(torch.cat(outputs, dim=1), weights)
+
+
+class _KeepForBackward(torch.autograd.Function):
+    """Identity that saves the MLP's weights: they stay needed (and on the device) until every tile's backward ran."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        ctx.save_for_backward(*weights)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _OnloadBeforeBackward(torch.autograd.Function):
+    """Identity whose backward reads the MLP's saved weights, onloading them before the tiles are recomputed."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        ctx.save_for_backward(*weights)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.saved_tensors  # noqa: B018 (unpacking is the point: the engine onloads what it unpacks)
+        return grad, None
