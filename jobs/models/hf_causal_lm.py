@@ -19,6 +19,7 @@ from jobs.models.loading.hf_checkpoint import checkpoint_problems, checkpoint_so
 from jobs.models.loading.weight_sources import RandomSource, WeightSource
 from jobs.models.transformer_lm import lm_loss
 from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
+from jobs.train.activation_checkpointing import CHECKPOINT_FUNCTION, checkpoint_layer
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -199,6 +200,9 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
         enable(gradient_checkpointing_kwargs=kwargs)
     else:
         raise ValueError(f"training.gradient_checkpointing is not supported for {type(model).__name__}")
+    for module in model.modules():  # the layers' module hooks (the offload engine's) run in the recompute too
+        if callable(getattr(module, CHECKPOINT_FUNCTION, None)):
+            setattr(module, CHECKPOINT_FUNCTION, checkpoint_layer)
     if getattr(model, "_require_grads_hook", None) is None:  # not already hooked by transformers
         enable = model.enable_input_require_grads
         enable()

@@ -1,7 +1,8 @@
 """Activation checkpointing of a model's blocks with torch's reentrant checkpoint: the least host work.
 
 Used for a DiT's blocks (diffusers calls ``checkpoint_block`` as its ``gradient_checkpointing_func``) and for
-Ferry's own ``transformer_lm``; ``hf_causal_lm`` asks transformers for the same variant.
+Ferry's own ``transformer_lm``; ``hf_causal_lm`` asks transformers for the same variant, through
+``checkpoint_layer`` (the layers' module hooks run in the recompute whatever transformers' version).
 
 torch's non-reentrant checkpoint (diffusers' default) runs Python hooks for every tensor a block saves: two
 when the forward saves it, one more in the recompute and one when backward unpacks it. A Qwen-Image block
@@ -31,7 +32,9 @@ checkpointing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +56,44 @@ def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled() or not any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
         return block(*args)  # no gradient passes through: nothing to save, nothing to recompute
     return _ReentrantCheckpoint.apply(block.__call__, True, *args)
+
+
+def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
+    """A transformers decoder layer's ``_gradient_checkpointing_func``: torch's reentrant checkpoint, with the
+    layer's module hooks run in the recompute.
+
+    transformers up to 5.17 checkpointed the layer's ``__call__``, hooks inside. Later versions checkpoint its
+    ``forward`` (``partial(forward, layer, **kwargs)``) and keep the module hooks outside, so that FSDP2's do not
+    run twice. The offload engine's hooks on a block unit are what brings its weights back to the device for
+    the recompute: without them the recompute reads the host copies (on a GPU, a device mismatch; on the CPU the
+    same values, so only pointers tell). For such a function the recompute calls the layer itself, its
+    checkpointing switched off for that call so it does not checkpoint again; the checkpoint's own forward
+    (under ``no_grad``) runs ``forward`` as given, the hooks having run around it already.
+    """
+    layer = _layer_of(function)
+    if layer is None:  # a layer's __call__ (transformers <= 5.17) or any other function: hooks already inside
+        return checkpoint(function, *args, use_reentrant=True)
+    kwargs = function.keywords
+
+    def run(*inputs: Any) -> Any:
+        if not torch.is_grad_enabled():  # the checkpoint's forward
+            return function(*inputs)
+        layer.gradient_checkpointing = False  # the recompute, through __call__ and its hooks
+        try:
+            return layer(*inputs, **kwargs)
+        finally:
+            layer.gradient_checkpointing = True
+
+    return checkpoint(run, *args, use_reentrant=True)
+
+
+def _layer_of(function: Callable[..., Any]) -> nn.Module | None:
+    """The layer of ``partial(forward, layer, **kwargs)``, transformers' checkpointed ``forward``; else None."""
+    if isinstance(function, functools.partial) and len(function.args) == 1:
+        layer = function.args[0]
+        if isinstance(layer, nn.Module) and getattr(layer, "gradient_checkpointing", False):
+            return layer
+    return None
 
 
 def _with_an_input_that_requires_grad(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -9,7 +9,6 @@ a time, and the fit check counts one tile's.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from jobs import PathRoots, estimate_memory
 from jobs.errors import JobSpecError
@@ -37,7 +35,7 @@ TILE = 16  # tokens: 2 rows x 8 positions; a 2 x 40-token batch runs as 5 tiles
 TARGETS = ["q_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _model(tiled: bool, checkpointing: bool, *, hooks_inside: bool = False) -> nn.Module:
+def _model(tiled: bool, checkpointing: bool) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,26 +47,8 @@ def _model(tiled: bool, checkpointing: bool, *, hooks_inside: bool = False) -> n
         tiled_mlp.install(model, TILE, True)
     if checkpointing:
         enable_hf_gradient_checkpointing(model)
-    if hooks_inside:
-        for layer in model.model.layers:
-            layer._gradient_checkpointing_func = _checkpoint_around_hooks
     lora = LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)  # adapters that change the output
     return get_peft_model(model, lora).train()
-
-
-def _checkpoint_around_hooks(function: functools.partial, *args: Any) -> Any:
-    """A layer's reentrant checkpoint with its module hooks inside, so the recompute runs them (as
-    ``checkpoint_block`` does; transformers 5.2x checkpoints ``forward`` and keeps the hooks outside)."""
-    layer, kwargs = function.args[0], function.keywords
-
-    def run(*inputs: Any) -> Any:
-        layer.gradient_checkpointing = False  # the call below must not checkpoint again
-        try:
-            return layer(*inputs, **kwargs)
-        finally:
-            layer.gradient_checkpointing = True
-
-    return checkpoint(run, *args, use_reentrant=True)
 
 
 Trained = tuple[float, dict[str, torch.Tensor]]
@@ -98,7 +78,7 @@ def _assert_same_training(tiled: Trained, whole: Trained, *, exact_loss: bool = 
 @pytest.mark.parametrize("granularity", [None, "leaf", "block"])
 def test_tiles_train_as_the_whole_mlp(checkpointing: bool, granularity: str | None) -> None:
     whole = _step(_model(False, checkpointing))
-    model = _model(True, checkpointing, hooks_inside=checkpointing)
+    model = _model(True, checkpointing)
     manager = (
         OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity=granularity)) if granularity else None
     )
@@ -107,7 +87,7 @@ def test_tiles_train_as_the_whole_mlp(checkpointing: bool, granularity: str | No
 
 def test_activation_offload_with_tiles_trains_as_the_whole_mlp() -> None:
     whole = _step(_model(False, True))
-    model = _model(True, True, hooks_inside=True)
+    model = _model(True, True)
     manager = OffloadTrainingManager(
         model, "cpu", options=OffloadOptions(granularity="block", offload_activations=True)
     )
@@ -116,11 +96,14 @@ def test_activation_offload_with_tiles_trains_as_the_whole_mlp() -> None:
     assert manager.activations.offloaded_bytes > 0
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_the_tiles_recompute_reads_the_weights_device_copies(checkpointing: bool) -> None:
-    # Block units: the engine hooks the decoder layer, not the MLP; a tile's checkpoint keeps the weights it
-    # saves from the engine. On the CPU a host copy holds the same values, so only the pointers tell.
-    model = _model(True, checkpointing, hooks_inside=checkpointing)
+@pytest.mark.parametrize(("tiled", "checkpointing"), [(True, True), (True, False), (False, True)])
+def test_the_recompute_reads_the_weights_device_copies(tiled: bool, checkpointing: bool) -> None:
+    """Block units: the engine hooks the decoder layer, and its hooks bring the weights back for the recompute.
+    transformers after 5.17 checkpoints a layer's ``forward`` with the hooks outside, so every recomputed call
+    read the host copies (a device mismatch on a GPU) until ``checkpoint_layer`` ran the hooks inside; and a
+    tile's checkpoint keeps the weights it saves from the engine. On the CPU a host copy holds the same
+    values, so only the pointers tell."""
+    model = _model(tiled, checkpointing)
     manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block"))
     offloaders = {id(o.tensor): o for unit in manager.units for o in unit.offloaders if hasattr(o, "host")}
     reads: list[bool] = []
@@ -131,7 +114,7 @@ def test_the_tiles_recompute_reads_the_weights_device_copies(checkpointing: bool
             reads.append(module.weight.data_ptr() == offloader.host.data_ptr())
 
     for name, module in model.named_modules():
-        if name.endswith(("gate_proj.base_layer", "up_proj.base_layer", "down_proj.base_layer")):
+        if name.endswith(("q_proj.base_layer", "gate_proj.base_layer", "up_proj.base_layer", "down_proj.base_layer")):
             module.register_forward_pre_hook(read)
     _step(model, manager)
     assert reads and not any(reads), f"{sum(reads)} of {len(reads)} recomputed calls read the host copy"
