@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from offload.quant.dequantize_on_arrival import DequantizedParamOffloader
     from offload.quant.on_load import QuantizingFill, quantized_placeholders
     from offload.quant.quantized import QuantizedParamOffloader, quantize_frozen_weights
+    from offload.shards import HostedPart, OptimizerShard, ParamPart
     from offload.shared_arena import SharedArenaPool
     from offload.stats import OffloadStats
     from offload.trainable import TrainableParamOffloader
@@ -40,6 +41,9 @@ _HOME = {
     "ActivationOffload": "offload.activations",
     "PinnedArenaPool": "offload.arena",
     "SharedArenaPool": "offload.shared_arena",
+    "HostedPart": "offload.shards",
+    "OptimizerShard": "offload.shards",
+    "ParamPart": "offload.shards",
     "DequantizedParamOffloader": "offload.quant.dequantize_on_arrival",
     "return_cached_host_memory": "offload.devices",
     "set_gpu_memory_limit": "offload.devices",
@@ -66,11 +70,14 @@ __all__ = [
     "AlwaysOnGPUParamOffloader",
     "BufferOffloader",
     "DequantizedParamOffloader",
+    "HostedPart",
     "MemoryPlan",
     "OffloadOptions",
     "OffloadStats",
     "OffloadTrainingManager",
     "OffloadUnit",
+    "OptimizerShard",
+    "ParamPart",
     "PinnedArenaPool",
     "QuantizedParamOffloader",
     "QuantizingFill",

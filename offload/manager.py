@@ -35,6 +35,7 @@ from offload.quant.quantized import QuantizedParamOffloader
 from offload.ring import DeviceRing, Placement
 from offload.saved_tensors import SavedTensorRouter
 from offload.schedule import PrefetchSchedule
+from offload.shards import HostedPart, OptimizerShard
 from offload.stats import OffloadStats, StatsCounter
 from offload.trainable import TrainableParamOffloader
 from offload.transfers import CopyEngine, in_backward
@@ -64,6 +65,11 @@ class OffloadTrainingManager:
             ``initialize(name, tensor, host)`` for each meta tensor with its pinned host copy to fill (from a
             checkpoint, or random values); the tensor then *is* that host copy. Nothing is materialized in
             ordinary memory first. Trainable tensors without optimizer offload must be real CPU tensors.
+        frozen_arena: makes the arena for the frozen weights' host copies (data-parallel ranks share one).
+        optimizer_shard: this process is one of several data-parallel ranks that split the CPU optimizer
+            (optimizer offload, shards.py): its gradient buffers and optimizer state hold its part of each
+            trainable weight. The caller averages the gradients into that part (``register_gradient_hook``)
+            and gathers the other parts after each step (``register_step_hook``).
 
     Example:
         >>> model = ToyModel()                                  # stays on the CPU
@@ -83,10 +89,14 @@ class OffloadTrainingManager:
         *,
         initialize: Initializer | None = None,
         frozen_arena: ArenaFactory | None = None,
+        optimizer_shard: OptimizerShard | None = None,
     ) -> None:
         self.device = resolve_target_device(target_device)
         self.options = options if options is not None else OffloadOptions()
         self.enable_optimizer_cpu_offload = enable_optimizer_cpu_offload
+        if optimizer_shard is not None and not enable_optimizer_cpu_offload:
+            raise ValueError("optimizer_shard needs enable_optimizer_cpu_offload=True: it splits the CPU optimizer")
+        self.optimizer_shard = optimizer_shard
         _check_model(model, allow_meta=initialize is not None)
         self.model = model
         self._initialize = initialize
@@ -104,6 +114,7 @@ class OffloadTrainingManager:
             link_bytes=link_bytes,  # a quantized weight takes its stored bytes in the arena and the ring
             # and, dequantized on arrival, room for its dequantized form beside each ring slot
             room_bytes=arrival_room_bytes if self.options.dequantize_on_arrival else None,
+            optimizer_shard=optimizer_shard,
         )
         self._check_plan_fits()
         self._stats = StatsCounter()
@@ -145,6 +156,7 @@ class OffloadTrainingManager:
         self._stepper: StepDuringBackward | None = None
         # register_gradient_hook's; an OrderedDict, which RemovableHandle can refer to weakly
         self._gradient_hooks: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()
+        self._step_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # register_step_hook's
         self._stats.start_step()
         log.info("offloading %s; %s", self, self.plan.describe())
 
@@ -228,10 +240,20 @@ class OffloadTrainingManager:
             if not tensor.requires_grad:
                 offloader = StaticParamOffloader(name, tensor, self._copies, host)
             else:
-                offloader = TrainableParamOffloader(name, tensor, self._copies, host, self._host_like(tensor))
+                offloader = self._trainable(name, tensor, host)
         offloader.on_backward_use = self._schedule.weight_unpacked
         self._offloaders[id(tensor)] = offloader
         return offloader
+
+    def _trainable(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> TrainableParamOffloader:
+        """A host master's offloader with its gradient buffer: the whole gradient, or this rank's part of it."""
+        if self.optimizer_shard is None:
+            return TrainableParamOffloader(name, tensor, self._copies, host, self._host_like(tensor))
+        if not host.is_contiguous():  # a part is a range of the flat weight
+            raise ValueError(f"optimizer_shard needs contiguous trainable weights; {name!r} is not (.contiguous() it)")
+        part = self.optimizer_shard.part(tensor.numel())
+        grad_host = self.arena.allocate((part.numel,), tensor.dtype)
+        return TrainableParamOffloader(name, tensor, self._copies, host, grad_host, part)
 
     def _host_like(self, tensor: torch.Tensor, arena: PinnedArenaPool | None = None) -> torch.Tensor:
         """Arena memory for ``tensor`` with its layout (a transposed weight stays transposed)."""
@@ -339,6 +361,8 @@ class OffloadTrainingManager:
         every gradient before any update. Attach after creating LR schedulers and after
         ``optimizer.load_state_dict`` (both replace what the per-parameter steps refer to).
         ``cpu_threads``: the updates' intra-op threads (default: all but one, left to the training loop).
+        With ``optimizer_shard`` each update steps this process's part, and ``optimizer.step()`` waits for every
+        update, then runs the step hooks (``register_step_hook``).
         """
         if not self.enable_optimizer_cpu_offload:
             raise ValueError(
@@ -360,6 +384,7 @@ class OffloadTrainingManager:
             warmup_steps=warmup_steps,
             cpu_threads=cpu_threads,
             on_device=self.plan.device_trainables,
+            after_step=self._run_step_hooks if self.optimizer_shard is not None else None,
         )
         for offloader in trainable.values():
             offloader.before_read = self._stepper.before_read
@@ -380,6 +405,28 @@ class OffloadTrainingManager:
         handle = RemovableHandle(self._gradient_hooks)
         self._gradient_hooks[handle.id] = hook
         return handle
+
+    def register_step_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """With ``optimizer_shard``: run ``hook()`` in ``optimizer.step()`` (``attach_optimizer``) after every update
+        of the step has finished, before the next forward reads a weight: the host masters then hold this
+        process's updated parts (`hosted_parts`), and a data-parallel caller gathers the other ranks' there."""
+        handle = RemovableHandle(self._step_hooks)
+        self._step_hooks[handle.id] = hook
+        return handle
+
+    def _run_step_hooks(self) -> None:
+        for hook in list(self._step_hooks.values()):
+            hook()
+
+    def hosted_parts(self) -> list[HostedPart]:
+        """Each trainable weight whose optimizer runs on the host, in the engine's (deterministic) order: the
+        parameter, its host master and the part this process steps (the whole weight without a shard)."""
+        shard = self.optimizer_shard or OptimizerShard(rank=0, world_size=1)
+        return [
+            HostedPart(o.tensor, o.host, o.part or shard.part(o.tensor.numel()))
+            for o in self._offloaders.values()
+            if isinstance(o, TrainableParamOffloader)
+        ]
 
     def wait_for_optimizer(self) -> None:
         """Finish the background optimizer updates (``attach_optimizer``) before reading the weights directly;
@@ -446,13 +493,15 @@ class OffloadTrainingManager:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""
         arenas = list({id(a): a for a in (self.arena, self.frozen_arena)}.values())  # a shared one counts too
         reserved, requested = sum(a.reserved_bytes for a in arenas), sum(a.requested_bytes for a in arenas)
+        optimizer = self._stepper.state_bytes() if self._stepper is not None else 0
         if self.activations is None:
-            return self._stats.snapshot(reserved, requested)
+            return dataclasses.replace(self._stats.snapshot(reserved, requested), optimizer_host_bytes=optimizer)
         saved = self.activations
         return dataclasses.replace(
             self._stats.snapshot(reserved + saved.arena.reserved_bytes, requested + saved.arena.requested_bytes),
             activation_offloaded_bytes=saved.offloaded_bytes,
             activation_host_bytes=saved.peak_held_bytes,
+            optimizer_host_bytes=optimizer,
         )
 
     def remove(self, copy: bool = True) -> nn.Module:

@@ -17,6 +17,11 @@ The user's optimizer keeps its state; a one-parameter copy of it (same class, hy
 the user's group at each step, the same per-parameter state) steps a stand-in over the host copy, never the
 parameter itself, whose ``.data`` the main thread swaps meanwhile. Global-norm gradient clipping needs every
 gradient before any step, so it cannot be combined with this.
+
+With an optimizer shard (shards.py) each update steps this process's part of the master, with that part of the
+gradient, and the optimizer's state has the part's shape; ``optimizer.step()`` then waits for every update and
+runs ``after_step`` (the data-parallel caller gathers the other ranks' parts there), so the next forward reads
+whole weights. The delayed update is not combined with a shard: its second host copy would need gathering too.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class StepDuringBackward:
         warmup_steps: int = 10,
         cpu_threads: int | None = None,
         on_device: frozenset[int] = frozenset(),
+        after_step: Callable[[], None] | None = None,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1; got {accumulation_steps}")
@@ -85,7 +91,14 @@ class StepDuringBackward:
             raise ValueError(f"delayed_update warmup_steps must be >= 0; got {warmup_steps}")
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1; got {cpu_threads}")
+        if delayed_update and any(o.part is not None for o in offloaders.values()):
+            raise ValueError(
+                "delayed_update cannot be combined with optimizer_shard: the delayed update's second host copy "
+                "of each weight would have to be gathered across the ranks too; use exact updates"
+            )
         self.optimizer = optimizer
+        # Run in optimizer.step() once every update of the step has finished (an optimizer shard's gather).
+        self.after_step = after_step
         self.accumulation_steps = accumulation_steps
         self.delayed_update = delayed_update
         self.warmup_steps = warmup_steps
@@ -146,7 +159,7 @@ class StepDuringBackward:
             # The gradient buffers belong to the background updates until they finish: gradients are always
             # released (set to None), never zeroed in place.
             for offloader in self._offloaders:
-                offloader.tensor.grad = None
+                offloader.release_grad()
             for _, params in self._on_device:
                 for param in params:
                     param.grad = None
@@ -161,6 +174,8 @@ class StepDuringBackward:
         """The user's ``optimizer.step()``: the updates are already queued; only a closure (which
         re-evaluates the loss) makes it a normal, synchronous step."""
         if closure is not None:
+            if any(o.part is not None for o in self._offloaders):
+                raise ValueError("optimizer.step(closure) needs whole gradients; with optimizer_shard each is a part")
             self.wait()
             return self._original_step(closure)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's wrapper sets
@@ -169,6 +184,9 @@ class StepDuringBackward:
             # The groups' hyperparameters as they are now (an LR scheduler steps them after this call).
             self._device_view.param_groups = [{**group, "params": params} for group, params in self._on_device]
             type(self.optimizer).step(self._device_view)
+        if self.after_step is not None:
+            self.wait()  # this process's updates are all in its host masters
+            self.after_step()
         return None
 
     # ----------------------------------------------------------------- what the manager tells us
@@ -336,7 +354,7 @@ class StepDuringBackward:
         for update in batch:
             param = update.offloader.tensor
             standin = self._standin[id(param)]
-            standin.data = update.target
+            standin.data = update.offloader.own(update.target)  # the master, or this process's part of it
             standin.grad = update.grad
             state[standin] = self.optimizer.state[param]  # the user's entry, shared
             standins.append(standin)
@@ -351,6 +369,17 @@ class StepDuringBackward:
             single.param_groups[0]["params"] = own
             for standin in standins:
                 standin.grad = None
+
+    def state_bytes(self) -> int:
+        """Host bytes of the optimizer's state for the parameters updated here (AdamW's moments and steps)."""
+        total = 0
+        for offloader in self._offloaders:
+            state = self.optimizer.state.get(offloader.tensor)  # .get: the state is a defaultdict
+            # list(): one C-level copy, safe while the worker thread adds a first step's entries
+            for value in list(state.values()) if state else ():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    total += value.numel() * value.element_size()
+        return total
 
     def detach(self) -> None:
         """Finish and publish every update, stop the worker, give the optimizer its own methods back."""

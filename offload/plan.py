@@ -31,6 +31,7 @@ from offload.arena import PinnedArenaPool, aligned
 from offload.options import OffloadOptions
 from offload.quant.payload import is_quantized
 from offload.ring import RingClass
+from offload.shards import OptimizerShard
 from offload.units import UnitPlan, discover_units
 
 LinkBytes = Callable[[str, torch.Tensor], int]
@@ -128,6 +129,7 @@ def plan_memory(
     options: OffloadOptions | None = None,
     link_bytes: LinkBytes = tensor_bytes,
     room_bytes: LinkBytes | None = None,
+    optimizer_shard: OptimizerShard | None = None,
 ) -> MemoryPlan:
     """The engine's plan for ``model``: the same arguments as ``OffloadTrainingManager``; nothing is allocated.
 
@@ -135,7 +137,8 @@ def plan_memory(
     the bytes of its dequantized form, for a quantized weight dequantized on arrival (0 for any other), planned
     as a room beside each of its slots in a second device buffer (the dequantization writes it while the
     payload is read, so the two must not share an allocation: torch.compile refuses writes into an input
-    that aliases another).
+    that aliases another). ``optimizer_shard``: each trainable master's gradient buffer holds this rank's part
+    only (shards.py).
 
     Works on a model built on the meta device (shapes only), which is how a job's memory is estimated
     before it is queued.
@@ -179,8 +182,8 @@ def plan_memory(
             host_sizes.append(sum(aligned(size(t)) for t in span))
         for tensor in solo:
             host_sizes.append(size(tensor))
-            if trainable(tensor):
-                host_sizes.append(size(tensor))  # the host gradient buffer, allocated right after its master
+            if trainable(tensor):  # the host gradient buffer (this rank's part of it), right after its master
+                host_sizes.append(gradient_buffer_bytes(tensor, optimizer_shard) if optimizer_shard else size(tensor))
         placed.update(id(t) for t in new)
         items = ([sum(aligned(size(t)) for t in span)] if span else []) + [aligned(size(t)) for t in solo]
         rooms = [room(t) if not trainable(t) else 0 for t in solo]  # only frozen weights are dequantized
@@ -212,6 +215,11 @@ def plan_memory(
         activation_reserved_bytes=activations.reserved_bytes,
         activation_requested_bytes=activations.requested_bytes,
     )
+
+
+def gradient_buffer_bytes(tensor: torch.Tensor, shard: OptimizerShard) -> int:
+    """The arena bytes of a trainable master's host gradient buffer that holds ``shard``'s part of it."""
+    return max(1, shard.part(tensor.numel()).numel) * tensor.element_size()
 
 
 # Device bytes per byte of a trainable weight kept on the device with its optimizer: the weight, its gradient

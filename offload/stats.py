@@ -30,6 +30,8 @@ class OffloadStats:
             the units at each end of the forward, reused by the backward or the next forward.
         activation_offloaded_bytes: checkpointed inputs copied to the host (``offload_activations``), in all.
         activation_host_bytes: the most host bytes they held at once.
+        optimizer_host_bytes: host bytes of the CPU optimizer's state (``attach_optimizer``) right now: AdamW's
+            moments of every host master, or of this process's part of each with ``optimizer_shard``.
     """
 
     h2d_bytes: int = 0
@@ -51,6 +53,7 @@ class OffloadStats:
     reused_bytes: int = 0
     activation_offloaded_bytes: int = 0
     activation_host_bytes: int = 0
+    optimizer_host_bytes: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         """JSON-able numbers, for progress reports."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from offload.offloaders import StaticParamOffloader
+from offload.shards import ParamPart
 from offload.transfers import CopyEngine
 
 
@@ -16,25 +17,37 @@ class TrainableParamOffloader(StaticParamOffloader):
     """A trainable parameter whose optimizer runs on the CPU. The host copy is the master: the optimizer
     updates it in place, so weights never travel device -> host. Gradients do: each one is copied to a host
     gradient buffer on a side stream as soon as autograd finishes accumulating it, and ``hand_over_grad``
-    gives that buffer to ``param.grad`` for the optimizer. Gradient accumulation adds into the buffer."""
+    gives that buffer to ``param.grad`` for the optimizer. Gradient accumulation adds into the buffer.
+
+    With a ``part`` (``optimizer_shard``, shards.py) the buffer holds that part of the flat gradient only and
+    is never ``param.grad`` (which has the weight's shape): the CPU optimizer (``attach_optimizer``) reads it
+    directly, and the gradient is spent when the optimizer's ``zero_grad`` runs (`release_grad`)."""
 
     kind = "trainable"
 
     def __init__(
-        self, name: str, tensor: torch.Tensor, copies: CopyEngine, host: torch.Tensor, grad_host: torch.Tensor
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        copies: CopyEngine,
+        host: torch.Tensor,
+        grad_host: torch.Tensor,
+        part: ParamPart | None = None,
     ) -> None:
         existing_grad = tensor.grad
         tensor.grad = None  # the data moves into the arena; a gradient set before is the user's, kept below
         super().__init__(name, tensor, copies, host)
         self.grad_host = grad_host
+        self.part = part
         self._grad_valid = existing_grad is not None
         # The user holds ``param.grad`` from hand-over until the next forward that uses the parameter takes
         # it back; a step that never uses the parameter leaves it exactly as the user left it.
         self._handed_over = False
         if existing_grad is not None:
-            grad_host.copy_(existing_grad)
-            tensor.grad = grad_host
-            self._handed_over = True
+            grad_host.copy_(self.own(existing_grad))
+            if part is None:
+                tensor.grad = grad_host
+                self._handed_over = True
         self._staging: torch.Tensor | None = None
         self._staged = False
         self._grad_event: torch.cuda.Event | None = None
@@ -46,6 +59,10 @@ class TrainableParamOffloader(StaticParamOffloader):
         # Delayed update: the host tensor the next device read is copied back into, and whom to tell.
         self._snapshot_request: tuple[torch.Tensor, Callable[[torch.cuda.Event | None], None]] | None = None
         self._snapshot_event: torch.cuda.Event | None = None  # that copy, which the ring slot's reuse waits for
+
+    def own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What this process's optimizer steps of a weight-shaped ``tensor``: all of it, or its ``part``."""
+        return tensor if self.part is None else self.part.of(tensor)
 
     def acquire(self) -> None:
         if self.before_read is not None:
@@ -123,7 +140,7 @@ class TrainableParamOffloader(StaticParamOffloader):
         grad = self.tensor.grad
         if grad is not None:
             if grad is not self.grad_host:
-                self.grad_host.copy_(grad)
+                self.grad_host.copy_(self.own(grad))
             self._grad_valid = True
             self.tensor.grad = None
         elif self._handed_over:
@@ -136,6 +153,7 @@ class TrainableParamOffloader(StaticParamOffloader):
         if grad is None:
             return
         self.settle_grad()  # an earlier backward's copy still to be added (accumulation without after_backward)
+        grad = self.own(grad)  # with a part, only it crosses the link (the caller averaged it across the ranks)
         if self._grad_valid:
             if self._staging is None:
                 self._staging = torch.empty_like(self.grad_host, pin_memory=self.grad_host.is_pinned())
@@ -162,17 +180,27 @@ class TrainableParamOffloader(StaticParamOffloader):
         """After backward: the accumulated host gradient becomes ``param.grad`` for the optimizer.
 
         A parameter no forward used since the last hand-over keeps whatever ``param.grad`` the user left
-        (``None`` after ``zero_grad()``): it gets no gradient, stale or zero, as without offload."""
+        (``None`` after ``zero_grad()``): it gets no gradient, stale or zero, as without offload. With a
+        ``part`` the buffer stays the engine's: the optimizer reads it there."""
         self.settle_grad()
-        if self._handed_over:
+        if self._handed_over or self.part is not None:
             return
         if self._grad_valid and self.pending is None:
             self.tensor.grad = self.grad_host
             self._handed_over = True
 
+    def release_grad(self) -> None:
+        """The optimizer's ``zero_grad``: ``param.grad`` goes; a part's buffer is spent (the next backward writes
+        it afresh; a buffer handed over as ``param.grad`` learns that at the next forward instead)."""
+        self.tensor.grad = None
+        if self.part is not None:
+            self._grad_valid = False
+
     def detach(self, copy: bool = True) -> None:
         self.settle_grad()
-        if self._handed_over:  # the user's gradient (None after zero_grad), out of the arena
+        if self.part is not None:  # only a part of the gradient was ever here: none is left on the tensor
+            grad = None
+        elif self._handed_over:  # the user's gradient (None after zero_grad), out of the arena
             grad = self.tensor.grad
             grad = grad.clone() if grad is self.grad_host else grad
         else:  # a gradient still accumulating (between micro-batches)
