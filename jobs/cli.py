@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "peak_device_bytes": estimate.peak_device_bytes,
                     "pinned_host_bytes": estimate.pinned_host_bytes,
+                    "optimizer_host_bytes": estimate.optimizer_host_bytes,
+                    "ranks": estimate.ranks,
                     "notes": estimate.notes,
                 },
                 indent=2,
@@ -186,6 +188,8 @@ def machine_problems(spec: JobSpec, text: str) -> list[SpecProblem]:
                 pinned_host_bytes=estimate.pinned_host_bytes,
                 host_total_bytes=psutil.virtual_memory().total,
                 on_host=spec.device == "cpu" or not has_gpu,
+                optimizer_host_bytes=estimate.optimizer_host_bytes,
+                ranks=estimate.ranks,
             )
         )
     return [SpecProblem(path, message, line_of(text, path)) for path, message in filter(None, found)]

@@ -150,6 +150,9 @@ class RankFigures(BaseModel):
     device_peak_bytes: int
     device_allocated_bytes: int
     host_rss_bytes: int
+    optimizer_host_bytes: int = Field(
+        0, description="the rank's CPU optimizer state (optimizer offload): its part when the ranks split it"
+    )
 
 
 class StepEvent(JobEvent, StepMetrics, MemorySnapshot):

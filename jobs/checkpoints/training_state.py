@@ -34,13 +34,16 @@ def save_training_state(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     extra: dict[str, Any] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> None:
-    """Write ``training_state.pt`` (tensors and plain containers only, so it loads with weights_only)."""
+    """Write ``training_state.pt`` (tensors and plain containers only, so it loads with weights_only).
+    ``optimizer_state``: the state to write when ``optimizer.state_dict()`` is not all of it (the ranks' parts of
+    a split optimizer, gathered)."""
     torch.save(
         {
             "step": step,
             "data_position": data_position,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state if optimizer_state is not None else optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": capture_rng(),
             "extra": extra or {},  # the runner's own state, e.g. the eval history early stopping needs
@@ -49,6 +52,7 @@ def save_training_state(
     )
 
 
-def load_training_state(directory: Path) -> dict[str, Any]:
-    """Read ``training_state.pt`` on the CPU. ``weights_only`` refuses pickled code from a tampered file."""
-    return torch.load(directory / TRAINING_STATE, map_location="cpu", weights_only=True)
+def load_training_state(directory: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """Read ``training_state.pt`` on the CPU. ``weights_only`` refuses pickled code from a tampered file.
+    ``mmap``: the tensors map the file (read as they are used) instead of being read into memory."""
+    return torch.load(directory / TRAINING_STATE, map_location="cpu", weights_only=True, mmap=mmap)

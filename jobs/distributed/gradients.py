@@ -14,9 +14,12 @@ With gradient accumulation the buckets are reduced after the last micro-batch's 
 ``no_sync``): the reducer counts backward passes. Gradients the offload engine sends to the host (optimizer
 offload) are reduced one tensor at a time instead, on the device, right before the engine copies them
 (``OffloadTrainingManager.register_gradient_hook``), in every micro-batch: they leave the device as each
-backward makes them final, and the CPU optimizer starts on them at once.
+backward makes them final, and the CPU optimizer starts on them at once. When the ranks split the CPU optimizer
+(``optimizer_shard``, optimizer_shards.py) such a gradient is reduce-scattered instead (on gloo: one reduce per
+part, onto its rank): each rank receives the average of its part only, written at its place in ``param.grad``,
+and the engine copies that part to the host.
 
-Each gradient is divided by the world size before a summing all-reduce (gloo has no average).
+Each gradient is divided by the world size before a summing all-reduce or reduce-scatter (gloo has no average).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from torch.utils.hooks import RemovableHandle
 from offload import OffloadTrainingManager
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+# torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single (the old name warns); torch 2.11 has only the
+# old one.
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -70,8 +76,13 @@ class GradientReducer:
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._gradient_final) for b in self.buckets for p in b.params
         ]
+        split = manager is not None and manager.optimizer_shard is not None  # the ranks split the CPU optimizer
+        self._gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._parts = {id(h.param): h.part for h in manager.hosted_parts()} if manager is not None and split else {}
         if manager is not None and hosted:
-            self._handles.append(manager.register_gradient_hook(self._reduce_now))
+            reduce = self._reduce_scatter_now if split else self._reduce_now
+            self._handles.append(manager.register_gradient_hook(reduce))
         self._backward_passes = 0
         self._finish_queued = False
         self._next_launch = 0
@@ -100,6 +111,32 @@ class GradientReducer:
         assert param.grad is not None
         param.grad.div_(self.world_size)
         dist.all_reduce(param.grad)
+
+    def _reduce_scatter_now(self, param: torch.Tensor) -> None:
+        """An engine-hosted gradient of a split CPU optimizer: this rank's part of the average, written at its
+        place in ``param.grad`` (the rest of it is left as it was, and never read). Every part spans ``chunk``
+        elements of a flat gradient padded to ``world_size * chunk``. A sync point as `_reduce_now` is.
+
+        On gloo, whose reduce-scatter is an all-reduce of a copy of the input (slower than the all-reduce itself,
+        docs/offload.md), each part is reduced onto its rank instead, in place: one reduce per rank. NCCL
+        reduce-scatters."""
+        assert param.grad is not None
+        part = self._parts[id(param)]
+        flat = param.grad.view(-1)  # autograd's gradient of a contiguous weight is contiguous
+        padding = part.chunk * self.world_size - flat.numel()
+        sent = torch.nn.functional.pad(flat, (0, padding)) if padding else flat
+        sent.div_(self.world_size)
+        if self._gloo:
+            chunks = sent.split(part.chunk)
+            works = [dist.reduce(chunk, dst=rank, async_op=True) for rank, chunk in enumerate(chunks)]
+            for work in works:
+                work.wait()
+            mine = chunks[self._rank]
+        else:
+            mine = flat.new_empty(part.chunk)
+            reduce_scatter(mine, sent)
+        if padding or not self._gloo:  # else the part's average is in place already
+            flat[part.start : part.stop].copy_(mine[: part.numel])
 
     def _queue_finish(self) -> None:
         if not self._finish_queued:

@@ -129,8 +129,9 @@ class RankGroup:
         """``event`` with every rank's step time and memory (``ranks``), gathered to all ranks."""
         from jobs.events import RankFigures
 
+        optimizer = event.offload.optimizer_host_bytes if event.offload is not None else 0
         mine = torch.tensor(
-            [step_s, event.device_peak_bytes, event.device_allocated_bytes, event.host_rss_bytes],
+            [step_s, event.device_peak_bytes, event.device_allocated_bytes, event.host_rss_bytes, optimizer],
             dtype=torch.float64,  # exact for byte counts below 2**53
             device=self.device,
         )
@@ -143,6 +144,7 @@ class RankGroup:
                 device_peak_bytes=int(row[1]),
                 device_allocated_bytes=int(row[2]),
                 host_rss_bytes=int(row[3]),
+                optimizer_host_bytes=int(row[4]),
             )
             for rank, row in enumerate(torch.stack(every).tolist())
         ]

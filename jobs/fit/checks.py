@@ -32,17 +32,34 @@ def device_problem(
 
 
 def host_memory_problem(
-    *, peak_device_bytes: int, pinned_host_bytes: int, host_total_bytes: int, on_host: bool
+    *,
+    peak_device_bytes: int,
+    pinned_host_bytes: int,
+    host_total_bytes: int,
+    on_host: bool,
+    optimizer_host_bytes: int = 0,
+    ranks: int = 1,
 ) -> Problem | None:
-    """More host memory than the machine has: the whole peak of a job on the CPU (``on_host``), the pinned
-    copies always (page-locked memory cannot be swapped out). The figures come from `estimate_memory`."""
-    needed = pinned_host_bytes + (peak_device_bytes if on_host else 0)
+    """More host memory than the machine has: the whole peak of each rank of a job on the CPU (``on_host``),
+    the pinned copies (page-locked memory cannot be swapped out) and every rank's CPU optimizer state (held for
+    the whole run) always. The figures come from `estimate_memory` (``optimizer_host_bytes`` is per rank)."""
+    optimizer = ranks * optimizer_host_bytes
+    peak = ranks * peak_device_bytes if on_host else 0
+    needed = pinned_host_bytes + optimizer + peak
     if needed <= host_total_bytes:
         return None
+    state = f" + CPU optimizer state {human_bytes(optimizer)}" if optimizer else ""
     if on_host:
+        each = f" x {ranks} ranks" if ranks > 1 else ""
         message = (
             f"the job needs an estimated {human_bytes(needed)} of host memory (peak {human_bytes(peak_device_bytes)}"
-            f" + pinned copies {human_bytes(pinned_host_bytes)}) but this machine has {human_bytes(host_total_bytes)}"
+            f"{each} + pinned copies {human_bytes(pinned_host_bytes)}{state}) but this machine has "
+            f"{human_bytes(host_total_bytes)}"
+        )
+    elif optimizer:
+        message = (
+            f"the job needs an estimated {human_bytes(needed)} of host memory (pinned copies "
+            f"{human_bytes(pinned_host_bytes)}{state}) but this machine has {human_bytes(host_total_bytes)}"
         )
     else:
         message = (

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from jobs.distributed.optimizer_shards import splits_optimizer
+from jobs.fit.host_memory import OPTIMIZER_STATES, host_optimizer_bytes, own_host_bytes, rank_shard
 from jobs.fit.sizes import human_bytes
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
@@ -23,7 +25,6 @@ from offload import MemoryPlan, parse_bytes, plan_memory
 from offload.options import AUTO_BUDGET
 from offload.quant.quantized import planned_sizes
 
-_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
 _LORA_BYTES = 4  # peft keeps adapters in float32 even on a bf16 base model (autocast_adapter_dtype)
 
 
@@ -32,16 +33,29 @@ class MemoryEstimate:
     """Estimated memory for a job.
 
     Attributes:
-        peak_device_bytes: Peak bytes allocated by PyTorch on the device.
-        pinned_host_bytes: Page-locked host bytes the offload engine reserves (0 without model offload).
+        peak_device_bytes: Peak bytes allocated by PyTorch on the device (on each rank's device).
+        pinned_host_bytes: Page-locked host bytes the offload engine reserves (0 without model offload); with
+            several ranks, on the machine: the frozen weights' copy that they share once, each rank's own
+            host copies (trainable masters, gradient buffers, buffers) once per rank.
         notes: How the numbers were reached, largest contributions first.
         device_ring_bytes: the engine's planned device memory for streamed weights (its ``plan_memory``).
+        optimizer_host_bytes: each rank's CPU optimizer state under optimizer offload (ordinary host memory):
+            the whole state on one rank, about 1/world_size of it per rank when the ranks split it.
+        ranks: the job's data-parallel ranks (``distributed.world_size``), all on one machine.
     """
 
     peak_device_bytes: int
     pinned_host_bytes: int
     notes: list[str] = field(default_factory=list)
     device_ring_bytes: int = 0
+    optimizer_host_bytes: int = 0
+    ranks: int = 1
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the job holds besides what its device peak puts there: the pinned copies and every
+        rank's CPU optimizer state."""
+        return self.pinned_host_bytes + self.ranks * self.optimizer_host_bytes
 
 
 # Deeper than this, a model of repeated layers is estimated from two shallower copies of it (see below).
@@ -81,6 +95,8 @@ def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:
         pinned_host_bytes=grow(small.pinned_host_bytes, large.pinned_host_bytes),
         notes=[f"{layers} layers: extrapolated from {low} and {high} layers (same layers, so it grows by layer)"],
         device_ring_bytes=large.device_ring_bytes,  # the window, full from a few layers on
+        optimizer_host_bytes=grow(small.optimizer_host_bytes, large.optimizer_host_bytes),
+        ranks=large.ranks,
     )
 
 
@@ -99,7 +115,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
     total = _tensor_bytes(model.parameters()) + _tensor_bytes(model.buffers())
     trainable = lora if spec.lora is not None else total
     offload = spec.offload
-    optimizer_state = _OPTIMIZER_STATES[spec.training.optimizer] * trainable
+    optimizer_state = OPTIMIZER_STATES[spec.training.optimizer] * trainable
     # torch's foreach Adam(W) step allocates one temporary the size of the trainable weights.
     step_temp = trainable if spec.training.optimizer != "sgd" else 0
     activations = family.activation_bytes(spec, model)
@@ -109,6 +125,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
             f"{_gib(precomputed)} of weights precomputed once and kept on the host (model.precompute_modulation)"
         )
 
+    ranks, optimizer_host = spec.distributed.world_size, 0
     if not offload.enable_model_cpu_offload:
         resident = total + lora + trainable + optimizer_state  # weights (+ adapters), gradients, state
         notes.append("no offload: weights, gradients and optimizer state all on the device")
@@ -150,6 +167,17 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         needed = plan.pinned_requested_bytes
         if needed and pinned > 1.1 * needed:
             notes.append(f"pinned arena reserves {_gib(pinned)} for {_gib(needed)} of host copies (chunk rounding)")
+        if offload.enable_optimizer_cpu_offload:
+            optimizer_host = host_optimizer_bytes(model, spec, plan, lora)
+            split = f", its 1/{ranks} part on each of {ranks} ranks" if splits_optimizer(spec) else ""
+            notes.append(f"CPU optimizer state {_gib(optimizer_host)} in host memory{split}")
+        if ranks > 1:
+            own = own_host_bytes(model, spec, plan, lora)
+            pinned += (ranks - 1) * own
+            notes.append(
+                f"{ranks} ranks on one machine: one host copy of the frozen weights between them, each rank's own "
+                f"trainable masters, gradient buffers and buffers ({_gib(own)}) once per rank"
+            )
     peak = resident + max(activations, step_temp)
     saved = _offloaded_inputs(spec, model, peak)
     if saved:
@@ -158,7 +186,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         activations -= sum(saved) - 2 * max(saved)
         peak = resident + max(activations, step_temp)
         arena = engine_plan(model, spec, activation_host_bytes=saved).activation_reserved_bytes
-        pinned += arena
+        pinned += ranks * arena  # each rank's own
         notes.append(
             f"offload.activations: {len(saved)} checkpointed inputs ({_gib(sum(saved))}) in pinned host memory "
             f"({_gib(arena)} reserved), two on the device"
@@ -173,7 +201,9 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
         f"temporaries {_gib(step_temp)}); excludes the CUDA context"
     )
-    return MemoryEstimate(int(peak), int(pinned), notes, device_ring_bytes=ring)
+    return MemoryEstimate(
+        int(peak), int(pinned), notes, device_ring_bytes=ring, optimizer_host_bytes=optimizer_host, ranks=ranks
+    )
 
 
 def offloaded_activations(spec: JobSpec) -> tuple[int, ...]:
@@ -256,6 +286,7 @@ def engine_plan(model: nn.Module, spec: JobSpec, *, activation_host_bytes: tuple
             offload_activations=bool(activation_host_bytes),
             activation_host_bytes=activation_host_bytes,
         ),
+        optimizer_shard=rank_shard(spec),  # the ranks split the CPU optimizer: rank 0's gradient buffers
         **sizes,
     )
 

@@ -16,6 +16,7 @@ from jobs.checkpoints.export import save_tokenizer
 from jobs.checkpoints.sample_artifacts import keep_samples
 from jobs.checkpoints.training_state import save_training_state
 from jobs.distributed.group import current_group, leads
+from jobs.distributed.optimizer_shards import whole_optimizer_reason
 from jobs.errors import OutOfMemoryHint
 from jobs.events import (
     CheckpointEvent,
@@ -193,18 +194,24 @@ def _train(
     accumulation = training.gradient_accumulation_steps
     step, total = session.start_step, session.total_steps
     saved = session.resumed_from
+    saved_step = saved.step if saved is not None else None  # the same on every rank (``saved`` is rank 0's)
     clock = StepClock(step, total)
     between = EvalAndSamples(session, spec, report, session.resumed_extra.get("eval"))
     if step == 0:  # a resumed job evaluated the base model in its first attempt
         between.before_first_step()
 
     def checkpoint_now() -> CheckpointInfo | None:
-        if saved is not None and saved.step == step:
+        nonlocal saved_step
+        if saved_step == step:
             return saved  # nothing trained since the last save
+        saved_step = step
+        # Every rank: the parts of an optimizer the ranks split are gathered to rank 0 (a collective).
+        shards = session.optimizer_shards
+        optimizer_state = shards.whole_state_dict() if shards is not None else None
         if not leads():
             return None  # rank 0 writes the job's checkpoints; the other ranks train on
         eval_loss = between.eval_loss_at(step)  # recorded in the manifest: the best checkpoint is kept and marked
-        info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict())
+        info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict(), optimizer_state)
         files = [FileDigest(**entry) for entry in info.files]
         report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
         if session.sampler is not None:
@@ -280,6 +287,7 @@ def _save(
     spec: JobSpec,
     eval_loss: float | None,
     eval_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None = None,
 ) -> CheckpointInfo:
     def write(directory: Path) -> None:
         if session.manager is not None:
@@ -294,6 +302,7 @@ def _save(
             optimizer=session.optimizer,
             scheduler=session.scheduler,
             extra={"eval": eval_state},
+            optimizer_state=optimizer_state,
         )
         if session.sampler is not None:
             session.sampler.write(session.forward_model, directory)
@@ -302,11 +311,17 @@ def _save(
 
 
 def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:
-    """Engine options given without model offload do nothing; say so rather than ignore them silently."""
+    """Engine options given without model offload do nothing, and several ranks keep the whole CPU optimizer
+    state each where they cannot split it; say so rather than ignore them silently."""
     ignored = sorted(
         spec.offload.model_fields_set & {"prefetch", "granularity", "gpu_memory_budget", "cpu_offload_split_threshold"}
     )
+    messages = []
     if ignored and not spec.offload.enable_model_cpu_offload:
-        message = f"offload.{', offload.'.join(ignored)} ignored: offload.enable_model_cpu_offload is false"
+        messages.append(f"offload.{', offload.'.join(ignored)} ignored: offload.enable_model_cpu_offload is false")
+    whole = whole_optimizer_reason(spec)
+    if whole is not None:
+        messages.append(f"each of the {spec.distributed.world_size} ranks keeps the whole CPU optimizer state: {whole}")
+    for message in messages:
         log.warning(message)
         report(LogEvent(level="warning", message=message))

@@ -18,13 +18,14 @@ from jobs.checkpoints.directory import CheckpointInfo, resume_point
 from jobs.checkpoints.training_state import load_training_state, restore_rng
 from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_apart, prepare_text_data
 from jobs.distributed.group import current_group
+from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.models.loading.weight_sources import LoadReport, WeightSource
 from jobs.reporting.telemetry import peak_rss_bytes
 from jobs.spec.job import JobSpec
 from jobs.train.optim import build_optimizer, build_scheduler
-from offload import OffloadTrainingManager, parse_bytes, set_gpu_memory_limit
+from offload import OffloadTrainingManager, OptimizerShard, parse_bytes, set_gpu_memory_limit
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class TrainingSession:
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
     load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
     passed_over: list[str] = field(default_factory=list)  # why newer checkpoints were not resumed from
+    optimizer_shards: OptimizerShards | None = None  # data parallelism: this rank's part of the CPU optimizer
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -117,7 +119,10 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     load = _load_stats(model, source, loading_started)
     steps = total_steps(spec, data)
     raw_optimizer, optimizer, scheduler = _setup_optimizer(spec, model, accelerator, steps)
-    start_step, extra = _resume(checkpoint, raw_optimizer, scheduler)
+    # Data parallelism with optimizer offload: each rank steps its part of every weight (ZeRO-1).
+    split = manager is not None and manager.optimizer_shard is not None
+    shards = OptimizerShards(manager, raw_optimizer) if split else None
+    start_step, extra = _resume(checkpoint, raw_optimizer, scheduler, shards)
     if manager is not None:
         _setup_optimizer_offload(spec, manager, raw_optimizer)
     return TrainingSession(
@@ -139,6 +144,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         resumed_extra=extra,
         load=load,
         passed_over=passed_over,
+        optimizer_shards=shards,
     )
 
 
@@ -225,6 +231,8 @@ def _setup_offload(
         ),
         initialize=source.fill if source is not None else None,
         frozen_arena=frozen_arena,
+        # The ranks split the CPU optimizer: this rank's gradient buffers and optimizer state hold its parts.
+        optimizer_shard=OptimizerShard(group.rank, group.world_size) if group and splits_optimizer(spec) else None,
     )
     if group is not None:
         group.after_attach()
@@ -258,16 +266,22 @@ def _setup_optimizer(
 
 
 def _resume(
-    checkpoint: CheckpointInfo | None, raw_optimizer: torch.optim.Optimizer, scheduler: Any
+    checkpoint: CheckpointInfo | None,
+    raw_optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    shards: OptimizerShards | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """The step to start from and the runner's saved state: the checkpoint's, with the optimizer, schedule and
-    random state restored from it; (0, {}) for a fresh run."""
+    random state restored from it; (0, {}) for a fresh run. With ``shards`` the optimizer takes this rank's
+    parts of the checkpoint's whole state."""
     if checkpoint is None:
         return 0, {}
-    state = load_training_state(Path(checkpoint.path))
+    # A split optimizer maps the file and copies out its parts: no rank holds the whole state, even at load.
+    state = load_training_state(Path(checkpoint.path), mmap=shards is not None)
+    optimizer_state = shards.own_state_dict(state["optimizer"]) if shards is not None else state["optimizer"]
     # Into the raw optimizer: torch puts each state tensor on its parameter's device (the CPU under
     # optimizer offload), where accelerate's wrapper would first move everything to the accelerator.
-    raw_optimizer.load_state_dict(state["optimizer"])
+    raw_optimizer.load_state_dict(optimizer_state)
     scheduler.scheduler.load_state_dict(state["scheduler"])
     restore_rng(state["rng"])  # last: setup above may draw random numbers (peft's init)
     log.info("resuming from %s at step %d", checkpoint.path, state["step"])

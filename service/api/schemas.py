@@ -259,6 +259,8 @@ class DeviceFit(BaseModel):
 class FitEstimate(BaseModel):
     peak_device_bytes: int
     pinned_host_bytes: int
+    optimizer_host_bytes: int = 0  # each rank's CPU optimizer state (optimizer offload), in ordinary host memory
+    ranks: int = 1  # distributed.world_size: the ranks of one machine the host figures cover
     notes: list[str]
     host_available_bytes: int
     host_total_bytes: int = 0

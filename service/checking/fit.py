@@ -27,7 +27,7 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
     devices = []
     for slot in slots:
         if slot.device is None:
-            total, fits = None, estimate.peak_device_bytes + estimate.pinned_host_bytes <= host_free
+            total, fits = None, estimate.ranks * estimate.peak_device_bytes + estimate.host_bytes <= host_free
         else:
             gpu = by_index.get(slot.device)
             total = gpu.memory_total_bytes if gpu else None
@@ -36,12 +36,14 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
         devices.append(
             DeviceFit(worker=slot.id, device=slot.device, memory_total_bytes=total, memory_limit_bytes=limit, fits=fits)
         )
-    host_fits = estimate.pinned_host_bytes <= host_free
+    host_fits = estimate.host_bytes <= host_free
     verdicts = [d.fits for d in devices]
     fits = None if None in verdicts else (all(verdicts) and host_fits)
     return FitEstimate(
         peak_device_bytes=estimate.peak_device_bytes,
         pinned_host_bytes=estimate.pinned_host_bytes,
+        optimizer_host_bytes=estimate.optimizer_host_bytes,
+        ranks=estimate.ranks,
         notes=list(estimate.notes),
         host_available_bytes=host_free,
         host_total_bytes=psutil.virtual_memory().total,
@@ -108,6 +110,8 @@ def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str | Parse
         pinned_host_bytes=fit.pinned_host_bytes,
         host_total_bytes=fit.host_total_bytes,
         on_host=on_host,
+        optimizer_host_bytes=fit.optimizer_host_bytes,
+        ranks=fit.ranks,
     )
     if problem is None:
         return

@@ -1,9 +1,11 @@
 """Data parallelism on the CPU with two gloo ranks: the ranks together train what one rank does with their
 union batch (losses and weights within float summation order), rank 0 alone writes checkpoints and events,
-a checkpoint resumes on another number of ranks, a stop request reaches every rank."""
+a checkpoint resumes on another number of ranks, a stop request reaches every rank. Under optimizer offload the
+ranks split the CPU optimizer's state, each holding its half, and checkpoints hold it whole."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Literal
@@ -14,9 +16,10 @@ import torch
 from torch.testing import assert_close
 
 from jobs import JobOutcome, PathRoots, run_job
+from jobs.checkpoints.training_state import load_training_state
 from jobs.errors import RankLost
 from jobs.events import event_to_wire
-from tests.jobs.helpers import TINY_LM, TOY, final_weights, merged, spec_from
+from tests.jobs.helpers import TINY_LM, TOY, assert_same_weights, final_weights, merged, spec_from
 
 OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
 # Two ranks against one: the same rows, reduced in another order (two half-batch matmuls and a sum instead of
@@ -86,30 +89,77 @@ OPTIMIZER_OFFLOAD = merged(
 )
 
 
-def resume_from_step_2(source: Path, out: Path, world_size: int, batch_size: int) -> dict[str, torch.Tensor]:
-    """Resume ``source``'s step-2 checkpoint in ``out`` on ``world_size`` ranks; the final weights."""
+def resume_from_step_2(source: Path, out: Path, world_size: int, batch_size: int) -> list[dict[str, Any]]:
+    """Resume ``source``'s step-2 checkpoint in ``out`` on ``world_size`` ranks; the events."""
     shutil.copytree(source / "checkpoints" / "step-00000002", out / "checkpoints" / "step-00000002")
     outcome, events = run(on_ranks(OPTIMIZER_OFFLOAD, world_size, batch_size), out)
     assert outcome.status == "succeeded" and events[0]["resumed_from_step"] == 2
     assert [e["step"] for e in events if e["type"] == "step"] == [3, 4]
-    return final_weights(out)
+    return events
+
+
+def optimizer_state(output_dir: Path, step: int) -> dict[int, dict[str, torch.Tensor]]:
+    """The optimizer state of ``output_dir``'s checkpoint at ``step``, by parameter index."""
+    return load_training_state(output_dir / "checkpoints" / f"step-{step:08d}")["optimizer"]["state"]
+
+
+def assert_close_state(a: dict[int, dict[str, torch.Tensor]], b: dict[int, dict[str, torch.Tensor]]) -> None:
+    assert a.keys() == b.keys()
+    for index in a:
+        assert a[index].keys() == b[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key in a[index]:
+            assert_close(a[index][key], b[index][key], rtol=RTOL, atol=ATOL, msg=f"{index} {key} differs")
+
+
+def held_by_each_rank(events: list[dict[str, Any]]) -> list[list[int]]:
+    """Each step's CPU optimizer state on each rank, in bytes (from the rank's own state tensors)."""
+    return [[r.get("optimizer_host_bytes") for r in e["ranks"]] for e in events if e["type"] == "step"]
+
+
+def parts_of_adamw(weights: dict[str, torch.Tensor], world_size: int) -> list[int]:
+    """The bytes of AdamW's state on each of ``world_size`` ranks that split it: two float32 moments of the rank's
+    part of every weight (rank 0 the first ceil(n / world_size) elements, ...) and its float32 step count."""
+    held = [0] * world_size
+    for weight in weights.values():
+        chunk = math.ceil(weight.numel() / world_size)
+        for rank in range(world_size):
+            held[rank] += 2 * 4 * max(0, min(chunk, weight.numel() - rank * chunk)) + 4
+    return held
 
 
 def test_optimizer_offload_on_two_ranks_resumes_on_one(tmp_path: Path) -> None:
-    """A full fine-tune with model and optimizer offload (gradients reduced before their copy to the host,
-    the CPU optimizer overlapped) trains what one rank does, and its checkpoint, which holds nothing of a
-    rank's own, resumes on one rank to the same end."""
-    run(on_ranks(OPTIMIZER_OFFLOAD, 1, 8), tmp_path / "one")
-    run(on_ranks(OPTIMIZER_OFFLOAD, 2, 4), tmp_path / "two")
+    """A full fine-tune with model and optimizer offload on two ranks that split the CPU optimizer (gradients
+    reduce-scattered before their copy to the host, each rank stepping its half of every weight, the weights
+    all-gathered after the step) trains what one rank does on the union batch (gloo sums the two ranks' halves
+    of the mean: another float32 summation order than one rank's mean of the whole batch). Each rank holds half
+    the optimizer state; the checkpoint holds it whole, as one rank does, and resumes on one rank to the same
+    end, and on two ranks to the very same bits."""
+    _, one = run(on_ranks(OPTIMIZER_OFFLOAD, 1, 8), tmp_path / "one")
+    _, two = run(on_ranks(OPTIMIZER_OFFLOAD, 2, 4), tmp_path / "two")
     straight = final_weights(tmp_path / "one")
+    assert_close(losses(two), losses(one), rtol=RTOL, atol=ATOL)
     assert_close_weights(final_weights(tmp_path / "two"), straight)
-    assert_close_weights(resume_from_step_2(tmp_path / "two", tmp_path / "resumed", 1, 8), straight)
+    whole, halves = parts_of_adamw(straight, 1), parts_of_adamw(straight, 2)
+    assert held_by_each_rank(two) == [halves] * 4 and sum(halves) < 1.1 * whole[0]
+    assert [e["offload"]["optimizer_host_bytes"] for e in one if e["type"] == "step"][1:] == whole * 3
+    assert_close_state(optimizer_state(tmp_path / "two", 2), optimizer_state(tmp_path / "one", 2))
+
+    resume_from_step_2(tmp_path / "two", tmp_path / "resumed", 1, 8)
+    assert_close_weights(final_weights(tmp_path / "resumed"), straight)
+    assert_close_state(optimizer_state(tmp_path / "resumed", 4), optimizer_state(tmp_path / "one", 4))
+    again = resume_from_step_2(tmp_path / "two", tmp_path / "again", 2, 4)
+    assert held_by_each_rank(again) == [halves] * 2
+    assert_same_weights(final_weights(tmp_path / "again"), final_weights(tmp_path / "two"))
 
 
 def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
+    """Each rank takes its half of the one rank's whole optimizer state and the two continue as it does."""
     run(on_ranks(OPTIMIZER_OFFLOAD, 1, 8), tmp_path / "one")
-    resumed = resume_from_step_2(tmp_path / "one", tmp_path / "resumed", 2, 4)
-    assert_close_weights(resumed, final_weights(tmp_path / "one"))
+    events = resume_from_step_2(tmp_path / "one", tmp_path / "resumed", 2, 4)
+    straight = final_weights(tmp_path / "one")
+    assert held_by_each_rank(events) == [parts_of_adamw(straight, 2)] * 2
+    assert_close_weights(final_weights(tmp_path / "resumed"), straight)
+    assert_close_state(optimizer_state(tmp_path / "resumed", 4), optimizer_state(tmp_path / "one", 4))
 
 
 def test_a_cancel_reaches_every_rank(tmp_path: Path) -> None:

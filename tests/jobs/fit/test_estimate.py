@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from jobs import PathRoots, estimate_memory, load_job_spec, run_job
-from jobs.events import JobEvent, StepEvent
+from jobs.events import JobEvent, StepEvent, event_to_wire
+from offload.arena import aligned
 from tests.jobs.helpers import TOY, merged, spec_from, write_corpus
 
 CONFIGS = Path(__file__).parents[3] / "configs"
@@ -80,6 +81,29 @@ def test_pinned_estimate_matches_the_engine_arena(tmp_path: Path) -> None:
     run_job(spec_from(data), output_dir=tmp_path, report=events.append)
     measured = next(e for e in events if isinstance(e, StepEvent)).pinned_bytes
     assert estimate_memory(spec_from(data)).pinned_host_bytes == measured
+
+
+def test_ranks_that_split_the_optimizer_are_estimated_with_half_its_state_each(tmp_path: Path) -> None:
+    """Two ranks with optimizer offload: each holds half of AdamW's state (the estimate's figure is what each
+    rank's own state tensors take, less AdamW's step counts), and the machine's pinned memory is rank 0's arena,
+    as measured, plus rank 1's masters and half-size gradient buffers."""
+    data = merged(TOY, model={"hidden_size": 96}, offload=BOTH, training={"steps": 1, "batch_size": 4})
+    one = estimate_memory(spec_from(data))
+    two = estimate_memory(spec_from(merged(data, distributed={"world_size": 2}, training={"batch_size": 2})))
+    weights = 3 * (96 * 96 + 96)  # toy_mlp: three Linear(96, 96)
+    assert one.optimizer_host_bytes == 2 * 4 * weights and (one.ranks, two.ranks) == (1, 2)
+    assert two.optimizer_host_bytes == one.optimizer_host_bytes // 2
+    assert two.host_bytes == two.pinned_host_bytes + 2 * two.optimizer_host_bytes
+    assert any("its 1/2 part on each of 2 ranks" in note for note in two.notes)
+
+    events: list[dict[str, Any]] = []
+    spec = spec_from(merged(data, distributed={"world_size": 2}, training={"batch_size": 2}))
+    run_job(spec, output_dir=tmp_path, report=lambda e: events.append(event_to_wire(e)))
+    step = next(e for e in events if e["type"] == "step")
+    counts = 4 * 2 * 3  # a float32 step count per weight and bias
+    assert [r["optimizer_host_bytes"] - counts for r in step["ranks"]] == [two.optimizer_host_bytes] * 2
+    own = 3 * sum(aligned(4 * n) + aligned(4 * n // 2) for n in (96 * 96, 96))  # rank 1: masters, half gradients
+    assert two.pinned_host_bytes == step["pinned_bytes"] + own
 
 
 def test_hf_model_is_estimated_from_its_config_alone(roots: PathRoots) -> None:

@@ -11,8 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from jobs import load_job_spec
+from jobs.fit.sizes import human_bytes
+from jobs.models.registry import family_of
 from service.api.errors import ApiError
 from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit
 from service.workers.devices import GpuInfo, Slot
@@ -146,6 +149,12 @@ offload: {enable_model_cpu_offload: true, enable_optimizer_cpu_offload: true}
     with pytest.raises(ApiError) as refused:
         refuse_if_it_cannot_fit(spec, fit, text)
     assert refused.value.code == "does_not_fit"
-    assert f"pinned host copies need {fit.pinned_host_bytes / GIB:.1f} GiB" in refused.value.message
-    assert "this machine has 2.0 GiB of memory" in refused.value.message
+    # The CPU optimizer's state (AdamW's two moments of the host masters) is held beside the pinned copies.
+    weights = family_of(spec.model).meta_model(spec.model).to(torch.bfloat16).parameters()
+    assert fit.optimizer_host_bytes == 2 * sum(p.numel() * p.element_size() for p in weights)
+    needed = human_bytes(fit.pinned_host_bytes + fit.optimizer_host_bytes)
+    assert (
+        f"the job needs an estimated {needed} of host memory (pinned copies {human_bytes(fit.pinned_host_bytes)} + "
+        f"CPU optimizer state {human_bytes(fit.optimizer_host_bytes)}) but this machine has 2.00 GiB"
+    ) in refused.value.message
     assert refused.value.problems[0]["path"] == "model" and refused.value.problems[0]["line"] == 3

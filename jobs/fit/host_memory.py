@@ -1,0 +1,51 @@
+"""The host side of the memory estimate under optimizer offload and data parallelism: each rank's CPU optimizer
+state (its part when the ranks split the optimizer, ``jobs/distributed/optimizer_shards.py``) and the host copies
+each rank holds for itself beside the frozen weights' copy the machine's ranks share."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from jobs.distributed.optimizer_shards import splits_optimizer
+from jobs.spec.job import JobSpec
+from offload import MemoryPlan, OptimizerShard
+from offload.arena import aligned
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # state tensors per weight: AdamW's two moments, momentum
+
+
+def hosted_trainables(model: nn.Module, spec: JobSpec, plan: MemoryPlan) -> list[nn.Parameter]:
+    """The trainable weights whose masters and optimizer live on the host (optimizer offload, full fine-tune)."""
+    if not spec.offload.enable_optimizer_cpu_offload:
+        return []
+    unique = {id(p): p for p in model.parameters() if p.requires_grad}
+    return [p for key, p in unique.items() if key not in plan.device_trainables]
+
+
+def rank_shard(spec: JobSpec) -> OptimizerShard | None:
+    """Rank 0's share when the ranks split the CPU optimizer: the largest part of every weight."""
+    return OptimizerShard(0, spec.distributed.world_size) if splits_optimizer(spec) else None
+
+
+def host_optimizer_bytes(model: nn.Module, spec: JobSpec, plan: MemoryPlan, lora: int) -> int:
+    """One rank's CPU optimizer state: the optimizer's states per element of the weights it steps there."""
+    states, shard = OPTIMIZER_STATES[spec.training.optimizer], rank_shard(spec)
+    if spec.lora is not None:  # the adapters, which peft adds to the model after the base
+        return states * (-(-lora // shard.world_size) if shard else lora)
+    return states * sum(
+        (shard.part(p.numel()).numel if shard else p.numel()) * p.element_size()
+        for p in hosted_trainables(model, spec, plan)
+    )
+
+
+def own_host_bytes(model: nn.Module, spec: JobSpec, plan: MemoryPlan, lora: int) -> int:
+    """The host copies a rank holds for itself: trainable masters with their gradient buffers (a part of each
+    when the ranks split the optimizer) and buffers. The frozen weights' copy is the machine's, shared."""
+    shard = rank_shard(spec)
+    own = sum(aligned(b.numel() * b.element_size()) for b in model.buffers())
+    for param in hosted_trainables(model, spec, plan):
+        part = shard.part(param.numel()).numel if shard else param.numel()
+        own += aligned(param.numel() * param.element_size()) + aligned(max(1, part) * param.element_size())
+    if spec.lora is not None and spec.offload.enable_optimizer_cpu_offload:
+        own += 2 * lora  # the adapters and their gradients
+    return own
