@@ -70,10 +70,10 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     checkpointing switched off for that call so it does not checkpoint again; the checkpoint's own forward
     (under ``no_grad``) runs ``forward`` as given, the hooks having run around it already.
     """
-    layer = _layer_of(function)
-    if layer is None:  # a layer's __call__ (transformers <= 5.17) or any other function: hooks already inside
+    found = _layer_of(function)
+    if found is None:  # a layer's __call__ (transformers <= 5.17) or any other function: hooks already inside
         return checkpoint(function, *args, use_reentrant=True)
-    kwargs = function.keywords
+    layer, kwargs = found
 
     def run(*inputs: Any) -> Any:
         if not torch.is_grad_enabled():  # the checkpoint's forward
@@ -87,12 +87,13 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     return checkpoint(run, *args, use_reentrant=True)
 
 
-def _layer_of(function: Callable[..., Any]) -> nn.Module | None:
-    """The layer of ``partial(forward, layer, **kwargs)``, transformers' checkpointed ``forward``; else None."""
+def _layer_of(function: Callable[..., Any]) -> tuple[Any, dict[str, Any]] | None:
+    """The layer and keyword arguments of ``partial(forward, layer, **kwargs)``, transformers' checkpointed
+    ``forward``; else None."""
     if isinstance(function, functools.partial) and len(function.args) == 1:
         layer = function.args[0]
         if isinstance(layer, nn.Module) and getattr(layer, "gradient_checkpointing", False):
-            return layer
+            return layer, function.keywords
     return None
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from jobs.data.formats.preference import PreferenceBatches, PreferencePair, collate_pairs
 from jobs.distributed.group import RankGroup, current_group, leads
 from jobs.events import LogEvent, Report
-from jobs.spec.job import JobSpec
+from jobs.spec.job import JobSpec, TextDataSpec
 from jobs.train.preference import sequence_logps
 
 if TYPE_CHECKING:
@@ -69,7 +69,10 @@ def prepare_reference_logps(session: TrainingSession, spec: JobSpec, output_dir:
     """
     text = session.text
     assert text is not None and isinstance(text.train, PreferenceBatches)  # rules: dpo trains on preference data
-    sources = {"train": text.train, **({"eval": text.eval} if text.eval is not None else {})}
+    sources: dict[str, PreferenceBatches] = {"train": text.train}
+    if text.eval is not None:
+        assert isinstance(text.eval, PreferenceBatches)  # the eval split of preference data is pairs too
+        sources["eval"] = text.eval
     sizes = {name: len(source.pairs) for name, source in sources.items()}
     fingerprint = reference_fingerprint(spec, {name: source.pairs for name, source in sources.items()})
     file = cache_file(Path(output_dir) / CACHE_DIR, fingerprint)
@@ -156,13 +159,14 @@ def reference_pass(
 def reference_fingerprint(spec: JobSpec, pairs: dict[str, list[PreferencePair]]) -> dict[str, Any]:
     """What the reference log-probs depend on (see the module docstring), as plain JSON values."""
     model, data = spec.model, spec.data
+    assert isinstance(data, TextDataSpec)  # rules: dpo trains on preference text data
     path = getattr(model, "path", None)
     from_files = path is not None and getattr(model, "init", "checkpoint") == "checkpoint"
     return {
         "format": FORMAT,
         "model": model.model_dump(mode="json"),
         # Weights drawn from the seed (init: random, or a model without files) depend on it instead.
-        "weights": _files_identity(Path(path)) if from_files else f"seed {spec.training.seed}",
+        "weights": _files_identity(Path(path)) if path is not None and from_files else f"seed {spec.training.seed}",
         "mixed_precision": spec.training.mixed_precision,
         "tokenizer": data.tokenizer.model_dump(mode="json"),
         "chat_template": data.chat_template,

@@ -121,7 +121,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     raw_optimizer, optimizer, scheduler = _setup_optimizer(spec, model, accelerator, steps)
     # Data parallelism with optimizer offload: each rank steps its part of every weight (ZeRO-1).
     split = manager is not None and manager.optimizer_shard is not None
-    shards = OptimizerShards(manager, raw_optimizer) if split else None
+    shards = OptimizerShards(manager, raw_optimizer) if manager is not None and split else None
     start_step, extra = _resume(checkpoint, raw_optimizer, scheduler, shards)
     if manager is not None:
         _setup_optimizer_offload(spec, manager, raw_optimizer)

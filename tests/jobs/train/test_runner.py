@@ -367,7 +367,9 @@ def test_quantize_needs_lora(roots: PathRoots) -> None:
         spec_from(merged(TINY_LM, model={"quantize": "nf4"}), roots)
 
 
-def test_a_job_returns_its_pinned_memory_once_its_model_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_job_returns_its_pinned_memory_once_its_model_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Freed pinned tensors go to torch's host allocator cache, not to the system: a 50 GB arena stayed held by
     a process that ran the next job (a cache job's text encoder, then a DiT: the host ran out of memory). The
     job empties that cache at its end, after the session, with the model and its host copies, is gone."""
