@@ -34,7 +34,15 @@ POLL_S = 0.1  # how often the relay forwards a stop request and how long an even
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def run_ranks(spec: Any, *, output_dir: Path, report: Report, resume: bool, should_stop: StopPoll | None) -> Any:
+def run_ranks(
+    spec: Any,
+    *,
+    output_dir: Path,
+    report: Report,
+    resume: bool,
+    should_stop: StopPoll | None,
+    cache_dir: Path | str | None = None,
+) -> Any:
     """Train ``spec`` on ``spec.distributed.world_size`` ranks of this machine; returns rank 0's `JobOutcome`.
 
     Raises:
@@ -62,7 +70,8 @@ def run_ranks(spec: Any, *, output_dir: Path, report: Report, resume: bool, shou
     relay = _Relay(events, stop, report, should_stop)
     relay.start()
     try:
-        results = elastic_launch(config, rank_main)(spec, str(output_dir), resume, events, stop)
+        cache = str(cache_dir) if cache_dir is not None else None
+        results = elastic_launch(config, rank_main)(spec, str(output_dir), resume, events, stop, cache)
     except ChildFailedError as error:
         relay.finish()
         rank, failure = error.get_first_failure()
@@ -78,7 +87,7 @@ def run_ranks(spec: Any, *, output_dir: Path, report: Report, resume: bool, shou
 
 
 @record  # a rank's exception reaches the launcher's ChildFailedError (its message names the rank's error)
-def rank_main(spec: Any, output_dir: str, resume: bool, events: Any, stop: Any) -> Any:
+def rank_main(spec: Any, output_dir: str, resume: bool, events: Any, stop: Any, cache_dir: str | None = None) -> Any:
     """One rank: join the group, run the job, leave. Rank 0 alone reports (into ``events``)."""
     _die_with_launcher()
     group = join_group(spec.device)
@@ -93,6 +102,7 @@ def rank_main(spec: Any, output_dir: str, resume: bool, events: Any, stop: Any) 
             report=events.put if group.leads else _discard,
             resume=resume,
             should_stop=lambda: group.stop_request(lambda: codes[stop.value]),
+            cache_dir=cache_dir,
         )
     finally:
         leave_group()

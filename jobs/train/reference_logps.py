@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-CACHE_DIR = "cache"  # under the job's output directory
+CACHE_DIR = "cache"  # under the job's output directory, when the job is given no shared cache directory
 Tables = dict[str, torch.Tensor]  # "train" (and "eval"): [pairs, 2], chosen then rejected, float32
 
 
@@ -53,7 +53,9 @@ def needs_reference_pass(spec: JobSpec) -> bool:
     return spec.training.objective == "dpo" and spec.lora is None
 
 
-def prepare_reference_logps(session: TrainingSession, spec: JobSpec, output_dir: Path, report: Report) -> None:
+def prepare_reference_logps(
+    session: TrainingSession, spec: JobSpec, output_dir: Path, report: Report, *, cache_dir: Path | str | None = None
+) -> None:
     """Give the session's preference data (train, and eval if any) the initial model's log-probs: from the cache
     when this job's file is intact, else from a pass over the pairs, then written to the cache.
 
@@ -75,8 +77,10 @@ def prepare_reference_logps(session: TrainingSession, spec: JobSpec, output_dir:
         sources["eval"] = text.eval
     sizes = {name: len(source.pairs) for name, source in sources.items()}
     fingerprint = reference_fingerprint(spec, {name: source.pairs for name, source in sources.items()})
-    file = cache_file(Path(output_dir) / CACHE_DIR, fingerprint)
-    where, pairs = file.relative_to(output_dir), sum(sizes.values())
+    # A directory shared by jobs (the service's) lets a later job with the same inputs reuse the file: its name
+    # is the key of everything the values depend on.
+    file = cache_file(Path(cache_dir) if cache_dir is not None else Path(output_dir) / CACHE_DIR, fingerprint)
+    where, pairs = (file.relative_to(output_dir) if file.is_relative_to(output_dir) else file), sum(sizes.values())
     group = current_group()  # data parallelism: rank 0 reads and writes; the ranks share the pass and the tables
     tables, problem = read_tables(file, fingerprint, sizes) if leads() else (None, None)
     found = group.agree(tables is not None) if group is not None else tables is not None

@@ -92,6 +92,7 @@ def run_job(
     report: Report | None = None,
     resume: bool = True,
     should_stop: StopPoll | None = None,
+    cache_dir: Path | str | None = None,
 ) -> JobOutcome:
     """Train ``spec`` to the end, a pause or a cancel, checkpointing into ``output_dir/checkpoints``.
 
@@ -101,6 +102,8 @@ def run_job(
         report: Receives the typed events of jobs/events.py (started, step, checkpoint, ...).
         resume: Continue from the newest valid checkpoint in ``output_dir``.
         should_stop: Polled before every step; ``"pause"`` checkpoints and returns, ``"cancel"`` returns.
+        cache_dir: Where what later jobs with the same inputs reuse is kept (DPO's reference log-probs): the
+            service's one directory for all its jobs; None: ``output_dir/cache``, this job's own.
 
     Returns:
         The outcome. Errors propagate after a ``failed`` event; a CUDA out-of-memory error is re-raised
@@ -116,7 +119,9 @@ def run_job(
     if spec.distributed.world_size > 1 and current_group() is None:  # the launcher; each rank runs this again
         from jobs.distributed.launch import run_ranks
 
-        return run_ranks(spec, output_dir=output_dir, report=report, resume=resume, should_stop=should_stop)
+        return run_ranks(
+            spec, output_dir=output_dir, report=report, resume=resume, should_stop=should_stop, cache_dir=cache_dir
+        )
     resolved = spec.model_dump(mode="json")
     log.info("job %s: resolved spec %s", spec.name, json.dumps(resolved))
     session: TrainingSession | None = None
@@ -146,7 +151,7 @@ def run_job(
         if session.text is not None:
             report(LogEvent(level="info", message=session.text.summary))  # truncated and skipped examples
         if needs_reference_pass(spec):  # dpo on a full fine-tune: the initial model's log-probs, before step 1
-            prepare_reference_logps(session, spec, output_dir, report)
+            prepare_reference_logps(session, spec, output_dir, report, cache_dir=cache_dir)
         with setup_frozen_for_the_collector():  # no full collection walks the model in the middle of a step
             outcome = _train(session, spec, resolved, output_dir, report, should_stop)
         report(FinishedEvent(status=outcome.status, step=outcome.step))

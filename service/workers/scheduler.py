@@ -168,6 +168,7 @@ class Scheduler:
             cpu_threads=threads_for(slot, self.slots, os.cpu_count()),
             model_roots=self.settings.effective_model_roots,
             data_roots=self.settings.effective_data_roots,
+            cache_dir=self.settings.storage_dir / "cache",
         )
 
     def _forward_stop(self, run: Running) -> None:

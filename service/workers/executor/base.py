@@ -23,6 +23,7 @@ class LaunchRequest:
     cpu_threads: int | None = None  # torch threads for a CPU job; None = torch's default
     model_roots: list[Path] = field(default_factory=list)
     data_roots: list[Path] = field(default_factory=list)
+    cache_dir: Path | None = None  # what jobs with the same inputs share (DPO's reference log-probs)
 
 
 class RunHandle(Protocol):

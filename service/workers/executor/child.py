@@ -190,7 +190,14 @@ def _run(request: LaunchRequest, reporter: EventReporter, should_stop: Any) -> A
     roots = PathRoots(model_roots=request.model_roots, data_roots=request.data_roots)
     spec = load_job_spec(request.spec_text, roots=roots)
     request.output_dir.mkdir(parents=True, exist_ok=True)
-    return run_job(spec, output_dir=request.output_dir, report=reporter, resume=True, should_stop=should_stop)
+    return run_job(
+        spec,
+        output_dir=request.output_dir,
+        report=reporter,
+        resume=True,
+        should_stop=should_stop,
+        cache_dir=request.cache_dir,
+    )
 
 
 class EventReporter:

@@ -214,6 +214,23 @@ def test_full_dpo_reuses_the_cache_in_a_later_job(tiny: Path, tmp_path: Path, mo
     assert steps_of(later)[0]["loss"] == LN2 and steps_of(first)[0]["loss"] == LN2
 
 
+def test_full_dpo_reuses_a_shared_cache_across_jobs(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service gives every job its own output directory and one cache directory for all: a second job with
+    the same inputs, in another output directory, reads the first one's file."""
+    shared = tmp_path / "cache"
+    run(full_dpo(training={"steps": 1}), tiny, tmp_path / "job-1", cache_dir=shared)
+    [file] = sorted(shared.iterdir())
+    assert not (tmp_path / "job-1" / "cache").exists()
+    passes: list[int] = []
+    counted = reference_logps.reference_pass
+    monkeypatch.setattr(reference_logps, "reference_pass", lambda *a, **k: passes.append(1) or counted(*a, **k))
+    later = run(full_dpo(training={"steps": 1, "learning_rate": 5e-4}), tiny, tmp_path / "job-2", cache_dir=shared)
+    assert passes == [] and sorted(shared.iterdir()) == [file]
+    assert logs(later) == [f"reference log-probs: reused {file} (16 pairs; same model, data and settings)"]
+
+
 def test_full_dpo_recomputes_when_the_data_changes(tiny: Path, tmp_path: Path) -> None:
     (tmp_path / "models").symlink_to(tiny / "models")  # the tiny model; the data of this test's own
     records = [pair_record(i) for i in range(16)]

@@ -163,3 +163,15 @@ def test_shutdown_pauses_running_jobs_back_into_the_queue_without_using_a_retry(
     scheduler._shutdown_running()
     job = store.get_job("a")
     assert handle.stops == ["pause"] and (job.status, job.retries) == (JobStatus.QUEUED, 0)
+
+
+def test_every_job_is_given_the_services_one_cache_directory(store: JobStore, tmp_path: Path) -> None:
+    """What a later job with the same inputs reuses (DPO's reference log-probs) lives beside all jobs, not in one
+    job's output directory, where no other job would find it."""
+    scheduler, executor = make(store, tmp_path, [Slot("gpu0", "0"), Slot("gpu1", "1")])
+    add(store, "a")
+    add(store, "b")
+    scheduler.tick()
+    requests = [handle.request for handle in executor.launched]
+    assert [r.cache_dir for r in requests] == [tmp_path / "cache", tmp_path / "cache"]
+    assert requests[0].output_dir != requests[1].output_dir
