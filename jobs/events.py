@@ -176,7 +176,10 @@ class EvalEvent(JobEvent):
     type: Literal["eval"] = "eval"
     step: int
     eval_loss: float
-    perplexity: float | None = None
+    perplexity: float | None = Field(None, description="exp(eval_loss) of a token-weighted loss; null for dpo/orpo")
+    preference: PreferenceMetrics | None = Field(
+        None, description="training.objective dpo/orpo: the eval pairs' means; null for sft"
+    )
     metrics: dict[str, float] = Field(default_factory=dict, description="further named figures, e.g. accuracy")
 
 

@@ -1,4 +1,7 @@
-"""Evaluation on held-out data: a token-weighted eval loss and its perplexity, and early stopping."""
+"""Evaluation on held-out data: a token-weighted eval loss and its perplexity, and early stopping.
+
+A preference job (``training.objective: dpo | orpo``) evaluates its pairs instead (jobs/evaluate/pairs.py).
+"""
 
 from __future__ import annotations
 
@@ -16,12 +19,18 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class EvalResult:
-    """One evaluation: the mean loss over every labelled token of the batches seen, and exp of it."""
+    """One evaluation: the mean loss over every labelled token of the batches seen, and exp of it.
+
+    A preference job's loss is the mean over pairs instead; it has no perplexity, and ``preference`` holds the
+    reward metrics of ``jobs.train.preference.METRICS`` (means over the pairs) and ``pairs`` their number.
+    """
 
     loss: float
-    perplexity: float
+    perplexity: float | None
     tokens: int
     batches: int
+    pairs: int | None = None
+    preference: dict[str, float] | None = None
 
 
 def evaluate(

@@ -78,6 +78,9 @@ class Tracking:
             scalars = {"eval/loss": event.eval_loss}
             if event.perplexity is not None:
                 scalars["eval/perplexity"] = event.perplexity
+            if event.preference is not None:  # eval/rewards/chosen, eval/logps/rejected, ... as for training
+                for name, value in event.preference.model_dump().items():
+                    scalars["eval/" + name.replace("_", "/", 1)] = value
         for writer in self.writers:
             if scalars and isinstance(event, StepEvent | EvalEvent):
                 writer.scalars(scalars, event.step)

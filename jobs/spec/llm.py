@@ -48,8 +48,8 @@ class EarlyStoppingSpec(Section):
 
 
 class EvalSpec(Section):
-    """Held-out evaluation: eval loss and perplexity before the first step, every ``every_steps`` steps and at
-    the end.
+    """Held-out evaluation: eval loss and perplexity (dpo/orpo: the pairs' loss and reward metrics) before the
+    first step, every ``every_steps`` steps and at the end.
 
     Give ``split`` (a fraction of the training records held out, chosen by the seed) or ``path`` (records
     of the same format in their own file or directory), not both.

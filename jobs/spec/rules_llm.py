@@ -111,8 +111,6 @@ def _check_preference_setup(spec: JobSpec) -> list[Problem]:
         problems.append(
             (field, "dpo takes the reference from the base with plain LoRA adapters off; remove it for dpo")
         )
-    if spec.eval is not None:
-        problems.append(("eval", f"is not supported with training.objective: {objective} yet; remove the section"))
     if spec.data.kind == "text" and spec.data.packing == "packed":
         problems.append(("data.packing", "preference pairs are batched as padded pairs; use packing: auto"))
     return problems

@@ -6,8 +6,10 @@ import logging
 from typing import Any
 
 from jobs.evaluate.held_out import EvalHistory, evaluate
-from jobs.events import EvalEvent, LogEvent, Report, SampleEvent
+from jobs.evaluate.pairs import evaluate_pairs
+from jobs.events import EvalEvent, LogEvent, PreferenceMetrics, Report, SampleEvent
 from jobs.spec.job import JobSpec
+from jobs.train.preference import PreferenceLoss
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,9 @@ class EvalAndSamples:
             return self.history.last_loss
         session = self.session
         assert self.spec.eval is not None and self.eval_source is not None  # set up only with an eval section
-        result = evaluate(
+        # dpo/orpo: the mean loss over the pairs and their rewards; sft: the token-weighted loss and perplexity
+        run = evaluate_pairs if isinstance(session.loss_fn, PreferenceLoss) else evaluate
+        result = run(
             session.forward_model,
             session.loss_fn,
             self.eval_source,
@@ -86,7 +90,14 @@ class EvalAndSamples:
         )
         best = self.history.record(step, result)
         metrics = {"tokens": float(result.tokens), "batches": float(result.batches), "best": float(best)}
-        self.report(EvalEvent(step=step, eval_loss=result.loss, perplexity=result.perplexity, metrics=metrics))
+        if result.pairs is not None:
+            metrics["pairs"] = float(result.pairs)
+        preference = PreferenceMetrics(**result.preference) if result.preference is not None else None
+        self.report(
+            EvalEvent(
+                step=step, eval_loss=result.loss, perplexity=result.perplexity, preference=preference, metrics=metrics
+            )
+        )
         return result.loss
 
     def sample(self, step: int) -> None:

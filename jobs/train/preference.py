@@ -16,6 +16,8 @@ averaged for ORPO's odds ratio.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -159,11 +161,29 @@ class PreferenceLoss:
     def take_metrics(self) -> dict[str, float]:
         """The metrics averaged over the micro-batches since the last call; call it after the step's backward."""
         self._mask = None  # the step is over: later forwards (samples) run the policy alone
-        if not self._batches:
+        sums, batches = self.take_sums()
+        if not batches:
             return {}
-        stacked = torch.stack([self._sums[name] for name in METRICS]) / self._batches
-        self._sums, self._batches = {}, 0
+        stacked = torch.stack([sums[name] for name in METRICS]) / batches
         return dict(zip(METRICS, stacked.tolist(), strict=True))  # CPU-GPU sync point: once per step
+
+    def take_sums(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The metrics summed over the micro-batches since the last take (device tensors, no sync), and how
+        many micro-batches that was."""
+        sums, batches = self._sums, self._batches
+        self._sums, self._batches = {}, 0
+        return sums, batches
+
+    @contextmanager
+    def kept_apart(self) -> Iterator[None]:
+        """Forwards inside (an evaluation) record their metrics apart from the training step's: on leaving, the
+        step's sums, micro-batch count and reference-row mask are as they were on entering."""
+        saved = self._sums, self._batches, self._mask
+        self._sums, self._batches = {}, 0
+        try:
+            yield
+        finally:
+            self._sums, self._batches, self._mask = saved
 
     def remove(self) -> None:
         """Take the adapter hooks off the model."""

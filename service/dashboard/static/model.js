@@ -87,7 +87,8 @@ export function jobsPage(body) {
  * @param {EvalPoint} point
  */
 export function evalPoint(point) {
-  return { step: point.step, evalLoss: point.eval_loss, perplexity: point.perplexity ?? null };
+  return { step: point.step, evalLoss: point.eval_loss, perplexity: point.perplexity ?? null,
+    rewardAccuracy: point.preference?.rewards_accuracies ?? null };  // dpo/orpo: no perplexity, a reward accuracy
 }
 
 /**

@@ -14,13 +14,13 @@ import torch
 import yaml
 
 from jobs import PathRoots, load_job_spec, run_job
-from jobs.data.formats.preference import collate_pairs, preference_pair
+from jobs.data.formats.preference import PreferenceBatches, collate_pairs, preference_pair
 from jobs.data.tokenizers import HFTokenizer
 from jobs.errors import JobSpecError
 from jobs.events import event_to_wire
 from jobs.models.transformer_lm import lm_loss
 from jobs.spec.llm import DPOSpec, ORPOSpec
-from jobs.train.preference import PreferenceLoss
+from jobs.train.preference import METRICS, PreferenceLoss, completion_logps, dpo_losses, forward_logits
 from tests.jobs.llm_helpers import llm_spec, save_bpe_tokenizer, save_llama, write_jsonl
 
 FACTS = [  # (question, right, wrong): a small real-facts preference set
@@ -278,7 +278,6 @@ def test_orpo_trains_a_full_fine_tune(tiny: Path, tmp_path: Path) -> None:
         ({"lora": None, "model": {"quantize": "nf4"}}, "model.quantize", "(QLoRA); add a lora section"),
         ({"data": {"format": "chat"}}, "training.objective", "dpo trains on preference pairs"),
         ({"training": {"objective": "sft"}}, "data.format", "train with training.objective: dpo or orpo"),
-        ({"eval": {"split": 0.25}}, "eval", "is not supported with training.objective: dpo"),
     ],
 )
 def test_submit_refuses_what_preference_tuning_cannot_do(
@@ -317,3 +316,102 @@ def test_the_fit_estimate_counts_the_rows_a_preference_step_runs(tiny: Path) -> 
     assert activations(pref_spec("orpo", training={"batch_size": 8})) == sixteen_rows  # no reference rows
     assert activations(pref_spec("dpo", lora=None, training={"batch_size": 8})) == sixteen_rows  # cached reference
     assert activations(llm_spec(training={"batch_size": 4}))[0] < sixteen_rows[0]
+
+
+def evals_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == "eval"]
+
+
+def test_submit_accepts_eval_with_a_preference_objective(tiny: Path) -> None:
+    for objective in ("dpo", "orpo"):
+        spec = load_job_spec(yaml.safe_dump(pref_spec(objective, eval={"split": 0.25})), roots(tiny))
+        assert spec.eval is not None and spec.training.objective == objective
+
+
+def test_a_lora_dpo_job_evaluates_its_pairs_into_events_and_tensorboard(tiny: Path, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = pref_spec(eval={"split": 0.25, "every_steps": 2}, lora={"rank": 8, "alpha": 16})
+    evals = evals_of(run(data, tiny, tmp_path / "out"))
+    assert [e["step"] for e in evals] == [0, 2, 4]  # step 0: the base model, before any training
+    assert all(e["perplexity"] is None and set(e["preference"]) == set(METRICS) for e in evals)
+    assert all(e["metrics"]["pairs"] == 4.0 and e["metrics"]["tokens"] > 0 for e in evals)  # 16 pairs, 1/4 held out
+    assert evals[0]["eval_loss"] == pytest.approx(math.log(2)) and evals[0]["preference"]["rewards_margins"] == 0.0
+    assert evals[-1]["preference"]["rewards_margins"] != 0.0  # the adapters have moved the policy off the base
+    accumulator = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    accumulator.Reload()
+    tags = {"eval/loss", "eval/rewards/chosen", "eval/rewards/accuracies", "eval/logps/rejected"}
+    assert tags <= set(accumulator.Tags()["scalars"]) and "eval/perplexity" not in accumulator.Tags()["scalars"]
+    margins = [(e.step, e.value) for e in accumulator.Scalars("eval/rewards/margins")]
+    assert margins == [(e["step"], pytest.approx(e["preference"]["rewards_margins"])) for e in evals]
+
+
+def test_evaluation_leaves_the_training_steps_metrics_alone(tiny: Path, tmp_path: Path) -> None:
+    write_jsonl(tiny / "data" / "held.jsonl", [pair_record(i) for i in range(3, 9)])
+    plain = pref_spec()
+    evaluated = pref_spec(eval={"path": "held.jsonl", "every_steps": 1})
+    without = run(plain, tiny, tmp_path / "without")
+    with_eval = run(evaluated, tiny, tmp_path / "with")
+    assert [e["step"] for e in evals_of(with_eval)] == [0, 1, 2, 3, 4]
+    assert [(s["loss"], s["preference"]) for s in steps_of(with_eval)] == [
+        (s["loss"], s["preference"]) for s in steps_of(without)
+    ]
+
+
+def test_evaluate_pairs_equals_dpo_by_hand_and_restores_the_step_state(tiny: Path) -> None:
+    """The eval loss and rewards of the pairs, with the model in eval mode and without gradient; the training
+    step's sums, micro-batch count and reference-row mask in the loss are as they were before."""
+    from accelerate import Accelerator
+
+    from jobs.evaluate.pairs import evaluate_pairs
+
+    tokenizer, train_batch = tiny_batch(tiny)
+    _, model = lora_model(tiny, zero_b=False)
+    dpo = PreferenceLoss(SimpleNamespace(objective="dpo", dpo=DPOSpec(beta=0.5), orpo=ORPOSpec()), model)
+    dpo(model, train_batch)  # a training micro-batch whose metrics the step has not taken yet
+    sums, batches, mask = dict(dpo._sums), dpo._batches, dpo._mask
+    source = PreferenceBatches([preference_pair(pair_record(i), tokenizer) for i in range(4, 10)], 3, 0, 0)
+    source.pad_id = tokenizer.pad_id
+    result = evaluate_pairs(
+        model, dpo, source, max_batches=None, device=torch.device("cpu"), accelerator=Accelerator(cpu=True)
+    )
+    assert model.training and dpo._mask is mask and dpo._batches == batches == 1
+    assert dpo._sums.keys() == sums.keys() and all(torch.equal(dpo._sums[k], sums[k]) for k in sums)
+    dpo.remove()
+
+    model.eval()
+    by_hand: dict[str, list[torch.Tensor]] = defaultdict(list)
+    with torch.no_grad():
+        for index in range(2):
+            batch = source.in_order(index)
+            policy, counts = completion_logps(forward_logits(model, batch), batch["labels"])
+            with model.disable_adapter():
+                reference, _ = completion_logps(forward_logits(model, batch), batch["labels"])
+            chosen, rejected, ref_chosen, ref_rejected = policy[:3], policy[3:], reference[:3], reference[3:]
+            losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, (counts[:3], counts[3:]), dpo.dpo)
+            rewards = (0.5 * (chosen - ref_chosen), 0.5 * (rejected - ref_rejected))
+            by_hand["loss"].append(losses)
+            by_hand["rewards_chosen"].append(rewards[0])
+            by_hand["rewards_rejected"].append(rewards[1])
+            by_hand["rewards_accuracies"].append((rewards[0] > rewards[1]).float())
+            by_hand["rewards_margins"].append(rewards[0] - rewards[1])
+            by_hand["logps_chosen"].append(chosen)
+            by_hand["logps_rejected"].append(rejected)
+    expected = {name: torch.cat(values).mean().item() for name, values in by_hand.items()}
+    assert result.pairs == 6 and result.batches == 2 and result.perplexity is None
+    assert result.loss == pytest.approx(expected.pop("loss"), abs=1e-6)
+    assert result.preference == pytest.approx(expected, abs=1e-5)
+    assert expected["rewards_margins"] != 0.0  # non-zero adapters: the policy is not the reference
+
+
+def test_orpo_evaluates_its_pairs(tiny: Path, tmp_path: Path) -> None:
+    evals = evals_of(run(pref_spec("orpo", eval={"split": 0.25, "every_steps": 2}), tiny, tmp_path / "out"))
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    for event in evals:
+        figures = event["preference"]
+        assert event["perplexity"] is None and math.isfinite(event["eval_loss"]) and event["eval_loss"] > 0
+        assert figures["rewards_margins"] == pytest.approx(
+            figures["rewards_chosen"] - figures["rewards_rejected"], abs=1e-6
+        )
+        assert figures["logps_chosen"] < 0 and figures["logps_rejected"] < 0
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # it learns the held-out facts' shape

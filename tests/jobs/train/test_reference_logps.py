@@ -306,3 +306,20 @@ def test_full_dpo_on_two_ranks_shares_the_pass_and_trains_what_one_rank_trains(t
     [file], [union] = cache_files(tmp_path / "two"), cache_files(tmp_path / "one")
     assert file.name == union.name  # the same inputs: the batch size is not one of them
     torch.testing.assert_close(load_file(str(file)), load_file(str(union)), rtol=0, atol=1e-5)
+
+
+def test_full_dpo_evaluates_with_the_eval_pairs_cached_reference(tiny: Path, tmp_path: Path) -> None:
+    """The eval pairs' reference log-probs come from the pass before training: at step 0 the policy is the
+    reference, so the eval loss is ln 2 and every reward 0; a later job reads them from the cache."""
+    data = full_dpo(eval={"split": 0.25, "every_steps": 3})
+    first = run(data, tiny, tmp_path / "first")
+    evals = [e for e in first if e["type"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 3]
+    assert evals[0]["eval_loss"] == pytest.approx(LN2, abs=1e-6) and evals[0]["metrics"]["pairs"] == 4.0
+    assert evals[0]["preference"]["rewards_chosen"] == pytest.approx(0.0, abs=1e-5)
+    assert evals[0]["preference"]["rewards_margins"] == pytest.approx(0.0, abs=1e-5)
+    assert evals[1]["preference"]["rewards_margins"] != pytest.approx(0.0, abs=1e-5)  # it trained
+    shutil.copytree(tmp_path / "first" / "cache", tmp_path / "second" / "cache")
+    second = run(data, tiny, tmp_path / "second")
+    assert any(message.startswith("reference log-probs: reused") for message in logs(second))
+    assert [e for e in second if e["type"] == "eval"] == evals

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from jobs.events import PreferenceMetrics
 from service.api.schemas import EvalPoint, MergedPublic, MetricsPublic, SamplePoint, SamplesPublic
 from service.dashboard.mount import STATIC_DIR
 
@@ -32,17 +33,33 @@ def read_with(expression: str, **answers: Any) -> Any:
     return json.loads(done.stdout)
 
 
+DPO_FIGURES = PreferenceMetrics(
+    rewards_chosen=0.2,
+    rewards_rejected=-0.1,
+    rewards_accuracies=0.75,
+    rewards_margins=0.3,
+    logps_chosen=-5.0,
+    logps_rejected=-7.0,
+)
+
+
 def test_a_metrics_page_gives_its_evaluations_and_cursor() -> None:
     page = MetricsPublic(
         data=[],
-        eval=[EvalPoint(step=4, eval_loss=1.5, perplexity=4.48, event_id=9, time=1.0)],
+        eval=[
+            EvalPoint(step=4, eval_loss=1.5, perplexity=4.48, event_id=9, time=1.0),
+            EvalPoint(step=6, eval_loss=0.6, preference=DPO_FIGURES, event_id=11, time=2.0),  # dpo: no perplexity
+        ],
         next_cursor=9,
         has_more=True,
     )
     read = read_with("m.metricsPage(a.page)", page=page.model_dump(mode="json"))
     assert read == {
         "rows": [],
-        "evals": [{"step": 4, "evalLoss": 1.5, "perplexity": 4.48}],
+        "evals": [
+            {"step": 4, "evalLoss": 1.5, "perplexity": 4.48, "rewardAccuracy": None},
+            {"step": 6, "evalLoss": 0.6, "perplexity": None, "rewardAccuracy": 0.75},
+        ],
         "nextCursor": 9,
         "hasMore": True,
     }

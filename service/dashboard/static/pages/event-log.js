@@ -78,7 +78,8 @@ function describeCheckpoint(e) {
 
 /** @param {EvalEvent} e */
 function describeEval(e) {
-  return `eval at step ${e.step} · loss ${num(e.eval_loss)}` + (e.perplexity != null ? ` · ppl ${num(e.perplexity, 3)}` : "");
+  return `eval at step ${e.step} · loss ${num(e.eval_loss)}` + (e.perplexity != null ? ` · ppl ${num(e.perplexity, 3)}` : "")
+    + (e.preference != null ? ` · reward accuracy ${num(e.preference.rewards_accuracies, 3)}` : "");
 }
 
 /** @param {SampleEvent} e */

@@ -76,5 +76,7 @@ function sampleBody(text) {
 
 /** The last evaluation in a line (an `evalPoint`). */
 export function evalStat(point) {
-  return point ? `${num(point.evalLoss)} (ppl ${num(point.perplexity, 3)})` : null;
+  if (!point) return null;
+  const other = point.perplexity != null ? `ppl ${num(point.perplexity, 3)}` : `reward accuracy ${num(point.rewardAccuracy, 3)}`;
+  return `${num(point.evalLoss)} (${other})`;
 }
