@@ -36,23 +36,11 @@ def chunk_tokens(vocab: int) -> int:
 def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The next-token loss of ``batch`` computed chunk by chunk; None when ``model`` is not one it can split
     (the caller then asks the model for its own loss) or the logits are small enough to make at once."""
-    parts = _decoder_and_head(model)
-    labels = batch["labels"]
-    if parts is None:
+    chunked = _chunked_nll(model, batch, batch["labels"])
+    if chunked is None:
         return None
-    decoder, head, vocab = parts
-    if labels.numel() * vocab * 4 <= CHUNK_ABOVE_BYTES:
-        return None
-    extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
-    hidden = decoder(input_ids=batch["input_ids"], **extra).last_hidden_state
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1
-    counted = (targets != IGNORE_INDEX).sum()
-    step = chunk_tokens(vocab)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[1], step):
-        end = min(start + step, hidden.shape[1])
-        total = total + checkpoint(_chunk_loss, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
-    return total / counted.clamp(min=1)
+    nll, counted = chunked
+    return nll.sum() / counted.sum().clamp(min=1)
 
 
 def chunked_completion_logps(
@@ -62,6 +50,15 @@ def chunked_completion_logps(
     chunk as `chunked_lm_loss` computes the loss (a preference objective's log-probs: DPO doubles the batch
     with its reference rows, so 4096 tokens a step are 8192 rows' worth of logits, 5 GB of float32 at a
     152064-token vocabulary). None when ``model`` cannot be split or the logits are small enough."""
+    chunked = _chunked_nll(model, batch, labels)
+    return None if chunked is None else (-chunked[0], chunked[1])
+
+
+def _chunked_nll(
+    model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row: the negative log-likelihood summed over ``labels``' counted tokens (float32) and their count,
+    the head and its cross-entropy run a checkpointed chunk of positions at a time; None as above."""
     parts = _decoder_and_head(model)
     if parts is None:
         return None
@@ -75,23 +72,16 @@ def chunked_completion_logps(
     total = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
     for start in range(0, hidden.shape[1], step):
         end = min(start + step, hidden.shape[1])
-        total = total + checkpoint(_chunk_logps, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
+        total = total + checkpoint(_chunk_nll, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
     return total, (targets != IGNORE_INDEX).sum(-1)
 
 
-def _chunk_logps(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
+def _chunk_nll(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # as transformers' loss: float32 logits
     nll = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     )
-    return -nll.view(targets.shape).sum(-1)  # an ignored position contributes 0
-
-
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()  # as transformers' loss: float32 logits
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    return nll.view(targets.shape).sum(-1)  # an ignored position contributes 0
 
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, int] | None:
