@@ -191,7 +191,8 @@ class MetricPoint(StepEvent):
 
 
 class EvalPoint(EvalEvent):
-    """One ``eval`` event: eval loss and perplexity at a step, with its event id and time stored."""
+    """One ``eval`` event at a step, with its event id and time stored: the eval loss, and its perplexity (SFT) or the
+    preference reward figures (dpo, orpo)."""
 
     event_id: int
     time: float
