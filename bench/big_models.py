@@ -10,6 +10,9 @@
     python bench/big_models.py long32k --out big    # 32B bf16 LoRA at 32768 tokens under 24GiB with activation
                                                     # offload, beside the resident 32k step and the 4096 one
     python bench/big_models.py headline --cpu --scale 0.02 --out big   # the same path, tiny, anywhere
+    python bench/big_models.py headline --out big --budget 8GiB --prefetch 2   # the 32B gap's candidates: units
+                                                    # kept on the device, a third ring slot (copy floor counts
+                                                    # the bytes still streamed)
 
 Each figure sits beside its floor measured in the same run: the pinned host->device copy rate (GB/s) gives
 the copy floor 2 x weight bytes / H2D; the disk's own read rate (``dd iflag=direct``); a CPU AdamW step.
@@ -118,6 +121,10 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
     tokens = 4096 if args.scale >= 1 else 64
     spec = lora_spec("qwen32b-shape-lora", "qwen2.5-32b-shape", args.limit or "24GiB", args.steps, tokens,
                      "random", "cpu" if args.cpu else "cuda")  # fmt: skip
+    if args.budget:
+        spec["offload"]["gpu_memory_budget"] = args.budget
+    if args.prefetch is not None:
+        spec["offload"]["prefetch"] = args.prefetch
     text = yaml.safe_dump(spec, sort_keys=False)
     server, url = start_server(root, "bench-token", {})
     try:
@@ -139,6 +146,10 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
         "weight_bytes": weights,
         "h2d_gbps": h2d,
         "copy_floor_s": 2 * weights / (h2d * 1e9) if h2d == h2d else None,
+        # What is still streamed once gpu_memory_budget keeps units on the device: each pass copies the rest.
+        "streamed_floor_s": 2 * (weights - (offload.get("kept_resident_bytes") or 0)) / (h2d * 1e9)
+        if h2d == h2d
+        else None,
         "h2d_per_step_floor_s": (offload.get("last_step_h2d_bytes") or 0) / (h2d * 1e9) if h2d == h2d else None,
     }
     return record
@@ -149,12 +160,16 @@ def headline_markdown(r: dict[str, Any]) -> str:
     step, floor = job.get("median_step_s"), r.get("copy_floor_s")
     offload = job.get("offload") or {}
     ratio = f"{step / floor:.2f} x" if step and floor else "—"
+    streamed_floor = r.get("streamed_floor_s")
+    streamed = f"{step / streamed_floor:.2f} x" if step and streamed_floor else "—"
     rows = [
         "| figure | value | against |",
         "|---|---|---|",
         f"| status | {job['status']} ({job['steps']} steps) | `succeeded` |",
         f"| median step (s) | {_f(step, '.3f')} | copy floor 2 x {r['weight_bytes'] / 1e9:.1f} GB / {r['h2d_gbps']:.1f} "
         f"GB/s = {_f(floor, '.3f')} s: **{ratio}** (target <= 1.10 x) |",
+        f"| kept on the device (GiB) | {(offload.get('kept_resident_bytes') or 0) / GIB:.2f} | copy floor of the rest "
+        f"{_f(r.get('streamed_floor_s'), '.3f')} s: {streamed} |",
         f"| peak GPU allocated (GiB) | {job['device_peak_gib']:.2f} | limit 24 GiB |",
         f"| pinned host (GiB) | {job['pinned_gib']:.2f} | weights {r['weight_bytes'] / GIB:.2f} GiB |",
         f"| POST -> first step (s) | {_f(job.get('post_to_first_step_s'), '.1f')} | load {_f(load.get('seconds'), '.1f')} s "
@@ -548,6 +563,8 @@ def main() -> None:
         help="gpu_memory_limit (default: 24GiB for headline, qlora70b and long32k, 16GiB for disk14b and full3b)",
     )
     parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--budget", help="headline: offload.gpu_memory_budget (units kept on the device)")
+    parser.add_argument("--prefetch", type=int, help="headline: offload.prefetch (ring slots = prefetch + 1)")
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
     args = parser.parse_args()
@@ -561,7 +578,9 @@ def main() -> None:
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC — {device} — torch {torch.__version__} — "
         f"commit {commit()}\n\nReproduce: `python bench/big_models.py {args.run} --out {args.out.name}"
         f"{' --cpu' if args.cpu else ''}{f' --scale {args.scale:g}' if args.scale != 1.0 else ''}"
-        f"{f' --steps {args.steps}' if args.steps != 5 else ''}{f' --limit {args.limit}' if args.limit else ''}`\n\n"
+        f"{f' --steps {args.steps}' if args.steps != 5 else ''}{f' --limit {args.limit}' if args.limit else ''}"
+        f"{f' --budget {args.budget}' if args.budget else ''}"
+        f"{f' --prefetch {args.prefetch}' if args.prefetch is not None else ''}`\n\n"
     )
     text = header + markdown(record)
     print(text, flush=True)
