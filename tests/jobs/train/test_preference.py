@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from torch import nn
 
 from jobs import PathRoots, load_job_spec, run_job
 from jobs.data.formats.preference import PreferenceBatches, collate_pairs, preference_pair
@@ -121,28 +122,8 @@ def test_dpo_loss_rewards_and_gradients_equal_trls(tiny: Path) -> None:
     ours.remove()
     model.zero_grad()
 
-    trainer = SimpleNamespace(  # the attributes DPOTrainer._compute_loss reads, set as DPOConfig would
-        model=model,
-        ref_model=None,
-        accelerator=Accelerator(cpu=True),
-        beta=0.1,
-        loss_types=["sigmoid"],
-        loss_weights=[1.0],
-        f_divergence_type="reverse_kl",
-        ld_alpha=None,
-        precompute_ref_logps=False,
-        aux_loss_enabled=False,
-        use_weighting=False,
-        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
-        _metrics={"train": defaultdict(list)},
-        _total_train_tokens=0,
-        _tp_size=1,
-    )
-    inputs = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        "completion_mask": (batch["labels"] != -100).long(),
-    }
+    trainer = trl_dpo_trainer(model, None, Accelerator(cpu=True))
+    inputs = trl_dpo_inputs(batch)
     reference = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
     reference.backward()
     assert loss.item() == pytest.approx(reference.item(), abs=1e-5) and reference.item() != pytest.approx(math.log(2))
@@ -151,6 +132,37 @@ def test_dpo_loss_rewards_and_gradients_equal_trls(tiny: Path) -> None:
         assert value == pytest.approx(logged[name.replace("_", "/", 1)], abs=1e-5), name
     for name, grad in trainable_grads(model).items():
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def trl_dpo_trainer(model: nn.Module, ref_model: nn.Module | None, accelerator: Any) -> SimpleNamespace:
+    """The attributes TRL's ``DPOTrainer`` methods read, set as ``DPOConfig(beta=0.1)`` would (sigmoid loss);
+    with a ``ref_model``, as ``precompute_ref_log_probs=True`` would."""
+    return SimpleNamespace(
+        model=model,
+        ref_model=ref_model,
+        accelerator=accelerator,
+        beta=0.1,
+        loss_types=["sigmoid"],
+        loss_weights=[1.0],
+        f_divergence_type="reverse_kl",
+        ld_alpha=None,
+        precompute_ref_logps=ref_model is not None,
+        aux_loss_enabled=False,
+        use_weighting=False,
+        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+
+
+def trl_dpo_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Ferry preference batch as ``DPOTrainer`` takes it: the completion tokens are the labelled ones."""
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "completion_mask": (batch["labels"] != -100).long(),
+    }
 
 
 def test_orpo_loss_equals_trls_odds_ratio_loss(tiny: Path) -> None:

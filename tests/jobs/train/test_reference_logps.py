@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +25,16 @@ from jobs.train.preference import PreferenceLoss
 from jobs.train.reference_logps import reference_pass
 from tests.jobs.helpers import assert_same_weights, final_weights
 from tests.jobs.llm_helpers import save_bpe_tokenizer, save_llama, write_jsonl
-from tests.jobs.train.test_preference import pair_record, pref_spec, roots, run, steps_of, trainable_grads
+from tests.jobs.train.test_preference import (
+    pair_record,
+    pref_spec,
+    roots,
+    run,
+    steps_of,
+    trainable_grads,
+    trl_dpo_inputs,
+    trl_dpo_trainer,
+)
 
 LN2 = torch.tensor(math.log(2)).item()  # ln 2 in float32, as the loss is computed
 
@@ -100,28 +108,8 @@ def test_full_dpo_loss_rewards_and_gradients_equal_trls_with_precomputed_referen
 
     for model in (reference, policy):
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    trainer = SimpleNamespace(  # the attributes DPOTrainer reads, set as DPOConfig(precompute_ref_log_probs=True)
-        model=policy,
-        ref_model=reference,
-        accelerator=accelerator,
-        beta=0.1,
-        loss_types=["sigmoid"],
-        loss_weights=[1.0],
-        f_divergence_type="reverse_kl",
-        ld_alpha=None,
-        precompute_ref_logps=True,
-        aux_loss_enabled=False,
-        use_weighting=False,
-        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
-        _metrics={"train": defaultdict(list)},
-        _total_train_tokens=0,
-        _tp_size=1,
-    )
-    inputs = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        "completion_mask": (batch["labels"] != -100).long(),
-    }
+    trainer = trl_dpo_trainer(policy, reference, accelerator)
+    inputs = trl_dpo_inputs(batch)
     ref_chosen, ref_rejected = DPOTrainer.compute_ref_log_probs(trainer, reference, inputs)
     torch.testing.assert_close(batch["reference_logps"], torch.cat([ref_chosen, ref_rejected]), atol=1e-5, rtol=0)
     expected = DPOTrainer._compute_loss(
