@@ -270,6 +270,24 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
+def files_identity(path: Path, *, modification_times: bool = False) -> str:
+    """SHA-256 over a model folder's files (or one file): a config file's (``.json``) name and bytes, any other
+    file's name and size, and with ``modification_times`` its modification time too. Not the weights' bytes:
+    hashing tens of GB per job would take minutes. A file written again with the same size (a fine-tune saved
+    over the same path) changes only its modification time."""
+    digest = hashlib.sha256()
+    for file in sorted(path.glob("*")) if path.is_dir() else [path]:
+        if not file.is_file():
+            continue
+        if file.suffix == ".json":
+            digest.update(file.name.encode() + file.read_bytes())
+        else:
+            stat = file.stat()
+            stamp = f":{stat.st_mtime_ns}" if modification_times else ""
+            digest.update(f"{file.name}:{stat.st_size}{stamp}".encode())
+    return digest.hexdigest()
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from jobs.checkpoints.directory import files_identity
 from jobs.data.formats.preference import PreferenceBatches, PreferencePair, collate_pairs
 from jobs.distributed.group import RankGroup, current_group, leads
 from jobs.events import LogEvent, Report
@@ -170,7 +171,9 @@ def reference_fingerprint(spec: JobSpec, pairs: dict[str, list[PreferencePair]])
         "format": FORMAT,
         "model": model.model_dump(mode="json"),
         # Weights drawn from the seed (init: random, or a model without files) depend on it instead.
-        "weights": _files_identity(Path(path)) if path is not None and from_files else f"seed {spec.training.seed}",
+        "weights": files_identity(Path(path), modification_times=True)
+        if path is not None and from_files
+        else f"seed {spec.training.seed}",
         "mixed_precision": spec.training.mixed_precision,
         "tokenizer": data.tokenizer.model_dump(mode="json"),
         "chat_template": data.chat_template,
@@ -233,22 +236,6 @@ def _resume_problem(where: Path, problem: str | None, step: int) -> str:
         f"but {where} {state}, and the model now holds checkpoint step {step}'s weights, no longer the reference; "
         "restore the file, or submit the job again into a new output directory to compute them afresh"
     )
-
-
-def _files_identity(path: Path) -> str:
-    """SHA-256 over a model directory's config files' bytes and its other files' names, sizes and modification
-    times. Not the weights' bytes: hashing a 64 GB checkpoint would take minutes; a file written again (a
-    fine-tune saved over the same path keeps its sizes) gets a new modification time."""
-    digest = hashlib.sha256()
-    for file in sorted(path.glob("*")) if path.is_dir() else [path]:
-        if not file.is_file():
-            continue
-        if file.suffix == ".json":
-            digest.update(file.name.encode() + file.read_bytes())
-        else:
-            stat = file.stat()
-            digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()
 
 
 def _pairs_sha256(pairs: list[PreferencePair]) -> str:

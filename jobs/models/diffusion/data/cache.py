@@ -16,7 +16,6 @@ another fingerprint. A training job refuses a cache whose encoders differ from i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from jobs.checkpoints.directory import file_sha256
+from jobs.checkpoints.directory import file_sha256, files_identity
 from jobs.models.diffusion.variants import family_of
 
 MANIFEST = "manifest.json"
@@ -42,14 +41,14 @@ def model_fingerprint(model: Any) -> dict[str, Any]:
     family = family_of(path)
     fingerprint = {
         "family": family.name,
-        "text_encoder": _folder_identity(path / family.text_encoder_folder),
-        "vae": _folder_identity(path / "vae"),
+        "text_encoder": files_identity(path / family.text_encoder_folder),
+        "vae": files_identity(path / "vae"),
         "text_encoder_dtype": model.text_encoder_dtype or model.dtype,
         "vae_dtype": model.vae_dtype,
         "init": model.init,
     }
     if family.pooled_encoder is not None:  # only where there is one: older caches' fingerprints stay equal
-        fingerprint["pooled_text_encoder"] = _folder_identity(path / family.pooled_encoder.folder)
+        fingerprint["pooled_text_encoder"] = files_identity(path / family.pooled_encoder.folder)
     return fingerprint
 
 
@@ -68,18 +67,6 @@ def data_fingerprint(data: Any) -> dict[str, Any]:
     if data.trigger_word:  # only where set: older caches' fingerprints stay equal
         fingerprint["trigger_word"] = data.trigger_word
     return fingerprint
-
-
-def _folder_identity(folder: Path) -> str:
-    """SHA-256 over a folder's config files' bytes and its weight files' names and sizes (not their bytes:
-    hashing 16 GB of encoder weights per job would take minutes)."""
-    digest = hashlib.sha256()
-    for file in sorted(folder.glob("*")) if folder.is_dir() else []:
-        if file.suffix == ".json":
-            digest.update(file.name.encode() + file.read_bytes())
-        elif file.is_file():
-            digest.update(f"{file.name}:{file.stat().st_size}".encode())
-    return digest.hexdigest()
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
