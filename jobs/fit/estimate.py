@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,10 +71,36 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
         >>> estimate.peak_device_bytes > 0
         True
     """
+    decided = with_mlp_tiling_decided(spec)
     layers = getattr(spec.model, "num_layers", None)
-    if isinstance(layers, int) and layers > MAX_BUILT_LAYERS:
-        return _extrapolated(spec, layers)
-    return _estimate_built(spec)
+    estimate = _extrapolated(decided, layers) if isinstance(layers, int) and layers > MAX_BUILT_LAYERS else None
+    estimate = estimate or _estimate_built(decided)
+    if getattr(spec.model, "tiled_mlp", None) == "auto" and decided.model.tiled_mlp:
+        estimate.notes.append(
+            "model.tiled_mlp auto: MLPs over tiles, as the estimate with whole ones exceeds the device"
+        )
+    return estimate
+
+
+def with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
+    """``spec`` with ``model.tiled_mlp: auto`` decided, for the estimate and for the build alike.
+
+    Tiling costs one more MLP forward a step, so ``auto`` tiles only where it is needed: the job checkpoints its
+    layers and its estimate with whole MLPs (and, under ``offload.activations: auto``, without offloaded
+    activations: tiling is tried first, being the one that adds no bytes to the link) exceeds
+    ``offload.gpu_memory_limit`` or, without one, this process's GPU (never on a machine without one).
+    """
+    section: Any = spec.model
+    if getattr(section, "tiled_mlp", None) != "auto":
+        return spec
+    tiles = False
+    if spec.training.gradient_checkpointing:
+        offload = spec.offload
+        if offload.activations == "auto":
+            offload = offload.model_copy(update={"activations": False})
+        whole = spec.model_copy(update={"model": section.model_copy(update={"tiled_mlp": False}), "offload": offload})
+        tiles = estimate_memory(whole).peak_device_bytes > (_usable_device_bytes(spec) or 2**62)
+    return spec.model_copy(update={"model": section.model_copy(update={"tiled_mlp": tiles})})
 
 
 def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:

@@ -43,7 +43,8 @@ class HFCausalLMSpec(Section):
         "auto",
         description="run each decoder layer's position-wise MLP over tiles of tiled_mlp_tokens tokens, each "
         "checkpointed, so a layer's backward holds one tile's MLP intermediates (one more MLP forward a step); "
-        "auto: with training.gradient_checkpointing, for micro-batches of more tokens than a tile",
+        "auto: only where the job needs it to fit, that is with training.gradient_checkpointing and a memory "
+        "estimate with whole MLPs above offload.gpu_memory_limit (or the GPU's memory)",
     )
     tiled_mlp_tokens: int | None = Field(
         None,
@@ -101,9 +102,10 @@ def build_hf_causal_lm_on_meta(spec: HFCausalLMSpec, seed: int, device: torch.de
 
 
 def _tile_mlps(model: nn.Module, spec: HFCausalLMSpec) -> None:
-    """``model.tiled_mlp``: the MLPs tile from the start (``true``) or once checkpointing is on (``auto``)."""
-    if spec.tiled_mlp is not False:
-        tiled_mlp.install(model, _tile_tokens(spec, model.config), spec.tiled_mlp)
+    """``model.tiled_mlp: true``: the MLPs run over tiles. ``auto`` is decided before the build, by the fit
+    check (``jobs.fit.estimate.with_mlp_tiling_decided``); undecided, the MLPs run whole."""
+    if spec.tiled_mlp is True:
+        tiled_mlp.install(model, _tile_tokens(spec, model.config))
 
 
 def _tile_tokens(spec: HFCausalLMSpec, config: Any) -> int:
@@ -148,10 +150,10 @@ def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
 
 
 def _mlp_tile_tokens(spec: JobSpec, model: nn.Module) -> int | None:
-    """Tokens per MLP tile in ``spec``'s job, or None where its MLPs run whole: as the built model decides."""
+    """Tokens per MLP tile in ``spec``'s job, or None where its MLPs run whole: as the built model decides
+    (``auto`` counts as whole: the fit check compares that estimate with the device before deciding)."""
     section: Any = spec.model
-    tiles = section.tiled_mlp is True or (section.tiled_mlp == "auto" and spec.training.gradient_checkpointing)
-    if not tiles or not tiled_mlp.tileable_mlps(model):
+    if section.tiled_mlp is not True or not tiled_mlp.tileable_mlps(model):
         return None
     return _tile_tokens(section, model.config)
 
@@ -206,7 +208,6 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
     if getattr(model, "_require_grads_hook", None) is None:  # not already hooked by transformers
         enable = model.enable_input_require_grads
         enable()
-    tiled_mlp.checkpointing_enabled(model)  # model.tiled_mlp: auto tiles from now on
 
 
 FAMILY = ModelFamily(

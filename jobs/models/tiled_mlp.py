@@ -18,7 +18,8 @@ Only MLPs known to be position-wise are tiled, recognized by their children: Lla
 Qwen2/3, Mistral, Gemma, a mixture-of-experts model's dense layers), Phi-3's fused gate_up, GPT-2's and
 GPT-NeoX's two layers. A mixture of experts (its router and experts) is left alone. ``install`` overrides the
 instance's ``forward`` only: module names, state-dict keys and peft's adapters are untouched; ``remove`` is its
-exact inverse.
+exact inverse. Whether a job tiles (``auto``: only where its memory estimate needs it) is the fit check's
+decision (jobs/fit/estimate.py ``with_mlp_tiling_decided``): the extra forward is not paid where it buys nothing.
 
 The offload engine streams a layer's weights and restores them on the device before backward through the
 tensors autograd saves (offload/saved_tensors.py). Inside a tile's checkpoint those saves go to the checkpoint,
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,49 +73,35 @@ class TiledMLP:
     """What one MLP instance tiles by, kept on it while its ``forward`` is overridden.
 
     Args:
-        tokens: Tokens per tile (all the rows of a slice of positions).
-        mode: True: tile every input of more than ``tokens`` tokens; ``"auto"``: only once the layers are
-            checkpointed (``checkpointing``), as a checkpointed layer's recompute is where its intermediates
-            make the peak.
+        tokens: Tokens per tile (all the rows of a slice of positions); an input of no more runs whole.
     """
 
-    def __init__(self, tokens: int, mode: bool | Literal["auto"]) -> None:
+    def __init__(self, tokens: int) -> None:
         self.tokens = tokens
-        self.mode = mode
-        self.checkpointing = False
         self.forward: Any = None  # the instance's own forward attribute before install, if it had one
 
     def applies(self, x: torch.Tensor) -> bool:
         """Whether a call on ``x`` (rows x positions x hidden) runs tiled."""
-        active = self.mode is True or self.checkpointing
-        return active and x.dim() == 3 and x.shape[0] * x.shape[1] > self.tokens
+        return x.dim() == 3 and x.shape[0] * x.shape[1] > self.tokens
 
     def __repr__(self) -> str:
-        return f"TiledMLP(tokens={self.tokens}, mode={self.mode!r}, checkpointing={self.checkpointing})"
+        return f"TiledMLP(tokens={self.tokens})"
 
 
-def install(model: nn.Module, tokens: int, mode: bool | Literal["auto"]) -> int:
-    """Tile every position-wise MLP of ``model`` (module docstring); returns how many. An explicit ``True``
-    that finds none is logged as a warning."""
+def install(model: nn.Module, tokens: int) -> int:
+    """Tile every position-wise MLP of ``model`` (module docstring); returns how many. A model with none is
+    logged as a warning: the spec asked for tiling that will not happen."""
     mlps = tileable_mlps(model)
     for _, mlp in mlps:
         if hasattr(mlp, _ATTRIBUTE):
             continue
-        tiles = TiledMLP(tokens, mode)
+        tiles = TiledMLP(tokens)
         tiles.forward = mlp.__dict__.get("forward")
         setattr(mlp, _ATTRIBUTE, tiles)
         mlp.forward = functools.partial(_tiled_forward, mlp, mlp.forward, tiles)
-    if not mlps and mode is True:
+    if not mlps:
         log.warning("model.tiled_mlp: %s has no position-wise MLP to tile; nothing is tiled", type(model).__name__)
     return len(mlps)
-
-
-def checkpointing_enabled(model: nn.Module) -> None:
-    """The layers are checkpointed from now on: ``auto`` tiles start tiling."""
-    for module in model.modules():
-        tiles = getattr(module, _ATTRIBUTE, None)
-        if isinstance(tiles, TiledMLP):
-            tiles.checkpointing = True
 
 
 def remove(model: nn.Module) -> None:

@@ -170,6 +170,7 @@ def _setup_model(
     engine's pinned copies when it was built on the meta device (None: built in memory)."""
     training = spec.training
     source = None
+    spec = _with_mlp_tiling_decided(spec)
     if _loads_into_pinned_memory(spec, family):
         # Built on the meta device: the engine's pinned arena is filled from the source directly, and
         # nothing of the frozen weights is ever materialized in ordinary memory.
@@ -241,6 +242,17 @@ def _setup_offload(
 
         offload_checkpointed_inputs(model, manager.activations)
     return manager
+
+
+def _with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
+    """``model.tiled_mlp: auto`` decided as the fit check decides it (jobs/fit/estimate.py)."""
+    if getattr(spec.model, "tiled_mlp", None) != "auto":
+        return spec
+    from jobs.fit.estimate import with_mlp_tiling_decided  # builds meta models: only where there is a choice
+
+    decided = with_mlp_tiling_decided(spec)
+    log.info("model.tiled_mlp=auto: %s", "tiled" if decided.model.tiled_mlp else "whole MLPs")
+    return decided
 
 
 def _offloaded_activations(spec: JobSpec) -> tuple[int, ...]:

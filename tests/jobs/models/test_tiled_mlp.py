@@ -44,7 +44,7 @@ def _model(tiled: bool, checkpointing: bool) -> nn.Module:
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     model = LlamaForCausalLM(config)
     if tiled:
-        tiled_mlp.install(model, TILE, True)
+        tiled_mlp.install(model, TILE)
     if checkpointing:
         enable_hf_gradient_checkpointing(model)
     lora = LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)  # adapters that change the output
@@ -166,7 +166,7 @@ def test_dpo_masks_the_reference_rows_in_every_tile() -> None:
 def test_remove_leaves_the_model_as_it_was() -> None:
     model = _model(False, False).base_model.model
     keys = list(model.state_dict())
-    assert tiled_mlp.install(model, TILE, True) == 3
+    assert tiled_mlp.install(model, TILE) == 3
     assert list(model.state_dict()) == keys and all("forward" in m.__dict__ for _, m in tiled_mlp.tileable_mlps(model))
     tiled_mlp.remove(model)
     assert all("forward" not in m.__dict__ and not hasattr(m, "ferry_tiled_mlp") for m in model.modules())
@@ -210,6 +210,43 @@ def test_a_32b_lora_at_32k_tokens_fits_24_gib_once_its_mlps_are_tiled(roots: Pat
     assert tiled_mlp.default_tile_tokens(27648, 2) == 2048
 
 
+@pytest.mark.parametrize("tokens", [4096, 32768])
+def test_auto_tiles_only_where_the_job_needs_it_to_fit(roots: PathRoots, tokens: int) -> None:
+    # Tiling costs one more MLP forward a step: a 32B LoRA at 4096 tokens fits 24 GiB with whole MLPs and keeps
+    # them; at 32768 tokens it does not, and auto tiles.
+    from transformers import Qwen2Config
+
+    Qwen2Config(**QWEN_32B).save_pretrained(roots.model_roots[0] / "qwen-32b")
+    job = merged(LONG, data={"seq_len": tokens})
+
+    def peak(**model: Any) -> int:
+        return estimate_memory(spec_from(merged(job, model=model), roots)).peak_device_bytes
+
+    whole, tiled, auto = peak(tiled_mlp=False), peak(tiled_mlp=True), peak()
+    assert tiled < whole
+    assert auto == (whole if whole <= 24 * 2**30 else tiled)
+    assert (tokens == 4096) == (whole <= 24 * 2**30)
+
+
+def test_auto_builds_the_model_the_fit_check_decided(tmp_path: Path, roots: PathRoots) -> None:
+    from jobs.fit.estimate import with_mlp_tiling_decided
+    from jobs.train.session import close_session, open_session
+
+    save_tiny_llama(roots.model_roots[0] / "tiny-llama")
+    job = merged(TINY_HF, model={"tiled_mlp_tokens": TILE}, training={"gradient_checkpointing": True},
+                 checkpoint={"save_final": False})  # fmt: skip
+    whole = estimate_memory(spec_from(merged(TINY_HF, model={"tiled_mlp": False}), roots)).peak_device_bytes
+    for limit, tiles in ((None, False), (whole - 1, True)):
+        spec = spec_from(merged(job, offload={"gpu_memory_limit": limit}), roots)
+        assert with_mlp_tiling_decided(spec).model.tiled_mlp is tiles  # type: ignore[union-attr]
+        session = open_session(spec, tmp_path / str(limit), resume=False)
+        try:
+            tiled = [m for m in session.model.modules() if hasattr(m, "ferry_tiled_mlp")]
+            assert bool(tiled) is tiles
+        finally:
+            close_session(session)
+
+
 def test_tile_size_without_tiling_is_refused(roots: PathRoots) -> None:
     save_tiny_llama(roots.model_roots[0] / "tiny-llama")
     with pytest.raises(JobSpecError) as refused:
@@ -229,10 +266,10 @@ def test_a_tiled_job_trains_as_an_untiled_one_with_offloaded_activations(tmp_pat
     offload = {"enable_model_cpu_offload": True, "granularity": "block", "activations": True}
     lora = {"target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"], "rank": 4}
     losses = {}
-    for tiled in (False, "auto"):
+    for tiled in (False, True):
         data = merged(TINY_HF, model={"tiled_mlp": tiled, **({"tiled_mlp_tokens": TILE} if tiled else {})},
                       lora=lora, offload=offload, checkpoint={"save_final": False})  # fmt: skip
         events: list[Any] = []
         run_job(spec_from(data, roots), output_dir=tmp_path / str(tiled), report=events.append)
         losses[tiled] = [e.loss for e in events if isinstance(e, StepEvent)]
-    assert len(losses[False]) == 4 and losses["auto"] == losses[False]
+    assert len(losses[False]) == 4 and losses[True] == losses[False]
