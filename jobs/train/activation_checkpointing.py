@@ -22,6 +22,13 @@ are made to, on a detached alias (what transformers' ``enable_input_require_grad
 output then requires grad and backward reaches its adapters. Keyword arguments, which the reentrant variant
 does not take, fall back to the non-reentrant one.
 
+Rows that need no gradient (``only_first_rows_need_gradient``): DPO's LoRA reference rows ride the policy's
+forward for the weights it has on the device, but their log-probs are detached, so the gradient reaching them is
+zero in every layer. Inside that context a checkpointed layer still runs every row in its forward, but keeps and
+recomputes only the first rows, and hands the others a zero gradient: the recompute and the backward do the
+policy's work alone, not twice it. A layer whose forward drew random numbers (dropout) keeps every row, as a
+recompute of fewer rows would draw other ones.
+
 One difference from torch's reentrant checkpoint: an output that backward does not reach gets no gradient,
 where torch's hands the block a zero one (it materializes missing gradients). A Qwen-Image block returns the
 text stream too, which the last block's caller drops; with zeros, that block's text-side adapters would get
@@ -34,18 +41,39 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointFunction, checkpoint, detach_variable, set_device_states
+from torch.utils.checkpoint import (
+    CheckpointFunction,
+    checkpoint,
+    detach_variable,
+    get_device_states,
+    set_device_states,
+)
 
 if TYPE_CHECKING:
     from offload import ActivationOffload
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"  # where transformers and diffusers keep a layer's checkpoint
+
+
+_rows_needing_gradient: int | None = None  # only_first_rows_need_gradient's, while inside it
+
+
+@contextlib.contextmanager
+def only_first_rows_need_gradient(rows: int) -> Iterator[None]:
+    """Inside, checkpointed calls over more than ``rows`` rows keep and recompute only their first ``rows`` (module
+    docstring): the caller guarantees that the gradient reaching the other rows is zero."""
+    global _rows_needing_gradient
+    before, _rows_needing_gradient = _rows_needing_gradient, rows
+    try:
+        yield
+    finally:
+        _rows_needing_gradient = before
 
 
 def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -55,7 +83,9 @@ def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     args = _with_an_input_that_requires_grad(block, args)
     if not torch.is_grad_enabled() or not any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
         return block(*args)  # no gradient passes through: nothing to save, nothing to recompute
-    return _ReentrantCheckpoint.apply(block.__call__, True, *args)
+    rows = _trimmed_rows(args)
+    trimmed = None if rows is None else (rows, block.__call__)
+    return _ReentrantCheckpoint.apply(block.__call__, True, trimmed, *args)
 
 
 def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
@@ -71,20 +101,62 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     (under ``no_grad``) runs ``forward`` as given, the hooks having run around it already.
     """
     found = _layer_of(function)
+    rows = _trimmed_rows(args) if torch.is_grad_enabled() else None
     if found is None:  # a layer's __call__ (transformers <= 5.17) or any other function: hooks already inside
-        return checkpoint(function, *args, use_reentrant=True)
+        if rows is None:
+            return checkpoint(function, *args, use_reentrant=True)
+        return _ReentrantCheckpoint.apply(function, True, (rows, _first_rows_of_call(function, rows, args)), *args)
     layer, kwargs = found
 
-    def run(*inputs: Any) -> Any:
-        if not torch.is_grad_enabled():  # the checkpoint's forward
-            return function(*inputs)
-        layer.gradient_checkpointing = False  # the recompute, through __call__ and its hooks
-        try:
-            return layer(*inputs, **kwargs)
-        finally:
-            layer.gradient_checkpointing = True
+    def recompute(**bound: Any) -> Callable[..., Any]:
+        def run(*inputs: Any) -> Any:
+            if not torch.is_grad_enabled():  # the checkpoint's forward
+                return function(*inputs)
+            layer.gradient_checkpointing = False  # the recompute, through __call__ and its hooks
+            try:
+                return layer(*inputs, **bound)
+            finally:
+                layer.gradient_checkpointing = True
 
-    return checkpoint(run, *args, use_reentrant=True)
+        return run
+
+    if rows is None:
+        return checkpoint(recompute(**kwargs), *args, use_reentrant=True)
+    total = _rows_of(args)
+    first = recompute(**_first_rows(kwargs, rows, total))
+    return _ReentrantCheckpoint.apply(recompute(**kwargs), True, (rows, first), *args)
+
+
+def _trimmed_rows(args: tuple[Any, ...]) -> int | None:
+    """How many rows a checkpointed call over ``args`` keeps (``only_first_rows_need_gradient``); None: all."""
+    rows = _rows_needing_gradient
+    total = _rows_of(args)
+    return rows if rows is not None and total is not None and rows < total else None
+
+
+def _rows_of(args: tuple[Any, ...]) -> int | None:
+    """The batch's rows: the first dimension of the first tensor of at least two dimensions (the hidden states)."""
+    return next((arg.shape[0] for arg in args if isinstance(arg, torch.Tensor) and arg.dim() >= 2), None)
+
+
+def _first_rows(value: Any, rows: int, total: int | None) -> Any:
+    """``value`` with every per-row tensor in it (two or more dimensions, ``total`` first) cut to its first rows."""
+    if isinstance(value, torch.Tensor):
+        return value[:rows] if value.dim() >= 2 and value.shape[0] == total else value
+    if isinstance(value, tuple | list):
+        return type(value)(_first_rows(item, rows, total) for item in value)
+    if isinstance(value, dict):
+        return {key: _first_rows(item, rows, total) for key, item in value.items()}
+    return value
+
+
+def _first_rows_of_call(function: Callable[..., Any], rows: int, args: tuple[Any, ...]) -> Callable[..., Any]:
+    """``function`` with the per-row tensors it has bound (a ``partial``'s keywords) cut to their first rows."""
+    if not isinstance(function, functools.partial):
+        return function
+    total = _rows_of(args)
+    return functools.partial(function.func, *_first_rows(function.args, rows, total),
+                             **_first_rows(function.keywords, rows, total))  # fmt: skip
 
 
 def _layer_of(function: Callable[..., Any]) -> tuple[Any, dict[str, Any]] | None:
@@ -111,12 +183,26 @@ def _with_an_input_that_requires_grad(block: nn.Module, args: tuple[Any, ...]) -
 
 
 class _ReentrantCheckpoint(CheckpointFunction):
-    """torch's reentrant checkpoint (its forward, and its backward but for gradients that never came)."""
+    """torch's reentrant checkpoint (its forward, and its backward but for gradients that never came).
+
+    ``trimmed``: None, or (rows, the function to recompute the first rows with): the rows after them need no
+    gradient (``only_first_rows_need_gradient``), so unless the forward drew random numbers only the first rows
+    are kept, recomputed and backpropagated, and the others get a zero gradient.
+    """
 
     @staticmethod
-    def forward(ctx: Any, run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+    def forward(ctx: Any, run_function: Any, preserve_rng_state: bool, trimmed: Any, *args: Any) -> Any:
         ctx.set_materialize_grads(False)  # an output backward did not reach arrives as None, not zeros
-        return CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)
+        outputs = CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)
+        ctx.trimmed = None
+        if trimmed is not None and preserve_rng_state and not _drew_random_numbers(ctx, args):
+            rows, recompute = trimmed
+            total = _rows_of(args)
+            cut = frozenset(i for i in ctx.tensor_indices if _first_rows(args[i], rows, total) is not args[i])
+            ctx.run_function, ctx.trimmed = recompute, (rows, total, cut)
+            # A copy, not a view: a view would keep the whole batch's storage alive until backward.
+            ctx.save_for_backward(*(args[i][:rows].clone() if i in cut else args[i] for i in ctx.tensor_indices))
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -134,6 +220,9 @@ class _ReentrantCheckpoint(CheckpointFunction):
                 if ctx.had_device_in_fwd:
                     set_device_states(ctx.fwd_devices, ctx.fwd_device_states, device_type=ctx.device_type)
             detached = detach_variable(tuple(inputs))
+            if ctx.trimmed is not None:  # a kept copy was made without grad: it takes its input's flag
+                for index in ctx.trimmed[2]:
+                    detached[index].requires_grad_(ctx.needs_input_grad[3 + index])
             device_autocast = (
                 torch.amp.autocast(ctx.device_type, **ctx.device_autocast_kwargs)
                 if torch.amp.is_autocast_available(ctx.device_type)
@@ -142,6 +231,8 @@ class _ReentrantCheckpoint(CheckpointFunction):
             with torch.enable_grad(), device_autocast, torch.amp.autocast("cpu", **ctx.cpu_autocast_kwargs):
                 outputs = ctx.run_function(*detached)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+        if ctx.trimmed is not None:
+            grads = _first_rows(grads, *ctx.trimmed[:2])
         reached = [
             (out, grad)
             for out, grad in zip(outputs, grads, strict=True)
@@ -149,7 +240,28 @@ class _ReentrantCheckpoint(CheckpointFunction):
         ]
         if reached:
             torch.autograd.backward([out for out, _ in reached], [grad for _, grad in reached])
-        return (None, None, *(arg.grad if isinstance(arg, torch.Tensor) else None for arg in detached))
+        found = [arg.grad if isinstance(arg, torch.Tensor) else None for arg in detached]
+        if ctx.trimmed is not None:
+            _, total, cut = ctx.trimmed
+            found = [_zero_rows_after(grad, total) if i in cut else grad for i, grad in enumerate(found)]
+        return (None, None, None, *found)
+
+
+def _drew_random_numbers(ctx: Any, args: tuple[Any, ...]) -> bool:
+    """Whether the checkpoint's forward advanced a random generator it recorded before running (dropout)."""
+    if not torch.equal(torch.get_rng_state(), ctx.fwd_cpu_state):
+        return True
+    if ctx.had_device_in_fwd:
+        _, states = get_device_states(*args)
+        return any(not torch.equal(now, then) for now, then in zip(states, ctx.fwd_device_states, strict=True))
+    return False
+
+
+def _zero_rows_after(grad: torch.Tensor | None, total: int) -> torch.Tensor | None:
+    """The gradient of a trimmed input: the kept rows' as computed, zeros for the rest of its ``total``."""
+    if grad is None:
+        return None
+    return torch.cat([grad, grad.new_zeros(total - grad.shape[0], *grad.shape[1:])])
 
 
 def offload_checkpointed_inputs(model: nn.Module, activations: ActivationOffload) -> int:

@@ -5,7 +5,9 @@ doubled (policy rows, then reference rows) and a forward hook on every adapter's
 adapter's output by zero on the reference rows, so those rows compute exactly what the base computes (what
 peft's ``disable_adapter()`` gives). Each weight is therefore copied to the device once for both models: a DPO
 step streams the bytes of an SFT step. The hooks stay in place through the backward, so an activation
-checkpoint's recompute masks the same rows. The reference log-probs are detached.
+checkpoint's recompute masks the same rows. The reference log-probs are detached, so no gradient reaches those
+rows: checkpointed layers keep and recompute the policy rows alone (``only_first_rows_need_gradient``), and the
+reference costs one forward of its rows, not a forward, a recompute and a backward.
 
 A full fine-tune has no base to switch back to: its reference log-probs are the initial model's, computed once
 before training (jobs/train/reference_logps.py), and each batch carries its rows' (``reference_logps``).
@@ -27,6 +29,7 @@ from torch import nn
 from jobs.checkpoints.weights import is_peft_model
 from jobs.data.formats.examples import IGNORE
 from jobs.models.chunked_loss import chunked_completion_logps
+from jobs.train.activation_checkpointing import only_first_rows_need_gradient
 
 METRICS = (
     "rewards_chosen",
@@ -142,7 +145,8 @@ class PreferenceLoss:
         rows = labels.shape[0]
         self._mask = torch.cat([labels.new_ones(rows), labels.new_zeros(rows)])
         doubled = {name: torch.cat([tensor, tensor]) for name, tensor in batch.items() if name != "labels"}
-        logps, counts = sequence_logps(model, doubled, torch.cat([labels, labels]))
+        with only_first_rows_need_gradient(rows):  # the reference rows' log-probs are detached below
+            logps, counts = sequence_logps(model, doubled, torch.cat([labels, labels]))
         return logps[:rows], logps[rows:].detach(), counts[:rows]
 
     def _record(self, rewards: tuple[torch.Tensor, torch.Tensor], chosen: torch.Tensor, rejected: torch.Tensor) -> None:

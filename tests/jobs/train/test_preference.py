@@ -215,9 +215,16 @@ def test_zero_initialised_adapters_give_ln2_first(tiny: Path, tmp_path: Path, of
     assert first["preference"]["rewards_margins"] == 0.0
 
 
-def test_offloaded_dpo_equals_resident_dpo_bitwise(tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_offloaded_dpo_equals_resident_dpo_bitwise(tiny: Path, tmp_path: Path, checkpointed: bool) -> None:
+    # Checkpointed: the layers keep the policy rows alone, and the engine's block units and offloaded
+    # activations bring back those rows' inputs.
+    streamed = {"granularity": "block", "activations": True} if checkpointed else {}
+
     def job(offload: bool) -> tuple[list[Any], list[Any]]:
-        events = run(pref_spec(offload={"enable_model_cpu_offload": offload}), tiny, tmp_path / str(offload))
+        data = pref_spec(training={"gradient_checkpointing": checkpointed},
+                         offload={"enable_model_cpu_offload": offload, **(streamed if offload else {})})  # fmt: skip
+        events = run(data, tiny, tmp_path / str(offload))
         digests = [e["files"] for e in events if e["type"] == "checkpoint"]
         return [(s["loss"], s["preference"]) for s in steps_of(events)], digests
 
@@ -256,6 +263,127 @@ def test_a_lora_dpo_step_copies_the_bytes_of_an_sft_step(tiny: Path) -> None:
     assert copied[2] == copied[1] == copied[3] > 0, copied
     assert separate > 0.4 * copied[1]  # about one of the step's two passes over the weights
     print(f"bytes host->device per step: sft {copied[1]}, dpo {copied[2]}; a separate reference forward: {separate}")
+
+
+def _dpo_step_rows(model: nn.Module, batch: dict[str, torch.Tensor], *, trim: bool) -> tuple[Any, list[int]]:
+    """One LoRA DPO step with checkpointed layers: (loss, adapter gradients), and the rows each decoder layer ran
+    with autograd on in the backward (the recompute). ``trim=False``: every row kept, as before."""
+    import contextlib
+
+    from jobs.models.hf_causal_lm import enable_hf_gradient_checkpointing
+
+    enable_hf_gradient_checkpointing(model.base_model.model)
+    model.train()
+    recomputed: list[int] = []
+    layers = model.base_model.model.model.layers
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda _m, args, kwargs: (
+                recomputed.append(kwargs.get("hidden_states", args and args[0]).shape[0])
+                if torch.is_grad_enabled()
+                else None
+            ),
+            with_kwargs=True,
+        )
+        for layer in layers
+    ]
+    loss_fn = PreferenceLoss(SimpleNamespace(objective="dpo", dpo=DPOSpec(beta=0.5), orpo=ORPOSpec()), model)
+    keep_all = contextlib.nullcontext if not trim else None
+    with pytest.MonkeyPatch.context() as patch:
+        if keep_all is not None:
+            patch.setattr("jobs.train.preference.only_first_rows_need_gradient", lambda rows: keep_all())
+        loss = loss_fn(model, batch)
+        recomputed.clear()  # the forward's calls: every row
+        loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return (loss.item(), trainable_grads(model)), recomputed
+
+
+def test_the_reference_rows_leave_the_recompute_and_the_backward(tiny: Path) -> None:
+    """The reference rows' log-probs are detached: checkpointed layers keep and recompute the policy rows alone,
+    so the reference costs one forward of its rows. The loss is the same and the gradients equal to float
+    rounding (the matmuls run over half the rows)."""
+    _, batch = tiny_batch(tiny)  # 4 pairs: 8 policy rows, 8 reference rows
+    (trimmed, rows), (whole, rows_before) = (_dpo_step_rows(lora_model(tiny, zero_b=False)[1], batch, trim=t)
+                                             for t in (True, False))  # fmt: skip
+    assert rows_before == [16, 16] and rows == [8, 8]  # two layers, each recomputed once
+    assert trimmed[0] == whole[0]
+    assert trimmed[1].keys() == whole[1].keys() and len(whole[1]) == 2 * 2 * 2
+    for name, grad in whole[1].items():
+        torch.testing.assert_close(trimmed[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(grad.abs().sum() > 0 for grad in whole[1].values())
+
+
+def test_a_layer_that_draws_random_numbers_keeps_every_row(tiny: Path) -> None:
+    """With dropout in the adapters the recompute must draw the forward's numbers, which a recompute of fewer
+    rows would not: such a layer keeps every row, and the step is the one before trimming, bit for bit."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    _, batch = tiny_batch(tiny)
+
+    def model() -> nn.Module:
+        base = AutoModelForCausalLM.from_pretrained(tiny / "models" / "llama", dtype=torch.float32)
+        base.config.use_cache = False
+        torch.manual_seed(1)
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.2, init_lora_weights=False)
+        return get_peft_model(base, lora)
+
+    results = []
+    for trim in (True, False):
+        torch.manual_seed(7)
+        results.append(_dpo_step_rows(model(), batch, trim=trim))
+    (trimmed, rows), (whole, _) = results
+    assert rows == [16, 16]
+    assert trimmed[0] == whole[0]
+    assert all(torch.equal(trimmed[1][name], grad) for name, grad in whole[1].items())
+
+
+@pytest.mark.parametrize("function", ["forward", "__call__"])
+def test_a_checkpointed_layer_trims_the_rows_in_either_transformers_form(function: str) -> None:
+    """transformers after 5.17 checkpoints ``partial(forward, layer, **kwargs)``; 5.17 and before
+    ``partial(layer.__call__, **kwargs)``. Either way the per-row keyword tensors (mask, positions, rotary
+    tables) are cut with the hidden states, and the inputs' and weights' gradients are those of the policy rows."""
+    import functools
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from jobs.train.activation_checkpointing import checkpoint_layer, only_first_rows_need_gradient
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0)
+    rows, positions = 3, 6
+    hidden = torch.randn(2 * rows, positions, 32)
+    position_ids = torch.arange(positions).expand(2 * rows, -1) + torch.arange(2 * rows)[:, None]  # per row
+    mask = torch.ones(2 * rows, 1, positions, positions, dtype=torch.bool).tril()
+    mask[rows - 1, ..., 0] = False  # a row of its own
+    mask = torch.cat([mask[:rows], mask[:rows]])  # the reference rows repeat the policy's, as DPO's do
+    kwargs = {"attention_mask": mask, "position_embeddings": LlamaRotaryEmbedding(config)(hidden, position_ids)}
+
+    def grads(checkpointed: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        layer.zero_grad()
+        x = hidden.clone().requires_grad_()
+        if not checkpointed:
+            out = layer(x, **kwargs)
+        else:
+            layer.gradient_checkpointing = function == "forward"
+            call = (functools.partial(type(layer).forward, layer, **kwargs) if function == "forward"
+                    else functools.partial(layer.__call__, **kwargs))  # fmt: skip
+            with only_first_rows_need_gradient(rows):
+                out = checkpoint_layer(call, x)
+            layer.gradient_checkpointing = False
+        out[:rows].pow(2).sum().backward()  # the loss reads the first rows alone
+        return x.grad, [p.grad.clone() for p in layer.parameters()]
+
+    (x_plain, w_plain), (x_trim, w_trim) = grads(False), grads(True)
+    assert torch.equal(x_trim[rows:], torch.zeros_like(x_trim[rows:]))
+    torch.testing.assert_close(x_trim, x_plain, rtol=1e-5, atol=1e-7)
+    for plain, trimmed in zip(w_plain, w_trim, strict=True):
+        torch.testing.assert_close(trimmed, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_resumed_dpo_continues_bitwise(tiny: Path, tmp_path: Path) -> None:
