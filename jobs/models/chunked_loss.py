@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from jobs.train.activation_checkpointing import rows_from, rows_needing_gradient
+
 CHUNK_ABOVE_BYTES = 2**30  # float32 logits above this are computed in chunks
 CHUNK_BYTES = 2**29  # each chunk's float32 logits (bf16 ones and the gradient come on top)
 IGNORE_INDEX = -100
@@ -70,9 +72,19 @@ def _chunked_nll(
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1
     step = chunk_tokens(vocab)
     total = hidden.new_zeros(labels.shape[0], dtype=torch.float32)
+    kept = rows_needing_gradient(labels.shape[0])  # DPO's reference rows: no gradient, so no recompute either
     for start in range(0, hidden.shape[1], step):
         end = min(start + step, hidden.shape[1])
-        total = total + checkpoint(_chunk_nll, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
+        if kept is None:
+            chunk = checkpoint(_chunk_nll, head, hidden[:, start:end], targets[:, start:end], use_reentrant=False)
+        else:
+            policy = checkpoint(
+                _chunk_nll, head, hidden[:kept, start:end], targets[:kept, start:end], use_reentrant=False
+            )
+            with torch.no_grad(), rows_from(kept):
+                reference = _chunk_nll(head, hidden[kept:, start:end], targets[kept:, start:end])
+            chunk = torch.cat([policy, reference])
+        total = total + chunk
     return total, (targets != IGNORE_INDEX).sum(-1)
 
 

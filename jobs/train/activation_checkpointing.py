@@ -62,6 +62,7 @@ CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"  # where transformers and d
 
 
 _rows_needing_gradient: int | None = None  # only_first_rows_need_gradient's, while inside it
+_first_row = 0  # rows_from's: where in the batch the rows of the calls inside begin
 
 
 @contextlib.contextmanager
@@ -74,6 +75,24 @@ def only_first_rows_need_gradient(rows: int) -> Iterator[None]:
         yield
     finally:
         _rows_needing_gradient = before
+
+
+@contextlib.contextmanager
+def rows_from(first: int) -> Iterator[None]:
+    """Inside, calls run a slice of the batch's rows that begins at row ``first`` (DPO's reference rows, computed
+    without a graph apart from the policy's): per-row state is read from there (``batch_rows``)."""
+    global _first_row
+    before, _first_row = _first_row, first
+    try:
+        yield
+    finally:
+        _first_row = before
+
+
+def batch_rows(rows: int) -> slice:
+    """Which of the batch's rows a call over ``rows`` rows runs: from ``rows_from``'s row, or from the first (a
+    trimmed recompute runs the first rows)."""
+    return slice(_first_row, _first_row + rows)
 
 
 def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -127,11 +146,15 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     return _ReentrantCheckpoint.apply(recompute(**kwargs), True, (rows, first), *args)
 
 
-def _trimmed_rows(args: tuple[Any, ...]) -> int | None:
-    """How many rows a checkpointed call over ``args`` keeps (``only_first_rows_need_gradient``); None: all."""
+def rows_needing_gradient(total: int | None) -> int | None:
+    """How many first rows of a batch of ``total`` need a gradient (``only_first_rows_need_gradient``); None: all."""
     rows = _rows_needing_gradient
-    total = _rows_of(args)
-    return rows if rows is not None and total is not None and rows < total else None
+    return rows if rows is not None and total is not None and rows < total and torch.is_grad_enabled() else None
+
+
+def _trimmed_rows(args: tuple[Any, ...]) -> int | None:
+    """How many rows a checkpointed call over ``args`` keeps; None: all."""
+    return rows_needing_gradient(_rows_of(args))
 
 
 def _rows_of(args: tuple[Any, ...]) -> int | None:

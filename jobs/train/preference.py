@@ -6,8 +6,9 @@ adapter's output by zero on the reference rows, so those rows compute exactly wh
 peft's ``disable_adapter()`` gives). Each weight is therefore copied to the device once for both models: a DPO
 step streams the bytes of an SFT step. The hooks stay in place through the backward, so an activation
 checkpoint's recompute masks the same rows. The reference log-probs are detached, so no gradient reaches those
-rows: checkpointed layers keep and recompute the policy rows alone (``only_first_rows_need_gradient``), and the
-reference costs one forward of its rows, not a forward, a recompute and a backward.
+rows: checkpointed layers keep and recompute the policy rows alone (``only_first_rows_need_gradient``), the
+chunked head runs the reference rows without a graph, and the reference costs one forward of its rows, not a
+forward, a recompute and a backward.
 
 A full fine-tune has no base to switch back to: its reference log-probs are the initial model's, computed once
 before training (jobs/train/reference_logps.py), and each batch carries its rows' (``reference_logps``).
@@ -29,7 +30,7 @@ from torch import nn
 from jobs.checkpoints.weights import is_peft_model
 from jobs.data.formats.examples import IGNORE
 from jobs.models.chunked_loss import chunked_completion_logps
-from jobs.train.activation_checkpointing import only_first_rows_need_gradient
+from jobs.train.activation_checkpointing import batch_rows, only_first_rows_need_gradient
 
 METRICS = (
     "rewards_chosen",
@@ -196,10 +197,15 @@ class PreferenceLoss:
         self._handles = []
 
     def mask_rows(self, output: torch.Tensor) -> torch.Tensor | None:
-        """An adapter's output with the reference rows zeroed (None: leave it as is)."""
+        """An adapter's output with the reference rows zeroed (None: leave it as is). A call over part of the
+        batch (a recompute of the policy rows, the head over the reference rows) reads its rows' part of the mask."""
         mask = self._mask
-        if mask is None or output.shape[0] != mask.shape[0]:
+        if mask is None:
             return None
+        if output.shape[0] != mask.shape[0]:
+            mask = mask[batch_rows(output.shape[0])]
+            if output.shape[0] != mask.shape[0]:
+                return None
         return output * mask.to(output.dtype).view(-1, *([1] * (output.dim() - 1)))
 
 

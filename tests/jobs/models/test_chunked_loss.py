@@ -3,6 +3,8 @@ under the offload engine; the fit check's logits term shrinks to a chunk's."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -91,12 +93,22 @@ def test_preference_log_probs_are_made_chunk_by_chunk(monkeypatch: pytest.Monkey
     loss_fn = PreferenceLoss(training, model)
     expected, expected_grads = loss_and_grads(model, loss_fn)
     positions: list[int] = []
+    rows_with_grad: set[int] = set()  # rows of the head's calls that build a graph (the chunk's recompute)
+
+    def seen(_m: Any, inputs: tuple[torch.Tensor, ...], _out: Any) -> None:
+        positions.append(inputs[0].shape[1])
+        if torch.is_grad_enabled():
+            rows_with_grad.add(inputs[0].shape[0])
+
     head = model.get_base_model().get_output_embeddings()
-    head.register_forward_hook(lambda _m, inputs, _out: positions.append(inputs[0].shape[1]))
+    head.register_forward_hook(seen)
     monkeypatch.setattr(chunked, "CHUNK_ABOVE_BYTES", 0)
     monkeypatch.setattr(chunked, "CHUNK_BYTES", 300 * 4 * 7)  # 7 positions a chunk
     got, grads = loss_and_grads(model, loss_fn)
     assert positions and max(positions) <= 7  # the whole sequence's logits never exist
+    # DPO's reference rows (the second half) are detached: the head runs them without a graph, and only the
+    # policy rows are recomputed for the backward.
+    assert rows_with_grad == {2}  # two pairs of rows: DPO's policy rows, or ORPO's chosen and rejected
     assert got == pytest.approx(expected, rel=1e-5)
     assert grads.keys() == expected_grads.keys() and grads
     for name in grads:
