@@ -126,12 +126,25 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
     if args.prefetch is not None:
         spec["offload"]["prefetch"] = args.prefetch
     text = yaml.safe_dump(spec, sort_keys=False)
+    resident = None
     server, url = start_server(root, "bench-token", {})
     try:
         with httpx.Client(base_url=url, headers={"Authorization": "Bearer bench-token"}, timeout=60) as client:
             validation = client.post("/v1/jobs/validate", content=text, headers={"Content-Type": "application/yaml"})
             job = follow_job(client, "32B LoRA, random init, gpu_memory_limit 24GiB", text, timeout=args.timeout)
             events = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+            if args.resident:
+                # The GPU's own step: every unit kept on the device by a budget, no limit (`offload: {}` would
+                # draw the 65 GB of random weights on the CPU first, for minutes).
+                kept = copy.deepcopy(spec)
+                kept["name"] = "qwen32b-shape-lora-resident"
+                kept["offload"] = {
+                    "enable_model_cpu_offload": True,
+                    "granularity": "block",
+                    "gpu_memory_budget": "64GiB",
+                }
+                resident = follow_job(client, "32B LoRA, every unit kept, no limit", yaml.safe_dump(kept, sort_keys=False),
+                                      timeout=args.timeout)  # fmt: skip
     finally:
         server.terminate()
         server.wait(30)
@@ -151,6 +164,7 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
         if h2d == h2d
         else None,
         "h2d_per_step_floor_s": (offload.get("last_step_h2d_bytes") or 0) / (h2d * 1e9) if h2d == h2d else None,
+        "resident": resident,
     }
     return record
 
@@ -180,6 +194,13 @@ def headline_markdown(r: dict[str, Any]) -> str:
         f"{_f((offload.get('copy_wait_seconds') or 0), '.1f')} s total | ring "
         f"{(offload.get('planned_device_bytes') or 0) / GIB:.2f} GiB, overflows {offload.get('ring_overflows')} |",
     ]
+    resident = r.get("resident")
+    if resident:
+        kept = resident.get("median_step_s")
+        rows.append(
+            f"| resident step (s): every unit kept, no limit | {resident['status']}, {_f(kept, '.3f')} | Ferry "
+            f"{_f(step / kept if step and kept else None, '.2f')} x; peak {resident['device_peak_gib']:.2f} GiB |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -571,6 +592,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--budget", help="headline: offload.gpu_memory_budget (units kept on the device)")
     parser.add_argument("--prefetch", type=int, help="headline: offload.prefetch (ring slots = prefetch + 1)")
+    parser.add_argument("--resident", action="store_true", help="headline: the same job resident beside it")
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
     args = parser.parse_args()
@@ -586,7 +608,7 @@ def main() -> None:
         f"{' --cpu' if args.cpu else ''}{f' --scale {args.scale:g}' if args.scale != 1.0 else ''}"
         f"{f' --steps {args.steps}' if args.steps != 5 else ''}{f' --limit {args.limit}' if args.limit else ''}"
         f"{f' --budget {args.budget}' if args.budget else ''}"
-        f"{f' --prefetch {args.prefetch}' if args.prefetch is not None else ''}`\n\n"
+        f"{f' --prefetch {args.prefetch}' if args.prefetch is not None else ''}{' --resident' if args.resident else ''}`\n\n"
     )
     text = header + markdown(record)
     print(text, flush=True)
