@@ -7,6 +7,7 @@
     python bench/big_models.py full3b --out big     # 3B full fine-tune, model + optimizer offload, 16GiB
     python bench/big_models.py qlora70b --out big   # 70B QLoRA (Llama-3.1-70B shape, NF4 quantized as it loads)
                                                     # over HTTP under 24GiB, beside the same job all resident
+    python bench/big_models.py resident70b --out big  # its bf16 resident step, from 20 and 40 identical layers
     python bench/big_models.py long32k --out big    # 32B bf16 LoRA at 32768 tokens under 24GiB with activation
                                                     # offload, beside the resident 32k step and the 4096 one
     python bench/big_models.py headline --cpu --scale 0.02 --out big   # the same path, tiny, anywhere
@@ -488,6 +489,47 @@ def _rate(load: dict[str, Any]) -> float | None:
     return (load.get("bytes") or 0) / seconds / 1e9 if seconds else None
 
 
+def resident70b(args: argparse.Namespace) -> dict[str, Any]:
+    """The 70B LoRA's bf16 resident step (no quantization, no limit), the other baseline of qlora70b's row.
+
+    80 bf16 layers are 131 GiB of weights, which with the step's activations do not fit the H200's 140 GiB. The
+    layers are identical, so the step grows by the same time per layer: the same job with 20 and with 40 layers
+    (every unit kept on the device, in this process) gives the 80-layer step as t40 + 2 x (t40 - t20), the
+    embedding and head counted once (the fit check extrapolates deep models the same way)."""
+    root = args.out / "resident70b"
+    corpus(root / "datasets" / "corpus")
+    tokens = 4096 if args.scale >= 1 else 64
+    layers = (20, 40) if args.scale >= 1 else (1, 2)
+    runs = {}
+    for n in layers:
+        shape = {**scaled(LLAMA_70B, args.scale), "num_hidden_layers": n}
+        name = f"llama-70b-shape-{n}-layers"
+        write_config(root / "models" / name, shape)
+        job = lora_spec(name, name, "24GiB", args.steps, tokens, "random", "cpu" if args.cpu else "cuda")
+        job["offload"] = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": "200GiB"}
+        job["checkpoint"] = {"save_final": False}
+        runs[n] = run_in_process(job, root, output=f"out-{n}")
+        (args.out / f"resident70b-{n}.json").write_text(json.dumps(runs[n], indent=1, default=str))
+        print(f"{n} layers: {runs[n]['status']}, median step {runs[n]['median_step_s']}", flush=True)
+    short, long = (runs[n].get("median_step_s") for n in layers)
+    full = LLAMA_70B["num_hidden_layers"] if args.scale >= 1 else 4
+    per_layer = (long - short) / (layers[1] - layers[0]) if short and long else None
+    projected = long + per_layer * (full - layers[1]) if per_layer is not None and long else None
+    return {"runs": runs, "layers": list(layers), "per_layer_s": per_layer, "projected_step_s": projected,
+            "full_layers": full}  # fmt: skip
+
+
+def resident70b_markdown(r: dict[str, Any]) -> str:
+    rows = ["| layers | status | median step (s) | peak GPU allocated / reserved (GiB) |", "|---|---|---|---|"]
+    for n in r["layers"]:
+        job = r["runs"][n]
+        rows.append(f"| {n} | {job['status']} | {_f(job.get('median_step_s'), '.3f')} | "
+                    f"{job['device_peak_gib']:.2f} / {job['device_reserved_gib']:.2f} |")  # fmt: skip
+    rows.append(f"| {r['full_layers']} (extrapolated: {_f(r['per_layer_s'], '.4f')} s a layer) | | "
+                f"**{_f(r['projected_step_s'], '.3f')}** | |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------- table 6
 def long32k(args: argparse.Namespace) -> dict[str, Any]:
     """The 32B shape's bf16 LoRA at 32768 tokens under 24GiB with activation offload, beside the resident step
@@ -576,6 +618,7 @@ RUNS = {
     "disk14b": (disk14b, disk_markdown),
     "full3b": (full3b, full_markdown),
     "qlora70b": (qlora70b, qlora_markdown),
+    "resident70b": (resident70b, resident70b_markdown),
     "long32k": (long32k, long_markdown),
 }
 
