@@ -315,6 +315,22 @@ def test_the_reference_rows_leave_the_recompute_and_the_backward(tiny: Path) -> 
     assert any(grad.abs().sum() > 0 for grad in whole[1].values())
 
 
+def test_offloaded_activations_hold_the_policy_rows_alone(tiny: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    """Under ``offload.activations`` the checkpointed inputs go to pinned host memory: half the bytes once the
+    reference rows are not kept."""
+    import contextlib
+
+    data = pref_spec(training={"gradient_checkpointing": True, "steps": 2},
+                     offload={"enable_model_cpu_offload": True, "granularity": "block", "activations": True})  # fmt: skip
+
+    def offloaded(output: str) -> int:
+        return steps_of(run(data, tiny, tmp_path / output))[-1]["offload"]["activation_offloaded_bytes"]
+
+    trimmed = offloaded("trimmed")
+    monkeypatch.setattr("jobs.train.preference.only_first_rows_need_gradient", lambda rows: contextlib.nullcontext())
+    assert trimmed > 0 and 2 * trimmed == offloaded("every-row")
+
+
 def test_a_layer_that_draws_random_numbers_keeps_every_row(tiny: Path) -> None:
     """With dropout in the adapters the recompute must draw the forward's numbers, which a recompute of fewer
     rows would not: such a layer keeps every row, and the step is the one before trimming, bit for bit."""
