@@ -29,6 +29,9 @@ class DecoderDims:
     per_layer: tuple[int, int]
     chunked_logits: bool = False  # the loss makes its logits a chunk at a time when large (chunked_loss.py)
     mlp_tile_tokens: int | None = None
+    # Whether a block's forward draws random numbers in training (dropout): a checkpointed block then keeps all
+    # of a DPO batch's rows (jobs/train/activation_checkpointing.py). Unknown counts as yes.
+    draws_random_numbers: bool = True
 
 
 def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
@@ -41,15 +44,22 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
             f"model.kind={spec.model.kind} trains on token data with a seq_len; got data.kind={spec.data.kind}"
         )
     n = rows_per_micro_batch(spec) * seq_len
+    kept_tokens = rows_with_gradient(spec, dims) * seq_len  # what checkpointing keeps, recomputes, backpropagates
     # A tiled MLP's intermediates are one tile's, in the block's backward; forward keeps only the tiles' inputs.
     tiled = dims.mlp_tile_tokens is not None
-    mlp_tokens = min(n, dims.mlp_tile_tokens) if dims.mlp_tile_tokens is not None else n
-    rest, mlp = n * dims.per_layer[0] * h * e, mlp_tokens * dims.per_layer[1] * i * e
+
+    def saved_by_a_layer(tokens: int) -> tuple[int, int]:  # (the hidden-size part, the MLP's intermediates)
+        mlp_tokens = min(tokens, dims.mlp_tile_tokens) if dims.mlp_tile_tokens is not None else tokens
+        return tokens * dims.per_layer[0] * h * e, mlp_tokens * dims.per_layer[1] * i * e
+
+    rest, mlp = saved_by_a_layer(n)
     layer = rest + mlp
     if (
         spec.training.gradient_checkpointing
     ):  # each block's input is kept; its recompute and backward come one at a time
-        kept, block_backward = layers * n * h * e, 2 * layer
+        # A layer's forward without a graph runs all n tokens: at most what it would save of them at once.
+        recomputed = sum(saved_by_a_layer(kept_tokens))
+        kept, block_backward = layers * kept_tokens * h * e, max(2 * recomputed, layer)
     else:
         kept, block_backward = layers * (rest if tiled else layer), layer
     # The loss: logits, their float32 copy and log-softmax. They are gone before the blocks' backward starts,
@@ -65,7 +75,7 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
 def decoder_checkpointed_inputs(spec: JobSpec, dims: DecoderDims) -> list[int]:
     """What checkpointing keeps of a decoder: each block's input (batch x tokens x hidden), block by block."""
     seq_len = getattr(spec.data, "seq_len", None) or 0
-    return [rows_per_micro_batch(spec) * seq_len * dims.hidden * activation_element_size(spec)] * dims.layers
+    return [rows_with_gradient(spec, dims) * seq_len * dims.hidden * activation_element_size(spec)] * dims.layers
 
 
 def rows_per_micro_batch(spec: JobSpec) -> int:
@@ -77,4 +87,21 @@ def rows_per_micro_batch(spec: JobSpec) -> int:
         rows *= 2
     if objective == "dpo" and getattr(spec, "lora", None) is not None:
         rows *= 2
+    return rows
+
+
+def rows_with_gradient(spec: JobSpec, dims: DecoderDims) -> int:
+    """The rows a checkpointed block keeps, recomputes and backpropagates: LoRA DPO's reference rows need no
+    gradient, so where its blocks draw no random numbers (no dropout: ``lora.dropout`` and the model's) they
+    are left out, half the forward's rows (jobs/train/activation_checkpointing.py)."""
+    rows = rows_per_micro_batch(spec)
+    lora = getattr(spec, "lora", None)
+    if (
+        getattr(spec.training, "objective", "sft") == "dpo"
+        and lora is not None
+        and spec.training.gradient_checkpointing
+        and not lora.dropout
+        and not dims.draws_random_numbers
+    ):
+        return rows // 2
     return rows

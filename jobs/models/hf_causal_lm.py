@@ -169,8 +169,26 @@ def _dims(model: nn.Module, mlp_tile_tokens: int | None = None) -> DecoderDims:
     chunked = getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", None) is None
     layers, vocab = config.num_hidden_layers, config.vocab_size
     return DecoderDims(
-        h, _intermediate(config), layers, vocab, (10, 4), chunked_logits=chunked, mlp_tile_tokens=mlp_tile_tokens
+        h,
+        _intermediate(config),
+        layers,
+        vocab,
+        (10, 4),
+        chunked_logits=chunked,
+        mlp_tile_tokens=mlp_tile_tokens,
+        draws_random_numbers=_has_dropout(config.to_dict()),
     )
+
+
+def _has_dropout(values: dict[str, Any]) -> bool:
+    """Whether a config sets any dropout probability (``attention_dropout``, GPT-2's ``resid_pdrop``...)."""
+    for key, value in values.items():
+        if isinstance(value, dict) and _has_dropout(value):
+            return True
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if isinstance(key, str) and key.endswith(("dropout", "pdrop")) and numeric and value > 0:
+            return True
+    return False
 
 
 def hf_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -223,7 +223,10 @@ def transformer_lm_checkpointed_inputs(spec: JobSpec, model: nn.Module) -> list[
 def _dims(spec: JobSpec) -> DecoderDims:
     m = spec.model
     assert isinstance(m, TransformerLMSpec)
-    return DecoderDims(m.hidden_size, m.intermediate_size or 4 * m.hidden_size, m.num_layers, m.vocab_size, (9, 2))
+    intermediate = m.intermediate_size or 4 * m.hidden_size
+    return DecoderDims(
+        m.hidden_size, intermediate, m.num_layers, m.vocab_size, (9, 2), draws_random_numbers=m.dropout > 0
+    )
 
 
 def _check_tokenizer_fits_vocab(spec: JobSpec) -> list[Problem]:

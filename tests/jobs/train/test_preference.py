@@ -474,6 +474,34 @@ def test_the_fit_estimate_counts_the_rows_a_preference_step_runs(tiny: Path) -> 
     assert activations(llm_spec(training={"batch_size": 4}))[0] < sixteen_rows[0]
 
 
+def test_the_fit_estimate_keeps_the_policy_rows_of_a_checkpointed_lora_dpo_step(tiny: Path) -> None:
+    """Checkpointed LoRA DPO keeps and recomputes the policy rows alone (its reference rows need no gradient), so
+    the checkpointed inputs (the host arena of offload.activations) are those of half the rows; not where the
+    layers draw random numbers (dropout in the adapters or the model), which keep every row."""
+    from dataclasses import replace
+
+    from jobs.models.decoder_activations import DecoderDims, decoder_checkpointed_inputs
+    from jobs.models.hf_causal_lm import hf_checkpointed_inputs, meta_hf_causal_lm
+
+    no_dropout = DecoderDims(64, 128, 2, 300, (10, 4), draws_random_numbers=False)
+    checkpointed = {"training": {"gradient_checkpointing": True}}
+
+    def kept(data: dict[str, Any], dims: DecoderDims = no_dropout) -> list[int]:
+        return decoder_checkpointed_inputs(load_job_spec(yaml.safe_dump(data), roots(tiny)), dims)
+
+    sft_8_rows = kept(llm_spec(training={"batch_size": 8, "gradient_checkpointing": True}))
+    sft_16_rows = kept(llm_spec(training={"batch_size": 16, "gradient_checkpointing": True}))
+    assert kept(pref_spec("dpo", **checkpointed)) == sft_8_rows  # 4 pairs: 8 policy rows, 8 reference rows
+    assert kept(pref_spec("dpo", lora={"dropout": 0.1}, **checkpointed)) == sft_16_rows
+    assert kept(pref_spec("dpo", **checkpointed), replace(no_dropout, draws_random_numbers=True)) == sft_16_rows
+    # The tiny Llama's config has no dropout; a config that sets one draws random numbers.
+    spec = load_job_spec(yaml.safe_dump(pref_spec("dpo", **checkpointed)), roots(tiny))
+    model = meta_hf_causal_lm(spec.model)  # type: ignore[arg-type]
+    without = sum(hf_checkpointed_inputs(spec, model))
+    model.config.attention_dropout = 0.1
+    assert sum(hf_checkpointed_inputs(spec, model)) == 2 * without > 0
+
+
 def evals_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["type"] == "eval"]
 
