@@ -63,6 +63,7 @@ class RingSlot:
         "contents_of",
         "free_event",
         "owner",
+        "placements",
         "remembers",
         "room",
         "users",
@@ -73,6 +74,7 @@ class RingSlot:
         self.buffer = buffer
         self.room = room  # where the slot's weights dequantized on arrival are written (plan.py)
         self.owner: object | None = None
+        self.placements = 0  # units placed in this slot at attach: 1 for a unit in a class of its own
         self.users = 0
         self.free_event: torch.cuda.Event | None = None  # recorded when the last user let go
         self.write_event: torch.cuda.Event | None = None  # the last copy into the slot
@@ -90,6 +92,11 @@ class Placement:
 
     def __init__(self, slot: RingSlot) -> None:
         self.slot = slot
+
+    @property
+    def alone(self) -> bool:
+        """Whether no other unit takes turns in this slot (a unit in a ring class of its own)."""
+        return self.slot.placements == 1
 
     def claim(self) -> bool:
         """Take the slot for this unit; False while another unit still holds it."""
@@ -184,6 +191,7 @@ class DeviceRing:
         """The placement of a unit of ``ring_class`` in ``slot`` (None for a unit that streams nothing)."""
         if ring_class is None:
             return None
+        self.slots[ring_class][slot].placements += 1
         return Placement(self.slots[ring_class][slot])
 
     def reassign(self, placements: list[tuple[int, Placement]]) -> None:

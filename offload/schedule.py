@@ -31,6 +31,7 @@ class PrefetchSchedule:
         self._backward_prefetch: dict[int, Callable[[], None]] = {}  # id(unit) -> copies those needs ahead
         self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed once applied)
         self.kept_bytes = 0  # their bytes
+        self.kept_outside_ring_bytes = 0  # the part in memory of its own: what the budget pays for
         self.held_for_backward_bytes = 0  # trainable bytes the rest of the budget holds from forward to backward
         self.step = 0
 
@@ -144,7 +145,8 @@ class PrefetchSchedule:
                 unit.keep_for_backward = True
         self.held_for_backward_bytes = 0
         if gpu_memory_budget:
-            self.held_for_backward_bytes = self.hold_trainables_for_backward(gpu_memory_budget - self.kept_bytes)
+            room = gpu_memory_budget - self.kept_outside_ring_bytes
+            self.held_for_backward_bytes = self.hold_trainables_for_backward(room)
 
     def hold_trainables_for_backward(self, room: int) -> int:
         """With the budget's frozen weights placed, hold units with trainable host masters (optimizer offload)
@@ -181,29 +183,57 @@ class PrefetchSchedule:
         evenly over the forward order, the first and last included. Spread out, every resident unit gives
         the copy stream a unit's compute time to run ahead in; kept in one run (the end of forward), the
         link idles through that run while the rest of the step waits for copies.
+
+        A kept unit that no other unit takes turns with in its ring slot (a class of its own: embeddings, a
+        head, a DiT's input and output layers) stays in that slot, which the ring holds anyway: it costs the
+        budget nothing. Others leave the ring for memory of their own, which the budget pays for.
         """
         frozen = {
             id(u): [o for o in u.offloaders if o.kind in ("static", "buffer") and o.holds == 0] for u in self.order
         }
         size = {key: sum(o.resident_nbytes for o in offloaders) for key, offloaders in frozen.items()}
-        candidates = [u for u in self.order if size[id(u)] > 0]
+        in_slot = {id(u) for u in self.order if size[id(u)] > 0 and _alone_in_its_slot(u, frozen[id(u)])}
+        free = [u for u in self.order if id(u) in in_slot]
+        candidates = [u for u in self.order if size[id(u)] > 0 and id(u) not in in_slot]
         largest = max((size[id(u)] for u in candidates), default=0)
         small = [u for u in candidates if size[id(u)] * 16 < largest]
         large = [u for u in candidates if size[id(u)] * 16 >= largest]
-        used, kept = 0, set()
-        for unit in small + spread(large, budget - sum(size[id(u)] for u in small), size) + large[::-1]:
+        used, in_ring, kept = 0, 0, set()
+        for unit in free + small + spread(large, budget - sum(size[id(u)] for u in small), size) + large[::-1]:
             offloaders = [o for o in frozen[id(unit)] if id(o) not in kept]  # a tied weight is held once
             nbytes = sum(o.resident_nbytes for o in offloaders)
-            if not offloaders or used + nbytes > budget:
+            stays = id(unit) in in_slot
+            if not offloaders or (not stays and used + nbytes > budget):
                 continue
             for offloader in offloaders:
-                offloader.leave_ring()
+                if not stays:
+                    offloader.leave_ring()
                 offloader.acquire()
                 kept.add(id(offloader))
-            used += nbytes
-        log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device", budget, used)
-        self.kept_bytes = used
+            if stays:
+                in_ring += nbytes
+            else:
+                used += nbytes
+        log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device, and %d more in ring slots "
+                 "of their own", budget, used, in_ring)  # fmt: skip
+        self.kept_bytes, self.kept_outside_ring_bytes = used + in_ring, used
         return kept
+
+
+def _alone_in_its_slot(unit: OffloadUnit, frozen: list[TensorOffloader]) -> bool:
+    """Whether ``unit`` can stay in its ring slot for good: it is the only unit placed there, and all it
+    streams is plain frozen weights the budget would keep (no trainable master that still streams, no weight
+    kept in another form than it streams in)."""
+    streamed = [o for o in unit.offloaders if o.kind != "always_on_device"]
+    placements = {id(o.placement): o.placement for o in streamed if o.placement is not None}
+    placements.update({id(o.group.placement): o.group.placement for o in streamed
+                       if o.group is not None and o.group.placement is not None})  # fmt: skip
+    return (
+        len(placements) == 1
+        and all(p.alone for p in placements.values())
+        and len(streamed) == len(frozen)
+        and all(o.resident_nbytes == o.nbytes for o in frozen)
+    )
 
 
 def spread(units: list[OffloadUnit], budget: int, size: dict[int, int]) -> list[OffloadUnit]:
