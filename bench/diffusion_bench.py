@@ -207,7 +207,7 @@ class BenchFamily:
         return {"target_modules": list(section["target_modules"]), "rank": section["rank"]}
 
 
-_TRAINING_ROWS = ("resident", "resident-link-busy", "ferry", "ferry-copy-all", "seed")
+_TRAINING_ROWS = ("resident", "resident-link-busy", "ferry", "ferry-activations", "ferry-copy-all", "seed")
 FLUX2_CHAT_TEMPLATE = (  # a Mistral-style template over content lists, as Flux2Pipeline's format_input builds them
     "{% for message in messages %}{% for part in message['content'] %}"
     "[{{ message['role'] }}]{{ part['text'] }}{% endfor %}{% endfor %}"
@@ -585,6 +585,12 @@ def main() -> None:
             ferry,
             {"precompute_modulation": False},
         ),
+        # Ferry's schedule with the checkpointed block inputs in pinned host memory: with --budget auto the budget
+        # takes the device memory they leave (the forward's device-to-host copies use the link's other direction).
+        "ferry-activations": (
+            f"as Ferry's, offload.activations: true, budget {args.budget}, limit {args.limit}",
+            {**ferry, "activations": True},
+        ),
         # The same schedule with every visit copied: the same-run baseline of the ring slots' reuse.
         "ferry-copy-all": (
             f"as Ferry's, reuse_ring_slots: false (every visit copies), budget {args.budget}, limit {args.limit}",
@@ -811,6 +817,7 @@ def render(
         floor = {
             "ferry": floor_budget,
             "ferry-copy-all": floor_budget,
+            "ferry-activations": floor_budget,
             "ferry-streamed-modulation": floor_streamed,
         }.get(key, floor_all)
         vs_resident = f"{row['step_s'] / resident:.2f}x" if resident and key != "resident" else "—"
@@ -853,6 +860,7 @@ def render(
     for key, what, baseline in (
         ("ferry-streamed-modulation", "Precomputed modulation", "with the modulation layers streamed"),
         ("ferry-copy-all", "Ring slot reuse", "every visit copied"),
+        ("ferry-activations", "Activations on the host", "offload.activations: true"),
     ):
         if "ferry" in rows and key in rows:  # Ferry's row beside its same-run A/B row
             ferry, other = rows["ferry"], rows[key]
