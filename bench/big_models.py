@@ -126,6 +126,8 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
         spec["offload"]["gpu_memory_budget"] = args.budget
     if args.prefetch is not None:
         spec["offload"]["prefetch"] = args.prefetch
+    if args.whole_layers:
+        spec["model"]["uncheckpointed_layers"] = args.whole_layers
     text = yaml.safe_dump(spec, sort_keys=False)
     resident = None
     server, url = start_server(root, "bench-token", {})
@@ -636,6 +638,7 @@ def main() -> None:
     parser.add_argument("--budget", help="headline: offload.gpu_memory_budget (units kept on the device)")
     parser.add_argument("--prefetch", type=int, help="headline: offload.prefetch (ring slots = prefetch + 1)")
     parser.add_argument("--resident", action="store_true", help="headline: the same job resident beside it")
+    parser.add_argument("--whole-layers", type=int, help="headline: model.uncheckpointed_layers (not recomputed)")
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
     args = parser.parse_args()
@@ -651,7 +654,8 @@ def main() -> None:
         f"{' --cpu' if args.cpu else ''}{f' --scale {args.scale:g}' if args.scale != 1.0 else ''}"
         f"{f' --steps {args.steps}' if args.steps != 5 else ''}{f' --limit {args.limit}' if args.limit else ''}"
         f"{f' --budget {args.budget}' if args.budget else ''}"
-        f"{f' --prefetch {args.prefetch}' if args.prefetch is not None else ''}{' --resident' if args.resident else ''}`\n\n"
+        f"{f' --prefetch {args.prefetch}' if args.prefetch is not None else ''}{' --resident' if args.resident else ''}"
+        f"{f' --whole-layers {args.whole_layers}' if args.whole_layers else ''}`\n\n"
     )
     text = header + markdown(record)
     print(text, flush=True)

@@ -32,6 +32,8 @@ class DecoderDims:
     # Whether a block's forward draws random numbers in training (dropout): a checkpointed block then keeps all
     # of a DPO batch's rows (jobs/train/activation_checkpointing.py). Unknown counts as yes.
     draws_random_numbers: bool = True
+    # With checkpointing: how many layers (the last) are left whole, keeping all they save for the backward.
+    uncheckpointed_layers: int = 0
 
 
 def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
@@ -59,7 +61,8 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
     ):  # each block's input is kept; its recompute and backward come one at a time
         # A layer's forward without a graph runs all n tokens: at most what it would save of them at once.
         recomputed = sum(saved_by_a_layer(kept_tokens))
-        kept, block_backward = layers * kept_tokens * h * e, max(2 * recomputed, layer)
+        whole = dims.uncheckpointed_layers  # these save all a layer saves, every row (none is recomputed)
+        kept, block_backward = (layers - whole) * kept_tokens * h * e + whole * layer, max(2 * recomputed, layer)
     else:
         kept, block_backward = layers * (rest if tiled else layer), layer
     # The loss: logits, their float32 copy and log-softmax. They are gone before the blocks' backward starts,
@@ -75,7 +78,8 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
 def decoder_checkpointed_inputs(spec: JobSpec, dims: DecoderDims) -> list[int]:
     """What checkpointing keeps of a decoder: each block's input (batch x tokens x hidden), block by block."""
     seq_len = getattr(spec.data, "seq_len", None) or 0
-    return [rows_with_gradient(spec, dims) * seq_len * dims.hidden * activation_element_size(spec)] * dims.layers
+    kept = rows_with_gradient(spec, dims) * seq_len * dims.hidden * activation_element_size(spec)
+    return [kept] * (dims.layers - dims.uncheckpointed_layers)
 
 
 def rows_per_micro_batch(spec: JobSpec) -> int:

@@ -46,6 +46,13 @@ class HFCausalLMSpec(Section):
         "auto: only where the job needs it to fit, that is with training.gradient_checkpointing and a memory "
         "estimate with whole MLPs above offload.gpu_memory_limit (or the GPU's memory)",
     )
+    uncheckpointed_layers: int = Field(
+        0,
+        ge=0,
+        description="with training.gradient_checkpointing: the last N decoder layers keep their activations for "
+        "the backward instead of recomputing them, so a step runs N layers' forward once less, for their "
+        "activations in memory (the fit check counts them); at most the model's layers",
+    )
     tiled_mlp_tokens: int | None = Field(
         None,
         gt=0,
@@ -145,8 +152,13 @@ def hf_checkpoint_problems(spec: HFCausalLMSpec) -> list[tuple[str, str, str]]:
 
 def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     """Llama-style blocks (gated MLP, RMSNorm, rotary embeddings), sized from the model's config; the MLP's
-    intermediates per tile where the job tiles them (``model.tiled_mlp``)."""
-    return decoder_activation_bytes(spec, _dims(model, _mlp_tile_tokens(spec, model)))
+    intermediates per tile where the job tiles them (``model.tiled_mlp``), the layers checkpointing leaves
+    whole (``model.uncheckpointed_layers``) with all they save."""
+    return decoder_activation_bytes(spec, _dims(model, _mlp_tile_tokens(spec, model), _uncheckpointed(spec)))
+
+
+def _uncheckpointed(spec: JobSpec) -> int:
+    return getattr(spec.model, "uncheckpointed_layers", 0) if spec.training.gradient_checkpointing else 0
 
 
 def _mlp_tile_tokens(spec: JobSpec, model: nn.Module) -> int | None:
@@ -159,11 +171,12 @@ def _mlp_tile_tokens(spec: JobSpec, model: nn.Module) -> int | None:
 
 
 def hf_checkpointed_inputs(spec: JobSpec, model: nn.Module) -> list[int]:
-    """The decoder layers' inputs, which transformers' checkpointing keeps (its other arguments are bound)."""
-    return decoder_checkpointed_inputs(spec, _dims(model))
+    """The checkpointed decoder layers' inputs, which transformers' checkpointing keeps (its other arguments are
+    bound)."""
+    return decoder_checkpointed_inputs(spec, _dims(model, uncheckpointed_layers=_uncheckpointed(spec)))
 
 
-def _dims(model: nn.Module, mlp_tile_tokens: int | None = None) -> DecoderDims:
+def _dims(model: nn.Module, mlp_tile_tokens: int | None = None, uncheckpointed_layers: int = 0) -> DecoderDims:
     config: Any = model.config
     h = config.hidden_size
     chunked = getattr(config, "final_logit_softcapping", None) is None and getattr(config, "logit_scale", None) is None
@@ -177,6 +190,7 @@ def _dims(model: nn.Module, mlp_tile_tokens: int | None = None) -> DecoderDims:
         chunked_logits=chunked,
         mlp_tile_tokens=mlp_tile_tokens,
         draws_random_numbers=_has_dropout(config.to_dict()),
+        uncheckpointed_layers=min(uncheckpointed_layers, layers),
     )
 
 

@@ -122,6 +122,18 @@ def _check_activation_offload_needs_checkpointing(spec: JobSpec) -> list[Problem
     return []
 
 
+def _check_uncheckpointed_layers_need_checkpointing(spec: JobSpec) -> list[Problem]:
+    if getattr(spec.model, "uncheckpointed_layers", 0) and not spec.training.gradient_checkpointing:
+        return [
+            (
+                "model.uncheckpointed_layers",
+                "keeps layers out of gradient checkpointing, which is off; set training.gradient_checkpointing: "
+                "true or remove it",
+            )
+        ]
+    return []
+
+
 def _check_distributed_trains(spec: JobSpec) -> list[Problem]:
     if spec.distributed.world_size > 1 and spec.task != "train":
         return [("distributed.world_size", f"data parallelism trains; task {spec.task!r} runs on one rank: set 1")]
@@ -139,6 +151,7 @@ RULES = (
     _check_warmup_fits_steps,
     _check_delayed_update_without_clipping,
     _check_activation_offload_needs_checkpointing,
+    _check_uncheckpointed_layers_need_checkpointing,
     _check_quantize_needs_a_frozen_base,
     *LLM_RULES,
 )

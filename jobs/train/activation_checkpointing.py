@@ -287,6 +287,21 @@ def _zero_rows_after(grad: torch.Tensor | None, total: int) -> torch.Tensor | No
     return torch.cat([grad, grad.new_zeros(total - grad.shape[0], *grad.shape[1:])])
 
 
+def leave_last_layers_whole(model: nn.Module, count: int) -> int:
+    """Switch checkpointing off for the last ``count`` of ``model``'s layers that switch it per layer
+    (transformers' ``GradientCheckpointingLayer``): they keep what they save for the backward and are not
+    recomputed (``model.uncheckpointed_layers``). The last ones, as the backward starts with them: their saved
+    activations are the first to go, and under the offload engine their weights are the ones still on the
+    device at the turnaround. Returns how many were switched off."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    whole = layers[len(layers) - min(count, len(layers)) :]
+    for layer in whole:
+        layer.gradient_checkpointing = False
+    return len(whole)
+
+
 def offload_checkpointed_inputs(model: nn.Module, activations: ActivationOffload) -> int:
     """Send what each checkpointed call of ``model`` keeps to the host (``offload.activations``): every
     module's ``_gradient_checkpointing_func`` (transformers' layers, diffusers' blocks, ``transformer_lm``)
