@@ -198,22 +198,23 @@ class PrefetchSchedule:
         largest = max((size[id(u)] for u in candidates), default=0)
         small = [u for u in candidates if size[id(u)] * 16 < largest]
         large = [u for u in candidates if size[id(u)] * 16 >= largest]
-        used, in_ring, kept = 0, 0, set()
-        for unit in free + small + spread(large, budget - sum(size[id(u)] for u in small), size) + large[::-1]:
-            offloaders = [o for o in frozen[id(unit)] if id(o) not in kept]  # a tied weight is held once
-            nbytes = sum(o.resident_nbytes for o in offloaders)
-            stays = id(unit) in in_slot
-            if not offloaders or (not stays and used + nbytes > budget):
-                continue
-            for offloader in offloaders:
-                if not stays:
-                    offloader.leave_ring()
+        in_ring, kept = 0, set()
+        for unit in free:  # in their own slots: nothing to move, nothing the budget pays for
+            for offloader in frozen[id(unit)]:
                 offloader.acquire()
                 kept.add(id(offloader))
-            if stays:
-                in_ring += nbytes
-            else:
-                used += nbytes
+            in_ring += size[id(unit)]
+        used = 0
+        for unit in small + spread(large, budget - sum(size[id(u)] for u in small), size) + large[::-1]:
+            offloaders = [o for o in frozen[id(unit)] if id(o) not in kept]  # a tied weight is held once
+            nbytes = sum(o.resident_nbytes for o in offloaders)
+            if not offloaders or used + nbytes > budget:
+                continue
+            for offloader in offloaders:
+                offloader.leave_ring()
+                offloader.acquire()
+                kept.add(id(offloader))
+            used += nbytes
         log.info("gpu_memory_budget %d bytes: %d bytes of weights stay on the device, and %d more in ring slots "
                  "of their own", budget, used, in_ring)  # fmt: skip
         self.kept_bytes, self.kept_outside_ring_bytes = used + in_ring, used

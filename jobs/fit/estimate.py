@@ -73,8 +73,10 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
     """
     decided = with_mlp_tiling_decided(spec)
     layers = getattr(spec.model, "num_layers", None)
-    estimate = _extrapolated(decided, layers) if isinstance(layers, int) and layers > MAX_BUILT_LAYERS else None
-    estimate = estimate or _estimate_built(decided)
+    if isinstance(layers, int) and layers > MAX_BUILT_LAYERS:
+        estimate = _extrapolated(decided, layers)
+    else:
+        estimate = _estimate_built(decided)
     if getattr(spec.model, "tiled_mlp", None) == "auto" and decided.model.tiled_mlp:
         estimate.notes.append(
             "model.tiled_mlp auto: MLPs over tiles, as the estimate with whole ones exceeds the device"

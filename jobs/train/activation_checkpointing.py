@@ -120,7 +120,7 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     (under ``no_grad``) runs ``forward`` as given, the hooks having run around it already.
     """
     found = _layer_of(function)
-    rows = _trimmed_rows(args) if torch.is_grad_enabled() else None
+    rows = _trimmed_rows(args)
     if found is None:  # a layer's __call__ (transformers <= 5.17) or any other function: hooks already inside
         if rows is None:
             return checkpoint(function, *args, use_reentrant=True)
@@ -162,10 +162,15 @@ def _rows_of(args: tuple[Any, ...]) -> int | None:
     return next((arg.shape[0] for arg in args if isinstance(arg, torch.Tensor) and arg.dim() >= 2), None)
 
 
+def _per_row(value: Any, total: int | None) -> bool:
+    """Whether ``value`` is a per-row tensor of a batch of ``total`` rows (two or more dimensions, ``total`` first)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == total
+
+
 def _first_rows(value: Any, rows: int, total: int | None) -> Any:
-    """``value`` with every per-row tensor in it (two or more dimensions, ``total`` first) cut to its first rows."""
+    """``value`` with every per-row tensor in it (``_per_row``) cut to its first rows."""
     if isinstance(value, torch.Tensor):
-        return value[:rows] if value.dim() >= 2 and value.shape[0] == total else value
+        return value[:rows] if _per_row(value, total) else value
     if isinstance(value, tuple | list):
         return type(value)(_first_rows(item, rows, total) for item in value)
     if isinstance(value, dict):
@@ -221,7 +226,7 @@ class _ReentrantCheckpoint(CheckpointFunction):
         if trimmed is not None and preserve_rng_state and not _drew_random_numbers(ctx, args):
             rows, recompute = trimmed
             total = _rows_of(args)
-            cut = frozenset(i for i in ctx.tensor_indices if _first_rows(args[i], rows, total) is not args[i])
+            cut = frozenset(i for i in ctx.tensor_indices if _per_row(args[i], total))
             ctx.run_function, ctx.trimmed = recompute, (rows, total, cut)
             # A copy, not a view: a view would keep the whole batch's storage alive until backward.
             ctx.save_for_backward(*(args[i][:rows].clone() if i in cut else args[i] for i in ctx.tensor_indices))
