@@ -70,6 +70,7 @@ def job(name: str, *, objective: str, args: argparse.Namespace, seq: int) -> dic
             "batch_size": 1 if preference else 2,
             "learning_rate": 1e-5,
             "gradient_checkpointing": True,
+            "mixed_precision": "bf16",  # as configs/hf_causal_lm_dpo-lora_model-offload.yaml: float32 adapters
             "objective": objective,
             **({"dpo": {"beta": 0.1}} if preference else {}),
         },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,29 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, task_type: str | None) -> Pe
         task_type=task_type,
     )
     return get_peft_model(model, config)
+
+
+def no_upcast_under_autocast(model: nn.Module) -> None:
+    """Each LoRA layer leaves its input in its own dtype while autocast is on.
+
+    peft casts a layer's input to the adapter's dtype before ``lora_A``, and adapters are float32 on a bf16
+    base (``keep_trainable_in_float32``, peft's ``autocast_adapter_dtype``). Under autocast that float32 copy
+    of the activation (batch x tokens x in_features, 4 bytes an element) is cast straight back to bf16 by the
+    matmul: two full-width copies per layer per pass for bitwise the
+    same product. Without autocast the cast stays (float32 adapters need float32 inputs). Plain LoRA linears
+    only: a variant (DoRA) computes more than the two matmuls from the input.
+    """
+    from peft.tuners.lora.layer import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear) and not module.lora_variant:
+            module._cast_input_dtype = functools.partial(_cast_input_unless_autocast, module)  # type: ignore[method-assign,assignment]
+
+
+def _cast_input_unless_autocast(layer: nn.Module, x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if x is not None and torch.is_autocast_enabled(x.device.type):
+        return x  # autocast casts x and the weight to its dtype for the matmul itself
+    return type(layer)._cast_input_dtype(layer, x, dtype)  # type: ignore[attr-defined]
 
 
 def save_adapter(model: PeftModel, directory: Path) -> None:

@@ -198,12 +198,16 @@ class PreferenceLoss:
 
     def mask_rows(self, output: torch.Tensor) -> torch.Tensor | None:
         """An adapter's output with the reference rows zeroed (None: leave it as is). A call over part of the
-        batch (a recompute of the policy rows, the head over the reference rows) reads its rows' part of the mask."""
+        batch (a recompute of the policy rows, the head over the reference rows) reads its rows' part of the mask;
+        a part of policy rows alone is left as is, with no multiply."""
         mask = self._mask
         if mask is None:
             return None
         if output.shape[0] != mask.shape[0]:
-            mask = mask[batch_rows(output.shape[0])]
+            rows = batch_rows(output.shape[0])
+            if rows.stop <= mask.shape[0] // 2:  # the policy rows come first
+                return None
+            mask = mask[rows]
             if output.shape[0] != mask.shape[0]:
                 return None
         return output * mask.to(output.dtype).view(-1, *([1] * (output.dim() - 1)))
@@ -226,17 +230,21 @@ def forward_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 
 
 def _mask_adapters(model: nn.Module, loss: PreferenceLoss) -> list[Any]:
-    """A forward hook on every LoRA ``lora_B``; refuses adapters whose output it cannot mask."""
+    """A forward hook on every LoRA ``lora_A``; refuses adapters whose output it cannot mask.
+
+    ``lora_A``'s output is rank wide, and ``lora_B`` (no bias) maps its zero rows to zero rows: the same adapter
+    output as masking ``lora_B``'s, out_features wide, for a multiply a few hundred times smaller."""
     from peft.tuners.lora import LoraLayer
 
     handles = []
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
-        if len(getattr(module, "lora_embedding_B", {})) or getattr(module, "lora_variant", {}):
+        with_bias = any(getattr(b, "bias", None) is not None for b in module.lora_B.values())
+        if len(getattr(module, "lora_embedding_B", {})) or getattr(module, "lora_variant", {}) or with_bias:
             raise ValueError(
                 f"dpo: the adapter on {name} is not a plain LoRA linear; remove it from lora.target_modules"
             )
-        for adapter in module.lora_B.values():
+        for adapter in module.lora_A.values():
             handles.append(adapter.register_forward_hook(lambda _m, _i, out: loss.mask_rows(out)))
     return handles

@@ -190,6 +190,10 @@ def _setup_model(
             model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
     if training.mixed_precision != "no":
         keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
+    if spec.lora is not None:
+        from jobs.train.lora import no_upcast_under_autocast
+
+        no_upcast_under_autocast(model)
     quantize = getattr(spec.model, "quantize", None)
     if quantize is not None and source is not None:
         from jobs.models.loading.quantizing_source import QuantizingSource  # torchao is an optional extra

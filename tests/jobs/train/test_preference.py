@@ -315,6 +315,29 @@ def test_the_reference_rows_leave_the_recompute_and_the_backward(tiny: Path) -> 
     assert any(grad.abs().sum() > 0 for grad in whole[1].values())
 
 
+def test_the_reference_rows_are_masked_rank_wide_and_a_recompute_of_policy_rows_not_at_all(tiny: Path) -> None:
+    """The adapters' reference rows are zeroed on lora_A's output (rank 4 wide here, not q_proj's 64), and the
+    recompute, which runs the policy rows alone, multiplies nothing."""
+    _, batch = tiny_batch(tiny)
+    model = lora_model(tiny, zero_b=False)[1]
+    multiplied: list[tuple[int, int]] = []  # (rows, width) of each masked output
+    original = PreferenceLoss.mask_rows
+
+    def recording(self: PreferenceLoss, output: torch.Tensor) -> torch.Tensor | None:
+        masked = original(self, output)
+        if masked is not None:
+            multiplied.append((output.shape[0], output.shape[-1]))
+        return masked
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PreferenceLoss, "mask_rows", recording)
+        (loss, grads), recomputed = _dpo_step_rows(model, batch, trim=True)
+    assert recomputed == [8, 8]
+    # Two layers with q_proj and v_proj adapted: four masked outputs, all in the forward over the 16 rows.
+    assert multiplied == [(16, 4)] * 4
+    assert math.isfinite(loss) and all(grad.abs().sum() > 0 for grad in grads.values())
+
+
 def test_offloaded_activations_hold_the_policy_rows_alone(tiny: Path, tmp_path: Path, monkeypatch: Any) -> None:
     """Under ``offload.activations`` the checkpointed inputs go to pinned host memory: half the bytes once the
     reference rows are not kept."""
