@@ -92,14 +92,22 @@ def corpus(directory: Path) -> None:
     (directory / "corpus.txt").write_text(text * 400)
 
 
-def lora_spec(name: str, model_dir: str, limit: str, steps: int, tokens: int, init: str, device: str) -> dict:
+def lora_spec(
+    name: str, model_dir: str, limit: str, steps: int, tokens: int, init: str, device: str, precision: str = "no"
+) -> dict:
     return {
         "name": name,
         "device": device,
         "model": {"kind": "hf_causal_lm", "path": model_dir, "dtype": "bfloat16", "init": init},
         "data": {"kind": "text", "path": "corpus", "seq_len": tokens},
         "lora": {"target_modules": ALL_LINEAR, "rank": 16},
-        "training": {"steps": steps, "batch_size": 1, "learning_rate": 1e-4, "gradient_checkpointing": True},
+        "training": {
+            "steps": steps,
+            "batch_size": 1,
+            "learning_rate": 1e-4,
+            "gradient_checkpointing": True,
+            "mixed_precision": precision,
+        },
         "offload": {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": limit},
         "checkpoint": {"save_final": True},
     }
@@ -121,7 +129,7 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
     h2d = pinned_h2d_gbps()
     tokens = 4096 if args.scale >= 1 else 64
     spec = lora_spec("qwen32b-shape-lora", "qwen2.5-32b-shape", args.limit or "24GiB", args.steps, tokens,
-                     "random", "cpu" if args.cpu else "cuda")  # fmt: skip
+                     "random", "cpu" if args.cpu else "cuda", args.mixed_precision)  # fmt: skip
     if args.budget:
         spec["offload"]["gpu_memory_budget"] = args.budget
     if args.prefetch is not None:
@@ -311,7 +319,7 @@ def disk14b(args: argparse.Namespace) -> dict[str, Any]:
     corpus(root / "datasets" / "corpus")
     tokens = 4096 if args.scale >= 1 else 64
     spec = lora_spec("qwen14b-shape-lora-from-disk", "qwen2.5-14b-shape", args.limit or "16GiB", args.steps, tokens,
-                     "checkpoint", "cpu" if args.cpu else "cuda")  # fmt: skip
+                     "checkpoint", "cpu" if args.cpu else "cuda", args.mixed_precision)  # fmt: skip
     job = run_in_process(spec, root)
     lora_params = _lora_params(shape, 16)
     return {"checkpoint": checkpoint, "disk": disk, "job": job, "h2d_gbps": pinned_h2d_gbps(),
@@ -423,7 +431,7 @@ def qlora70b(args: argparse.Namespace) -> dict[str, Any]:
     corpus(root / "datasets" / "corpus")
     tokens = 4096 if args.scale >= 1 else 64
     limited = lora_spec("llama70b-shape-qlora", "llama-3.1-70b-shape", args.limit or "24GiB", args.steps, tokens,
-                        "random", "cpu" if args.cpu else "cuda")  # fmt: skip
+                        "random", "cpu" if args.cpu else "cuda", args.mixed_precision)  # fmt: skip
     limited["model"]["quantize"] = "nf4"
     limited["checkpoint"] = {"save_final": False}
     # Resident: every unit kept on the device by the budget, NF4 kept quantized (torchao dequantizes in each
@@ -507,7 +515,8 @@ def resident70b(args: argparse.Namespace) -> dict[str, Any]:
         shape = {**scaled(LLAMA_70B, args.scale), "num_hidden_layers": n}
         name = f"llama-70b-shape-{n}-layers"
         write_config(root / "models" / name, shape)
-        job = lora_spec(name, name, "24GiB", args.steps, tokens, "random", "cpu" if args.cpu else "cuda")
+        job = lora_spec(name, name, "24GiB", args.steps, tokens, "random", "cpu" if args.cpu else "cuda",
+                        args.mixed_precision)  # fmt: skip
         job["offload"] = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": "200GiB"}
         job["checkpoint"] = {"save_final": False}
         runs[n] = run_in_process(job, root, output=f"out-{n}")
@@ -545,7 +554,7 @@ def long32k(args: argparse.Namespace) -> dict[str, Any]:
     device, limit = "cpu" if args.cpu else "cuda", args.limit or "24GiB"
 
     def spec(name: str, tokens: int, offload: dict[str, Any]) -> dict[str, Any]:
-        job = lora_spec(name, "qwen2.5-32b-shape", limit, args.steps, tokens, "random", device)
+        job = lora_spec(name, "qwen2.5-32b-shape", limit, args.steps, tokens, "random", device, args.mixed_precision)
         return {**job, "offload": offload, "checkpoint": {"save_final": False}}
 
     streamed = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": limit}
@@ -639,6 +648,12 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, help="headline: offload.prefetch (ring slots = prefetch + 1)")
     parser.add_argument("--resident", action="store_true", help="headline: the same job resident beside it")
     parser.add_argument("--whole-layers", type=int, help="headline: model.uncheckpointed_layers (not recomputed)")
+    parser.add_argument(
+        "--mixed-precision",
+        choices=["no", "bf16"],
+        default="no",
+        help="training.mixed_precision of the LoRA jobs (the shipped LLM configs run bf16)",
+    )
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
     args = parser.parse_args()
@@ -655,7 +670,8 @@ def main() -> None:
         f"{f' --steps {args.steps}' if args.steps != 5 else ''}{f' --limit {args.limit}' if args.limit else ''}"
         f"{f' --budget {args.budget}' if args.budget else ''}"
         f"{f' --prefetch {args.prefetch}' if args.prefetch is not None else ''}{' --resident' if args.resident else ''}"
-        f"{f' --whole-layers {args.whole_layers}' if args.whole_layers else ''}`\n\n"
+        f"{f' --whole-layers {args.whole_layers}' if args.whole_layers else ''}"
+        f"{f' --mixed-precision {args.mixed_precision}' if args.mixed_precision != 'no' else ''}`\n\n"
     )
     text = header + markdown(record)
     print(text, flush=True)
