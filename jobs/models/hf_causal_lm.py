@@ -42,7 +42,8 @@ class HFCausalLMSpec(Section):
     tiled_mlp: bool | Literal["auto"] = Field(
         "auto",
         description="run each decoder layer's position-wise MLP over tiles of tiled_mlp_tokens tokens, each "
-        "checkpointed, so a layer's backward holds one tile's MLP intermediates (one more MLP forward a step); "
+        "checkpointed, so a layer's backward holds one tile's MLP intermediates (the recompute of a checkpointed "
+        "Llama-style layer skips its MLP; elsewhere one more MLP forward a step); "
         "auto: only where the job needs it to fit, that is with training.gradient_checkpointing and a memory "
         "estimate with whole MLPs above offload.gpu_memory_limit (or the GPU's memory)",
     )

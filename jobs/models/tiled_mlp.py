@@ -7,7 +7,8 @@ position-wise, so its output for a slice of positions is its output on that slic
 about ``tokens`` tokens (all rows, a slice of positions), each under torch's non-reentrant checkpoint, and the
 tiles' outputs are concatenated. A tile's forward keeps only its input; backward recomputes one tile at a time,
 so a layer's backward holds one tile's intermediates instead of the whole sequence's (Arctic Long Sequence
-Training's TiledMLP, Unsloth's tiled MLP). The cost is one more forward of the MLP per step.
+Training's TiledMLP, Unsloth's tiled MLP). The cost is one more forward of the MLP per step, except in the
+checkpointed layers below.
 
 Each row goes through the same layers, so values and gradients are training's without it to float rounding: a
 matmul kernel may block fewer rows differently, and a weight's gradient (an adapter's) sums its tokens tile by
@@ -21,6 +22,14 @@ instance's ``forward`` only: module names, state-dict keys and peft's adapters a
 exact inverse. Whether a job tiles (``auto``: only where its memory estimate needs it) is the fit check's
 decision (jobs/fit/estimate.py ``with_mlp_tiling_decided``): the extra forward is not paid where it buys nothing.
 
+Inside a checkpointed layer the MLP ran three forwards a step: the layer's forward, its recompute, and each tile's
+recompute in backward. The middle one computes values nothing reads where the MLP's output goes only into the
+residual sum (whose backward reads no value) and the recompute's outputs serve backward alone: there the tiled
+MLP returns zeros, and its backward recomputes each tile from the saved input (the random numbers the layer's
+forward drew replayed) and backpropagates it, the same work as before less one MLP forward. Which layers qualify is
+read from their children: a pre-norm layer of attention, MLP and the two norms (Llama, Qwen2/3, Mistral, Gemma)
+or GPT-2's block. A layer that normalizes the MLP's output (Gemma 2/3, OLMo 2) keeps computing it.
+
 The offload engine streams a layer's weights and restores them on the device before backward through the
 tensors autograd saves (offload/saved_tensors.py). Inside a tile's checkpoint those saves go to the checkpoint,
 not to the engine, so the MLP's weights are also saved around the tiles: once before them, which keeps them
@@ -30,13 +39,16 @@ the first tile is recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
+
+from jobs.train.activation_checkpointing import recomputing
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +63,11 @@ POSITION_WISE = (
     frozenset({"dense_h_to_4h", "dense_4h_to_h", "act"}),  # GPT-NeoX
 )
 _ATTRIBUTE = "ferry_tiled_mlp"
+# The children of decoder layers whose MLP output only the residual sum reads (``hidden = residual + mlp(...)``).
+RESIDUAL_LAST = (
+    frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}),  # Llama, Qwen2/3, Mistral, Gemma
+    frozenset({"ln_1", "attn", "ln_2", "mlp"}),  # GPT-2
+)
 
 
 def default_tile_tokens(intermediate: int, element_size: int) -> int:
@@ -76,8 +93,9 @@ class TiledMLP:
         tokens: Tokens per tile (all the rows of a slice of positions); an input of no more runs whole.
     """
 
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, residual_last: bool = False) -> None:
         self.tokens = tokens
+        self.residual_last = residual_last  # the layer's output is residual + this MLP's: the recompute skips it
         self.forward: Any = None  # the instance's own forward attribute before install, if it had one
 
     def applies(self, x: torch.Tensor) -> bool:
@@ -85,17 +103,20 @@ class TiledMLP:
         return x.dim() == 3 and x.shape[0] * x.shape[1] > self.tokens
 
     def __repr__(self) -> str:
-        return f"TiledMLP(tokens={self.tokens})"
+        return f"TiledMLP(tokens={self.tokens}, residual_last={self.residual_last})"
 
 
 def install(model: nn.Module, tokens: int) -> int:
     """Tile every position-wise MLP of ``model`` (module docstring); returns how many. A model with none is
     logged as a warning: the spec asked for tiling that will not happen."""
     mlps = tileable_mlps(model)
-    for _, mlp in mlps:
+    modules = dict(model.named_modules())
+    for name, mlp in mlps:
         if hasattr(mlp, _ATTRIBUTE):
             continue
-        tiles = TiledMLP(tokens)
+        layer = modules.get(name.rpartition(".")[0]) if "." in name else None
+        children = frozenset(n for n, _ in layer.named_children()) if layer is not None else frozenset()
+        tiles = TiledMLP(tokens, residual_last=children in RESIDUAL_LAST)
         tiles.forward = mlp.__dict__.get("forward")
         setattr(mlp, _ATTRIBUTE, tiles)
         mlp.forward = functools.partial(_tiled_forward, mlp, mlp.forward, tiles)
@@ -122,9 +143,51 @@ def _tiled_forward(mlp: nn.Module, forward: Any, tiles: TiledMLP, x: torch.Tenso
     if not torch.is_grad_enabled():  # a checkpointed layer's first forward, or evaluation: nothing to save
         return torch.cat([forward(part) for part in x.split(positions, dim=1)], dim=1)
     weights = tuple(mlp.parameters())
-    parts = _KeepForBackward.apply(x, weights).split(positions, dim=1)
-    outputs = [checkpoint(forward, part, use_reentrant=False) for part in parts]
+    kept = _KeepForBackward.apply(x, weights)
+    if tiles.residual_last and recomputing():
+        return _OnloadBeforeBackward.apply(_TilesInBackward.apply(kept, forward, positions), weights)
+    outputs = [checkpoint(forward, part, use_reentrant=False) for part in kept.split(positions, dim=1)]
     return _OnloadBeforeBackward.apply(torch.cat(outputs, dim=1), weights)
+
+
+class _TilesInBackward(torch.autograd.Function):
+    """The MLP over ``x`` in a layer's recompute, whose output backward reads no value of: zeros now, and in
+    backward each tile recomputed and backpropagated in turn (its adapters' gradients accumulate there, as in a
+    reentrant checkpoint). The random numbers the forward drew are replayed: the tiles run in the order, and
+    from the generator states, of the layer's own forward, which the recompute replays up to here."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward: Any, positions: int) -> torch.Tensor:
+        ctx.forward, ctx.positions = forward, positions
+        ctx.devices, ctx.device_states = get_device_states(x)
+        ctx.cpu_state = torch.get_rng_state()
+        ctx.autocast = {
+            kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in {"cpu", x.device.type}
+        }
+        ctx.save_for_backward(x)
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        (x,) = ctx.saved_tensors
+        grads = []
+        with torch.random.fork_rng(devices=ctx.devices, device_type=x.device.type):
+            torch.set_rng_state(ctx.cpu_state)
+            set_device_states(ctx.devices, ctx.device_states, device_type=x.device.type)
+            with contextlib.ExitStack() as stack:
+                for kind, (enabled, dtype) in ctx.autocast.items():
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+                for part, part_grad in zip(
+                    x.split(ctx.positions, dim=1), grad.split(ctx.positions, dim=1), strict=True
+                ):
+                    part = part.detach().requires_grad_(ctx.needs_input_grad[0])
+                    with torch.enable_grad():
+                        output = ctx.forward(part)
+                    if output.requires_grad:
+                        torch.autograd.backward(output, part_grad)
+                    grads.append(part.grad)
+        grad_x = torch.cat(grads, dim=1) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
 
 
 class _KeepForBackward(torch.autograd.Function):

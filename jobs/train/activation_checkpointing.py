@@ -29,6 +29,10 @@ recomputes only the first rows, and hands the others a zero gradient: the recomp
 policy's work alone, not twice it. A layer whose forward drew random numbers (dropout) keeps every row, as a
 recompute of fewer rows would draw other ones.
 
+While a checkpoint recomputes (``recomputing()``), what the recompute's outputs are worth is their graph: backward
+reads no value of a layer's output. A tiled MLP whose output only the residual sum reads skips its forward there
+(jobs/models/tiled_mlp.py).
+
 One difference from torch's reentrant checkpoint: an output that backward does not reach gets no gradient,
 where torch's hands the block a zero one (it materializes missing gradients). A Qwen-Image block returns the
 text stream too, which the last block's caller drops; with zeros, that block's text-side adapters would get
@@ -63,6 +67,7 @@ CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"  # where transformers and d
 
 _rows_needing_gradient: int | None = None  # only_first_rows_need_gradient's, while inside it
 _first_row = 0  # rows_from's: where in the batch the rows of the calls inside begin
+_recomputing = False  # inside a _ReentrantCheckpoint's recompute
 
 
 @contextlib.contextmanager
@@ -123,7 +128,7 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     rows = _trimmed_rows(args)
     if found is None:  # a layer's __call__ (transformers <= 5.17) or any other function: hooks already inside
         if rows is None:
-            return checkpoint(function, *args, use_reentrant=True)
+            return checkpoint(_flagging_the_recompute(function), *args, use_reentrant=True)
         return _ReentrantCheckpoint.apply(function, True, (rows, _first_rows_of_call(function, rows, args)), *args)
     layer, kwargs = found
 
@@ -133,7 +138,8 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
                 return function(*inputs)
             layer.gradient_checkpointing = False  # the recompute, through __call__ and its hooks
             try:
-                return layer(*inputs, **bound)
+                with _in_recompute():
+                    return layer(*inputs, **bound)
             finally:
                 layer.gradient_checkpointing = True
 
@@ -144,6 +150,35 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     total = _rows_of(args)
     first = recompute(**_first_rows(kwargs, rows, total))
     return _ReentrantCheckpoint.apply(recompute(**kwargs), True, (rows, first), *args)
+
+
+def recomputing() -> bool:
+    """Whether this call runs inside a checkpointed layer's recompute, whose outputs backward reads no value of."""
+    return _recomputing
+
+
+@contextlib.contextmanager
+def _in_recompute() -> Iterator[None]:
+    global _recomputing
+    before, _recomputing = _recomputing, True
+    try:
+        yield
+    finally:
+        _recomputing = before
+
+
+def _flagging_the_recompute(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` for torch's reentrant checkpoint, which runs it without grad in the forward and with grad in
+    the recompute: there, inside ``_in_recompute``."""
+
+    @functools.wraps(function)
+    def run(*inputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return function(*inputs)
+        with _in_recompute():
+            return function(*inputs)
+
+    return run
 
 
 def rows_needing_gradient(total: int | None) -> int | None:
@@ -256,7 +291,12 @@ class _ReentrantCheckpoint(CheckpointFunction):
                 if torch.amp.is_autocast_available(ctx.device_type)
                 else contextlib.nullcontext()
             )
-            with torch.enable_grad(), device_autocast, torch.amp.autocast("cpu", **ctx.cpu_autocast_kwargs):
+            with (
+                torch.enable_grad(),
+                device_autocast,
+                torch.amp.autocast("cpu", **ctx.cpu_autocast_kwargs),
+                _in_recompute(),
+            ):
                 outputs = ctx.run_function(*detached)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
         if ctx.trimmed is not None:

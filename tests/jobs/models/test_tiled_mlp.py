@@ -9,6 +9,7 @@ a time, and the fit check counts one tile's.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -137,9 +138,87 @@ def test_a_backward_holds_one_tiles_intermediates_at_a_time() -> None:
     mlp.up_proj.register_forward_hook(record)
     mlp.down_proj.register_forward_pre_hook(count)
     _step(model)
-    assert len(seen) == 2 * 5  # the layer's recompute and each tile's, five tiles each
+    assert len(seen) == 5  # each tile's recompute (the layer's recompute no longer runs the MLP)
     assert max(rows for rows, _ in seen) == TILE
-    assert all(earlier == 0 for _, earlier in seen[5:]), seen  # a tile's recompute starts after the last one's backward
+    assert all(earlier == 0 for _, earlier in seen), seen  # a tile's recompute starts after the last one's backward
+
+
+def _mlp_tokens(model: nn.Module) -> list[int]:
+    """Tokens each decoder layer's down projection ran, forward and backward, over one training step."""
+    seen: dict[str, int] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.down_proj"):
+            count = functools.partial(
+                lambda key, _m, args: seen.update({key: seen.get(key, 0) + args[0].shape[1]}), name
+            )
+            hooks.append(module.register_forward_pre_hook(count))
+    _step(model)
+    for hook in hooks:
+        hook.remove()
+    return list(seen.values())
+
+
+def test_a_checkpointed_layers_recompute_skips_its_tiled_mlp() -> None:
+    """The MLP's output goes only into the residual sum, so the layer's recompute, whose outputs backward reads no
+    value of, returns zeros for it: two MLP forwards a step (the layer's forward, each tile's recompute), not
+    three, for the same training."""
+    tokens = _ids().shape[1]
+    assert _mlp_tokens(_model(True, True)) == [2 * tokens] * 3
+    assert _mlp_tokens(_model(False, True)) == [2 * tokens] * 3  # a whole MLP: forward and recompute
+    assert _mlp_tokens(_model(True, False)) == [2 * tokens] * 3  # no layer checkpoint: each tile's own
+    _assert_same_training(_step(_model(True, True)), _step(_model(False, True)))
+
+
+def test_a_layer_that_normalizes_its_mlps_output_still_computes_it() -> None:
+    """Gemma 2 normalizes the MLP's output before the residual sum: that norm's backward reads the value, so the
+    recompute computes it (three forwards) and the gradients are the whole MLP's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    def gemma(tiled: bool) -> nn.Module:
+        torch.manual_seed(0)
+        config = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+        model = Gemma2ForCausalLM(config)
+        if tiled:
+            tiled_mlp.install(model, TILE)
+            assert all(not mlp.ferry_tiled_mlp.residual_last for _, mlp in tiled_mlp.tileable_mlps(model))
+        enable_hf_gradient_checkpointing(model)
+        return get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)).train()
+
+    tokens = _ids().shape[1]
+    assert _mlp_tokens(gemma(True)) == [3 * tokens] * 3
+    _assert_same_training(_step(gemma(True)), _step(gemma(False)))
+
+
+def test_the_skipped_recompute_replays_the_forwards_dropout() -> None:
+    """With LoRA dropout the tiles draw masks: the tiles recomputed in backward draw the layer's forward's, so the
+    step is the one that computes the recompute's MLP: the loss bitwise, each adapter's gradient to the rounding of
+    its tiles' sum (taken in the other order)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def dropped(skip: bool) -> Trained:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        model = LlamaForCausalLM(config)
+        tiled_mlp.install(model, TILE)
+        enable_hf_gradient_checkpointing(model)
+        lora = LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.3)
+        model = get_peft_model(model, lora).train()
+        with pytest.MonkeyPatch.context() as patch:
+            if not skip:
+                patch.setattr(tiled_mlp, "recomputing", lambda: False)
+            torch.manual_seed(5)
+            return _step(model)
+
+    skipped, computed = dropped(True), dropped(False)
+    assert skipped[0] == computed[0] and skipped[1].keys() == computed[1].keys()
+    for name, grad in computed[1].items():
+        # Other masks would move these gradients (up to 0.13) by about 1e-2; the tiles' sum order, by 1e-8.
+        torch.testing.assert_close(skipped[1][name], grad, rtol=0, atol=5e-8, msg=name)
 
 
 def test_dpo_masks_the_reference_rows_in_every_tile() -> None:
