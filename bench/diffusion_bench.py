@@ -207,7 +207,15 @@ class BenchFamily:
         return {"target_modules": list(section["target_modules"]), "rank": section["rank"]}
 
 
-_TRAINING_ROWS = ("resident", "resident-link-busy", "ferry", "ferry-activations", "ferry-copy-all", "seed")
+_TRAINING_ROWS = (
+    "resident",
+    "resident-link-busy",
+    "ferry",
+    "ferry-activations",
+    "ferry-int8",
+    "ferry-copy-all",
+    "seed",
+)
 FLUX2_CHAT_TEMPLATE = (  # a Mistral-style template over content lists, as Flux2Pipeline's format_input builds them
     "{% for message in messages %}{% for part in message['content'] %}"
     "[{{ message['role'] }}]{{ part['text'] }}{% endfor %}{% endfor %}"
@@ -591,6 +599,13 @@ def main() -> None:
             f"as Ferry's, offload.activations: true, budget {args.budget}, limit {args.limit}",
             {**ferry, "activations": True},
         ),
+        # Ferry's schedule with the frozen weights stored and streamed in int8 (half the bytes on the link): the
+        # candidate where the forward is bound by the link (Flux.2 under 24 GiB), beside the bf16 resident row.
+        "ferry-int8": (
+            f"as Ferry's, model.quantize: int8 (frozen weights streamed in int8), budget {args.budget}, limit {args.limit}",
+            ferry,
+            {"quantize": "int8"},
+        ),
         # The same schedule with every visit copied: the same-run baseline of the ring slots' reuse.
         "ferry-copy-all": (
             f"as Ferry's, reuse_ring_slots: false (every visit copies), budget {args.budget}, limit {args.limit}",
@@ -818,6 +833,7 @@ def render(
             "ferry": floor_budget,
             "ferry-copy-all": floor_budget,
             "ferry-activations": floor_budget,
+            "ferry-int8": float("nan"),  # its bytes are int8, not the floors' bf16
             "ferry-streamed-modulation": floor_streamed,
         }.get(key, floor_all)
         vs_resident = f"{row['step_s'] / resident:.2f}x" if resident and key != "resident" else "—"
@@ -861,6 +877,7 @@ def render(
         ("ferry-streamed-modulation", "Precomputed modulation", "with the modulation layers streamed"),
         ("ferry-copy-all", "Ring slot reuse", "every visit copied"),
         ("ferry-activations", "Activations on the host", "offload.activations: true"),
+        ("ferry-int8", "Frozen weights in int8", "model.quantize: int8"),
     ):
         if "ferry" in rows and key in rows:  # Ferry's row beside its same-run A/B row
             ferry, other = rows["ferry"], rows[key]
