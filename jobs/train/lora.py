@@ -51,9 +51,9 @@ def no_upcast_under_autocast(model: nn.Module) -> None:
     peft casts a layer's input to the adapter's dtype before ``lora_A``, and adapters are float32 on a bf16
     base (``keep_trainable_in_float32``, peft's ``autocast_adapter_dtype``). Under autocast that float32 copy
     of the activation (batch x tokens x in_features, 4 bytes an element) is cast straight back to bf16 by the
-    matmul: two full-width copies per layer per pass for bitwise the
-    same product. Without autocast the cast stays (float32 adapters need float32 inputs). Plain LoRA linears
-    only: a variant (DoRA) computes more than the two matmuls from the input.
+    matmul: two full-width copies per layer per pass for bitwise the same product. Without autocast the cast
+    stays (float32 adapters need float32 inputs). Plain LoRA linears only: a variant (DoRA) computes more than
+    the two matmuls from the input.
     """
     from peft.tuners.lora.layer import Linear
 

@@ -83,9 +83,9 @@ def test_without_autocast_float32_adapters_still_get_float32_inputs() -> None:
     no_upcast_under_autocast(model)
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3, WIDTH).to(torch.bfloat16)
+    for module in reference.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = False
     with pytest.raises(RuntimeError):  # the cast is what makes peft's path work without autocast
-        for module in reference.modules():
-            if hasattr(module, "cast_input_dtype_enabled"):
-                module.cast_input_dtype_enabled = False
         reference(x)
     assert model(x).dtype == torch.bfloat16
