@@ -196,12 +196,11 @@ class OffloadTrainingManager:
                 offloader.placement, offloader.slot_offset = placement, layout.offsets[id(offloader.tensor)]
                 if isinstance(offloader, DequantizedParamOffloader):
                     offloader.room_offset = layout.room_offsets[id(offloader.tensor)]
-        # The unit's quantized weights arrive together: one dequantization call per visit, not one per weight.
+        # The unit's NF4 weights arrive together: one dequantization call per visit, not one per weight.
         arriving = [o for o in offloaders if isinstance(o, DequantizedParamOffloader) and o.batch is None]
         arriving = [o for o in arriving if o.placement is not None and o.placement is placement]
-        # One batch per method and dtype: one dequantization call, its rooms viewed as one dtype.
-        for method, dtype in {(o.method, o.like.dtype) for o in arriving}:
-            ArrivalBatch([o for o in arriving if o.method == method and o.like.dtype == dtype])
+        for dtype in {o.like.dtype for o in arriving}:  # one batch per dtype: its rooms are viewed as one
+            ArrivalBatch([o for o in arriving if o.like.dtype == dtype])
         unit = OffloadUnit(plan.name, offloaders)
         if placement is not None and layout.ring_class is not None:
             self._placements[id(unit)] = (layout.ring_class, placement)

@@ -1,41 +1,36 @@
-"""Dequantize on arrival: a streamed NF4 or int8 weight crosses the link quantized and is dequantized once per
-visit.
+"""Dequantize on arrival: a streamed NF4 weight crosses the link quantized and is dequantized once per visit.
 
-Left to torchao, a quantized layer dequantizes its weight inside every call, on the compute stream: with
-gradient checkpointing three times per step (forward, recompute, backward's input gradient); for NF4 each
-time about ten kernels. For a weight the engine streams, the bytes arrive on the copy stream anyway, so the
-engine dequantizes them there, right after the copy, into a plain device buffer, the room the memory plan
-keeps beside each ring slot (a second allocation, sized like the slots' dequantized bytes). During compute
-the parameter *is* that plain tensor: the compute stream runs the same GEMMs as an unquantized model, the
+Left to torchao, an NF4 layer dequantizes its weight inside every call, on the compute stream: with gradient
+checkpointing three times per step (forward, recompute, backward's input gradient), each time about ten
+kernels. For a weight the engine streams, the bytes arrive on the copy stream anyway, so the engine
+dequantizes them there, right after the copy, into a plain device buffer, the room the memory plan keeps
+beside each ring slot (a second allocation, sized like the slots' dequantized bytes). During compute the
+parameter *is* that plain tensor: the compute stream runs the same GEMMs as an unquantized model, the
 dequantization overlaps the previous unit's compute, and it runs once per visit (forward; recompute and
 backward together, since the weight stays on the device from its recompute to its backward) instead of once
 per call.
 
-Exactness, NF4: torchao's ``LinearNF4`` computes ``F.linear(x, w.to(dtype))`` and ``grad_output @
-w.to(dtype)``; plain ``F.linear`` autograd with the same dequantized ``w`` runs the same two matmuls, so the
-values and gradients are bit for bit the same (tests/offload/quant/test_dequantize_on_arrival.py checks it on
-the CPU). A biased layer must add its bias after the matmul as torchao does (``NF4Linear``;
-``quantize_frozen_weights`` gives biased layers that class). The dequantization is torchao's own
-``get_original_weight`` code, run over the payload's inner tensors as plain tensors (nf4_dequantize.py): on
-CUDA compiled into one kernel that writes straight into the slot (no tensor subclass reaches the compiler, so
-no subclass guards run per call), elsewhere eager.
-
-Exactness, int8 (per-row ``Int8Tensor``, int8_rows.py): every such layer is an ``Int8Linear``, which computes
-with ``codes x scale`` whether its weight is torchao's tensor or the room, and the room is written by the same
-single kernel, so offloaded training equals resident training bit for bit (int8_rows.py says how that weight
-relates to torchao's own int8 linear).
+Exactness: torchao's ``LinearNF4`` computes ``F.linear(x, w.to(dtype))`` and ``grad_output @ w.to(dtype)``;
+plain ``F.linear`` autograd with the same dequantized ``w`` runs the same two matmuls, so the values and
+gradients are bit for bit the same (tests/offload/quant/test_dequantize_on_arrival.py checks it on the CPU). A
+biased layer must add its bias after the matmul as torchao does (``NF4Linear``; ``quantize_frozen_weights``
+gives biased layers that class). The dequantization is torchao's own ``get_original_weight`` code, run over
+the payload's inner tensors as plain tensors (nf4_dequantize.py): on CUDA compiled into one kernel that writes
+straight into the slot (no tensor subclass reaches the compiler, so no subclass guards run per call),
+elsewhere eager.
 
 A weight the memory budget keeps out of the ring (a unit kept on the device for good, or held from forward
 to backward) is dequantized into memory of its own, and its payload's device copy is dropped: kept for good,
 it is dequantized once for the whole run and computes as a plain tensor from then on. The budget counts its
-dequantized bytes (``resident_nbytes``: 3.8 x an NF4 weight's stored bytes, about 2 x an int8 one's), so a budget
-keeps fewer quantized units than it would keep quantized; kept quantized instead, the layer would dequantize
-the weight in every call (three times a step with checkpointing, on the compute stream), more device time than
-streaming it takes, while a quantized step rarely waits on the link it would save.
+dequantized bytes (``resident_nbytes``, several times its NF4 bytes), so a budget keeps fewer NF4 units
+than it would keep quantized; kept quantized instead, torchao's layer would dequantize the weight in every
+call (three times a step with checkpointing, on the compute stream), more device time than streaming it
+takes, while an NF4 step rarely waits on the link it would save (its weights are a quarter of bf16's).
 
-What keeps the layer's own path: a copy into allocator memory rather than its ring slot (a ring overflow), an
-unstreamed model, and quantized tensors of other layouts (int8 with activation quantization or per-group
-scales). ``OffloadOptions(dequantize_on_arrival=False)`` turns it off.
+What keeps torchao's path: a copy into allocator memory rather than its ring slot (a ring overflow), an
+unstreamed model, and int8 (torchao's int8 linear scales after the matmul, so a dequantized weight would not
+give its values).
+``OffloadOptions(dequantize_on_arrival=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ import torch
 from torch import nn
 
 from offload.arena import aligned
-from offload.quant.int8_rows import dequantize_int8_rows_into, is_int8_rows
 from offload.quant.nf4_dequantize import NF4Meta, PackedNF4, SpanLayout, dequantize_nf4_spans_into, span_layout
 from offload.quant.nf4_linear import is_nf4
 from offload.quant.payload import is_quantized
@@ -61,23 +55,8 @@ KEEP_DEQUANTIZED = True
 
 
 def dequantizes_on_arrival(tensor: torch.Tensor) -> bool:
-    """Whether a frozen quantized weight can be dequantized on arrival into the values its layer computes with
-    (NF4, and per-row int8)."""
-    return arrival_method(tensor) is not None and not tensor.requires_grad
-
-
-def arrival_method(tensor: torch.Tensor) -> str | None:
-    """``"nf4"`` or ``"int8"``: which dequantization a weight dequantized on arrival runs (None: neither)."""
-    return "nf4" if is_nf4(tensor) else "int8" if is_int8_rows(tensor) else None
-
-
-def arrival_meta(tensor: torch.Tensor) -> NF4Meta:
-    """The weight's shape, dtype and block sizes as ``span_layout`` records them: NF4's block and scaler block,
-    int8's torchao block (one row: ``(1, columns)``)."""
-    if arrival_method(tensor) == "int8":
-        return tensor.shape, tensor.dtype, (1, tensor.shape[-1])
-    meta = tensor.__tensor_flatten__()[1]  # type: ignore[attr-defined]
-    return tensor.shape, tensor.dtype, (meta["block_size"], meta["scaler_block_size"])
+    """Whether a frozen quantized weight can be dequantized on arrival with torchao's exact values (NF4)."""
+    return is_nf4(tensor) and not tensor.requires_grad
 
 
 def dequantized_bytes(tensor: torch.Tensor) -> int:
@@ -92,30 +71,27 @@ def room_bytes(name: str, tensor: torch.Tensor) -> int:
 
 
 class DequantizedParamOffloader(QuantizedParamOffloader):
-    """A frozen NF4 or int8 weight, streamed quantized and computed with as a plain tensor (module docstring).
+    """A frozen NF4 weight that is streamed quantized and computed with as a plain tensor (module docstring).
 
     Each ring slot it lands in has room for the dequantized weight (``room_bytes``, plan.py). Each copy into
     the ring is followed, on the same stream, by the dequantization into that room; the compute stream waits
     for the dequantization's event as it would for a copy. The parameter object is swapped to a plain
-    ``nn.Parameter`` over the room while the unit is on the device and back to the host quantized tensor after, so
+    ``nn.Parameter`` over the room while the unit is on the device and back to the host NF4 tensor after, so
     autograd saves a token for it (saved_tensors.py) and backward re-onloads, and re-dequantizes, it. The
-    quantized weights of one unit arrive together (``ArrivalBatch``): one copy each, then one dequantization
-    call.
+    NF4 weights of one unit arrive together (``ArrivalBatch``): one copy each, then one dequantization call.
     """
 
     def __init__(self, name: str, tensor: torch.Tensor, copies: Any, buffer: torch.Tensor) -> None:
         self._shape, self._dtype = tensor.shape, tensor.dtype
-        method = arrival_method(tensor)
-        assert method is not None  # dequantizes_on_arrival(tensor)
-        self.method = method
-        self.meta: NF4Meta = arrival_meta(tensor)
+        meta = tensor.__tensor_flatten__()[1]  # type: ignore[attr-defined]
+        self.meta: NF4Meta = (tensor.shape, tensor.dtype, (meta["block_size"], meta["scaler_block_size"]))
         super().__init__(name, tensor, copies, buffer)
         self.dequantized_nbytes = dequantized_bytes(tensor)
         self.like = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # the room's shape, contiguous
         self._plain_over: dict[int, nn.Parameter] = {}  # room address -> the plain tensor over it
         self.room_offset = 0  # where in its slot's room the dequantized weight goes (set from the plan)
         self.dequantizations = 0
-        self.batch: ArrivalBatch | None = None  # its unit's weights of its method (set by the manager)
+        self.batch: ArrivalBatch | None = None  # its unit's NF4 weights (set by the manager)
         self._in_batch = False  # attached to its batch's device copy (released through the batch)
         self._own_room = False  # out of the ring (the budget's): dequantized into memory of its own
 
@@ -129,23 +105,23 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
 
     def onload(self, prefetch: bool = False) -> None:
         if self.batch is not None and self.placement is not None:
-            self.batch.onload(self, prefetch)  # with the unit's other such weights; it calls attach_room()
+            self.batch.onload(self, prefetch)  # with the unit's other NF4 weights; it calls attach_room()
         else:
             self.onload_alone(prefetch)
 
     def onload_alone(self, prefetch: bool) -> None:
         """Copy and dequantize this weight by itself: into its ring slot's room, into memory of its own when the
-        budget keeps it out of the ring, or (a ring overflow) not at all, the layer's own path."""
+        budget keeps it out of the ring, or (a ring overflow) not at all, torchao's path."""
         pending, self._in_ring = copy_into_ring(self.copies, self.host, self.placement, self.slot_offset, prefetch)
         if self._in_ring is None and self._own_room:  # kept out of the ring by the budget
             self._dequantize_into_own_room(pending)
             return
-        if self._in_ring is None:  # allocator memory (a ring overflow): the layer's own path
+        if self._in_ring is None:  # allocator memory (a ring overflow): torchao's path
             self.attach(pending)
             return
         slot = self._in_ring.slot
         room = self._in_ring.room_region(self.room_offset, self.like)
-        event = _dequantize_on(self.copies, pending, (room.view(-1),), slot.buffer, span_layout([self]), self.method)
+        event = _dequantize_on(self.copies, pending, (room.view(-1),), slot.buffer, span_layout([self]))
         if event is not None:
             self._in_ring.wrote(event)  # a release with no wait before it must still wait for this
         self.dequantizations += 1
@@ -161,9 +137,7 @@ class DequantizedParamOffloader(QuantizedParamOffloader):
             room = torch.empty(self._shape, dtype=self._dtype, device=pending.tensor.device)
         layout = span_layout([PackedNF4(self.payload, 0, self.meta)])  # the payload alone, at offset 0
         # No CUDA graph: the addresses are the allocator's, seen once.
-        event = _dequantize_on(
-            self.copies, pending, (room.view(-1),), pending.tensor, layout, self.method, graphs=False
-        )
+        event = _dequantize_on(self.copies, pending, (room.view(-1),), pending.tensor, layout, graphs=False)
         self.dequantizations += 1
         plain = nn.Parameter(room, requires_grad=False)
         self._swap_in(PendingCopy(room, event, planned=False), plain, self.dequantized_nbytes)
@@ -203,42 +177,23 @@ def _dequantize_on(
     rooms: tuple[torch.Tensor, ...],
     payloads: torch.Tensor,
     layout: SpanLayout,
-    method: str,
     graphs: bool = True,
 ) -> torch.cuda.Event | None:
-    """Dequantize ``layout``'s weights (all of ``method``) on the stream of the copy ``pending`` (the last one of
-    them); returns the event the compute stream waits for (None on the compute stream itself, where stream
-    order suffices)."""
+    """Dequantize ``layout``'s weights on the stream of the copy ``pending`` (the last one of them); returns
+    the event the compute stream waits for (None on the compute stream itself, where stream order suffices)."""
     stream = _stream_of(copies, pending)
     if stream is None:
-        dequantize_spans_into(rooms, payloads, layout, method, graphs)
+        dequantize_nf4_spans_into(rooms, payloads, layout, graphs)
         return None
     with torch.cuda.stream(stream):
-        dequantize_spans_into(rooms, payloads, layout, method, graphs)
+        dequantize_nf4_spans_into(rooms, payloads, layout, graphs)
         event = torch.cuda.Event()
         event.record(stream)
     return event
 
 
-def dequantize_spans_into(
-    rooms: tuple[torch.Tensor, ...], payloads: torch.Tensor, layout: SpanLayout, method: str, graphs: bool = True
-) -> None:
-    """Dequantize the weights ``layout`` places in ``payloads`` (a slot's bytes) into ``rooms``, on the current
-    stream: NF4 in one compiled call (nf4_dequantize.py); int8 one kernel per weight (int8_rows.py), a single
-    pointwise pass with nothing to fuse, so neither compiled nor graphed."""
-    if method == "nf4":
-        dequantize_nf4_spans_into(rooms, payloads, layout, graphs)
-        return
-    dtypes, weights = layout
-    typed = tuple(payloads.view(dtype) for dtype in dtypes)
-    for room, (parts, (shape, _, _)) in zip(rooms, weights, strict=True):
-        inner = {name: typed[i][offset : offset + numel].view(size) for name, i, offset, numel, size in parts}
-        dequantize_int8_rows_into(room.view(shape), inner["qdata"], inner["scale"])
-
-
 class ArrivalBatch:
-    """A unit's weights dequantized on arrival (of one method), brought in together: their payloads are copied
-    into their
+    """A unit's NF4 weights dequantized on arrival, brought in together: their payloads are copied into their
     places in the unit's ring slot (one copy for payloads that lie in the arena as in the slot: ``copy_runs``),
     then one call dequantizes them all into the slot's room (a block's six weights: one call, where per-weight
     calls would each cost host time). As ``FlatGroup`` does for a span, the device copies live while any
@@ -248,8 +203,7 @@ class ArrivalBatch:
 
     def __init__(self, members: list[DequantizedParamOffloader]) -> None:
         self.dtype = members[0].like.dtype  # the rooms are viewed as one dtype (the manager groups by it)
-        self.method = members[0].method  # one dequantization call for all (the manager groups by it too)
-        assert all(m.like.dtype == self.dtype and m.method == self.method for m in members)
+        assert all(m.like.dtype == self.dtype for m in members)
         self.members = sorted(members, key=lambda m: m.slot_offset)  # in slot order, for the copy runs
         self.layout = span_layout(self.members)  # their places in the slot and the room: fixed
         self.runs = copy_runs(self.members)  # the copies a whole unit's arrival takes (one, as a rule)
@@ -310,7 +264,7 @@ class ArrivalBatch:
             placement.hold(pending.event)
             placement.copied(first.slot_offset, first.host, fingerprint)
             slot = placement.slot
-            event = _dequantize_on(requester.copies, pending, flat, slot.buffer, layout, self.method)
+            event = _dequantize_on(requester.copies, pending, flat, slot.buffer, layout)
             if event is not None:
                 placement.wrote(event)  # a release with no wait before it must still wait for this
             self.calls += 1

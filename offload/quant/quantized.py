@@ -12,10 +12,9 @@ The engine keeps such a weight quantized everywhere: its inner tensors (codes, s
 payload is what crosses the link (the memory plan sizes ring slots from ``stored_bytes``), and on the device
 the parameter becomes the same torchao tensor over views of the copied payload, so dequantization happens on
 the device, inside the layer.
-A streamed NF4 or int8 weight is by default dequantized once on arrival instead (dequantize_on_arrival.py) and
-computes as a plain tensor. Since host and device compute with the same dequantized values, quantized +
-offloaded training equals quantized resident training (bitwise on the CPU). An int8 layer becomes an
-``Int8Linear`` (int8_rows.py), which computes with ``codes x scale`` rather than torchao's scaled output.
+A streamed NF4 weight is by default dequantized once on arrival instead (dequantize_on_arrival.py) and
+computes as a plain tensor. Since host and device run the same torchao code on the same codes, quantized +
+offloaded training equals quantized resident training (bitwise on the CPU).
 
 torchao is an optional dependency (``pip install ferry[quantize]``); it is imported only when quantizing.
 """
@@ -30,7 +29,6 @@ from torch import nn
 
 from offload.arena import aligned
 from offload.offloaders import StaticParamOffloader, TensorOffloader
-from offload.quant.int8_rows import Int8Linear
 from offload.quant.nf4_linear import CompiledNF4Linear, NF4Linear
 from offload.quant.payload import QuantizedPayload, is_quantized, stored_bytes
 from offload.ring import copy_into_ring
@@ -57,7 +55,7 @@ def quantizable(module: nn.Module, method: str, *, shapes_only: bool = False) ->
 def planned_sizes(model: nn.Module, method: str, *, dequantize_on_arrival: bool = True) -> dict[str, Any]:
     """``plan_memory``'s ``link_bytes`` and ``room_bytes`` for ``model`` (e.g. built on the meta device) as the
     engine will plan it once ``quantize_frozen_weights(model, method)`` has run: each weight it will quantize
-    takes torchao's stored bytes (``stored_bytes_after``) and, dequantized on arrival, room for its
+    takes torchao's stored bytes (``stored_bytes_after``) and, NF4 dequantized on arrival, room for its
     dequantized form."""
     targets = {id(m.weight) for m in model.modules() if quantizable(m, method, shapes_only=True)}
 
@@ -67,7 +65,7 @@ def planned_sizes(model: nn.Module, method: str, *, dequantize_on_arrival: bool 
     def room(name: str, tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size() if id(tensor) in targets else 0
 
-    arrival = dequantize_on_arrival  # NF4 and int8 alike (quantize_frozen_weights' int8 is per row)
+    arrival = dequantize_on_arrival and method == "nf4"
     return {"link_bytes": link, "room_bytes": room if arrival else None}
 
 
@@ -98,8 +96,7 @@ def quantize_frozen_weights(
         compile_dequantization: NF4 only: plain ``nn.Linear`` modules become ``CompiledNF4Linear``, whose
             GPU dequantization is one compiled kernel (faster resident; a streamed weight is dequantized on
             arrival by the engine instead). Without it, biased ones become ``NF4Linear`` (the bias added
-            after the matmul, as torchao does, whatever form the weight computes in). int8 linears always
-            become ``Int8Linear`` (int8_rows.py).
+            after the matmul, as torchao does, whatever form the weight computes in).
 
     Raises:
         ValueError: for an unknown ``method``, or when torchao is not installed.
@@ -133,9 +130,6 @@ def set_quantized_weight(
 ) -> nn.Parameter:
     """Make ``quantized`` (a torchao tensor, or a meta placeholder of one) ``module``'s frozen weight."""
     module.weight = nn.Parameter(quantized, requires_grad=False)
-    if method == "int8" and type(module) is nn.Linear:
-        # Every int8 layer computes with the dequantized weight, resident or dequantized on arrival (int8_rows.py).
-        module.__class__ = Int8Linear
     if method == "nf4" and type(module) is nn.Linear and (compile_dequantization or module.bias is not None):
         # In place (not a new module): peft, hooks and optimizers keep referring to this object. A biased
         # layer adds its bias as torchao does also when its weight is dequantized on arrival (nf4_linear.py).

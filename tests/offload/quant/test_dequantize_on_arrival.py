@@ -1,5 +1,5 @@
-"""Dequantize on arrival: a streamed NF4 or int8 weight computes as the plain tensor the engine dequantized it
-into, once per unit visit, with the values its layer computes with resident (NF4: torchao's, bit for bit); a unit the budget keeps is dequantized once for the
+"""Dequantize on arrival: a streamed NF4 weight computes as the plain tensor the engine dequantized it into,
+once per unit visit, with torchao's values bit for bit; a unit the budget keeps is dequantized once for the
 run; an unstreamed model keeps torchao's in-layer path; the memory plan holds room for the dequantized form.
 (Offloaded == resident training for every engine mode, with and without checkpointing: test_quantized.py,
 which runs this path by default.)"""
@@ -18,26 +18,10 @@ pytest.importorskip("torchao")
 
 from offload import OffloadOptions, OffloadTrainingManager
 from offload.quant.dequantize_on_arrival import DequantizedParamOffloader, dequantized_bytes
-from offload.quant.int8_rows import dequantized as int8_dequantized
-from offload.quant.int8_rows import is_int8_rows
 from offload.quant.nf4_dequantize import dequantize_nf4_into
 from offload.quant.nf4_linear import NF4Linear, is_nf4
 from offload.quant.quantized import QuantizedPayload, is_quantized, quantize_frozen_weights, stored_bytes
 from tests.offload.quant.test_quantized import WIDTH, make
-
-METHODS = ["nf4", "int8"]
-
-
-def _quantized(tensor: torch.Tensor) -> bool:
-    return is_nf4(tensor) or is_int8_rows(tensor)
-
-
-def _dequantized(model: nn.Module) -> dict[int, torch.Tensor]:
-    """Each quantized weight's values as its layer computes with them resident: NF4 torchao's ``to(bf16)``,
-    int8 ``Int8Linear``'s ``codes x scale``."""
-    return {
-        id(p): p.to(torch.bfloat16) if is_nf4(p) else int8_dequantized(p) for p in model.parameters() if _quantized(p)
-    }
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -77,14 +61,13 @@ def _weights_seen_in_compute(model: nn.Module) -> list[tuple[int, type, torch.Te
     return seen
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("granularity", ["leaf", "block"])
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
-def test_a_streamed_quantized_weight_computes_as_a_plain_dequantized_tensor(
-    checkpointing: str | None, granularity: str, method: str
+def test_a_streamed_nf4_weight_computes_as_a_plain_dequantized_tensor(
+    checkpointing: str | None, granularity: str
 ) -> None:
-    model = make(method, checkpointing)
-    dequantized = _dequantized(model)
+    model = make("nf4", checkpointing)
+    dequantized = {id(p): p.to(torch.bfloat16) for p in model.parameters() if is_nf4(p)}
     manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity=granularity))
     seen = _weights_seen_in_compute(model)
     for _ in range(2):
@@ -95,7 +78,7 @@ def test_a_streamed_quantized_weight_computes_as_a_plain_dequantized_tensor(
         for key, kind, weight in seen:
             assert kind is nn.Parameter and not is_quantized(weight)
             assert weight.dtype == torch.bfloat16 and torch.equal(weight, dequantized[key])
-    assert all(_quantized(p) and p.device.type == "cpu" for p in model.parameters() if id(p) in dequantized)
+    assert all(is_nf4(p) and p.device.type == "cpu" for p in model.parameters() if id(p) in dequantized)
     manager.remove()
 
 
@@ -111,16 +94,15 @@ def test_turned_off_a_weight_stays_torchaos() -> None:
     manager.remove()
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant"])
 def test_a_weight_the_budget_keeps_is_dequantized_once_and_computes_as_a_plain_tensor(
-    checkpointing: str | None, method: str
+    checkpointing: str | None,
 ) -> None:
-    """Kept on the device for good, a quantized weight is dequantized once, into memory of its own, and the
-    layer computes with that plain tensor from then on: no dequantization in later steps, none inside the layer
-    (the layer's own path would dequantize in every call), and the budget is charged its dequantized bytes."""
-    model = make(method, checkpointing)
-    dequantized = _dequantized(model)
+    """Kept on the device for good, an NF4 weight is dequantized once, into memory of its own, and the layer
+    computes with that plain tensor from then on: no dequantization in later steps, none inside the layer
+    (torchao's path would dequantize in every call), and the budget is charged its dequantized bytes."""
+    model = make("nf4", checkpointing)
+    dequantized = {id(p): p.to(torch.bfloat16) for p in model.parameters() if is_nf4(p)}
     manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(gpu_memory_budget=1 << 30))
     offloaders = [o for o in manager._offloaders.values() if isinstance(o, DequantizedParamOffloader)]
     seen = _weights_seen_in_compute(model)
@@ -138,10 +120,9 @@ def test_a_weight_the_budget_keeps_is_dequantized_once_and_computes_as_a_plain_t
     assert done[3] == done[2] == done[1] == done[0]
     assert all(o.resident and not is_quantized(o.tensor) for o in offloaders)  # only the plain form is there
     kept = manager._schedule.kept_bytes
-    ratio = 3 if method == "nf4" else 1.8  # bf16 against 4-bit codes and scales, or 8-bit codes and row scales
-    assert kept >= sum(dequantized_bytes(o.tensor) for o in offloaders) > ratio * sum(o.nbytes for o in offloaders)
+    assert kept >= sum(dequantized_bytes(o.tensor) for o in offloaders) > 3 * sum(o.nbytes for o in offloaders)
     manager.remove()
-    assert all(_quantized(p) and p.device.type == "cpu" for p in model.parameters() if id(p) in dequantized)
+    assert all(is_nf4(p) and p.device.type == "cpu" for p in model.parameters() if id(p) in dequantized)
 
 
 def _dequantizations(monkeypatch: pytest.MonkeyPatch, checkpointing: str | None, arrival: bool) -> list[tuple]:
@@ -278,10 +259,9 @@ def test_a_block_units_nf4_payloads_arrive_in_one_copy(
     manager.remove()
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_the_plan_holds_room_for_the_dequantized_form_and_the_limit_counts_it(method: str) -> None:
-    model = make(method)
-    weights = [p for p in model.parameters() if _quantized(p)]
+def test_the_plan_holds_room_for_the_dequantized_form_and_the_limit_counts_it() -> None:
+    model = make("nf4")
+    weights = [p for p in model.parameters() if is_nf4(p)]
     off = OffloadTrainingManager(model, "cpu", options=OffloadOptions(dequantize_on_arrival=False))
     off_ring, off_link = off.plan.ring_bytes, off.plan.streamed_bytes
     off.remove()
