@@ -1,9 +1,12 @@
-"""Profile one training step of a shortened Qwen-Image-shaped DiT (the shape of bench/diffusion_bench.py's, fewer
-layers) as a real job: step times, memory, bytes copied, and with ``--trace`` a torch.profiler trace of one step
-with a summary of where the compute stream and the copy stream sit idle.
+"""Profile one training step of a DiT of bench/diffusion_bench.py's shapes (Qwen-Image by default, shortened to
+``--layers``; Flux.1 or Flux.2 with ``--family``, the LoRA of the family's config) as a real job: step times,
+memory, bytes copied, and with ``--trace`` a torch.profiler trace of one step with a summary of where the compute
+stream and the copy stream sit idle.
 
 Run on a GPU box:  python bench/diffusion_profile.py --layers 12 --budget 2GiB [--prefetch 1] [--trace t.json.gz]
                    python bench/diffusion_profile.py --layers 12 --resident
+                   python bench/diffusion_profile.py --family flux2 --budget auto --quantize int8 --trace f2.json.gz
+                   (Flux.2's whole shape under 24GiB, frozen weights in int8: where its 0.23 s above resident go)
 Prints one JSON line of figures (and the trace summary). Per step beside its time: ``issue_s``, the host's time
 inside ``train_step`` (queueing forward, backward and the optimizer; close to the step time when the host is
 what bounds it), ``gc_ms`` and ``gen2`` (the garbage collector's pauses in the step), ``copy_wait_s`` (the
@@ -39,7 +42,7 @@ import yaml
 
 # The tree the caller's PYTHONPATH names comes first (an A/B run points it at another checkout's engine).
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from bench.diffusion_bench import dit_job, make_pipeline_dir, write_synthetic_cache
+from bench.diffusion_bench import FAMILIES, dit_job, make_pipeline_dir, write_synthetic_cache
 from bench.trace_summary import summarize
 from jobs import PathRoots, load_job_spec, run_job
 from jobs.events import event_to_wire
@@ -47,7 +50,12 @@ from jobs.events import event_to_wire
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--family", default="qwen_image", choices=sorted(FAMILIES))
+    parser.add_argument(
+        "--layers", type=int, default=None, help="the DiT's num_layers (Qwen-Image: 12; Flux: the family's)"
+    )
+    parser.add_argument("--single-layers", type=int, default=None, help="Flux: num_single_layers (the family's)")
+    parser.add_argument("--quantize", default=None, choices=["nf4", "int8"], help="model.quantize")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--budget", default=None, help="offload.gpu_memory_budget")
     parser.add_argument("--limit", default="24GiB", help="offload.gpu_memory_limit")
@@ -72,12 +80,16 @@ def main() -> None:
     models, data = work / "models", work / "data"
     data.mkdir(parents=True)
     device, side = ("cpu", 64) if args.tiny else ("cuda", 1024)
-    pipeline = make_pipeline_dir(models / "dit", tiny=args.tiny)
+    bench = FAMILIES[args.family]
+    pipeline = make_pipeline_dir(models / "dit", tiny=args.tiny, family=args.family)
     config_path = pipeline / "transformer" / "config.json"
     config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "num_layers": args.layers}))
+    layers = args.layers or (12 if args.family == "qwen_image" else None)
+    shortened = {"num_layers": layers, "num_single_layers": args.single_layers}
+    config_path.write_text(json.dumps({**config, **{k: v for k, v in shortened.items() if v is not None}}))
     dim = config["joint_attention_dim"]
-    write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=64, dim=dim)
+    prompt_tokens = 64 if args.tiny or args.family == "qwen_image" else bench.prompt_tokens
+    write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=prompt_tokens, dim=dim)
     offload: dict[str, Any] = (
         {}
         if args.resident
@@ -89,7 +101,9 @@ def main() -> None:
             **({"gpu_memory_budget": args.budget} if args.budget else {}),
         }
     )
-    spec = dit_job("profile", "dit", steps=args.steps, device=device, offload=offload)
+    model = {"quantize": args.quantize} if args.quantize else None
+    lora = bench.lora() if bench.config else None  # Qwen-Image: the seed's targets, as diffusion_bench's rows
+    spec = dit_job("profile", "dit", steps=args.steps, device=device, offload=offload, model=model, lora=lora)
     roots = PathRoots(model_roots=[models], data_roots=[data])
     events: list[dict[str, Any]] = []
     profiler: list[torch.profiler.profile] = []
@@ -118,7 +132,10 @@ def main() -> None:
     seconds = [1 / e["samples_per_s"] for e in steps]
     figures = {
         "label": args.label,
-        "layers": args.layers,
+        "family": args.family,
+        "layers": layers,
+        "single_layers": args.single_layers,
+        "quantize": args.quantize,
         "offload": offload,
         "step_s": [round(s, 4) for s in seconds],
         "median_after_first_s": round(statistics.median(seconds[1:]), 4),

@@ -188,3 +188,21 @@ def test_a_row_that_does_not_apply_to_the_family_is_refused(capsys: pytest.Captu
     args = diffusion_bench.parse_args(["--family", "flux2"])
     assert (args.limit, args.budget, args.only) == ("24GiB", "8GiB", "encoder,resident,ferry,seed")
     assert diffusion_bench.parse_args([]).budget == "14GiB"
+
+
+def test_the_step_profile_runs_a_flux2_job_with_int8_frozen_weights(tmp_path: Path) -> None:
+    """bench/diffusion_profile.py profiles any family's DiT, quantized or not: the tool for Flux.2's int8 step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(diffusion_bench.__file__).resolve().parents[1]
+    command = [sys.executable, "bench/diffusion_profile.py", "--tiny", "--steps", "2", "--family", "flux2",
+               "--quantize", "int8"]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("FIGURES "))[8:])
+    assert figures["family"] == "flux2" and figures["quantize"] == "int8" and len(figures["step_s"]) == 2
