@@ -114,6 +114,13 @@ def lora_spec(
 
 
 # ---------------------------------------------------------------------------------------------- table 2
+def kept_on_device(budget: str, **extra: Any) -> dict[str, Any]:
+    """An ``offload`` section that keeps every unit on the device through ``gpu_memory_budget``, with no limit: the
+    resident baselines. Not ``offload: {}``: its in-memory build draws a big model's random weights on the CPU
+    (65 GB for the 32B, over four minutes on the H200's host) or holds it whole in bf16 before quantizing."""
+    return {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": budget, **extra}
+
+
 def headline(args: argparse.Namespace) -> dict[str, Any]:
     """The 32B LoRA job submitted as YAML over HTTP with gpu_memory_limit 24GiB, followed to the end."""
     import httpx
@@ -145,15 +152,10 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
             job = follow_job(client, "32B LoRA, random init, gpu_memory_limit 24GiB", text, timeout=args.timeout)
             events = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
             if args.resident:
-                # The GPU's own step: every unit kept on the device by a budget, no limit (`offload: {}` would
-                # draw the 65 GB of random weights on the CPU first, for minutes).
+                # The GPU's own step: every unit kept on the device, no limit.
                 kept = copy.deepcopy(spec)
                 kept["name"] = "qwen32b-shape-lora-resident"
-                kept["offload"] = {
-                    "enable_model_cpu_offload": True,
-                    "granularity": "block",
-                    "gpu_memory_budget": "64GiB",
-                }
+                kept["offload"] = kept_on_device("64GiB")
                 resident = follow_job(client, "32B LoRA, every unit kept, no limit", yaml.safe_dump(kept, sort_keys=False),
                                       timeout=args.timeout)  # fmt: skip
     finally:
@@ -440,8 +442,7 @@ def qlora70b(args: argparse.Namespace) -> dict[str, Any]:
     # bf16 embeddings; the fit check sizes a budget in dense bytes, so a larger one would be refused at submit.
     resident = copy.deepcopy(limited)
     resident["name"] = "llama70b-shape-qlora-resident"
-    resident["offload"] = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": "40GiB",
-                           "dequantize_on_arrival": False}  # fmt: skip
+    resident["offload"] = kept_on_device("40GiB", dequantize_on_arrival=False)
     server, url = start_server(root, "bench-token", {})
     runs = {}
     try:
@@ -517,7 +518,7 @@ def resident70b(args: argparse.Namespace) -> dict[str, Any]:
         write_config(root / "models" / name, shape)
         job = lora_spec(name, name, "24GiB", args.steps, tokens, "random", "cpu" if args.cpu else "cuda",
                         args.mixed_precision)  # fmt: skip
-        job["offload"] = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": "200GiB"}
+        job["offload"] = kept_on_device("200GiB")
         job["checkpoint"] = {"save_final": False}
         runs[n] = run_in_process(job, root, output=f"out-{n}")
         (args.out / f"resident70b-{n}.json").write_text(json.dumps(runs[n], indent=1, default=str))
@@ -558,9 +559,7 @@ def long32k(args: argparse.Namespace) -> dict[str, Any]:
         return {**job, "offload": offload, "checkpoint": {"save_final": False}}
 
     streamed = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": limit}
-    # Resident: a budget that keeps every unit on the device, no limit. Not `offload: {}`: its in-memory build
-    # draws the 65 GB of random weights on the CPU, which took over four minutes on the H200's host.
-    kept = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": "64GiB"}
+    kept = kept_on_device("64GiB")  # resident: every unit kept on the device, no limit
     jobs = {
         "offloaded_long": spec("qwen32b-shape-lora-32k-offload", long, {**streamed, "activations": True}),
         "streamed_short": spec("qwen32b-shape-lora-4k", short, streamed),

@@ -88,7 +88,7 @@ def main() -> None:
     shortened = {"num_layers": layers, "num_single_layers": args.single_layers}
     config_path.write_text(json.dumps({**config, **{k: v for k, v in shortened.items() if v is not None}}))
     dim = config["joint_attention_dim"]
-    prompt_tokens = 64 if args.tiny or args.family == "qwen_image" else bench.prompt_tokens
+    prompt_tokens = 64 if args.tiny else bench.prompt_tokens  # as diffusion_bench's rows
     write_synthetic_cache(data / "dit-cache", pipeline, samples=4, side=side, prompt_tokens=prompt_tokens, dim=dim)
     offload: dict[str, Any] = (
         {}
@@ -102,8 +102,7 @@ def main() -> None:
         }
     )
     model = {"quantize": args.quantize} if args.quantize else None
-    lora = bench.lora() if bench.config else None  # Qwen-Image: the seed's targets, as diffusion_bench's rows
-    spec = dit_job("profile", "dit", steps=args.steps, device=device, offload=offload, model=model, lora=lora)
+    spec = dit_job("profile", "dit", steps=args.steps, device=device, offload=offload, model=model, lora=bench.lora())
     roots = PathRoots(model_roots=[models], data_roots=[data])
     events: list[dict[str, Any]] = []
     profiler: list[torch.profiler.profile] = []
