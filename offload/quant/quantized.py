@@ -2,8 +2,9 @@
 
 ``quantize_frozen_weights(model, "nf4" | "int8")`` replaces every frozen ``nn.Linear`` weight with torchao's
 ``NF4Tensor`` (4-bit NormalFloat with double-quantized block scales, as QLoRA) or ``Int8Tensor`` (int8 per
-output channel). The model then trains as it would resident on a device: torchao dequantizes the weight
-inside each linear's forward and backward. Nothing here writes its own quantizer. With
+output channel). The model then trains as it would resident on a device: the weight is dequantized inside
+each linear's forward and backward (an int8 linear becomes ``Int8Linear``, int8_linear.py, which does it in
+one pass). Nothing here writes its own quantizer. With
 ``compile_dequantization=True`` an NF4 ``nn.Linear`` becomes ``CompiledNF4Linear`` (nf4_linear.py), which on a
 GPU runs torchao's dequantization compiled into one kernel.
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from offload.arena import aligned
 from offload.offloaders import StaticParamOffloader, TensorOffloader
+from offload.quant.int8_linear import Int8Linear
 from offload.quant.nf4_linear import CompiledNF4Linear, NF4Linear
 from offload.quant.payload import QuantizedPayload, is_quantized, stored_bytes
 from offload.ring import copy_into_ring
@@ -130,6 +132,8 @@ def set_quantized_weight(
 ) -> nn.Parameter:
     """Make ``quantized`` (a torchao tensor, or a meta placeholder of one) ``module``'s frozen weight."""
     module.weight = nn.Parameter(quantized, requires_grad=False)
+    if method == "int8" and type(module) is nn.Linear:
+        module.__class__ = Int8Linear  # in place, as below: one dequantization pass per call (int8_linear.py)
     if method == "nf4" and type(module) is nn.Linear and (compile_dequantization or module.bias is not None):
         # In place (not a new module): peft, hooks and optimizers keep referring to this object. A biased
         # layer adds its bias as torchao does also when its weight is dequantized on arrival (nf4_linear.py).
