@@ -10,8 +10,7 @@ those conversions and scalings (a profiler trace, bench/diffusion_profile.py, ag
 
 ``Int8Linear`` computes the weight instead as torchao's own ``Int8Tensor.dequantize`` does (codes minus zero
 point, times the row scale in float32, rounded to the activation's dtype) in one pass that reads the codes
-once and writes the weight once: on CUDA compiled (``torch.compile``, one fused kernel), elsewhere torchao's
-eager ops. The weight then goes through a plain ``F.linear`` (the bias fused into the matmul). Only the int8
+once and writes the weight once: on CUDA a Triton kernel, elsewhere torchao's eager ops. The weight then goes through a plain ``F.linear`` (the bias fused into the matmul). Only the int8
 parameter is saved for backward, never the dequantized weight, so the offload engine sees the parameter among
 the saved tensors (it keeps or brings it back for backward) and the backward dequantizes it again: one more
 pass instead of a saved copy of every linear of a recomputed block.
@@ -51,25 +50,55 @@ def weight_from_codes(
 
 
 @functools.cache
-def _compiled_weight_from_codes() -> Any:
-    # A pointwise graph: one kernel. dynamic=None: the first shape compiles static, a second one once more
-    # with dynamic sizes that serve every further projection shape (no recompilation per layer).
-    return torch.compile(weight_from_codes, fullgraph=True)
+def _row_kernel() -> Any:
+    """A Triton kernel for :func:`weight_from_codes`: one program per row and block of columns, so a row's
+    scale is read once and no element index is divided by the row length (``torch.compile`` of the same two
+    lines, its sizes dynamic to serve a model's many projection shapes, ran at a quarter of the device's
+    bandwidth: 0.38 ms for a 55296 x 6144 weight on an H200)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequantize_rows(codes, scales, zeros, out, columns, BLOCK: tl.constexpr, ZERO: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < columns
+        values = tl.load(codes + row * columns + offsets, mask=inside, other=0).to(tl.float32)
+        if ZERO:
+            values = values - tl.load(zeros + row).to(tl.float32)
+        values = values * tl.load(scales + row)  # float32, rounded once to the output's dtype below
+        tl.store(out + row * columns + offsets, values.to(out.dtype.element_ty), mask=inside)
+
+    return dequantize_rows
 
 
-_COMPILE_FAILED: list[BaseException] = []
+_BLOCK = 2048  # columns per program: 16 codes per thread of 4 warps, read as one 16-byte load
+_KERNEL_FAILED: list[BaseException] = []
+
+
+def _dequantize_on_device(
+    qdata: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    rows, columns = qdata.shape
+    out = torch.empty((rows, columns), dtype=dtype, device=qdata.device)
+    scales = scale.reshape(-1)
+    zeros = zero_point.reshape(-1) if zero_point is not None else scales  # (not read without a zero point)
+    grid = (rows, (columns + _BLOCK - 1) // _BLOCK)
+    _row_kernel()[grid](qdata, scales, zeros, out, columns, BLOCK=_BLOCK, ZERO=zero_point is not None)
+    return out
 
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The int8 ``weight`` as a ``dtype`` tensor, equal bit for bit to ``weight.dequantize(dtype)``: compiled
-    on CUDA, eager elsewhere (and where compiling fails, e.g. without Triton: then with a warning, once)."""
+    """The int8 ``weight`` as a ``dtype`` tensor, equal bit for bit to ``weight.dequantize(dtype)``: the
+    Triton kernel on CUDA, torchao's ops elsewhere (and where the kernel fails, e.g. without Triton: then with
+    a warning, once)."""
     parts = (weight.qdata, weight.scale, weight.zero_point, dtype)  # type: ignore[attr-defined]
-    if weight.device.type == "cuda" and not _COMPILE_FAILED:
+    if weight.device.type == "cuda" and parts[0].is_contiguous() and not _KERNEL_FAILED:
         try:
-            return _compiled_weight_from_codes()(*parts)
-        except Exception as error:  # any compiler failure: the eager path computes the same weight
-            _COMPILE_FAILED.append(error)
-            log.warning("int8 dequantization runs eagerly (torch.compile failed: %r)", error)
+            return _dequantize_on_device(*parts)
+        except Exception as error:  # any Triton failure: the eager path computes the same weight
+            _KERNEL_FAILED.append(error)
+            log.warning("int8 dequantization runs eagerly (its Triton kernel failed: %r)", error)
     return weight_from_codes(*parts)
 
 

@@ -92,10 +92,16 @@ def test_under_autocast_the_weight_is_dequantized_straight_to_the_autocast_dtype
 
 
 @pytest.mark.gpu
-def test_the_compiled_dequantization_equals_torchaos_on_gpu() -> None:
-    for shape in ((1024, 512), (3072, 1024), (96, 48)):  # a second shape recompiles dynamic; a third reuses it
+def test_the_triton_dequantization_equals_torchaos_on_gpu() -> None:
+    for rows, columns in ((1024, 512), (3072, 6144), (96, 2100), (5, 24576)):  # whole and partial blocks
         torch.manual_seed(0)
-        layer = nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16, device="cuda")
+        layer = nn.Linear(columns, rows, bias=False, dtype=torch.bfloat16, device="cuda")
         quantize_frozen_weights(layer.requires_grad_(False), "int8")
-        assert torch.equal(dequantize(layer.weight, torch.bfloat16), layer.weight.dequantize(torch.bfloat16))
-    assert not int8_linear._COMPILE_FAILED
+        weight = layer.weight
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert torch.equal(dequantize(weight, dtype), weight.dequantize(dtype)), (rows, columns, dtype)
+        zero_point = torch.randint(-3, 4, weight.zero_point.shape, dtype=torch.int8, device="cuda")
+        expected = weight_from_codes(weight.qdata, weight.scale, zero_point, torch.bfloat16)
+        on_device = int8_linear._dequantize_on_device(weight.qdata, weight.scale, zero_point, torch.bfloat16)
+        assert torch.equal(on_device, expected)
+    assert not int8_linear._KERNEL_FAILED
