@@ -206,3 +206,18 @@ def test_the_step_profile_runs_a_flux2_job_with_int8_frozen_weights(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("FIGURES "))[8:])
     assert figures["family"] == "flux2" and figures["quantize"] == "int8" and len(figures["step_s"]) == 2
+
+
+def test_the_int8_dequantization_probe_runs_tiny_on_the_cpu() -> None:
+    """bench/int8_dequant_probe.py (the Flux.2 int8 kernel's figures in bench/RESULTS.md) runs and prints a row
+    per shape; on the CPU both sides are torchao's eager ops, so only that it runs is checked."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    root = Path(diffusion_bench.__file__).resolve().parents[1]
+    command = [sys.executable, "bench/int8_dequant_probe.py", "--device", "cpu", "--divide", "64", "--calls", "1"]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line[2:3].isdigit()]
+    assert [row.split(" | ")[0] for row in rows] == ["| 864 x 96", "| 96 x 384", "| 96 x 96"]
