@@ -19,25 +19,25 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.optimizer_quant_bench import per_call_us
 from offload.quant.int8_linear import Int8Linear, dequantize
 from offload.quant.quantized import quantize_frozen_weights
 
-# (out, in): Flux.2-dev's single block's fused qkv + MLP input (3 * 6144 + 2 * 3 * 6144 = 55296 rows), its MLP
-# output, and one attention projection.
+# (out, in): Flux.2-dev's single block's fused qkv + MLP input (3 * 6144 + 2 * 3 * 6144 = 55296 rows), its
+# fused output projection (attention 6144 + MLP 18432 in), and one double block attention projection.
 SHAPES = ((55296, 6144), (6144, 24576), (6144, 6144))
 TOKENS = 4096 + 512
 Timer = Callable[[Callable[[], object], int], float]
 
 
 def device_ms(run: Callable[[], object], calls: int) -> float:
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / calls
+    """Milliseconds per call, issued and finished (autograd on: the forward + backward rows need it)."""
+
+    def with_grad() -> None:
+        with torch.enable_grad():
+            run()
+
+    return per_call_us(with_grad, calls)[1] / 1e3
 
 
 def int8_linear(rows: int, columns: int, device: str) -> nn.Linear:

@@ -392,7 +392,7 @@ def dequantize_kernels() -> None:
             "on arrival, compiled, no index asserts": functools.partial(fast, *args),
         }
         for name, run in forms.items():
-            host, total = _per_call(run)
+            host, total = per_call_us(run)
             line = f"dequantize {shape[0]}x{shape[1]}, {name}: host {host:.0f} us/call, host+device {total:.0f} us/call"
             line_between_rows(line)
 
@@ -451,7 +451,7 @@ def block_dequantization() -> None:
         room.zero_()
         run()
         equal = torch.equal(room, expected)
-        host, total = _per_call(run)
+        host, total = per_call_us(run)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             for _ in range(10):
                 run()
@@ -482,7 +482,7 @@ class _Parts:
         return self._scalers(self, *args)
 
 
-def _per_call(run: Callable[[], object], calls: int = 50) -> tuple[float, float]:
+def per_call_us(run: Callable[[], object], calls: int = 50) -> tuple[float, float]:
     """Microseconds per call: to issue it, and to issue and finish it."""
     with torch.no_grad():
         for _ in range(3):
