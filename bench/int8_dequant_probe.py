@@ -70,7 +70,7 @@ def one_shape(rows: int, columns: int, tokens: int, device: str, timer: Timer, c
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--device", default="cuda", help="cpu runs torchao's eager ops on both sides (a smoke run)")
+    parser.add_argument("--device", default="cuda", help="cpu: both sides run eager ops, no Triton (a smoke run)")
     parser.add_argument("--divide", type=int, default=1, help="divide every shape and the tokens (a smoke run)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
