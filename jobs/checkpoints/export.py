@@ -46,7 +46,7 @@ def save_pretrained_full(model: nn.Module, directory: Path) -> None:
 def save_hf_checkpoint(model: nn.Module, directory: Path) -> None:
     """A Hugging Face model's checkpoint: its LoRA adapter in peft's layout, or the whole model pretrained-style."""
     if is_peft_model(model):
-        from jobs.train.lora import save_adapter
+        from jobs.checkpoints.adapter import save_adapter
 
         save_adapter(model, directory)
     else:

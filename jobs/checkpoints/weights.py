@@ -28,7 +28,7 @@ def save_trainable(model: nn.Module, directory: Path) -> None:
     multi-billion-parameter base model would otherwise be copied into every checkpoint.
     """
     if is_peft_model(model):
-        from jobs.train.lora import save_adapter  # peft is slow to import; only LoRA jobs need it
+        from jobs.checkpoints.adapter import save_adapter  # peft is slow to import; only LoRA jobs need it
 
         save_adapter(model, directory)
         return
@@ -40,7 +40,7 @@ def save_trainable(model: nn.Module, directory: Path) -> None:
 def load_trainable(model: nn.Module, directory: Path) -> None:
     """Load weights written by `save_trainable` into a freshly built CPU model."""
     if is_peft_model(model):
-        from jobs.train.lora import load_adapter
+        from jobs.checkpoints.adapter import load_adapter
 
         load_adapter(model, directory)
         return

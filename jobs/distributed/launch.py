@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import logging
 import multiprocessing
 import queue
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 
 def run_ranks(
     spec: Any,
+    run_rank: Callable[..., Any],
     *,
     output_dir: Path,
     report: Report,
@@ -43,7 +46,10 @@ def run_ranks(
     should_stop: StopPoll | None,
     cache_dir: Path | str | None = None,
 ) -> Any:
-    """Train ``spec`` on ``spec.distributed.world_size`` ranks of this machine; returns rank 0's `JobOutcome`.
+    """Run ``run_rank`` on ``spec.distributed.world_size`` ranks of this machine; returns rank 0's result.
+
+    ``run_rank`` is called in each rank as ``run_rank(spec, output_dir=, report=, resume=, should_stop=,
+    cache_dir=)`` (the runner's ``run_job``); a module-level function, passed to the ranks by its name.
 
     Raises:
         RankLost: a rank ended without rank 0 reporting why (killed, crashed, or another rank raised);
@@ -71,7 +77,8 @@ def run_ranks(
     relay.start()
     try:
         cache = str(cache_dir) if cache_dir is not None else None
-        results = elastic_launch(config, rank_main)(spec, str(output_dir), resume, events, stop, cache)
+        target = f"{run_rank.__module__}:{run_rank.__qualname__}"
+        results = elastic_launch(config, rank_main)(target, spec, str(output_dir), resume, events, stop, cache)
     except ChildFailedError as error:
         relay.finish()
         rank, failure = error.get_first_failure()
@@ -87,12 +94,17 @@ def run_ranks(
 
 
 @record  # a rank's exception reaches the launcher's ChildFailedError (its message names the rank's error)
-def rank_main(spec: Any, output_dir: str, resume: bool, events: Any, stop: Any, cache_dir: str | None = None) -> Any:
-    """One rank: join the group, run the job, leave. Rank 0 alone reports (into ``events``)."""
+def rank_main(
+    target: str, spec: Any, output_dir: str, resume: bool, events: Any, stop: Any, cache_dir: str | None = None
+) -> Any:
+    """One rank: join the group, run ``target`` (``module:function``), leave. Rank 0 alone reports (into
+    ``events``)."""
     _die_with_launcher()
     group = join_group(spec.device)
     logging.basicConfig(level=logging.INFO, format=f"rank {group.rank}: %(levelname)s %(name)s: %(message)s")
-    from jobs.train.runner import run_job  # after joining: accelerate must not see the launcher's variables
+    module, _, name = target.partition(":")
+    run_job = getattr(importlib.import_module(module), name)  # after joining: accelerate must not see the
+    # launcher's variables, so the job's modules are imported here and the function travels by name
 
     codes: dict[int, StopRequest] = {value: key for key, value in STOP_CODES.items()}
     try:

@@ -22,7 +22,7 @@ class EvalResult:
     """One evaluation: the mean loss over every labelled token of the batches seen, and exp of it.
 
     A preference job's loss is the mean over pairs instead; it has no perplexity, and ``preference`` holds the
-    reward metrics of ``jobs.train.preference.METRICS`` (means over the pairs) and ``pairs`` their number.
+    reward metrics of ``jobs.objectives.preference.METRICS`` (means over the pairs) and ``pairs`` their number.
     """
 
     loss: float

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from jobs.evaluate.held_out import IGNORE, EvalResult
-from jobs.train.preference import METRICS, PreferenceLoss
+from jobs.objectives.preference import METRICS, PreferenceLoss
 
 
 def evaluate_pairs(

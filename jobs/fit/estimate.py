@@ -88,7 +88,7 @@ def with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
     """``spec`` with ``model.tiled_mlp: auto`` decided, for the estimate and for the build alike.
 
     Tiling costs compute (one more MLP forward a step in a layer that normalizes its MLP's output, smaller matmuls
-    in one whose recompute skips the MLP: jobs/models/tiled_mlp.py), so ``auto`` tiles only where it is needed: the
+    in one whose recompute skips the MLP: jobs/recompute/tiled_mlp.py), so ``auto`` tiles only where it is needed: the
     job checkpoints its layers and its estimate with whole MLPs (and, under ``offload.activations: auto``, without offloaded
     activations: tiling is tried first, being the one that adds no bytes to the link) exceeds
     ``offload.gpu_memory_limit`` or, without one, this process's GPU (never on a machine without one).

@@ -24,12 +24,7 @@ def enable_gradient_checkpointing(model: nn.Module, spec: object) -> None:
     enable = family_of(spec).enable_gradient_checkpointing
     if enable is None:  # refused at submit time by rules.py; a programmatic caller gets the same words
         raise ValueError(f"training.gradient_checkpointing is not supported for model.kind={family_of(spec).kind}")
-    enable(model)
-    whole = getattr(spec, "uncheckpointed_layers", 0)
-    if whole:
-        from jobs.train.activation_checkpointing import leave_last_layers_whole
-
-        leave_last_layers_whole(model, whole)
+    enable(model)  # the model's own mechanism; the trainer applies Ferry's recompute policy to it (jobs/recompute)
 
 
 __all__ = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jobs.models.chunked_loss import CHUNK_ABOVE_BYTES, chunk_tokens
 from jobs.models.family import activation_element_size
+from jobs.recompute.chunked_loss import CHUNK_ABOVE_BYTES, chunk_tokens
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -18,7 +18,7 @@ class DecoderDims:
 
     ``per_layer`` is (multiples of hidden_size, multiples of intermediate_size) saved per token per block:
     (9, 2) for the built-in GPT-style block, (10, 4) for a Llama-style one (gated MLP, RMSNorm, RoPE).
-    ``mlp_tile_tokens``: the MLP runs over tiles of this many tokens, each checkpointed (jobs/models/tiled_mlp.py),
+    ``mlp_tile_tokens``: the MLP runs over tiles of this many tokens, each checkpointed (jobs/recompute/tiled_mlp.py),
     so its intermediates (the ``intermediate_size`` multiples) exist for one tile at a time; None: whole.
     """
 
@@ -30,7 +30,7 @@ class DecoderDims:
     chunked_logits: bool = False  # the loss makes its logits a chunk at a time when large (chunked_loss.py)
     mlp_tile_tokens: int | None = None
     # Whether a block's forward draws random numbers in training (dropout): a checkpointed block then keeps all
-    # of a DPO batch's rows (jobs/train/activation_checkpointing.py). Unknown counts as yes.
+    # of a DPO batch's rows (jobs/recompute/checkpoint.py). Unknown counts as yes.
     draws_random_numbers: bool = True
     # With checkpointing: how many layers (the last) are left whole, keeping all they save for the backward.
     uncheckpointed_layers: int = 0
@@ -84,7 +84,7 @@ def decoder_checkpointed_inputs(spec: JobSpec, dims: DecoderDims) -> list[int]:
 
 def rows_per_micro_batch(spec: JobSpec) -> int:
     """The rows one forward runs: ``batch_size`` for SFT; a preference batch's pairs are two rows each
-    (chosen, rejected), and LoRA DPO doubles them again with its reference rows (jobs/train/preference.py)."""
+    (chosen, rejected), and LoRA DPO doubles them again with its reference rows (jobs/objectives/preference.py)."""
     rows = spec.training.batch_size
     objective = getattr(spec.training, "objective", "sft")
     if objective != "sft":
@@ -97,7 +97,7 @@ def rows_per_micro_batch(spec: JobSpec) -> int:
 def rows_with_gradient(spec: JobSpec, dims: DecoderDims) -> int:
     """The rows a checkpointed block keeps, recomputes and backpropagates: LoRA DPO's reference rows need no
     gradient, so where its blocks draw no random numbers (no dropout: ``lora.dropout`` and the model's) they
-    are left out, half the forward's rows (jobs/train/activation_checkpointing.py)."""
+    are left out, half the forward's rows (jobs/recompute/checkpoint.py)."""
     rows = rows_per_micro_batch(spec)
     lora = getattr(spec, "lora", None)
     if (

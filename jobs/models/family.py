@@ -56,7 +56,7 @@ class ModelFamily(Generic[JobT]):
         synthetic_width: ``width(model_spec)`` of synthetic regression inputs, for families trained on it.
         keeps_packed_documents_apart: The model takes position ids that restart per document, so packed
             sequences need no mask between documents (``data.packing: packed`` is refused otherwise).
-        apply_lora: ``apply_lora(model, lora_spec) -> nn.Module``; None: peft's ``get_peft_model`` (jobs/train/lora.py).
+        apply_lora: ``apply_lora(model, lora_spec) -> nn.Module``; None: peft's ``get_peft_model`` (jobs/models/lora.py).
         build_data: ``build_data(job_spec, device, model) -> BatchSource`` for data only this family reads
             (its batches may need the family's own encoders, or values precomputed from the built model's
             frozen layers); None: jobs.data.build_data.

@@ -6,20 +6,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, model_validator
 from torch import nn
 
 from jobs.checkpoints.export import HF_PRETRAINED
-from jobs.models import tiled_mlp
-from jobs.models.chunked_loss import chunked_lm_loss
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily
 from jobs.models.hf_names import hf_module_names
 from jobs.models.loading.hf_checkpoint import checkpoint_problems, checkpoint_source
 from jobs.models.loading.weight_sources import RandomSource, WeightSource
 from jobs.models.transformer_lm import lm_loss
-from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
-from jobs.train.activation_checkpointing import CHECKPOINT_FUNCTION, checkpoint_layer
+from jobs.recompute import tiled_mlp
+from jobs.recompute.chunked_loss import chunked_lm_loss
+from jobs.spec.sections import Dtype, ModelPath, Section, broken_rules
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -29,7 +28,7 @@ class HFCausalLMSpec(Section):
     """A Hugging Face causal LM from a local directory (``config.json`` + safetensors); no remote code."""
 
     kind: Literal["hf_causal_lm"]
-    path: Path
+    path: ModelPath
     dtype: Dtype = "bfloat16"
     quantize: Literal["nf4", "int8"] | None = Field(
         None, description="store, stream and keep the frozen base's linear weights quantized (QLoRA); needs lora"
@@ -60,11 +59,6 @@ class HFCausalLMSpec(Section):
         description="tokens per MLP tile (all rows, a slice of positions); null: a power of two whose MLP "
         "intermediates take about 0.5 GiB in the model's dtype, at least 1024",
     )
-
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "model")
 
     @model_validator(mode="after")
     def _check_tile_size_needs_tiling(self) -> HFCausalLMSpec:
@@ -223,7 +217,9 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
     require grad, which LoRA's frozen embeddings do not give: ``enable_input_require_grads`` makes the
     embeddings' output require it (what transformers does itself for models fed ``input_ids``, and peft when
     it wraps a model that is not quantized). The decoder layers return one tensor, so no output goes without
-    a gradient (the case ``jobs/train/activation_checkpointing.py`` handles for the DiT).
+    a gradient (the case ``jobs/recompute/checkpoint.py`` handles for the DiT). The trainer then swaps Ferry's
+    checkpoint in (``jobs.recompute.apply_activation_checkpointing``), under which the layers' module hooks (the
+    offload engine's) run in the recompute too.
     """
     enable: Any
     kwargs = {"use_reentrant": True}
@@ -235,9 +231,6 @@ def enable_hf_gradient_checkpointing(model: nn.Module) -> None:
         enable(gradient_checkpointing_kwargs=kwargs)
     else:
         raise ValueError(f"training.gradient_checkpointing is not supported for {type(model).__name__}")
-    for module in model.modules():  # the layers' module hooks (the offload engine's) run in the recompute too
-        if callable(getattr(module, CHECKPOINT_FUNCTION, None)):
-            setattr(module, CHECKPOINT_FUNCTION, checkpoint_layer)
     if getattr(model, "_require_grads_hook", None) is None:  # not already hooked by transformers
         enable = model.enable_input_require_grads
         enable()

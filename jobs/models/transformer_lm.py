@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, model_validator
 from safetensors.torch import load_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from jobs.errors import Problem
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily, linear_module_names
 from jobs.models.loading.weight_sources import SafetensorsSource, SeededInitSource, WeightSource
-from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
-from jobs.train.activation_checkpointing import checkpoint_block
+from jobs.spec.sections import Dtype, ModelPath, Section, broken_rules
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -42,16 +42,11 @@ class TransformerLMSpec(Section):
     intermediate_size: int | None = Field(None, gt=0, description="default: 4 * hidden_size")
     max_seq_len: int = Field(1024, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    weights: Path | None = Field(None, description="safetensors file under a model root; random init if null")
+    weights: ModelPath | None = Field(None, description="safetensors file under a model root; random init if null")
     dtype: Dtype = "float32"
     quantize: Literal["nf4", "int8"] | None = Field(
         None, description="store, stream and keep the frozen base's linear weights quantized (QLoRA); needs lora"
     )
-
-    @field_validator("weights")
-    @classmethod
-    def _confine_weights(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "model")
 
     @model_validator(mode="after")
     def _check_heads_divide_hidden(self) -> TransformerLMSpec:
@@ -108,6 +103,11 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _torch_checkpoint(block: nn.Module, *args: Any) -> torch.Tensor:
+    """torch's non-reentrant checkpoint of ``block(*args)``: the model's default, as transformers' and diffusers'."""
+    return checkpoint(block, *args, use_reentrant=False)
+
+
 class TransformerLM(nn.Module):
     """Token + learned position embeddings, ``num_layers`` blocks, a final norm and an untied LM head.
 
@@ -122,7 +122,8 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.gradient_checkpointing = False
-        self._gradient_checkpointing_func: Callable[..., torch.Tensor] = checkpoint_block
+        # torch's checkpoint until the trainer swaps its own in (jobs/recompute/apply.py), as in transformers.
+        self._gradient_checkpointing_func: Callable[..., torch.Tensor] = _torch_checkpoint
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
@@ -133,7 +134,7 @@ class TransformerLM(nn.Module):
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)
         for block in self.blocks:
             if self.gradient_checkpointing and self.training:
-                # The block re-runs in backward (jobs/train/activation_checkpointing.py); the offload engine sees
+                # The block re-runs in backward (jobs/recompute/checkpoint.py); the offload engine sees
                 # the recompute through its forward hooks and keeps the block's weights on the device for it.
                 x = self._gradient_checkpointing_func(block, x)
             else:
@@ -248,7 +249,6 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, TransformerLM):
             module.gradient_checkpointing = True
-            module._gradient_checkpointing_func = checkpoint_block  # replaceable, as in transformers
 
 
 FAMILY = ModelFamily(

@@ -21,8 +21,8 @@ from pydantic import Field, ValidationInfo, create_model, field_validator, model
 from jobs.models import registry
 from jobs.spec.distributed import DistributedSpec
 from jobs.spec.llm import DPOSpec, EvalSpec, InstructionFields, ORPOSpec, TextSamplesSpec, TrackingSpec
+from jobs.spec.sections import DataPath, ModelPath, Section, broken_rules
 from jobs.spec.sections import Dtype as Dtype
-from jobs.spec.sections import Section, broken_rules, confined_path
 from offload import OffloadOptions
 from offload import parse_bytes as parse_bytes
 from offload.options import AUTO_BUDGET
@@ -58,26 +58,16 @@ class HFTokenizerSpec(Section):
     """A Hugging Face tokenizer from a local directory under a model root (often the model's own)."""
 
     kind: Literal["hf"]
-    path: Path
-
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "model")
+    path: ModelPath
 
 
 class DataSourceSpec(Section):
     """One file or directory of a ``data.mix``, and its share of the mixed records."""
 
-    path: Path = Field(description="a file or a directory of data files under a data root")
+    path: DataPath = Field(description="a file or a directory of data files under a data root")
     weight: float = Field(
         1.0, gt=0, le=1_000_000, description="its share of each epoch's records, relative to the others"
     )
-
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "data")
 
 
 class TextDataSpec(Section):
@@ -86,7 +76,7 @@ class TextDataSpec(Section):
     sequences of at most ``seq_len`` tokens."""
 
     kind: Literal["text"]
-    path: Path | None = Field(None, description="a file or a directory of data files under a data root")
+    path: DataPath | None = Field(None, description="a file or a directory of data files under a data root")
     mix: list[DataSourceSpec] | None = Field(
         None, min_length=1, max_length=64, description="instead of path: several sources mixed by weight"
     )
@@ -124,11 +114,6 @@ class TextDataSpec(Section):
             if old == "jsonl":
                 data.setdefault("file_type", "jsonl")
         return data
-
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "data")
 
     @model_validator(mode="after")
     def _check_path_or_mix(self) -> TextDataSpec:

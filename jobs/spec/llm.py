@@ -7,12 +7,11 @@ the job. A module of their own so the job spec stays one screen of model, data a
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from jobs.spec.sections import Section, broken_rules, confined_path
+from jobs.spec.sections import DataPath, Section, broken_rules
 
 
 class InstructionFields(Section):
@@ -56,16 +55,11 @@ class EvalSpec(Section):
     """
 
     split: float | None = Field(None, gt=0, lt=1)
-    path: Path | None = Field(None, description="a file or directory under a data root, same format as data")
+    path: DataPath | None = Field(None, description="a file or directory under a data root, same format as data")
     every_steps: int | None = Field(None, gt=0, description="null: only at the end (and at each checkpoint)")
     at_start: bool = Field(True, description="evaluate the base model at step 0 too, the figure to compare against")
     max_batches: int | None = Field(None, gt=0, description="cap each evaluation at this many batches")
     early_stopping: EarlyStoppingSpec | None = None
-
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "data")
 
     @model_validator(mode="after")
     def _check_split_or_path(self) -> EvalSpec:

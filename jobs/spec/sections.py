@@ -6,9 +6,11 @@ and jobs/spec/job.py, which assembles the whole job from them, can both import i
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo
 from pydantic_core import PydanticCustomError
 
 from jobs.errors import Problem
@@ -42,3 +44,16 @@ def confined_path(value: Any, info: ValidationInfo, kind: Literal["model", "data
     if value is None or roots is None:
         return value
     return confine(value, roots.model_roots if kind == "model" else roots.data_roots, kind)
+
+
+def _within_roots(kind: Literal["model", "data"]) -> Callable[[Path, ValidationInfo], Path]:
+    def confine_to_roots(value: Path, info: ValidationInfo) -> Path:
+        return confined_path(value, info, kind)
+
+    return confine_to_roots
+
+
+# The two kinds of path a spec names, each checked against its roots wherever a section declares one (a path
+# outside them, or missing, is refused with the roots that were searched).
+ModelPath = Annotated[Path, AfterValidator(_within_roots("model"))]  # a file or directory under a model root
+DataPath = Annotated[Path, AfterValidator(_within_roots("data"))]  # a file or directory under a data root

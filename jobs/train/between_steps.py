@@ -8,8 +8,8 @@ from typing import Any
 from jobs.evaluate.held_out import EvalHistory, evaluate
 from jobs.evaluate.pairs import evaluate_pairs
 from jobs.events import EvalEvent, LogEvent, PreferenceMetrics, Report, SampleEvent
+from jobs.objectives.preference import PreferenceLoss
 from jobs.spec.job import JobSpec
-from jobs.train.preference import PreferenceLoss
 
 log = logging.getLogger(__name__)
 

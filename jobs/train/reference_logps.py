@@ -36,8 +36,8 @@ from jobs.checkpoints.directory import files_identity
 from jobs.data.formats.preference import PreferenceBatches, PreferencePair, collate_pairs
 from jobs.distributed.group import RankGroup, current_group, leads
 from jobs.events import LogEvent, Report
+from jobs.objectives.preference import sequence_logps
 from jobs.spec.job import JobSpec, TextDataSpec
-from jobs.train.preference import sequence_logps
 
 if TYPE_CHECKING:
     from jobs.train.session import TrainingSession

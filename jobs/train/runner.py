@@ -11,21 +11,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from jobs.checkpoints.directory import CheckpointInfo, save_checkpoint
-from jobs.checkpoints.export import save_tokenizer
-from jobs.checkpoints.sample_artifacts import keep_samples
-from jobs.checkpoints.training_state import save_training_state
 from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import whole_optimizer_reason
 from jobs.errors import OutOfMemoryHint
 from jobs.events import (
-    CheckpointEvent,
-    FileDigest,
     FinishedEvent,
     LogEvent,
     PreferenceMetrics,
     Report,
     StartedEvent,
+    StepEvent,
     StopPoll,
     failed_event,
 )
@@ -34,6 +29,7 @@ from jobs.reporting.telemetry import StepClock, device_identity, step_event
 from jobs.reporting.tracking import Tracking
 from jobs.spec.job import JobSpec
 from jobs.train.between_steps import EvalAndSamples
+from jobs.train.checkpoint_keeper import CheckpointKeeper, checkpoint_due
 from jobs.train.gc_pauses import setup_frozen_for_the_collector
 from jobs.train.oom import oom_message
 from jobs.train.reference_logps import needs_reference_pass, prepare_reference_logps
@@ -120,7 +116,13 @@ def run_job(
         from jobs.distributed.launch import run_ranks
 
         return run_ranks(
-            spec, output_dir=output_dir, report=report, resume=resume, should_stop=should_stop, cache_dir=cache_dir
+            spec,
+            run_job,
+            output_dir=output_dir,
+            report=report,
+            resume=resume,
+            should_stop=should_stop,
+            cache_dir=cache_dir,
         )
     resolved = spec.model_dump(mode="json")
     log.info("job %s: resolved spec %s", spec.name, json.dumps(resolved))
@@ -195,124 +197,77 @@ def _train(
     report: Report,
     should_stop: StopPoll | None,
 ) -> JobOutcome:
-    training, every = spec.training, spec.checkpoint.every_steps
-    accumulation = training.gradient_accumulation_steps
+    """The training loop: steps until ``total``, a pause, a cancel or an early stop, checkpointing when due."""
     step, total = session.start_step, session.total_steps
-    saved = session.resumed_from
-    saved_step = saved.step if saved is not None else None  # the same on every rank (``saved`` is rank 0's)
     clock = StepClock(step, total)
     between = EvalAndSamples(session, spec, report, session.resumed_extra.get("eval"))
+    checkpoints = CheckpointKeeper(session, spec, resolved, output_dir, report, between)
     if step == 0:  # a resumed job evaluated the base model in its first attempt
         between.before_first_step()
-
-    def checkpoint_now() -> CheckpointInfo | None:
-        nonlocal saved_step
-        if saved_step == step:
-            return saved  # nothing trained since the last save
-        saved_step = step
-        # Every rank: the parts of an optimizer the ranks split are gathered to rank 0 (a collective).
-        shards = session.optimizer_shards
-        optimizer_state = shards.whole_state_dict() if shards is not None else None
-        if not leads():
-            return None  # rank 0 writes the job's checkpoints; the other ranks train on
-        eval_loss = between.eval_loss_at(step)  # recorded in the manifest: the best checkpoint is kept and marked
-        info = _save(session, resolved, output_dir, step, spec, eval_loss, between.state_dict(), optimizer_state)
-        files = [FileDigest(**entry) for entry in info.files]
-        report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
-        if session.sampler is not None:
-            for event in keep_samples(info, output_dir, session.sampler.prompts):
-                report(event)
-        return info
-
     while step < total:
         request = should_stop() if should_stop is not None else None
         if request == "pause":
-            paused_at = checkpoint_now()
+            paused_at = checkpoints.save(step)
             return JobOutcome("paused", step, paused_at.path if paused_at else None)
         if request == "cancel":
-            return JobOutcome("cancelled", step, saved.path if saved else None)
-        lr = session.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        first = step * accumulation  # data position: micro-batches consumed so far
-        batches = [session.data.batch(index) for index in range(first, first + accumulation)]
-        loss = train_step(
-            session.forward_model,
-            session.loss_fn,
-            batches,
-            optimizer=session.optimizer,
-            scheduler=session.scheduler,
-            accelerator=session.accelerator,
-            manager=session.manager,
-            max_grad_norm=training.max_grad_norm,
-            device=session.device,
-        )
-        group = current_group()  # data parallelism: the loss and the batch are the ranks' together
-        loss_value = (group.mean(loss) if group else loss).item()  # CPU-GPU sync point: once per step
+            return JobOutcome("cancelled", step, checkpoints.last_path)
+        report(_run_step(session, spec, step, clock))
         step += 1
-        samples = training.batch_size * accumulation * spec.distributed.world_size
-        timing = clock.tick(step)
-        tokens = samples * session.data.tokens_per_sample if session.data.tokens_per_sample else None
-        event = step_event(
-            step=step,
-            total_steps=total,
-            loss=loss_value,
-            lr=lr,
-            samples=samples,
-            tokens=tokens,
-            timing=timing,
-            device=session.device,
-            offload=session.manager.stats() if session.manager else None,
-        )
-        if group is not None:
-            event = group.with_rank_figures(event, timing["step_s"])  # every rank's time and memory
-
-        take_metrics = getattr(session.loss_fn, "take_metrics", None)  # dpo/orpo: rewards and log-probs
-        if callable(take_metrics):
-            event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})
-        report(event)
         stop_early = between.after_step(step)
+        group = current_group()
         if group is not None:
             stop_early = group.agree(stop_early)  # rank 0's decision: every rank leaves after the same step
-        sample_every = session.sampler.every_steps if session.sampler is not None else None
-        due = [n for n in (every, sample_every) if n is not None and step % n == 0]
-        if due and step < total:
-            saved = checkpoint_now()
+        if checkpoint_due(session, spec, step) and step < total:
+            checkpoints.save(step)
         if stop_early:
             break
     between.at_end(step)
     if spec.checkpoint.save_final:
-        saved = checkpoint_now()
-    return JobOutcome("succeeded", step, saved.path if saved else None)
+        checkpoints.save(step)
+    return JobOutcome("succeeded", step, checkpoints.last_path)
 
 
-def _save(
-    session: TrainingSession,
-    resolved: dict[str, Any],
-    output_dir: Path,
-    step: int,
-    spec: JobSpec,
-    eval_loss: float | None,
-    eval_state: dict[str, Any],
-    optimizer_state: dict[str, Any] | None = None,
-) -> CheckpointInfo:
-    def write(directory: Path) -> None:
-        if session.manager is not None:
-            session.manager.wait_for_optimizer()  # background CPU updates finish before the weights are read
-        session.family.weights_format.save(session.model, directory)
-        if session.text is not None:
-            save_tokenizer(session.text.tokenizer, directory)  # beside the weights: the checkpoint loads alone
-        save_training_state(
-            directory,
-            step=step,
-            data_position=step * spec.training.gradient_accumulation_steps,
-            optimizer=session.optimizer,
-            scheduler=session.scheduler,
-            extra={"eval": eval_state},
-            optimizer_state=optimizer_state,
-        )
-        if session.sampler is not None:
-            session.sampler.write(session.forward_model, directory)
-
-    return save_checkpoint(output_dir, step, resolved, write, keep_last=spec.checkpoint.keep_last, eval_loss=eval_loss)
+def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClock) -> StepEvent:
+    """Train the step after ``done`` steps; returns its event (loss, rate, timing, memory, preference metrics)."""
+    training = spec.training
+    accumulation = training.gradient_accumulation_steps
+    lr = session.optimizer.param_groups[0]["lr"]  # the rate this step uses
+    first = done * accumulation  # data position: micro-batches consumed so far
+    batches = [session.data.batch(index) for index in range(first, first + accumulation)]
+    loss = train_step(
+        session.forward_model,
+        session.loss_fn,
+        batches,
+        optimizer=session.optimizer,
+        scheduler=session.scheduler,
+        accelerator=session.accelerator,
+        manager=session.manager,
+        max_grad_norm=training.max_grad_norm,
+        device=session.device,
+    )
+    group = current_group()  # data parallelism: the loss and the batch are the ranks' together
+    loss_value = (group.mean(loss) if group else loss).item()  # CPU-GPU sync point: once per step
+    step = done + 1
+    samples = training.batch_size * accumulation * spec.distributed.world_size
+    timing = clock.tick(step)
+    tokens = samples * session.data.tokens_per_sample if session.data.tokens_per_sample else None
+    event = step_event(
+        step=step,
+        total_steps=session.total_steps,
+        loss=loss_value,
+        lr=lr,
+        samples=samples,
+        tokens=tokens,
+        timing=timing,
+        device=session.device,
+        offload=session.manager.stats() if session.manager else None,
+    )
+    if group is not None:
+        event = group.with_rank_figures(event, timing["step_s"])  # every rank's time and memory
+    take_metrics = getattr(session.loss_fn, "take_metrics", None)  # dpo/orpo: rewards and log-probs
+    if callable(take_metrics):
+        event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})
+    return event
 
 
 def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:

@@ -22,6 +22,7 @@ from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.models.loading.weight_sources import LoadReport, WeightSource
+from jobs.recompute import apply_activation_checkpointing, offload_checkpointed_inputs
 from jobs.reporting.telemetry import peak_rss_bytes
 from jobs.spec.job import JobSpec
 from jobs.train.optim import build_optimizer, build_scheduler
@@ -96,7 +97,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     loading_started = time.perf_counter()
     model, loss_fn, source = _setup_model(spec, family, device)
     if spec.training.objective != "sft":
-        from jobs.train.preference import PreferenceLoss
+        from jobs.objectives.preference import PreferenceLoss
 
         loss_fn = PreferenceLoss(spec.training, model)  # dpo's reference: the base, adapters masked per row
     checkpoint, passed_over = resume_point(output_dir) if resume else (None, [])
@@ -180,18 +181,19 @@ def _setup_model(
     else:
         model, loss_fn = build_model(spec.model, training.seed)
     if training.gradient_checkpointing:
-        enable_gradient_checkpointing(model, spec.model)
+        enable_gradient_checkpointing(model, spec.model)  # the model's own switch, then Ferry's policy on it
+        apply_activation_checkpointing(model, uncheckpointed_layers=getattr(spec.model, "uncheckpointed_layers", 0))
     if spec.lora is not None and family.apply_lora is not None:
         model = family.apply_lora(model, spec.lora)
     elif spec.lora is not None:
-        from jobs.train.lora import adapters_stay_on_the_cpu, apply_lora  # peft is slow to import: LoRA jobs only
+        from jobs.models.lora import adapters_stay_on_the_cpu, apply_lora  # peft is slow to import: LoRA jobs only
 
         with adapters_stay_on_the_cpu(model):  # changes nothing unless the base is on the meta device
             model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
     if training.mixed_precision != "no":
         keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
     if spec.lora is not None:
-        from jobs.train.lora import no_upcast_under_autocast
+        from jobs.models.lora import no_upcast_under_autocast
 
         no_upcast_under_autocast(model)
     quantize = getattr(spec.model, "quantize", None)
@@ -242,8 +244,6 @@ def _setup_offload(
     if group is not None:
         group.after_attach()
     if manager.activations is not None:
-        from jobs.train.activation_checkpointing import offload_checkpointed_inputs
-
         offload_checkpointed_inputs(model, manager.activations)
     return manager
 

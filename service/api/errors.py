@@ -11,8 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.errors import ApiError
 from service.queue.status import IllegalTransition
 from service.queue.store import JobNotFound
+
+__all__ = ["INT64_MAX", "ApiError", "error_response", "install_error_handlers"]  # ApiError: service/errors.py
 
 log = logging.getLogger("ferry.api")
 INT64_MAX = 2**63 - 1  # the largest id, cursor or count the store (SQLite INTEGER) holds
@@ -24,23 +27,6 @@ class _EnvelopeResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-class ApiError(Exception):
-    """An answer other than success, with a message that names the field and the fix."""
-
-    def __init__(
-        self,
-        status_code: int,
-        code: str,
-        message: str,
-        *,
-        problems: list[dict[str, Any]] | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code, self.code, self.message = status_code, code, message
-        self.problems, self.headers = problems, headers
 
 
 def error_response(

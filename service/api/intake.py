@@ -5,11 +5,10 @@ The spec itself is checked in the spec checker's process (``service/checking/``)
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from jobs.convert.axolotl import AxolotlConversion, convert_axolotl
-from service.api.errors import ApiError
 from service.checking.yaml_guard import YamlShapeError, check_yaml_shape
+from service.errors import ApiError, spec_error
 
 YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain"})
 JSON_TYPES = frozenset({"application/json"})
@@ -86,17 +85,3 @@ def _check_json(text: str) -> None:
                 }
             ]
         ) from None
-
-
-def spec_error(problems: list[dict[str, Any]]) -> ApiError:
-    listed = "; ".join(_describe(p) for p in problems)
-    noun = "problem" if len(problems) == 1 else "problems"
-    return ApiError(422, "invalid_spec", f"The job spec has {len(problems)} {noun}: {listed}", problems=problems)
-
-
-def _describe(problem: dict[str, Any]) -> str:
-    where = problem["path"] or "spec"
-    if problem.get("line") is not None:
-        where += f" (line {problem['line']})"
-    hint = f"; did you mean '{problem['suggestion']}'?" if problem.get("suggestion") else ""
-    return f"{where}: {problem['message']}{hint}"

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from jobs import OffloadStats
 from jobs.events import ErrorCode, EvalEvent, MemorySnapshot, SampleEvent, StepEvent, StepMetrics
+from service.checking.fit_shapes import FitEstimate
 from service.queue.events import JobError, StoredEvent, upgrade_stored_event
 from service.queue.records import EventRecord, JobRecord
 from service.queue.status import JobAction, JobStatus, allowed_actions
@@ -247,26 +248,6 @@ class MergedPublic(BaseModel):
 
 class CheckpointsPublic(BaseModel):
     data: list[CheckpointPublic]
-
-
-class DeviceFit(BaseModel):
-    worker: str
-    device: str | None
-    memory_total_bytes: int | None
-    memory_limit_bytes: int | None = None  # offload.gpu_memory_limit: the job may use no more of the GPU
-    fits: bool | None
-
-
-class FitEstimate(BaseModel):
-    peak_device_bytes: int
-    pinned_host_bytes: int
-    optimizer_host_bytes: int = 0  # each rank's CPU optimizer state (optimizer offload), in ordinary host memory
-    ranks: int = 1  # distributed.world_size: the ranks of one machine the host figures cover
-    notes: list[str]
-    host_available_bytes: int
-    host_total_bytes: int = 0
-    fits: bool | None  # None when the service cannot tell (GPU sizes unknown)
-    devices: list[DeviceFit]
 
 
 class ValidationPublic(BaseModel):

@@ -20,11 +20,10 @@ import yaml
 from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
 from jobs.spec.preflight import preflight_problems
 from jobs.spec.text import ParsedSpec, parse_spec_text
-from service.api.errors import ApiError
-from service.api.intake import spec_error
 from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
 from service.checking.messages import CheckedSpec, CheckRequest, Refusal
 from service.checking.yaml_guard import ShapeGuard, YamlShapeError, shape_error
+from service.errors import ApiError, spec_error
 
 log = logging.getLogger("ferry.spec_check")
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar, Protocol
 
-from service.api.errors import ApiError
 from service.checking.messages import CheckedSpec, CheckRequest, Refusal
+from service.errors import ApiError
 
 log = logging.getLogger("ferry.spec_checker")
 _SPAWN = mp.get_context("spawn")  # a fork would copy the server's threads and sockets into the checker

@@ -7,8 +7,8 @@ import psutil
 from jobs import JobSpec, estimate_memory, line_of, parse_bytes
 from jobs.fit.checks import device_problem, host_memory_problem
 from jobs.spec.text import ParsedSpec
-from service.api.errors import ApiError
-from service.api.schemas import DeviceFit, FitEstimate
+from service.checking.fit_shapes import DeviceFit, FitEstimate
+from service.errors import ApiError
 from service.workers.devices import GpuInfo, Slot
 
 GIB = 2**30

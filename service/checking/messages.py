@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from service.api.errors import ApiError
-from service.api.schemas import FitEstimate
+from service.checking.fit_shapes import FitEstimate
+from service.errors import ApiError
 from service.settings import Settings
 from service.workers.devices import GpuInfo, Slot
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from jobs.fit.sizes import human_bytes
-from service.api.errors import ApiError
+from service.errors import ApiError
 
 log = logging.getLogger("ferry.disk")
 RESERVE_NAME = "ferry.reserve"

@@ -19,7 +19,6 @@ from jobs.models.diffusion.components import load_transformer
 from jobs.models.diffusion.flow_match import flow_matching_loss, noisy_latents
 from jobs.models.diffusion.modulation_table import feed_modulation
 from jobs.models.diffusion.variants import FAMILIES, Conditioning, DiffusionFamily
-from jobs.train.activation_checkpointing import enable_block_checkpointing
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 TRANSFORMER_DIR = "transformer"
@@ -82,7 +81,8 @@ def apply_dit_lora(model: Any, lora: Any) -> nn.Module:
 
 
 def enable_dit_checkpointing(model: Any) -> None:
-    enable_block_checkpointing(model)
+    """diffusers' own block checkpointing; the trainer swaps Ferry's checkpoint in (jobs/recompute/apply.py)."""
+    model.enable_gradient_checkpointing()
 
 
 def has_lora(model: nn.Module) -> bool:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from jobs.spec.sections import Dtype, Section, broken_rules, confined_path
+from jobs.spec.sections import DataPath, Dtype, ModelPath, Section, broken_rules, confined_path
 
 
 class DiffusersTransformerSpec(Section):
@@ -25,7 +25,7 @@ class DiffusersTransformerSpec(Section):
     """
 
     kind: Literal["diffusers_transformer"]
-    path: Path = Field(description="a diffusers pipeline directory (with transformer/) under a model root")
+    path: ModelPath = Field(description="a diffusers pipeline directory (with transformer/) under a model root")
     init: Literal["pretrained", "random"] = Field(
         "pretrained", description="random: the config's shapes with random weights (benchmarks; no weights read)"
     )
@@ -43,11 +43,6 @@ class DiffusersTransformerSpec(Section):
         "model offload streams those weights once a step, not again in the recomputation. Needs them and "
         "time_text_embed frozen (LoRA). Default: on for LoRA under model offload",
     )
-
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "model")
 
     @model_validator(mode="after")
     def _check_pipeline_dir(self) -> DiffusersTransformerSpec:
@@ -71,7 +66,7 @@ class ImageCaptionDataSpec(Section):
     """
 
     kind: Literal["image_caption"]
-    path: Path = Field(description="the dataset folder under a data root")
+    path: DataPath = Field(description="the dataset folder under a data root")
     metadata: str | None = Field(None, description="file inside path; default: metadata.csv or metadata.json")
     max_pixels: int = Field(1024 * 1024, gt=0, description="pixel budget per image (DiffSynth's --max_pixels)")
     repeat: int = Field(1, gt=0, description="serve the set this many times per epoch (--dataset_repeat)")
@@ -92,11 +87,6 @@ class ImageCaptionDataSpec(Section):
         0.0, ge=0.0, lt=1.0, description="train this fraction of samples with the empty caption (kohya, ai-toolkit)"
     )
 
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "data")
-
     @model_validator(mode="after")
     def _check_rows(self) -> ImageCaptionDataSpec:
         from jobs.models.diffusion.data.images import metadata_problems
@@ -111,16 +101,11 @@ class DiffusionCacheDataSpec(Section):
     """Train from a cache that a ``task: cache`` job wrote: latents and prompt embeddings, no encoders."""
 
     kind: Literal["diffusion_cache"]
-    path: Path = Field(description="the cache directory (its manifest.json) under a data root")
+    path: DataPath = Field(description="the cache directory (its manifest.json) under a data root")
     repeat: int = Field(1, gt=0, description="serve the cache this many times per epoch")
     caption_dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="train this fraction of samples with the empty caption (kohya, ai-toolkit)"
     )
-
-    @field_validator("path")
-    @classmethod
-    def _confine_path(cls, value: Any, info: ValidationInfo) -> Any:
-        return confined_path(value, info, "data")
 
 
 class CacheSpec(Section):

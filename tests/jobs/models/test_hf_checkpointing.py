@@ -10,6 +10,7 @@ from torch import nn
 
 from jobs import PathRoots
 from jobs.models.hf_causal_lm import enable_hf_gradient_checkpointing
+from jobs.recompute import apply_activation_checkpointing
 from tests.jobs.helpers import losses_and_saved, merged, python_calls, spec_from
 from tests.jobs.models.test_hf_causal_lm import TINY_HF, save_tiny_llama
 
@@ -52,6 +53,7 @@ def _tiny_lora_llama(checkpointing: bool) -> nn.Module:
     model = LlamaForCausalLM(config)
     if checkpointing:
         enable_hf_gradient_checkpointing(model)
+        apply_activation_checkpointing(model)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return get_peft_model(model, LoraConfig(r=4, target_modules=targets)).train()
 

@@ -11,6 +11,7 @@ from jobs import PathRoots
 from jobs.models import build_model
 from jobs.models.names import builtin_module_names
 from jobs.models.transformer_lm import TransformerLMSpec
+from jobs.recompute import apply_activation_checkpointing
 from tests.jobs.helpers import TINY_LM, merged, python_calls, spec_from
 
 SPEC = TransformerLMSpec(
@@ -41,6 +42,7 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
     for checkpointing in (False, True):
         model, loss_fn = build_model(SPEC, seed=0)
         model.gradient_checkpointing = checkpointing
+        apply_activation_checkpointing(model)  # Ferry's reentrant checkpoint, as the trainer applies it
         loss_fn(model, {"input_ids": ids, "labels": ids}).backward()
         grads.append(model.blocks[0].attn.to_q.weight.grad)
     assert torch.allclose(grads[0], grads[1])
@@ -57,6 +59,7 @@ def test_checkpointing_with_frozen_embeddings_gives_the_same_gradients_bitwise()
         for block in model.blocks:
             block.requires_grad_(True)
         model.gradient_checkpointing = checkpointing
+        apply_activation_checkpointing(model)  # Ferry's reentrant checkpoint, as the trainer applies it
         loss_fn(model, {"input_ids": ids, "labels": ids}).backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
@@ -65,12 +68,13 @@ def test_checkpointing_with_frozen_embeddings_gives_the_same_gradients_bitwise()
 
 def test_checkpointing_adds_little_host_work_to_a_training_step() -> None:
     # The non-reentrant checkpoint ran hooks for every tensor a block saves: 10.5x the Python calls of this
-    # tiny model's step without checkpointing; the reentrant one (jobs/train/activation_checkpointing.py) 2.8x.
+    # tiny model's step without checkpointing; the reentrant one (jobs/recompute/checkpoint.py) 2.8x.
     ids = torch.randint(260, (2, 8), generator=torch.Generator().manual_seed(0))
     calls = []
     for checkpointing in (False, True):
         model, loss_fn = build_model(SPEC, seed=0)
         model.train().gradient_checkpointing = checkpointing
+        apply_activation_checkpointing(model)  # Ferry's reentrant checkpoint, as the trainer applies it
 
         def step(model=model, loss_fn=loss_fn) -> None:
             loss_fn(model, {"input_ids": ids, "labels": ids}).backward()

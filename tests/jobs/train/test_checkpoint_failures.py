@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import jobs.train.runner
+import jobs.train.checkpoint_keeper
 from jobs import list_checkpoints, run_job
 from jobs.errors import DiskFullError
 from jobs.events import event_to_wire
@@ -55,7 +55,7 @@ def test_a_disk_that_fills_during_a_checkpoint_fails_the_job_with_disk_full(
         (directory / "training_state.pt").write_bytes(b"the first bytes")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(jobs.train.runner, "save_training_state", full_disk)
+    monkeypatch.setattr(jobs.train.checkpoint_keeper, "save_training_state", full_disk)
     events: list[dict[str, Any]] = []
     with pytest.raises(DiskFullError):
         run_job(spec_from(EVERY_2), output_dir=tmp_path, report=lambda e: events.append(event_to_wire(e)))

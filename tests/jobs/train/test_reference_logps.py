@@ -19,13 +19,13 @@ from jobs import load_job_spec
 from jobs.data.formats.preference import PreferenceBatches, preference_pair
 from jobs.data.tokenizers import HFTokenizer
 from jobs.distributed.batches import RankShard
+from jobs.objectives.preference import PreferenceLoss
 from jobs.spec.llm import DPOSpec, ORPOSpec
 from jobs.train import reference_logps
-from jobs.train.preference import PreferenceLoss
 from jobs.train.reference_logps import reference_pass
 from tests.jobs.helpers import assert_same_weights, final_weights
 from tests.jobs.llm_helpers import save_bpe_tokenizer, save_llama, write_jsonl
-from tests.jobs.train.test_preference import (
+from tests.jobs.objectives.test_preference import (
     pair_record,
     pref_spec,
     roots,

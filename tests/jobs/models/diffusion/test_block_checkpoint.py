@@ -12,7 +12,8 @@ from torch import nn
 
 from jobs import run_job
 from jobs.models.diffusion.model import LORA_WEIGHTS, apply_dit_lora, enable_dit_checkpointing, flow_loss
-from jobs.train.activation_checkpointing import checkpoint_block
+from jobs.recompute import apply_activation_checkpointing
+from jobs.recompute.checkpoint import checkpoint_block
 from tests.jobs.helpers import losses_and_saved, python_calls
 from tests.jobs.models.diffusion.helpers import QWEN_TARGETS, WAN_TARGETS, cache_job, spec_from, train_job
 
@@ -58,7 +59,8 @@ def _lora_dit(
     lora = SimpleNamespace(rank=4, alpha=None, dropout=dropout, target_modules=targets)
     model = apply_dit_lora(build(layers), lora)
     if checkpointing:
-        enable_dit_checkpointing(model)
+        enable_dit_checkpointing(model)  # diffusers' own switch, then Ferry's checkpoint as the trainer applies it
+        apply_activation_checkpointing(model)
     return model.train()
 
 

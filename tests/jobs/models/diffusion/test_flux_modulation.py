@@ -16,6 +16,7 @@ from torch import nn
 from jobs import PathRoots
 from jobs.models.diffusion.flux.modulation import FluxModulation, flux_modulation
 from jobs.models.diffusion.model import apply_dit_lora, enable_dit_checkpointing, flow_loss
+from jobs.recompute import apply_activation_checkpointing
 from offload import OffloadOptions, OffloadTrainingManager, discover_units
 from tests.jobs.models.diffusion.flux_pipelines import FLUX1_TARGETS
 from tests.jobs.models.diffusion.helpers import cache_job, train_job
@@ -40,6 +41,7 @@ def _dit(dtype: torch.dtype, targets: list[str] = FLUX1_TARGETS) -> nn.Module:
         if "lora_B" in name:  # nonzero adapters, so every adapter changes the output
             param.data.normal_(generator=torch.Generator().manual_seed(1))
     enable_dit_checkpointing(dit)
+    apply_activation_checkpointing(dit)  # Ferry's checkpoint, as the trainer applies it
     return dit
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from jobs.models.diffusion.flow_match import sigmas
 from jobs.models.diffusion.model import apply_dit_lora, enable_dit_checkpointing, flow_loss
 from jobs.models.diffusion.modulation_table import modulation_table, precompute_modulation
+from jobs.recompute import apply_activation_checkpointing
 from tests.jobs.models.diffusion.helpers import QWEN_TARGETS, cache_job, train_job
 from tests.jobs.models.diffusion.test_submit_errors import _problems
 from tests.jobs.models.diffusion.test_training import SAMPLE, _run
@@ -37,6 +38,7 @@ def _lora_dit(dtype: torch.dtype) -> nn.Module:
         if "lora_B" in name:  # nonzero adapters, so the modulation's LoRA changes the output
             param.data.normal_(generator=torch.Generator().manual_seed(1))
     enable_dit_checkpointing(dit)
+    apply_activation_checkpointing(dit)  # Ferry's checkpoint, as the trainer applies it
     return dit
 
 

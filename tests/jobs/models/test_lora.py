@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from jobs.models.lora import apply_lora, no_upcast_under_autocast
 from jobs.spec.job import LoraSpec
-from jobs.train.lora import apply_lora, no_upcast_under_autocast
 from jobs.train.session import keep_trainable_in_float32
 
 WIDTH, TOKENS = 48, 40

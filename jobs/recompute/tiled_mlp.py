@@ -12,7 +12,7 @@ checkpointed layers below.
 
 Each row goes through the same layers, so values and gradients are training's without it to float rounding: a
 matmul kernel may block fewer rows differently, and a weight's gradient (an adapter's) sums its tokens tile by
-tile (tests/jobs/models/test_tiled_mlp.py). Dropout inside an MLP (GPT-2's) draws its masks tile by tile: other
+tile (tests/jobs/recompute/test_tiled_mlp.py). Dropout inside an MLP (GPT-2's) draws its masks tile by tile: other
 draws, the same distribution.
 
 Only MLPs known to be position-wise are tiled, recognized by their children: Llama-style gate/up/down (Llama,
@@ -39,16 +39,16 @@ the first tile is recomputed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
+from torch.utils.checkpoint import checkpoint
 
-from jobs.train.activation_checkpointing import recomputing
+from jobs.recompute.flags import recomputing
+from jobs.recompute.replay import ForwardState
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +159,7 @@ class _TilesInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward: Any, positions: int) -> torch.Tensor:
         ctx.forward, ctx.positions = forward, positions
-        ctx.devices, ctx.device_states = get_device_states(x)
-        ctx.cpu_state = torch.get_rng_state()
-        ctx.autocast = {
-            kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in {"cpu", x.device.type}
-        }
+        ctx.state = ForwardState.capture(x)
         ctx.save_for_backward(x)
         return torch.zeros_like(x)
 
@@ -171,21 +167,14 @@ class _TilesInBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (x,) = ctx.saved_tensors
         grads = []
-        with torch.random.fork_rng(devices=ctx.devices, device_type=x.device.type):
-            torch.set_rng_state(ctx.cpu_state)
-            set_device_states(ctx.devices, ctx.device_states, device_type=x.device.type)
-            with contextlib.ExitStack() as stack:
-                for kind, (enabled, dtype) in ctx.autocast.items():
-                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-                for part, part_grad in zip(
-                    x.split(ctx.positions, dim=1), grad.split(ctx.positions, dim=1), strict=True
-                ):
-                    part = part.detach().requires_grad_(ctx.needs_input_grad[0])
-                    with torch.enable_grad():
-                        output = ctx.forward(part)
-                    if output.requires_grad:
-                        torch.autograd.backward(output, part_grad)
-                    grads.append(part.grad)
+        with ctx.state.replay():
+            for part, part_grad in zip(x.split(ctx.positions, dim=1), grad.split(ctx.positions, dim=1), strict=True):
+                part = part.detach().requires_grad_(ctx.needs_input_grad[0])
+                with torch.enable_grad():
+                    output = ctx.forward(part)
+                if output.requires_grad:
+                    torch.autograd.backward(output, part_grad)
+                grads.append(part.grad)
         grad_x = torch.cat(grads, dim=1) if ctx.needs_input_grad[0] else None
         return grad_x, None, None
 

@@ -7,11 +7,11 @@ the decoder runs as usual and returns its hidden states; the head and the cross-
 positions, each chunk checkpointed (its logits are made again in backward, one chunk at a time). The loss is
 transformers' (float32 logits, labels shifted by one, -100 ignored, the sum over the batch's counted tokens);
 only the order of the sum differs, so it equals it to float rounding, not bit for bit
-(tests/jobs/models/test_chunked_loss.py).
+(tests/jobs/recompute/test_chunked_loss.py).
 
 Used for Hugging Face causal LMs whose float32 logits would exceed ``CHUNK_ABOVE_BYTES``; models with logit
 soft-capping, or whose decoder and head cannot be found, keep transformers' loss. The preference objectives'
-per-row log-probs (jobs/train/preference.py) are computed the same way (``chunked_completion_logps``).
+per-row log-probs (jobs/objectives/preference.py) are computed the same way (``chunked_completion_logps``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from jobs.train.activation_checkpointing import rows_from, rows_needing_gradient
+from jobs.recompute.flags import rows_from, rows_needing_gradient
 
 CHUNK_ABOVE_BYTES = 2**30  # float32 logits above this are computed in chunks
 CHUNK_BYTES = 2**29  # each chunk's float32 logits (bf16 ones and the gradient come on top)

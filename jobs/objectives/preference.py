@@ -29,8 +29,8 @@ from torch import nn
 
 from jobs.checkpoints.weights import is_peft_model
 from jobs.data.formats.examples import IGNORE
-from jobs.models.chunked_loss import chunked_completion_logps
-from jobs.train.activation_checkpointing import batch_rows, only_first_rows_need_gradient
+from jobs.recompute.chunked_loss import chunked_completion_logps
+from jobs.recompute.flags import batch_rows, only_first_rows_need_gradient
 
 METRICS = (
     "rewards_chosen",
@@ -217,7 +217,7 @@ def sequence_logps(
     model: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``completion_logps`` of the model's forward over ``batch``: chunk by chunk where the float32 logits
-    would be large (jobs/models/chunked_loss.py), so they never exist for the whole batch at once."""
+    would be large (jobs/recompute/chunked_loss.py), so they never exist for the whole batch at once."""
     chunked = chunked_completion_logps(model, batch, labels)
     return chunked if chunked is not None else completion_logps(forward_logits(model, batch), labels)
 

@@ -21,11 +21,10 @@ from torch import nn
 
 from jobs import PathRoots, estimate_memory
 from jobs.errors import JobSpecError
-from jobs.models import tiled_mlp
 from jobs.models.hf_causal_lm import enable_hf_gradient_checkpointing
+from jobs.objectives.preference import PreferenceLoss
+from jobs.recompute import apply_activation_checkpointing, offload_checkpointed_inputs, tiled_mlp
 from jobs.spec.llm import DPOSpec, ORPOSpec
-from jobs.train.activation_checkpointing import offload_checkpointed_inputs
-from jobs.train.preference import PreferenceLoss
 from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import merged, spec_from
 from tests.jobs.models.test_hf_causal_lm import TINY_HF, save_tiny_llama
@@ -48,6 +47,7 @@ def _model(tiled: bool, checkpointing: bool) -> nn.Module:
         tiled_mlp.install(model, TILE)
     if checkpointing:
         enable_hf_gradient_checkpointing(model)
+        apply_activation_checkpointing(model)
     lora = LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)  # adapters that change the output
     return get_peft_model(model, lora).train()
 
@@ -185,6 +185,7 @@ def test_a_layer_that_normalizes_its_mlps_output_still_computes_it() -> None:
             tiled_mlp.install(model, TILE)
             assert all(not mlp.ferry_tiled_mlp.residual_last for _, mlp in tiled_mlp.tileable_mlps(model))
         enable_hf_gradient_checkpointing(model)
+        apply_activation_checkpointing(model)
         return get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)).train()
 
     tokens = _ids().shape[1]
@@ -206,6 +207,7 @@ def test_the_skipped_recompute_replays_the_forwards_dropout() -> None:
         model = LlamaForCausalLM(config)
         tiled_mlp.install(model, TILE)
         enable_hf_gradient_checkpointing(model)
+        apply_activation_checkpointing(model)
         lora = LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.3)
         model = get_peft_model(model, lora).train()
         with pytest.MonkeyPatch.context() as patch:

@@ -20,8 +20,8 @@ from jobs.data.tokenizers import HFTokenizer
 from jobs.errors import JobSpecError
 from jobs.events import event_to_wire
 from jobs.models.transformer_lm import lm_loss
+from jobs.objectives.preference import METRICS, PreferenceLoss, completion_logps, dpo_losses, forward_logits
 from jobs.spec.llm import DPOSpec, ORPOSpec
-from jobs.train.preference import METRICS, PreferenceLoss, completion_logps, dpo_losses, forward_logits
 from tests.jobs.llm_helpers import llm_spec, save_bpe_tokenizer, save_llama, write_jsonl
 
 FACTS = [  # (question, right, wrong): a small real-facts preference set
@@ -193,7 +193,7 @@ def test_the_reference_rows_are_the_base_with_adapters_disabled(tiny: Path) -> N
     ours = PreferenceLoss(SimpleNamespace(objective="dpo", dpo=DPOSpec(beta=1.0), orpo=ORPOSpec()), model)
     ours(model, batch)
     rewards = ours.take_metrics()
-    from jobs.train.preference import completion_logps
+    from jobs.objectives.preference import completion_logps
 
     with torch.no_grad():
         policy, _ = completion_logps(
@@ -271,8 +271,10 @@ def _dpo_step_rows(model: nn.Module, batch: dict[str, torch.Tensor], *, trim: bo
     import contextlib
 
     from jobs.models.hf_causal_lm import enable_hf_gradient_checkpointing
+    from jobs.recompute import apply_activation_checkpointing
 
     enable_hf_gradient_checkpointing(model.base_model.model)
+    apply_activation_checkpointing(model.base_model.model)
     model.train()
     recomputed: list[int] = []
     layers = model.base_model.model.model.layers
@@ -291,7 +293,7 @@ def _dpo_step_rows(model: nn.Module, batch: dict[str, torch.Tensor], *, trim: bo
     keep_all = contextlib.nullcontext if not trim else None
     with pytest.MonkeyPatch.context() as patch:
         if keep_all is not None:
-            patch.setattr("jobs.train.preference.only_first_rows_need_gradient", lambda rows: keep_all())
+            patch.setattr("jobs.objectives.preference.only_first_rows_need_gradient", lambda rows: keep_all())
         loss = loss_fn(model, batch)
         recomputed.clear()  # the forward's calls: every row
         loss.backward()
@@ -350,7 +352,9 @@ def test_offloaded_activations_hold_the_policy_rows_alone(tiny: Path, tmp_path: 
         return steps_of(run(data, tiny, tmp_path / output))[-1]["offload"]["activation_offloaded_bytes"]
 
     trimmed = offloaded("trimmed")
-    monkeypatch.setattr("jobs.train.preference.only_first_rows_need_gradient", lambda rows: contextlib.nullcontext())
+    monkeypatch.setattr(
+        "jobs.objectives.preference.only_first_rows_need_gradient", lambda rows: contextlib.nullcontext()
+    )
     assert trimmed > 0 and 2 * trimmed == offloaded("every-row")
 
 
@@ -389,7 +393,7 @@ def test_a_checkpointed_layer_trims_the_rows_in_either_transformers_form(functio
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from jobs.train.activation_checkpointing import checkpoint_layer, only_first_rows_need_gradient
+    from jobs.recompute import checkpoint_layer, only_first_rows_need_gradient
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-import jobs.models.chunked_loss as chunked
+import jobs.recompute.chunked_loss as chunked
 from jobs import PathRoots
-from jobs.models.chunked_loss import chunked_lm_loss
 from jobs.models.hf_causal_lm import hf_lm_loss
 from jobs.models.transformer_lm import lm_loss
+from jobs.recompute.chunked_loss import chunked_lm_loss
 from offload import OffloadTrainingManager
 
 
@@ -82,7 +82,7 @@ def test_preference_log_probs_are_made_chunk_by_chunk(monkeypatch: pytest.Monkey
     and gradients of the whole-logits computation."""
     from types import SimpleNamespace
 
-    from jobs.train.preference import PreferenceLoss
+    from jobs.objectives.preference import PreferenceLoss
 
     training = SimpleNamespace(
         objective=objective,

@@ -31,7 +31,7 @@ recompute of fewer rows would draw other ones.
 
 While a checkpoint recomputes (``recomputing()``), what the recompute's outputs are worth is their graph: backward
 reads no value of a layer's output. A tiled MLP whose output only the residual sum reads skips its forward there
-(jobs/models/tiled_mlp.py).
+(jobs/recompute/tiled_mlp.py).
 
 One difference from torch's reentrant checkpoint: an output that backward does not reach gets no gradient,
 where torch's hands the block a zero one (it materializes missing gradients). A Qwen-Image block returns the
@@ -42,62 +42,16 @@ checkpointing.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointFunction,
-    checkpoint,
-    detach_variable,
-    get_device_states,
-    set_device_states,
-)
+from torch.utils.checkpoint import CheckpointFunction, checkpoint, detach_variable
 
-if TYPE_CHECKING:
-    from offload import ActivationOffload
-
-log = logging.getLogger(__name__)
-CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"  # where transformers and diffusers keep a layer's checkpoint
-
-
-_rows_needing_gradient: int | None = None  # only_first_rows_need_gradient's, while inside it
-_first_row = 0  # rows_from's: where in the batch the rows of the calls inside begin
-_recomputing = False  # inside a _ReentrantCheckpoint's recompute
-
-
-@contextlib.contextmanager
-def only_first_rows_need_gradient(rows: int) -> Iterator[None]:
-    """Inside, checkpointed calls over more than ``rows`` rows keep and recompute only their first ``rows`` (module
-    docstring): the caller guarantees that the gradient reaching the other rows is zero."""
-    global _rows_needing_gradient
-    before, _rows_needing_gradient = _rows_needing_gradient, rows
-    try:
-        yield
-    finally:
-        _rows_needing_gradient = before
-
-
-@contextlib.contextmanager
-def rows_from(first: int) -> Iterator[None]:
-    """Inside, calls run a slice of the batch's rows that begins at row ``first`` (DPO's reference rows, computed
-    without a graph apart from the policy's): per-row state is read from there (``batch_rows``)."""
-    global _first_row
-    before, _first_row = _first_row, first
-    try:
-        yield
-    finally:
-        _first_row = before
-
-
-def batch_rows(rows: int) -> slice:
-    """Which of the batch's rows a call over ``rows`` rows runs: from ``rows_from``'s row, or from the first (a
-    trimmed recompute runs the first rows)."""
-    return slice(_first_row, _first_row + rows)
+from jobs.recompute.flags import in_recompute, rows_needing_gradient
+from jobs.recompute.replay import ForwardState
 
 
 def checkpoint_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -138,7 +92,7 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
                 return function(*inputs)
             layer.gradient_checkpointing = False  # the recompute, through __call__ and its hooks
             try:
-                with _in_recompute():
+                with in_recompute():
                     return layer(*inputs, **bound)
             finally:
                 layer.gradient_checkpointing = True
@@ -152,21 +106,6 @@ def checkpoint_layer(function: Callable[..., Any], *args: Any) -> Any:
     return _ReentrantCheckpoint.apply(recompute(**kwargs), True, (rows, first), *args)
 
 
-def recomputing() -> bool:
-    """Whether this call runs inside a checkpointed layer's recompute, whose outputs backward reads no value of."""
-    return _recomputing
-
-
-@contextlib.contextmanager
-def _in_recompute() -> Iterator[None]:
-    global _recomputing
-    before, _recomputing = _recomputing, True
-    try:
-        yield
-    finally:
-        _recomputing = before
-
-
 def _flagging_the_recompute(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` for torch's reentrant checkpoint, which runs it without grad in the forward and with grad in
     the recompute: there, inside ``_in_recompute``."""
@@ -175,16 +114,10 @@ def _flagging_the_recompute(function: Callable[..., Any]) -> Callable[..., Any]:
     def run(*inputs: Any) -> Any:
         if not torch.is_grad_enabled():
             return function(*inputs)
-        with _in_recompute():
+        with in_recompute():
             return function(*inputs)
 
     return run
-
-
-def rows_needing_gradient(total: int | None) -> int | None:
-    """How many first rows of a batch of ``total`` need a gradient (``only_first_rows_need_gradient``); None: all."""
-    rows = _rows_needing_gradient
-    return rows if rows is not None and total is not None and rows < total and torch.is_grad_enabled() else None
 
 
 def _trimmed_rows(args: tuple[Any, ...]) -> int | None:
@@ -256,9 +189,10 @@ class _ReentrantCheckpoint(CheckpointFunction):
     @staticmethod
     def forward(ctx: Any, run_function: Any, preserve_rng_state: bool, trimmed: Any, *args: Any) -> Any:
         ctx.set_materialize_grads(False)  # an output backward did not reach arrives as None, not zeros
+        ctx.state = ForwardState.capture(*args)  # before the forward: the recompute replays it
         outputs = CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)
         ctx.trimmed = None
-        if trimmed is not None and preserve_rng_state and not _drew_random_numbers(ctx, args):
+        if trimmed is not None and preserve_rng_state and not ctx.state.drew_random_numbers():
             rows, recompute = trimmed
             total = _rows_of(args)
             cut = frozenset(i for i in ctx.tensor_indices if _per_row(args[i], total))
@@ -276,27 +210,13 @@ class _ReentrantCheckpoint(CheckpointFunction):
         inputs = list(ctx.inputs)
         for index, tensor in zip(ctx.tensor_indices, ctx.saved_tensors, strict=True):
             inputs[index] = tensor
-        devices = ctx.fwd_devices if ctx.preserve_rng_state and ctx.had_device_in_fwd else []
-        with torch.random.fork_rng(devices=devices, enabled=ctx.preserve_rng_state, device_type=ctx.device_type):
-            if ctx.preserve_rng_state:  # the recompute draws the forward's random numbers (dropout)
-                torch.set_rng_state(ctx.fwd_cpu_state)
-                if ctx.had_device_in_fwd:
-                    set_device_states(ctx.fwd_devices, ctx.fwd_device_states, device_type=ctx.device_type)
+        # The recompute draws the forward's random numbers (dropout) under the forward's autocast.
+        with ctx.state.replay(random_numbers=ctx.preserve_rng_state):
             detached = detach_variable(tuple(inputs))
             if ctx.trimmed is not None:  # a kept copy was made without grad: it takes its input's flag
                 for index in ctx.trimmed[2]:
                     detached[index].requires_grad_(ctx.needs_input_grad[3 + index])
-            device_autocast = (
-                torch.amp.autocast(ctx.device_type, **ctx.device_autocast_kwargs)
-                if torch.amp.is_autocast_available(ctx.device_type)
-                else contextlib.nullcontext()
-            )
-            with (
-                torch.enable_grad(),
-                device_autocast,
-                torch.amp.autocast("cpu", **ctx.cpu_autocast_kwargs),
-                _in_recompute(),
-            ):
+            with torch.enable_grad(), in_recompute():
                 outputs = ctx.run_function(*detached)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
         if ctx.trimmed is not None:
@@ -315,54 +235,8 @@ class _ReentrantCheckpoint(CheckpointFunction):
         return (None, None, None, *found)
 
 
-def _drew_random_numbers(ctx: Any, args: tuple[Any, ...]) -> bool:
-    """Whether the checkpoint's forward advanced a random generator it recorded before running (dropout)."""
-    if not torch.equal(torch.get_rng_state(), ctx.fwd_cpu_state):
-        return True
-    if ctx.had_device_in_fwd:
-        _, states = get_device_states(*args)
-        return any(not torch.equal(now, then) for now, then in zip(states, ctx.fwd_device_states, strict=True))
-    return False
-
-
 def _zero_rows_after(grad: torch.Tensor | None, total: int) -> torch.Tensor | None:
     """The gradient of a trimmed input: the kept rows' as computed, zeros for the rest of its ``total``."""
     if grad is None:
         return None
     return torch.cat([grad, grad.new_zeros(total - grad.shape[0], *grad.shape[1:])])
-
-
-def leave_last_layers_whole(model: nn.Module, count: int) -> int:
-    """Switch checkpointing off for the last ``count`` of ``model``'s layers that switch it per layer
-    (transformers' ``GradientCheckpointingLayer``): they keep what they save for the backward and are not
-    recomputed (``model.uncheckpointed_layers``). The last ones, as the backward starts with them: their saved
-    activations are the first to go, and under the offload engine their weights are the ones still on the
-    device at the turnaround. Returns how many were switched off."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    whole = layers[len(layers) - min(count, len(layers)) :]
-    for layer in whole:
-        layer.gradient_checkpointing = False
-    return len(whole)
-
-
-def offload_checkpointed_inputs(model: nn.Module, activations: ActivationOffload) -> int:
-    """Send what each checkpointed call of ``model`` keeps to the host (``offload.activations``): every
-    module's ``_gradient_checkpointing_func`` (transformers' layers, diffusers' blocks, ``transformer_lm``)
-    runs under the engine's saved-tensor hooks. Returns how many were wrapped; none is a warning."""
-    wrapped = 0
-    for module in model.modules():
-        function = getattr(module, CHECKPOINT_FUNCTION, None)
-        if callable(function):
-            setattr(module, CHECKPOINT_FUNCTION, activations.wrap(function))
-            wrapped += 1
-    if not wrapped:
-        log.warning("offload.activations: %s checkpoints no block through _gradient_checkpointing_func; nothing is "
-                    "offloaded", type(model).__name__)  # fmt: skip
-    return wrapped
-
-
-def enable_block_checkpointing(model: Any) -> None:
-    """Checkpoint every block of a diffusers transformer with ``checkpoint_block``."""
-    model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_block)

@@ -1,0 +1,25 @@
+"""What the fit check answers (``POST /jobs/validate``'s ``fit``): below the web layer, which re-exports it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class DeviceFit(BaseModel):
+    worker: str
+    device: str | None
+    memory_total_bytes: int | None
+    memory_limit_bytes: int | None = None  # offload.gpu_memory_limit: the job may use no more of the GPU
+    fits: bool | None
+
+
+class FitEstimate(BaseModel):
+    peak_device_bytes: int
+    pinned_host_bytes: int
+    optimizer_host_bytes: int = 0  # each rank's CPU optimizer state (optimizer offload), in ordinary host memory
+    ranks: int = 1  # distributed.world_size: the ranks of one machine the host figures cover
+    notes: list[str]
+    host_available_bytes: int
+    host_total_bytes: int = 0
+    fits: bool | None  # None when the service cannot tell (GPU sizes unknown)
+    devices: list[DeviceFit]
