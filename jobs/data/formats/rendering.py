@@ -127,9 +127,9 @@ def _reasoning_problem(
         return RecordError(
             field,
             "the chat template renders reasoning on the last turns only (Qwen3's keeps it after the last user "
-            "message), so this earlier turn's reasoning would be dropped; give each turn with reasoning its own "
-            "record (the conversation up to it), or set data.chat_template to one that renders every turn's "
-            "reasoning (TRL's qwen3_training.jinja does)",
+            "message), so this earlier turn's reasoning would be dropped; set data.chat_template to one that "
+            "renders every turn's reasoning (TRL's qwen3_training.jinja does), or give each user question its "
+            "own record",
         )
     return RecordError(
         field,
