@@ -143,9 +143,22 @@ def _preference_data(
         f"data: {len(records)} record(s) -> {len(train_pairs)} preference pair(s) of <= {spec.seq_len} tokens a row; "
         f"{truncated} truncated to data.seq_len ({sum(p.cut for p in train_pairs)} token(s) cut, prompts keep their end)"
         + (f"; {len(held_out)} record(s) held out for eval" if held_out else "")
+        + _raw_pairs_note(train_pairs)
     )
     log.info(summary)
     return TextData(train, evaluation, tokenizer, "pairs", counts, summary)
+
+
+def _raw_pairs_note(pairs: list[PreferencePair]) -> str:
+    """Said in the job's log: string pairs skip the chat template (TRL's standard layout), so a chat model
+    trained on them sees no turn markers; message lists give it the template."""
+    raw = sum(1 for p in pairs if p.raw)
+    if not raw:
+        return ""
+    return (
+        f"; {raw} pair(s) of plain strings (TRL's standard layout) read as raw text without the chat template, "
+        "as TRL does: give prompt, chosen and rejected as message lists to render them with it"
+    )
 
 
 def _split(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:

@@ -70,9 +70,15 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self.hf.decode(ids, skip_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
-        """The conversation as text through the chat template (``apply_chat_template``, untokenized)."""
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def render_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation as text through the chat template (``apply_chat_template``, untokenized), with
+        ``tools`` (tool definitions) where the record has them."""
+        given: Any = tools  # transformers types it list[dict | Callable]; a list is invariant
+        text = self.hf.apply_chat_template(
+            messages, tools=given, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         return str(text)
 
 

@@ -4,6 +4,11 @@ The template is rendered one turn at a time (``apply_chat_template`` on growing 
 conversation, as axolotl and torchtune do), so each piece of text is known to be prompt (system, user,
 the assistant's header) or response (an assistant turn's content and end-of-turn), and each piece is
 tokenized on its own: the labels follow the pieces exactly, whatever the template.
+
+Tool use renders as the template writes it: an assistant turn's ``tool_calls`` train as its answer, a
+``tool`` turn's result is context (masked, as a user turn), and the record's ``tools`` list goes to
+``apply_chat_template(tools=...)``, landing in the prompt. Reasoning text on an assistant turn trains as
+part of it. Whatever the template leaves out refuses the record (rendering.py): never trained without it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from jobs.data.formats.examples import Example, RecordError
+from jobs.data.formats.rendering import REASONING_KEYS, check_rendered, template_messages
+from jobs.data.formats.tools import check_tool_calls
 
 if TYPE_CHECKING:  # checking messages needs no torch: the API process checks uploaded rows with it
     from jobs.data.tokenizers import HFTokenizer
@@ -22,57 +29,104 @@ def check_messages(messages: Any, field: str, *, need_assistant: bool = True) ->
     """The conversation of a record, checked: a non-empty list of ``{role, content[, weight]}`` with an
     assistant turn to train on (``need_assistant=False``: a prompt, whose completion comes from elsewhere).
 
+    An assistant turn may carry OpenAI's ``tool_calls`` (its ``content`` then may be empty or null) and
+    reasoning text (``reasoning_content``, ``thinking`` or ``reasoning``); a ``tool`` turn may carry
+    ``tool_call_id`` and ``name``. These are kept for the chat template, arguments parsed (tools.py).
+
     Raises:
         RecordError: naming the offending field, e.g. ``messages[2].role``.
     """
     if not isinstance(messages, list) or not messages:
         raise RecordError(field, f"must be a non-empty list of {{role, content}} objects; got {_shown(messages)}")
-    checked = []
-    for index, message in enumerate(messages):
-        where = f"{field}[{index}]"
-        if not isinstance(message, dict):
-            raise RecordError(where, f"must be an object with role and content; got {_shown(message)}")
-        role, content, weight = message.get("role"), message.get("content"), message.get("weight")
-        if role not in ROLES:
-            raise RecordError(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {_shown(role)}")
-        if not isinstance(content, str):
-            raise RecordError(f"{where}.content", f"must be a string; got {_shown(content)}")
-        if weight is not None and (weight not in (0, 1) or isinstance(weight, bool)):
-            raise RecordError(f"{where}.weight", f"must be 0 or 1 (OpenAI's per-message weight); got {weight!r}")
-        if weight is not None and role != "assistant":
-            raise RecordError(f"{where}.weight", "only assistant messages carry a weight")
-        checked.append({"role": role, "content": content, "weight": 1 if weight is None else weight})
+    checked = [_message(message, f"{field}[{index}]") for index, message in enumerate(messages)]
     if need_assistant and not any(m["role"] == "assistant" for m in checked):
         raise RecordError(field, "has no assistant message, so there is nothing to train on")
     return checked
 
 
-def chat_example(messages: list[dict[str, Any]], tokenizer: HFTokenizer, *, train_on_prompt: bool) -> Example:
-    """Tokens and labels of a checked conversation (see `check_messages`).
+def _message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise RecordError(where, f"must be an object with role and content; got {_shown(message)}")
+    role, content, weight = message.get("role"), message.get("content"), message.get("weight")
+    if role not in ROLES:
+        raise RecordError(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {_shown(role)}")
+    if message.get("function_call") is not None:
+        raise RecordError(
+            f"{where}.function_call",
+            "is OpenAI's deprecated single call; write it as tool_calls: [{type: function, function: {name, arguments}}]",
+        )
+    calls = message.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise RecordError(f"{where}.tool_calls", f"only assistant messages make tool calls; this one is {role}")
+    tool_calls = check_tool_calls(calls, f"{where}.tool_calls")
+    if content is None and tool_calls:
+        content = ""  # OpenAI writes null content beside tool calls; templates concatenate strings
+    if not isinstance(content, str):
+        raise RecordError(f"{where}.content", f"must be a string; got {_shown(content)}")
+    if weight is not None and (weight not in (0, 1) or isinstance(weight, bool)):
+        raise RecordError(f"{where}.weight", f"must be 0 or 1 (OpenAI's per-message weight); got {weight!r}")
+    if weight is not None and role != "assistant":
+        raise RecordError(f"{where}.weight", "only assistant messages carry a weight")
+    checked: dict[str, Any] = {"role": role, "content": content, "weight": 1 if weight is None else weight}
+    if tool_calls:
+        checked["tool_calls"] = tool_calls
+    if role == "tool":
+        checked |= {key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)}
+    reasoning = [key for key in REASONING_KEYS if message.get(key) is not None]
+    if reasoning:
+        key = reasoning[0]
+        if len(reasoning) > 1:
+            raise RecordError(f"{where}.{reasoning[1]}", f"the message already has {key}; keep one reasoning key")
+        if role != "assistant":
+            raise RecordError(f"{where}.{key}", f"only assistant messages carry reasoning; this one is {role}")
+        if not isinstance(message[key], str):
+            raise RecordError(f"{where}.{key}", f"must be a string; got {_shown(message[key])}")
+        checked[key] = message[key]
+    return checked
 
-    Labels are the token ids for assistant turns of weight 1 (everything, with ``train_on_prompt``, except
-    weight-0 turns) and -100 elsewhere.
+
+def chat_example(
+    messages: list[dict[str, Any]],
+    tokenizer: HFTokenizer,
+    *,
+    train_on_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    places: list[str] | None = None,
+    tools_field: str = "tools",
+) -> Example:
+    """Tokens and labels of a checked conversation (see `check_messages`), ``tools`` given to the template.
+
+    Labels are the token ids for assistant turns of weight 1 (tool calls and reasoning included; everything,
+    with ``train_on_prompt``, except weight-0 turns) and -100 elsewhere (tool results too, as user turns).
+    ``places`` names each message in errors (default ``messages[i]``).
 
     Raises:
-        RecordError: the template fails, or does not render the conversation turn by turn.
+        RecordError: the template fails, does not render the conversation turn by turn, or leaves out a
+            tool call, tool result, the tools list or reasoning text (rendering.py).
     """
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    places = places or [f"messages[{i}]" for i in range(len(messages))]
+
+    def render(turns: list[dict[str, Any]], with_tools: list[dict[str, Any]] | None = tools) -> str:
+        return _render(tokenizer, turns, generation_prompt=False, tools=with_tools)
+
+    plain = template_messages(messages, places, render)
+    check_rendered(plain, places, tools, render, tools_field)
     pieces: list[tuple[str, bool]] = []  # (text, trains)
     done = ""
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, plain[:index], generation_prompt=True) if index else ""
-        full = _render(tokenizer, plain[: index + 1], generation_prompt=False)
+        prompt = _render(tokenizer, plain[:index], generation_prompt=True, tools=tools) if index else ""
+        full = render(plain[: index + 1])
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise RecordError(
-                "messages",
+                places[index].split("[")[0],
                 "the chat template does not render the conversation turn by turn (a later turn changes "
                 "earlier text), so responses cannot be told apart; set data.chat_template to one that does",
             )
         pieces += [(prompt[len(done) :], train_on_prompt), (full[len(prompt) :], message["weight"] == 1)]
         done = full
-    pieces.append((_render(tokenizer, plain, generation_prompt=False)[len(done) :], train_on_prompt))
+    pieces.append((render(plain)[len(done) :], train_on_prompt))
     ids: list[int] = []
     labels: list[int] = []
     for text, trains in pieces:
@@ -92,9 +146,15 @@ def conversation_prompt(messages: list[dict[str, str]], tokenizer: HFTokenizer) 
     return _render(tokenizer, messages, generation_prompt=True)
 
 
-def _render(tokenizer: HFTokenizer, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+def _render(
+    tokenizer: HFTokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
+        return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt, tools=tools)
     except Exception as error:  # jinja2's TemplateError and whatever a template raises
         raise RecordError("messages", f"the chat template failed: {type(error).__name__}: {error}") from None
 

@@ -7,7 +7,10 @@ Two layouts are read, per record:
   (message lists).
 
 The chat template renders the prompt with the assistant's header (``add_generation_prompt``); a completion is
-what the template adds after it for the prompt plus that completion, as TRL renders conversational pairs.
+what the template adds after it for the prompt plus that completion, as TRL renders conversational pairs
+(a ``tools`` column, tool calls and reasoning included, as chat records: chat.py). Three strings (TRL's
+standard layout) are raw text, as TRL reads them: no chat template, EOS after each completion; the job's log
+counts such pairs. TRL's implicit-prompt and unpaired layouts are refused, naming what to convert them to.
 Only completion tokens carry labels. A batch holds the chosen rows first, then the rejected rows of the same
 pairs (one forward for both, as TRL's ``concatenated_forward``).
 """
@@ -21,6 +24,9 @@ import torch
 
 from jobs.data.formats.chat import check_messages
 from jobs.data.formats.examples import IGNORE, Example, RecordError
+from jobs.data.formats.rendering import check_rendered, template_messages
+from jobs.data.formats.tools import check_tools
+from jobs.data.formats.trl import IMPLICIT_PROMPT, UNPAIRED
 from jobs.data.padded import pad_examples
 from jobs.data.tokenizers import HFTokenizer
 
@@ -33,6 +39,7 @@ class PreferencePair:
     chosen: list[int]
     rejected: list[int]
     cut: int = 0
+    raw: bool = False  # TRL's standard layout (strings), read as plain text without the chat template
 
     def example(self, completion: list[int]) -> Example:
         """Prompt plus ``completion``, labels on the completion only."""
@@ -43,14 +50,24 @@ def preference_pair(fields: dict[str, Any], tokenizer: HFTokenizer) -> Preferenc
     """The tokens of one preference record (either layout, see the module docstring).
 
     Raises:
-        RecordError: naming the missing or malformed field, or a template that does not render the
-            completion after the prompt.
+        RecordError: naming the missing or malformed field, a layout Ferry does not train (naming it and
+            what to convert it to), or a template that does not render the completion after the prompt or
+            leaves out a tool call or reasoning (rendering.py).
     """
-    prompt, chosen, rejected = _conversations(fields)
-    prompt_text = _render(tokenizer, prompt, generation_prompt=True)
-    completions = []
-    for name, completion in (("chosen", chosen), ("rejected", rejected)):
-        full = _render(tokenizer, prompt + completion, generation_prompt=False)
+    if all(isinstance(fields.get(name), str) for name in ("prompt", "chosen", "rejected")):
+        return _standard_pair(fields, tokenizer)
+    (prompt, prompt_places), chosen, rejected = _conversations(fields)
+    tools = check_tools(fields.get("tools"))
+
+    def render(messages: list[dict[str, Any]], with_tools: list[dict[str, Any]] | None = tools) -> str:
+        return _render(tokenizer, messages, generation_prompt=False, tools=with_tools)
+
+    prompt_texts, completions = set(), []
+    for name, (completion, places) in (("chosen", chosen), ("rejected", rejected)):
+        plain = template_messages(prompt + completion, prompt_places + places, render)
+        check_rendered(plain, prompt_places + places, tools, render, "tools")
+        prompt_text = _render(tokenizer, plain[: len(prompt)], generation_prompt=True, tools=tools)
+        full = render(plain)
         if not full.startswith(prompt_text):
             raise RecordError(
                 name, "the chat template does not render the completion after the prompt; set data.chat_template"
@@ -58,8 +75,32 @@ def preference_pair(fields: dict[str, Any], tokenizer: HFTokenizer) -> Preferenc
         ids = tokenizer.encode(full[len(prompt_text) :])
         if not ids:
             raise RecordError(name, "renders to no token, so there is nothing to compare")
+        prompt_texts.add(prompt_text)
         completions.append(ids)
-    return PreferencePair(tokenizer.encode(prompt_text), completions[0], completions[1])
+    if len(prompt_texts) > 1:  # the template rendered the shared prompt two ways (reasoning keys differ)
+        raise RecordError("prompt", "renders differently before chosen and before rejected; use one reasoning key")
+    return PreferencePair(tokenizer.encode(prompt_texts.pop()), completions[0], completions[1])
+
+
+def _standard_pair(fields: dict[str, Any], tokenizer: HFTokenizer) -> PreferencePair:
+    """TRL's standard layout (three strings) as TRL reads it: raw text, no chat template, EOS after each
+    completion, which starts where the tokens of prompt and prompt + completion diverge."""
+    prompt = tokenizer.encode(fields["prompt"])
+    joined = [tokenizer.encode(fields["prompt"] + fields[name]) for name in ("chosen", "rejected")]
+    shared = min(_common_prefix(prompt, ids) for ids in joined)
+    completions = []
+    for name, ids in zip(("chosen", "rejected"), joined, strict=True):
+        completion = ids[shared:]
+        if not completion:
+            raise RecordError(name, "is empty, so there is nothing to compare")
+        if tokenizer.eos_id is not None and completion[-1] != tokenizer.eos_id:
+            completion.append(tokenizer.eos_id)  # the model learns to stop, as TRL's add_eos
+        completions.append(completion)
+    return PreferencePair(prompt[:shared], completions[0], completions[1], raw=True)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def truncate(pair: PreferencePair, seq_len: int) -> PreferencePair:
@@ -72,10 +113,13 @@ def truncate(pair: PreferencePair, seq_len: int) -> PreferencePair:
     room = seq_len - keep
     prompt, chosen, rejected = pair.prompt[-keep:], pair.chosen[:room], pair.rejected[:room]
     cut = sum(len(a) - len(b) for a, b in ((pair.prompt, prompt), (pair.chosen, chosen), (pair.rejected, rejected)))
-    return PreferencePair(prompt, chosen, rejected, cut)
+    return PreferencePair(prompt, chosen, rejected, cut, pair.raw)
 
 
-def _conversations(fields: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+Turns = tuple[list[dict[str, Any]], list[str]]  # checked messages and the name of each, for errors
+
+
+def _conversations(fields: dict[str, Any]) -> tuple[Turns, Turns, Turns]:
     # A file mixing both layouts reads through ``datasets`` with the other layout's keys present as None.
     if fields.get("preferred_output") is not None or fields.get("input") is not None:  # OpenAI's DPO layout
         source = fields.get("input")
@@ -84,18 +128,22 @@ def _conversations(fields: dict[str, Any]) -> tuple[list[dict[str, Any]], list[d
         prompt = _messages(source.get("messages"), "input.messages", prompt=True)
         names = ("preferred_output", "non_preferred_output")
     else:
+        if fields.get("chosen") is None and fields.get("completion") is not None:
+            raise RecordError("label" if fields.get("label") is not None else "completion", UNPAIRED)
+        if fields.get("prompt") is None and fields.get("chosen") is not None:
+            raise RecordError("prompt", IMPLICIT_PROMPT)
         prompt = _messages(fields.get("prompt"), "prompt", prompt=True)
         names = ("chosen", "rejected")
     chosen, rejected = (_messages(fields.get(name), name, prompt=False) for name in names)
     return prompt, chosen, rejected
 
 
-def _messages(value: Any, field: str, *, prompt: bool) -> list[dict[str, Any]]:
+def _messages(value: Any, field: str, *, prompt: bool) -> Turns:
     """A string becomes one user turn (a prompt) or one assistant turn (a completion)."""
     if value is None:
         raise RecordError(field, "is missing; preference records need prompt, chosen and rejected")
     if isinstance(value, str):
-        return [{"role": "user" if prompt else "assistant", "content": value}]
+        return [{"role": "user" if prompt else "assistant", "content": value}], [field]
     if prompt:
         if not isinstance(value, list) or not value:
             raise RecordError(field, "must be a non-empty list of {role, content} objects or a string")
@@ -104,12 +152,18 @@ def _messages(value: Any, field: str, *, prompt: bool) -> list[dict[str, Any]]:
         checked = check_messages(value, field)
         if checked[-1]["role"] != "assistant":
             raise RecordError(field, "must end with an assistant message (the completion)")
-    return [{"role": m["role"], "content": m["content"]} for m in checked]
+    return checked, [f"{field}[{i}]" for i in range(len(checked))]
 
 
-def _render(tokenizer: HFTokenizer, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+def _render(
+    tokenizer: HFTokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt)
+        return tokenizer.render_chat(messages, add_generation_prompt=generation_prompt, tools=tools)
     except Exception as error:  # jinja2's TemplateError and whatever a template raises
         raise RecordError("prompt", f"the chat template failed: {type(error).__name__}: {error}") from None
 

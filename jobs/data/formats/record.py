@@ -1,5 +1,8 @@
 """From a record to training tokens, by ``data.format``: text, instruction (alpaca-style), chat or preference.
 
+Chat records are OpenAI's ``messages`` (tool calls and reasoning included), ShareGPT's ``conversations`` or
+TRL's conversational ``prompt`` and ``completion``; a ``tools`` column goes to the chat template.
+
 Labels are the token ids where the loss applies and -100 (PyTorch's and Hugging Face's ignore index)
 where it does not: prompts, unless ``train_on_prompt``.
 """
@@ -13,6 +16,8 @@ from jobs.data.formats.examples import IGNORE as IGNORE
 from jobs.data.formats.examples import Example as Example
 from jobs.data.formats.examples import RecordError as RecordError
 from jobs.data.formats.sharegpt import is_sharegpt, sharegpt_messages
+from jobs.data.formats.tools import check_tools
+from jobs.data.formats.trl import Conversation, is_prompt_completion, prompt_completion, refuse_preference_in_chat
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 ALPACA = (
@@ -44,16 +49,34 @@ def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> E
 
         pair = preference_pair(fields, tokenizer)
         return pair.example(pair.chosen)
-    messages = chat_messages(fields, spec.messages_field)
-    return chat_example(messages, tokenizer, train_on_prompt=spec.train_on_prompt)
+    conversation = chat_conversation(fields, spec.messages_field, train_on_prompt=spec.train_on_prompt)
+    return chat_example(
+        conversation.messages,
+        tokenizer,
+        train_on_prompt=spec.train_on_prompt,
+        tools=check_tools(fields.get("tools")),
+        places=conversation.places,
+    )
 
 
-def chat_messages(fields: dict[str, Any], messages_field: str) -> list[dict[str, Any]]:
-    """A chat record's checked messages: OpenAI's ``messages`` or ShareGPT's ``conversations`` (sharegpt.py)."""
+def chat_conversation(fields: dict[str, Any], messages_field: str, *, train_on_prompt: bool = False) -> Conversation:
+    """A chat record's checked messages: OpenAI's ``messages``, ShareGPT's ``conversations`` (sharegpt.py) or
+    TRL's conversational ``prompt`` and ``completion`` (trl.py, the prompt as context).
+
+    Raises:
+        RecordError: naming the offending field; a preference row is refused here (trl.py).
+    """
     if is_sharegpt(fields, messages_field):
         turns, field = sharegpt_messages(fields, messages_field)
-        return check_messages(turns, field)
-    return check_messages(fields.get(messages_field), messages_field)
+        return _named(check_messages(turns, field), field)
+    refuse_preference_in_chat(fields, messages_field)
+    if is_prompt_completion(fields, messages_field):
+        return prompt_completion(fields, train_on_prompt=train_on_prompt)
+    return _named(check_messages(fields.get(messages_field), messages_field), messages_field)
+
+
+def _named(messages: list[dict[str, Any]], field: str) -> Conversation:
+    return Conversation(messages, [f"{field}[{i}]" for i in range(len(messages))])
 
 
 def instruction_texts(fields: dict[str, Any], spec: Any) -> tuple[str, str]:

@@ -182,3 +182,22 @@ def test_chat_sample_prompts_need_an_hf_tokenizer(llm_roots: PathRoots) -> None:
             "chat messages are rendered with a chat template; set data.tokenizer: {kind: hf, path: ...}",
         )
     ]
+
+
+def test_a_tool_call_the_template_cannot_render_is_refused_at_submit(llm_roots: PathRoots) -> None:
+    rows = [chat_record(i) for i in range(8)]
+    rows[4]["messages"][2] = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}],
+    }
+    write_jsonl(llm_roots.data_roots[0] / "chat.jsonl", rows)
+    (found,) = problems(llm_roots)  # tok's template is plain ChatML: it writes content only
+    assert found.path == "data.path"
+    assert found.message.startswith(
+        "chat.jsonl row 5: field 'messages[2].tool_calls[0]': the chat template does not render this tool call "
+        "(the text is the same without it), so it would train as an empty answer; set data.chat_template to one "
+        "that renders tool_calls"
+    )
+    qwen = (Path(__file__).parents[1] / "data" / "templates" / "qwen2_5.jinja").read_text()
+    assert problems(llm_roots, data={"chat_template": qwen}) == []

@@ -1,0 +1,158 @@
+"""TRL's dataset layouts (https://huggingface.co/docs/trl/dataset_formats): read as TRL reads them, or refused
+naming the layout and what to convert it to."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.data.formats.preference import preference_pair
+from jobs.data.formats.record import IGNORE, RecordError, record_example
+from jobs.data.prepare import prepare_text_data
+from jobs.data.tokenizers import HFTokenizer
+from jobs.spec.job import TextDataSpec
+from tests.jobs.llm_helpers import save_bpe_tokenizer
+
+QUESTION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the fox"}]
+ANSWER = [{"role": "assistant", "content": "jumps over"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    return HFTokenizer(save_bpe_tokenizer(tmp_path_factory.mktemp("tok")))  # ChatML
+
+
+def data_spec(tmp_path: Path, **fields: object) -> TextDataSpec:
+    return TextDataSpec(kind="text", path=tmp_path, tokenizer={"kind": "hf", "path": tmp_path}, **fields)
+
+
+def trained_text(example: Any, tokenizer: HFTokenizer) -> str:
+    return tokenizer.hf.decode(
+        [i for i, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE]
+    )
+
+
+def test_conversational_prompt_completion_trains_on_the_completion_only(tmp_path: Path, tokenizer: HFTokenizer) -> None:
+    earlier = [{"role": "assistant", "content": "a fox?"}, {"role": "user", "content": "yes"}]
+    record = {"prompt": QUESTION + earlier, "completion": ANSWER}
+    example = record_example(record, data_spec(tmp_path, format="chat"), tokenizer)
+    # One conversation through the template; the prompt's own assistant turn is context (TRL's completion-only loss).
+    assert tokenizer.hf.decode(example.input_ids) == tokenizer.render_chat(
+        QUESTION + earlier + ANSWER, add_generation_prompt=False
+    )
+    assert trained_text(example, tokenizer) == "jumps over<|im_end|>\n"
+    # With train_on_prompt everything trains, as for messages.
+    everything = record_example(record, data_spec(tmp_path, format="chat", train_on_prompt=True), tokenizer)
+    assert "a fox?" in trained_text(everything, tokenizer) and "be brief" in trained_text(everything, tokenizer)
+
+
+def test_a_prompt_completion_error_names_the_list_and_turn(tmp_path: Path, tokenizer: HFTokenizer) -> None:
+    record = {"prompt": QUESTION, "completion": [{"role": "assistant", "content": 3}]}
+    with pytest.raises(RecordError, match="must be a string; got 3") as error:
+        record_example(record, data_spec(tmp_path, format="chat"), tokenizer)
+    assert error.value.field == "completion[0].content"
+
+
+def test_standard_prompt_completion_is_refused_with_the_instruction_settings(
+    tmp_path: Path, tokenizer: HFTokenizer
+) -> None:
+    record = {"prompt": "The sky is", "completion": " blue."}
+    with pytest.raises(RecordError, match="TRL's standard prompt-completion layout") as error:
+        record_example(record, data_spec(tmp_path, format="chat"), tokenizer)
+    assert error.value.field == "prompt"
+    # The settings the message names read it as TRL does: the prompt as written, the completion and EOS train.
+    instruction = data_spec(
+        tmp_path,
+        format="instruction",
+        fields={"instruction": "prompt", "output": "completion"},
+        prompt_template="{instruction}",
+    )
+    example = record_example(record, instruction, tokenizer)
+    assert tokenizer.hf.decode(example.input_ids) == "The sky is blue.<|im_end|>"
+    assert trained_text(example, tokenizer) == " blue.<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("record", "field", "message"),
+    [
+        (
+            {"prompt": QUESTION, "completion": ANSWER, "label": True},
+            "label",
+            "TRL's unpaired preference layout .* keep only the label-true rows",
+        ),
+        (
+            {"chosen": QUESTION + ANSWER, "rejected": [*QUESTION, {"role": "assistant", "content": "sits"}]},
+            "chosen",
+            r"a preference pair \(TRL's implicit-prompt preference layout\), not chat data; train it with "
+            "training.objective: dpo",
+        ),
+        (
+            {"prompt": QUESTION, "chosen": ANSWER, "rejected": ANSWER},
+            "chosen",
+            r"a preference pair \(TRL's preference layout\)",
+        ),
+    ],
+)
+def test_preference_rows_are_refused_as_chat_data(
+    tmp_path: Path, tokenizer: HFTokenizer, record: dict[str, Any], field: str, message: str
+) -> None:
+    with pytest.raises(RecordError, match=message) as error:
+        record_example(record, data_spec(tmp_path, format="chat"), tokenizer)
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("record", "field", "message"),
+    [
+        (
+            {"chosen": QUESTION + ANSWER, "rejected": [*QUESTION, {"role": "assistant", "content": "sits"}]},
+            "prompt",
+            "TRL's implicit-prompt preference layout .* move the turns they share into prompt .*trl.extract_prompt",
+        ),
+        (
+            {"prompt": QUESTION, "completion": ANSWER, "label": False},
+            "label",
+            r"TRL's unpaired preference layout \(KTO's\), which Ferry does not train; pair each prompt's",
+        ),
+    ],
+)
+def test_preference_layouts_ferry_does_not_train_are_refused_by_name(
+    tmp_path: Path, tokenizer: HFTokenizer, record: dict[str, Any], field: str, message: str
+) -> None:
+    with pytest.raises(RecordError, match=message) as error:
+        record_example(record, data_spec(tmp_path, format="preference"), tokenizer)
+    assert error.value.field == field
+
+
+def test_standard_preference_strings_are_raw_text_as_trl_reads_them(tmp_path: Path, tokenizer: HFTokenizer) -> None:
+    pair = preference_pair({"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}, tokenizer)
+    decode = tokenizer.hf.decode
+    # No chat template: no turn markers; each completion ends with EOS (TRL's add_eos).
+    assert decode(pair.prompt) == "The sky is"
+    assert decode(pair.chosen) == " blue.<|im_end|>" and decode(pair.rejected) == " green.<|im_end|>"
+    assert tokenizer.hf.convert_tokens_to_ids("<|im_start|>") not in pair.prompt + pair.chosen + pair.rejected
+    # A message-list prompt still renders with the template, the string completions as assistant turns.
+    chat = preference_pair({"prompt": QUESTION, "chosen": "jumps", "rejected": "sits"}, tokenizer)
+    assert decode(chat.prompt).endswith("<|im_start|>assistant\n") and decode(chat.chosen) == "jumps<|im_end|>\n"
+
+
+def test_the_log_says_string_pairs_skip_the_template(
+    tmp_path: Path, tokenizer: HFTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = [{"prompt": f"Q{i}:", "chosen": " yes", "rejected": " no"} for i in range(4)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_bpe_tokenizer(tmp_path / "tok")
+    spec = TextDataSpec(
+        kind="text",
+        path=tmp_path / "pairs.jsonl",
+        format="preference",
+        tokenizer={"kind": "hf", "path": tmp_path / "tok"},
+    )
+    with caplog.at_level(logging.INFO, logger="jobs.data.prepare"):
+        data = prepare_text_data(spec, batch_size=2, seed=0, packed_path=False)
+    note = "4 pair(s) of plain strings (TRL's standard layout) read as raw text without the chat template, as TRL does"
+    assert note in data.summary and note in caplog.text
