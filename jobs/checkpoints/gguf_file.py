@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -161,6 +162,66 @@ def write_gguf(model_dir: Path, output: Path, quant: str = "f16") -> GgufExport:
     return GgufExport(output, gguf.MODEL_ARCH_NAMES[arch], quant, len(tensors), size)
 
 
+def export_gguf(
+    checkpoint: Path, output: Path | None = None, quant: str = "f16", *, modelfile: bool = True
+) -> GgufExport:
+    """A checkpoint as a GGUF file (and an Ollama Modelfile beside it), merging a LoRA adapter first.
+
+    Args:
+        checkpoint: A Ferry checkpoint directory (a LoRA job's is merged into its base, a full fine-tune's is
+            a whole model already), or any Hugging Face model directory.
+        output: The ``.gguf`` to write; default ``<output_dir>/exports/<checkpoint>-<quant>.gguf`` for a Ferry
+            checkpoint, ``<directory>-<quant>.gguf`` beside any other directory.
+        quant: ``f32``, ``f16``, ``bf16`` or ``q8_0``.
+        modelfile: Also write ``<output stem>.Modelfile`` (`jobs.checkpoints.ollama_modelfile`).
+
+    Raises:
+        ValueError: an unknown quant, a checkpoint still being written or not a model, a LoRA checkpoint whose
+            base is gone, or anything :func:`write_gguf` refuses. Nothing is left behind.
+
+    Example:
+        >>> export_gguf(Path("out/chat/checkpoints/step-00000100"), quant="q8_0").path
+        PosixPath('out/chat/exports/step-00000100-q8_0.gguf')
+    """
+    from jobs.checkpoints.directory import EXPORTS_DIR
+
+    quant = check_quant(quant)
+    checkpoint = Path(checkpoint)
+    if checkpoint.name.startswith(".tmp-"):
+        raise ValueError(f"{checkpoint} is a checkpoint still being written; export it once it is saved")
+    if not checkpoint.is_dir():
+        raise ValueError(f"checkpoint {checkpoint} is not a directory")
+    ferry = (checkpoint / "manifest.json").is_file()
+    if output is None:
+        stem = f"{checkpoint.name}-{quant}.gguf"
+        output = checkpoint.parent.parent / EXPORTS_DIR / stem if ferry else checkpoint.parent / stem
+    output = Path(output)
+    if (checkpoint / "adapter_config.json").is_file():
+        from jobs.checkpoints.export import merge_lora_checkpoint
+
+        output.parent.mkdir(parents=True, exist_ok=True)
+        merged = output.with_name(f".tmp-merge-{output.stem}-{uuid.uuid4().hex[:8]}")
+        try:
+            merge_lora_checkpoint(checkpoint, merged, archive=False)
+            return _write_with_modelfile(merged, output, quant, modelfile)
+        finally:
+            shutil.rmtree(merged, ignore_errors=True)
+    return _write_with_modelfile(checkpoint, output, quant, modelfile)
+
+
+def _write_with_modelfile(model_dir: Path, output: Path, quant: str, modelfile: bool) -> GgufExport:
+    written = write_gguf(model_dir, output, quant)
+    if modelfile:
+        from jobs.checkpoints.ollama_modelfile import write_modelfile
+
+        try:
+            write_modelfile(model_dir, output)
+        except BaseException:
+            output.unlink(missing_ok=True)  # the pair or nothing
+            raise
+    return written
+
+
 def _read_config(model_dir: Path) -> dict[str, Any]:
     try:
         config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
@@ -297,11 +358,18 @@ def _add_tokenizer(writer: Any, model_dir: Path, config: dict[str, Any]) -> None
     vocab_size = config["vocab_size"]
     if _is_sentencepiece_bpe(tokenizer_json):
         vocab = gguf.LlamaHfVocab(model_dir)
-        tokens, scores, types = [], [], []
+        # llama.cpp's "llama" tokenizer merges the adjacent pair whose joined token scores highest; a token's
+        # score is minus the rank of the merge that makes it, so it merges in the BPE's order (LlamaHfVocab
+        # gives every token -1000, which would merge left to right instead).
+        ranks = _merge_ranks(tokenizer_json)
+        tokens: list[bytes] = []
+        scores: list[float] = []
+        types: list[int] = []
         for text, score, token_type in vocab.all_tokens():
             tokens.append(text)
-            scores.append(score)
-            types.append(token_type)
+            rank = ranks.get(text.decode("utf-8", errors="replace"))
+            scores.append(-float(rank) if rank is not None and int(token_type) == NORMAL else score)
+            types.append(int(token_type))
         tokens += [f"[PAD{i}]".encode() for i in range(len(tokens), vocab_size)]
         scores += [-1000.0] * (vocab_size - len(scores))
         types += [UNUSED] * (vocab_size - len(types))
@@ -320,12 +388,22 @@ def _add_tokenizer(writer: Any, model_dir: Path, config: dict[str, Any]) -> None
         writer.add_token_list(byte_tokens)
         writer.add_token_types(types)
         special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
-        if "bos" not in special.add_special_token:
-            # What the tokenizer does, not a default: llama.cpp prepends BOS only when told.
-            probe = tokenizer("a").input_ids
-            bos = tokenizer.bos_token_id
-            special.add_special_token["bos"] = bos is not None and bool(probe) and probe[0] == bos
+    if "bos" not in special.add_special_token:
+        # What the tokenizer does, not a default: readers of the file (llama.cpp, transformers) otherwise
+        # guess from the tokenizer model, and a "llama" one gets a BOS this tokenizer never adds.
+        hf: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        probe, bos = hf("a").input_ids, hf.bos_token_id
+        special.add_special_token["bos"] = bos is not None and bool(probe) and probe[0] == bos
     special.add_to_gguf(writer, quiet=True)
+
+
+def _merge_ranks(tokenizer_json: dict[str, Any]) -> dict[str, int]:
+    """Each merged token's text and the rank of the merge that makes it (the first merge that does)."""
+    ranks: dict[str, int] = {}
+    for rank, merge in enumerate(tokenizer_json.get("model", {}).get("merges", [])):
+        joined = "".join(merge.split(" ", 1) if isinstance(merge, str) else merge)
+        ranks.setdefault(joined, rank)
+    return ranks
 
 
 def _byte_level_vocab(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int]]:
