@@ -26,33 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from jobs.checkpoints.gguf_quants import check_quant
 
-# quant name -> (ggml tensor type, llama file type); the names are llama.cpp's --outtype spellings.
-QUANTS = ("f32", "f16", "bf16", "q8_0")
-# Written by llama.cpp's quantizer from an f16 file (importance-weighted block formats the gguf package
-# cannot produce); the message names the command.
-LLAMA_QUANTIZE_TYPES = (
-    "q2_k",
-    "q3_k_s",
-    "q3_k_m",
-    "q3_k_l",
-    "q4_0",
-    "q4_1",
-    "q4_k_s",
-    "q4_k_m",
-    "q5_0",
-    "q5_1",
-    "q5_k_s",
-    "q5_k_m",
-    "q6_k",
-    "iq2_xxs",
-    "iq2_xs",
-    "iq3_xxs",
-    "iq3_s",
-    "iq4_nl",
-    "iq4_xs",
-)
+log = logging.getLogger(__name__)
 
 # Hugging Face model_type -> the GGUF architecture llama.cpp runs it as, and whether q/k get permuted.
 # Mistral is llama to llama.cpp (convert_hf_to_gguf.py registers MistralForCausalLM on its llama class).
@@ -93,19 +69,6 @@ class GgufExport:
     quant: str
     tensor_count: int
     size_bytes: int
-
-
-def check_quant(quant: str) -> str:
-    """The quant name lower-cased, or a ValueError naming the choices (and the command for K-quants)."""
-    name = quant.strip().lower()
-    if name in QUANTS:
-        return name
-    if name in LLAMA_QUANTIZE_TYPES:
-        raise ValueError(
-            f"quant {quant!r} is made by llama.cpp's quantizer, not by this export: export quant f16, then run "
-            f"`llama-quantize model-f16.gguf model-{name}.gguf {name.upper()}` (llama.cpp's build/bin/llama-quantize)"
-        )
-    raise ValueError(f"unknown quant {quant!r}: choose one of {', '.join(QUANTS)}")
 
 
 def write_gguf(model_dir: Path, output: Path, quant: str = "f16") -> GgufExport:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from jobs import PathRoots
-from jobs.checkpoints.gguf_file import check_quant, export_gguf, pre_tokenizer_name, write_gguf
+from jobs.checkpoints.gguf_file import export_gguf, pre_tokenizer_name, write_gguf
+from jobs.checkpoints.gguf_quants import check_quant
 from jobs.checkpoints.ollama_modelfile import CHATML, LLAMA3, map_chat_template, write_modelfile
 from jobs.cli import main
 from tests.jobs.checkpoints.test_export import train
