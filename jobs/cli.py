@@ -1,5 +1,6 @@
 """Command line: ``python -m jobs run FILE [--output DIR]``, ``validate FILE``, ``estimate FILE``, ``schema``,
-``merge CHECKPOINT [--output DIR]``, ``import-axolotl FILE``."""
+``merge CHECKPOINT [--output DIR]``, ``export CHECKPOINT --format gguf [--quant Q] [--output FILE]``,
+``import-axolotl FILE``."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "merge":
         return _merge(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "import-axolotl":
         return _import_axolotl(args.file)
     try:
@@ -129,6 +132,14 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint", type=Path, help="a checkpoint directory of a LoRA job")
     merge.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-merged")
     merge.add_argument("--no-archive", action="store_true", help="do not also write <output>.tar")
+    export = commands.add_parser(
+        "export", help="write a checkpoint in a format other programs load (gguf: llama.cpp, Ollama, LM Studio)"
+    )
+    export.add_argument("checkpoint", type=Path, help="a checkpoint directory (a LoRA one is merged first)")
+    export.add_argument("--format", choices=["gguf"], default="gguf", help="the file format (default: gguf)")
+    export.add_argument("--quant", default="f16", help="f32, f16, bf16 or q8_0 (default: f16)")
+    export.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-<quant>.gguf")
+    export.add_argument("--no-modelfile", action="store_true", help="do not also write an Ollama Modelfile")
     imported = commands.add_parser("import-axolotl", help="print an axolotl config as a Ferry spec (YAML)")
     imported.add_argument("file", type=Path, help="the axolotl YAML config")
     return parser
@@ -158,6 +169,20 @@ def _merge(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     print(f"merged into {merged}" + ("" if args.no_archive else f" (archive: {merged}.tar)"))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from jobs.checkpoints.gguf_file import export_gguf  # gguf, transformers: only this command needs them
+
+    try:
+        written = export_gguf(args.checkpoint, args.output, args.quant, modelfile=not args.no_modelfile)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"wrote {written.path} ({written.architecture}, {written.quant}, {written.size_bytes / 1e6:.1f} MB)")
+    if not args.no_modelfile:
+        print(f"ollama create NAME -f {written.path.with_suffix('.Modelfile')}")
     return 0
 
 

@@ -246,6 +246,15 @@ class MergedPublic(BaseModel):
     archive: CheckpointFile
 
 
+class GgufPublic(BaseModel):
+    """A checkpoint written as one GGUF file (LoRA merged first), with an Ollama Modelfile beside it."""
+
+    checkpoint: str
+    quant: str
+    gguf: CheckpointFile
+    modelfile: CheckpointFile
+
+
 class CheckpointsPublic(BaseModel):
     data: list[CheckpointPublic]
 

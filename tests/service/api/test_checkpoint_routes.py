@@ -169,3 +169,44 @@ def test_an_unknown_checkpoint_archive_is_a_404(client: TestClient) -> None:
         "not_found",
         f"Job {JOB} has no checkpoint 'step-00000009'; GET /v1/jobs/{JOB}/checkpoints lists them.",
     )
+
+
+def test_a_checkpoint_exports_to_gguf_with_its_modelfile(client: TestClient, settings: Settings) -> None:
+    from tests.jobs.llm_helpers import save_bpe_tokenizer, save_llama
+
+    def full_model(directory: Path) -> None:  # a full fine-tune's checkpoint: a whole Hugging Face model
+        save_llama(directory)
+        save_bpe_tokenizer(directory)
+
+    save_checkpoint(settings.job_dir(JOB) / "output", 4, {}, full_model)
+    url = f"{BASE}/step-00000004/gguf"
+    assert error(client.get(url, params={"quant": "q8_0"})) == (
+        404,
+        "not_found",
+        f"Checkpoint 'step-00000004' of job {JOB} has no q8_0 GGUF file; POST {url}?quant=q8_0 first.",
+    )
+    made = client.post(url, params={"quant": "Q8_0"})
+    assert made.status_code == 200, made.text
+    body = made.json()
+    assert body["quant"] == "q8_0" and body["gguf"]["name"] == "step-00000004-q8_0.gguf"
+    download = client.get(body["gguf"]["url"])
+    assert download.status_code == 200 and download.content[:4] == b"GGUF"
+    assert (
+        hashlib.sha256(download.content).hexdigest() == body["gguf"]["sha256"] == download.headers["x-checksum-sha256"]
+    )
+    modelfile = client.get(body["modelfile"]["url"])
+    assert modelfile.status_code == 200 and "FROM ./step-00000004-q8_0.gguf\n" in modelfile.text
+    assert client.post(url, params={"quant": "q8_0"}).json() == body  # made once
+
+
+def test_gguf_export_refusals_are_4xx_naming_the_fix(client: TestClient, settings: Settings) -> None:
+    url = f"{BASE}/step-00000003/gguf"
+    for answer in (client.post(url, params={"quant": "q4_k_m"}), client.get(url, params={"quant": "q4_k_m"})):
+        status, code, message = error(answer)
+        assert (status, code) == (422, "bad_quant") and "llama-quantize model-f16.gguf" in message
+    assert error(client.post(url, params={"quant": "../x"}))[:2] == (422, "bad_quant")
+    status, code, message = error(client.post(url))  # weights without config.json: not a model to export
+    assert (status, code) == (422, "not_exportable") and "no readable config.json" in message
+    exports = settings.job_dir(JOB) / "output" / "exports"
+    assert not exports.exists() or not any(exports.iterdir())  # nothing partial left behind
+    assert error(client.post(f"{BASE}/step-00000099/gguf"))[0] == 404
