@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,10 @@ from jobs.errors import DiskFullError
 
 log = logging.getLogger(__name__)
 _NEARLY_FULL_BYTES = 1 << 20  # under a MiB free after a failed write: the write failed for want of room
+_FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# safetensors' Rust writer raises SafetensorError (no OSError, no errno) ending in Rust's "(os error 28)"; it
+# removes its partial file first, so the disk is no longer full when the error arrives.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 EXPORTS_DIR = "exports"  # beside checkpoints/: merged models and other exports (jobs/checkpoints/export.py)
 
 
@@ -245,11 +250,14 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def _disk_is_full(error: BaseException, root: Path) -> bool:
-    """Whether a failed save ran out of disk. torch's writer reports a full disk as a ``RuntimeError``
+    """Whether a failed save ran out of disk: an ``OSError`` with ENOSPC or EDQUOT, or safetensors' error naming
+    either as Rust does (``(os error 28)``). torch's writer reports a full disk as a ``RuntimeError``
     (``unexpected pos``, ``file write failed``) that keeps no errno, so the disk's free space decides then."""
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(seen, OSError) and seen.errno in _FULL_DISK_ERRNOS:
+            return True
+        if any(int(code) in _FULL_DISK_ERRNOS for code in _RUST_OS_ERROR.findall(str(seen))):
             return True
         seen = seen.__cause__ or seen.__context__
     if not isinstance(error, (OSError, RuntimeError)):

@@ -66,3 +66,20 @@ def test_a_disk_that_fills_during_a_checkpoint_fails_the_job_with_disk_full(
         "step-00000002 was written; the partial checkpoint was removed."
     )
     assert list_checkpoints(tmp_path) == [] and list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_disk_that_fills_inside_the_safetensors_writer_fails_the_job_with_disk_full(small_disk: Path) -> None:
+    """A real 2 MiB filesystem and about 4 MiB of weights: safetensors' writer raises its own error, not an
+    OSError, and removes its partial file, so neither an errno nor the free space tells; its message does."""
+    big = merged(EVERY_2, model={"hidden_size": 512, "num_layers": 4})
+    events: list[dict[str, Any]] = []
+    with pytest.raises(DiskFullError) as raised:
+        run_job(spec_from(big), output_dir=small_disk, report=lambda e: events.append(event_to_wire(e)))
+    assert type(raised.value.__cause__).__name__ == "SafetensorError"
+    failed = events[-1]
+    assert (failed["type"], failed["error"], failed["exception"]) == ("failed", "disk_full", "DiskFullError")
+    assert failed["message"].startswith(
+        f"No space left on device: the disk holding {small_disk / 'checkpoints'} filled while checkpoint "
+        "step-00000002 was written; the partial checkpoint was removed."
+    )
+    assert list((small_disk / "checkpoints").iterdir()) == []
