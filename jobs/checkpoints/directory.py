@@ -233,6 +233,22 @@ def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def remove_interrupted_saves(output_dir: Path) -> list[str]:
+    """Delete every temp directory of a save that never finished (``.tmp-step-*``, ``.tmp-old-*``); returns
+    their names.
+
+    Call it as an attempt starts, before it saves: the attempt that wrote them is gone (killed mid-save), so
+    none belongs to a live save, however recent. Left there they would stay in the job's output for good.
+    """
+    root = checkpoints_dir(output_dir)
+    removed = []
+    for leftover in sorted(root.glob(".tmp-*")) if root.is_dir() else []:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover.name)
+    return removed
+
+
 def _written_by_live_save(directory: Path) -> bool:
     # A temp dir modified in the last minute may belong to a save in progress in another process.
     return (datetime.now().timestamp() - directory.stat().st_mtime) < 60
