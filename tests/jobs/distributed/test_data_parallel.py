@@ -232,3 +232,17 @@ def test_a_pause_checkpoints_once_and_the_job_resumes_on_one_rank(tmp_path: Path
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [Path(outcome.checkpoint).name]
     resumed, later = run(on_ranks(merged(data, training={"steps": outcome.step + 1}), 1, 8), tmp_path)
     assert resumed.status == "succeeded" and later[0]["resumed_from_step"] == outcome.step
+
+
+def test_the_same_error_on_every_rank_fails_the_job_with_it(tmp_path: Path, roots: PathRoots) -> None:
+    """The corpus removed after the spec was accepted: every rank raises the same error reading it. The job
+    fails with that error, not as a lost rank that the service would retry until "interrupted 4 times"."""
+    spec = spec_from(on_ranks(merged(TINY_LM, training={"steps": 2}), 2, 1), roots)
+    shutil.rmtree(roots.data_roots[0] / "corpus")
+    events: list[dict[str, Any]] = []
+    with pytest.raises(RuntimeError, match="every rank failed: ") as raised:
+        run_job(spec, output_dir=tmp_path / "out", report=lambda e: events.append(event_to_wire(e)))
+    assert not isinstance(raised.value, RankLost)
+    failed = events[-1]
+    assert failed["type"] == "failed" and failed["error"] == "training_error", failed
+    assert str(raised.value) == f"every rank failed: {failed['message']}"
