@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,10 @@ from jobs.errors import DiskFullError
 
 log = logging.getLogger(__name__)
 _NEARLY_FULL_BYTES = 1 << 20  # under a MiB free after a failed write: the write failed for want of room
+_FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# safetensors' Rust writer raises SafetensorError (no OSError, no errno) ending in Rust's "(os error 28)"; it
+# removes its partial file first, so the disk is no longer full when the error arrives.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 EXPORTS_DIR = "exports"  # beside checkpoints/: merged models and other exports (jobs/checkpoints/export.py)
 
 
@@ -228,6 +233,22 @@ def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def remove_interrupted_saves(output_dir: Path) -> list[str]:
+    """Delete every temp directory of a save that never finished (``.tmp-step-*``, ``.tmp-old-*``); returns
+    their names.
+
+    Call it as an attempt starts, before it saves: the attempt that wrote them is gone (killed mid-save), so
+    none belongs to a live save, however recent. Left there they would stay in the job's output for good.
+    """
+    root = checkpoints_dir(output_dir)
+    removed = []
+    for leftover in sorted(root.glob(".tmp-*")) if root.is_dir() else []:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover.name)
+    return removed
+
+
 def _written_by_live_save(directory: Path) -> bool:
     # A temp dir modified in the last minute may belong to a save in progress in another process.
     return (datetime.now().timestamp() - directory.stat().st_mtime) < 60
@@ -245,11 +266,14 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def _disk_is_full(error: BaseException, root: Path) -> bool:
-    """Whether a failed save ran out of disk. torch's writer reports a full disk as a ``RuntimeError``
+    """Whether a failed save ran out of disk: an ``OSError`` with ENOSPC or EDQUOT, or safetensors' error naming
+    either as Rust does (``(os error 28)``). torch's writer reports a full disk as a ``RuntimeError``
     (``unexpected pos``, ``file write failed``) that keeps no errno, so the disk's free space decides then."""
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(seen, OSError) and seen.errno in _FULL_DISK_ERRNOS:
+            return True
+        if any(int(code) in _FULL_DISK_ERRNOS for code in _RUST_OS_ERROR.findall(str(seen))):
             return True
         seen = seen.__cause__ or seen.__context__
     if not isinstance(error, (OSError, RuntimeError)):

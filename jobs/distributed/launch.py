@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from jobs.events import FailedEvent, Report, StopPoll, failed_event
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often the relay forwards a stop request and how long an event may wait in the queue
+ALL_RANKS_GRACE_S = 2.0  # a failed rank waits this long before exiting, for the others to report theirs
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -82,6 +84,10 @@ def run_ranks(
     except ChildFailedError as error:
         relay.finish()
         rank, failure = error.get_first_failure()
+        same = _one_error_of_every_rank(relay.rank_failures, world_size)
+        if same is not None:  # every rank raised the same error: the job's own (a retry would raise it again)
+            report(same)
+            raise RuntimeError(f"every rank failed: {same.message}") from error
         if rank == 0 and failure.exitcode == 1 and relay.failure is not None:  # rank 0 raised first: its error
             report(relay.failure)
             raise RuntimeError(f"rank 0 failed: {relay.failure.message}") from error
@@ -111,17 +117,48 @@ def rank_main(
         return run_job(
             spec,
             output_dir=Path(output_dir),
-            report=events.put if group.leads else _discard,
+            report=_RankReport(group.rank, events),
             resume=resume,
             should_stop=lambda: group.stop_request(lambda: codes[stop.value]),
             cache_dir=cache_dir,
         )
+    except BaseException:
+        # The launcher ends every rank once one has exited: wait a moment, so that the others, if they hit the
+        # same error, report it too and the job fails with it rather than as a lost rank.
+        time.sleep(ALL_RANKS_GRACE_S)
+        raise
     finally:
         leave_group()
 
 
-def _discard(event: Any) -> None:
-    """The report of ranks other than 0: rank 0 reports for the job."""
+@dataclass(frozen=True)
+class _RankFailed:
+    """A rank's ``failed`` event, queued with its rank (only rank 0's other events are reported)."""
+
+    rank: int
+    event: FailedEvent
+
+
+@dataclass(frozen=True)
+class _RankReport:
+    """A rank's ``report``: rank 0 reports for the job; every rank's ``failed`` event goes to the launcher."""
+
+    rank: int
+    events: Any
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, FailedEvent):
+            self.events.put(_RankFailed(self.rank, event))
+        elif self.rank == 0:
+            self.events.put(event)
+
+
+def _one_error_of_every_rank(failures: dict[int, FailedEvent], world_size: int) -> FailedEvent | None:
+    """The error every rank reported, when all ``world_size`` reported the same one; else None."""
+    if len(failures) != world_size:
+        return None
+    errors = {(f.error, f.exception, f.message) for f in failures.values()}
+    return failures[0] if len(errors) == 1 else None
 
 
 def _die_with_launcher() -> None:
@@ -145,7 +182,8 @@ class _Relay(threading.Thread):
     def __init__(self, events: Any, stop: Any, report: Report, should_stop: StopPoll | None) -> None:
         super().__init__(name="ferry-rank-relay", daemon=True)
         self.events, self.stop, self.report, self.should_stop = events, stop, report, should_stop
-        self.failure: FailedEvent | None = None
+        self.failure: FailedEvent | None = None  # rank 0's
+        self.rank_failures: dict[int, FailedEvent] = {}
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -171,7 +209,9 @@ class _Relay(threading.Thread):
                 event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return
-            if isinstance(event, FailedEvent):  # held until the launch says which rank failed first
-                self.failure = event
+            if isinstance(event, _RankFailed):  # held until the launch says which rank failed first
+                self.rank_failures[event.rank] = event.event
+                if event.rank == 0:
+                    self.failure = event.event
                 continue
             self.report(event)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from jobs.errors import Problem
 from jobs.fit.estimate import human_bytes
+from jobs.fit.host_memory import rank_processes_host_bytes
 from jobs.spec.job import JobSpec
 
 GIB = 2**30
@@ -41,14 +42,18 @@ def host_memory_problem(
     ranks: int = 1,
 ) -> Problem | None:
     """More host memory than the machine has: the whole peak of each rank of a job on the CPU (``on_host``),
-    the pinned copies (page-locked memory cannot be swapped out) and every rank's CPU optimizer state (held for
-    the whole run) always. The figures come from `estimate_memory` (``optimizer_host_bytes`` is per rank)."""
+    the pinned copies (page-locked memory cannot be swapped out), every rank's CPU optimizer state (held for
+    the whole run) and, with several ranks, each rank process's own memory always. The figures come from
+    `estimate_memory` (``optimizer_host_bytes`` is per rank)."""
     optimizer = ranks * optimizer_host_bytes
     peak = ranks * peak_device_bytes if on_host else 0
-    needed = pinned_host_bytes + optimizer + peak
+    processes = rank_processes_host_bytes(ranks)
+    needed = pinned_host_bytes + optimizer + peak + processes
     if needed <= host_total_bytes:
         return None
     state = f" + CPU optimizer state {human_bytes(optimizer)}" if optimizer else ""
+    if processes:
+        state += f" + {ranks} rank processes {human_bytes(processes)}"
     if on_host:
         each = f" x {ranks} ranks" if ranks > 1 else ""
         message = (
@@ -56,7 +61,7 @@ def host_memory_problem(
             f"{each} + pinned copies {human_bytes(pinned_host_bytes)}{state}) but this machine has "
             f"{human_bytes(host_total_bytes)}"
         )
-    elif optimizer:
+    elif optimizer or processes:
         message = (
             f"the job needs an estimated {human_bytes(needed)} of host memory (pinned copies "
             f"{human_bytes(pinned_host_bytes)}{state}) but this machine has {human_bytes(host_total_bytes)}"

@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from jobs.distributed.optimizer_shards import splits_optimizer
-from jobs.fit.host_memory import OPTIMIZER_STATES, host_optimizer_bytes, own_host_bytes, rank_shard
+from jobs.fit.host_memory import (
+    OPTIMIZER_STATES,
+    RANK_PROCESS_HOST_BYTES,
+    host_optimizer_bytes,
+    own_host_bytes,
+    rank_shard,
+)
 from jobs.fit.sizes import human_bytes
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
@@ -220,6 +226,11 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         notes.append(
             f"offload.activations: {len(saved)} checkpointed inputs ({_gib(sum(saved))}) in pinned host memory "
             f"({_gib(arena)} reserved), two on the device"
+        )
+    if ranks > 1:
+        notes.append(
+            f"{ranks} rank processes, each holding about {_gib(RANK_PROCESS_HOST_BYTES)} of host memory besides its "
+            "tensors (Python, torch, the process group): the host check adds them"
         )
     quantize = getattr(spec.model, "quantize", None)
     if quantize is not None and offload.enable_model_cpu_offload:

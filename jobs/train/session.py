@@ -14,10 +14,10 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from jobs.checkpoints.directory import CheckpointInfo, resume_point
+from jobs.checkpoints.directory import CheckpointInfo, remove_interrupted_saves, resume_point
 from jobs.checkpoints.training_state import load_training_state, restore_rng
 from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_apart, prepare_text_data
-from jobs.distributed.group import current_group
+from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
@@ -100,6 +100,9 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         from jobs.objectives.preference import PreferenceLoss
 
         loss_fn = PreferenceLoss(spec.training, model)  # dpo's reference: the base, adapters masked per row
+    if leads():  # the one process that saves: a save an earlier attempt left half-written goes first
+        for name in remove_interrupted_saves(output_dir):
+            log.warning("removed %s: a checkpoint save that an earlier attempt did not finish", name)
     checkpoint, passed_over = resume_point(output_dir) if resume else (None, [])
     if checkpoint is not None and source is None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,3 +26,30 @@ def roots(tmp_path: Path) -> PathRoots:
     (tmp_path / "models").mkdir()
     write_corpus(tmp_path / "data" / "corpus")
     return PathRoots(model_roots=[tmp_path / "models"], data_roots=[tmp_path / "data"])
+
+
+SMALL_DISK_BYTES = 2 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB filesystem (a tmpfs mounted at ``tmp_path/small-disk``): writes past it fail as on a full
+    disk. Skipped where this process may not mount (not root, or in a container without CAP_SYS_ADMIN)."""
+    point = tmp_path / "small-disk"
+    point.mkdir()
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if shutil.which("mount")
+        else None
+    )
+    if mounted is None or mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() if mounted else 'no mount(8)'}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "--lazy", str(point)], check=False)

@@ -39,6 +39,7 @@ from jobs.checkpoints.directory import (
 from jobs.checkpoints.gguf_quants import check_quant
 from service.api.deps import SettingsDep, StoreDep
 from service.api.errors import ApiError, error_response
+from service.api.merged_archives import merged_archive_sha256
 from service.api.schemas import (
     CheckpointFile,
     CheckpointPublic,
@@ -70,16 +71,18 @@ def merge_checkpoint(job_id: str, checkpoint: str, store: StoreDep, settings: Se
 
     It runs in a process of its own (``python -m jobs merge``: torch, peft and the model stay out of the
     server), which this request waits for: a large model takes a while, and its weights' size in host
-    memory."""
+    memory. Requests for a checkpoint being merged wait for that merge and answer with its result."""
     store.get_job(job_id)
     found = _checkpoint(job_id, checkpoint, settings)
     archive = _merged_archive(settings.job_dir(job_id), checkpoint)
-    if not archive.exists():
+
+    def merge() -> None:
         if not all((Path(found.path) / f["name"]).is_file() for f in found.files):
             raise _gone(f"A file of checkpoint {checkpoint!r} of job {job_id}")
         _merge(Path(found.path), archive.with_suffix(""))
-        archive.with_name(archive.name + ".sha256").write_text(file_sha256(archive))
-    digest = archive.with_name(archive.name + ".sha256").read_text()
+
+    # One merge per checkpoint: concurrent requests wait for it and answer with its archive (or its error).
+    digest = merged_archive_sha256(archive, merge)
     url = f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/merged"
     return MergedPublic(
         checkpoint=checkpoint,
@@ -104,8 +107,16 @@ def download_merged(job_id: str, checkpoint: str, store: StoreDep, settings: Set
             f"Checkpoint {checkpoint!r} of job {job_id} has not been merged; POST "
             f"/v1/jobs/{job_id}/checkpoints/{checkpoint}/merge first.",
         )
-    handle = _open(archive, f"The merged model of checkpoint {checkpoint!r} of job {job_id}")
-    digest = archive.with_name(archive.name + ".sha256").read_text()
+    what = f"The merged model of checkpoint {checkpoint!r} of job {job_id}"
+    handle = _open(archive, what)
+    try:
+        digest = merged_archive_sha256(archive)  # computed again if its record is missing or empty
+    except FileNotFoundError as error:  # deleted since it was opened
+        handle.close()
+        raise _gone(what) from error
+    except BaseException:
+        handle.close()
+        raise
     headers = {"X-Checksum-SHA256": digest, "Cache-Control": "private, no-store"}
     return DownloadResponse(handle, filename=archive.name, headers=headers, media_type="application/x-tar")
 

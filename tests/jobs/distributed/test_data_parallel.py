@@ -19,6 +19,7 @@ from jobs import JobOutcome, PathRoots, run_job
 from jobs.checkpoints.training_state import load_training_state
 from jobs.errors import RankLost
 from jobs.events import event_to_wire
+from jobs.fit.host_memory import RANK_PROCESS_HOST_BYTES
 from tests.jobs.helpers import TINY_LM, TOY, assert_same_weights, final_weights, merged, spec_from
 
 OFFLOAD_BOTH = {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True}
@@ -65,6 +66,8 @@ def test_two_ranks_train_what_one_rank_trains_on_their_union_batch(tmp_path: Pat
     assert [e["step"] for e in steps] == [1, 2, 3, 4]
     assert all([r["rank"] for r in e["ranks"]] == [0, 1] for e in steps)
     assert all(r["step_s"] > 0 and r["host_rss_bytes"] > 0 for e in steps for r in e["ranks"])
+    # The host check's figure for a rank process stays below what each one holds (jobs/fit/host_memory.py).
+    assert all(r["host_rss_bytes"] > RANK_PROCESS_HOST_BYTES for e in steps for r in e["ranks"])
     assert [e["ranks"] for e in union if e["type"] == "step"] == [None] * 4
     assert [p.name for p in (tmp_path / "two" / "checkpoints").iterdir()] == ["step-00000004"]
 
@@ -229,3 +232,17 @@ def test_a_pause_checkpoints_once_and_the_job_resumes_on_one_rank(tmp_path: Path
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [Path(outcome.checkpoint).name]
     resumed, later = run(on_ranks(merged(data, training={"steps": outcome.step + 1}), 1, 8), tmp_path)
     assert resumed.status == "succeeded" and later[0]["resumed_from_step"] == outcome.step
+
+
+def test_the_same_error_on_every_rank_fails_the_job_with_it(tmp_path: Path, roots: PathRoots) -> None:
+    """The corpus removed after the spec was accepted: every rank raises the same error reading it. The job
+    fails with that error, not as a lost rank that the service would retry until "interrupted 4 times"."""
+    spec = spec_from(on_ranks(merged(TINY_LM, training={"steps": 2}), 2, 1), roots)
+    shutil.rmtree(roots.data_roots[0] / "corpus")
+    events: list[dict[str, Any]] = []
+    with pytest.raises(RuntimeError, match="every rank failed: ") as raised:
+        run_job(spec, output_dir=tmp_path / "out", report=lambda e: events.append(event_to_wire(e)))
+    assert not isinstance(raised.value, RankLost)
+    failed = events[-1]
+    assert failed["type"] == "failed" and failed["error"] == "training_error", failed
+    assert str(raised.value) == f"every rank failed: {failed['message']}"
