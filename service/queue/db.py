@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from service.queue.stored_json import stored_json
 
 SCHEMA_VERSION = 1
 
@@ -94,8 +97,33 @@ def create_schema(path: Path) -> None:
     try:
         conn.executescript(SCHEMA)
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        _repair_non_finite(conn)
     finally:
         conn.close()
+
+
+def _repair_non_finite(conn: sqlite3.Connection) -> None:
+    """Once per database: rewrite rows an older server stored with a bare ``NaN`` or ``Infinity`` (not JSON:
+    SQLite's json functions refuse them) as strict JSON (stored_json.py)."""
+    if conn.execute("SELECT 1 FROM meta WHERE key = 'strict_json'").fetchone():
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for table, key, column in (("events", "id", "data"), ("jobs", "seq", "progress_json")):
+            rows = conn.execute(
+                f"SELECT {key}, {column} FROM {table} WHERE {column} IS NOT NULL AND NOT json_valid({column})"
+            ).fetchall()
+            for row in rows:
+                try:
+                    fixed = stored_json(json.loads(row[1]))
+                except ValueError:  # not JSON even to Python: left as it is, as before
+                    continue
+                conn.execute(f"UPDATE {table} SET {column} = ? WHERE {key} = ?", (fixed, row[0]))
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('strict_json', '1')")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 class Database:
