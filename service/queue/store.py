@@ -63,9 +63,9 @@ class JobStore:
         store.transition(job.id, JobStatus.CANCELLED, reason="cancelled by user")
     """
 
-    def __init__(self, path: Path) -> None:
-        create_schema(path)
-        self.db = Database(path)
+    def __init__(self, path: Path, *, busy_timeout_s: float | None = None) -> None:
+        create_schema(path, busy_timeout_s)
+        self.db = Database(path, busy_timeout_s)  # None: FERRY_DB_BUSY_TIMEOUT_S, else 30 s (db.py)
 
     def close(self) -> None:
         """Close this process's connections to the file."""

@@ -8,6 +8,7 @@ request is a 400, as OpenAI answers one; the ``code`` is Ferry's (``invalid_spec
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -16,7 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from service.api.errors import ApiError
+from service.api.errors import ApiError, database_busy
+from service.queue.db import is_locked
 from service.queue.status import IllegalTransition
 from service.queue.store import JobNotFound
 
@@ -84,6 +86,13 @@ class OpenAIRoute(APIRoute):
                 return openai_error(404, str(error), code="not_found")
             except IllegalTransition as error:
                 return openai_error(409, str(error), code="illegal_transition")
+            except sqlite3.OperationalError as error:
+                if not is_locked(error):
+                    raise
+                busy = database_busy()
+                response = openai_error(busy.status_code, busy.message, code=busy.code)
+                response.headers.update(busy.headers or {})
+                return response
             except RequestValidationError as error:
                 first = error.errors()[0]
                 param = ".".join(str(p) for p in first["loc"][1:]) or None
