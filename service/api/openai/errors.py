@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from service.api.errors import ApiError, database_busy
+from service.api.openai.create import request_param
 from service.queue.db import is_locked
 from service.queue.status import IllegalTransition
 from service.queue.store import JobNotFound
@@ -95,7 +96,7 @@ class OpenAIRoute(APIRoute):
                 return response
             except RequestValidationError as error:
                 first = error.errors()[0]
-                param = ".".join(str(p) for p in first["loc"][1:]) or None
+                param = request_param(first["loc"][1:])
                 return openai_error(400, f"{param or 'request'}: {first['msg']}", code="invalid_request", param=param)
 
         return answer
