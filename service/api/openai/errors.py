@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from service.api.errors import ApiError, database_busy
+from service.api.errors import ApiError, database_busy, error_response
 from service.api.openai.create import request_param
 from service.queue.db import is_locked
 from service.queue.status import IllegalTransition
@@ -56,6 +56,26 @@ def openai_error(status_code: int, message: str, *, code: str | None, param: str
     kind = _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return Response(json.dumps(body, ensure_ascii=True), status_code=status_code, media_type="application/json")
+
+
+OPENAI_PREFIX = "/v1/fine_tuning"  # the routes that speak OpenAI's API, and so its envelope
+
+
+def is_openai_path(path: str) -> bool:
+    """True for a path under the OpenAI-compatible routes: refused there (401, 403, 413) in OpenAI's envelope."""
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
+
+
+def envelope_for(
+    path: str, status_code: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    """A refusal made before any route runs (the access and body-size layers), in the envelope of ``path``'s
+    route family: OpenAI's under ``OPENAI_PREFIX``, Ferry's elsewhere."""
+    if not is_openai_path(path):
+        return error_response(status_code, code, message, headers=headers)
+    response = openai_error(status_code, message, code=code)
+    response.headers.update(headers or {})
+    return response
 
 
 def param_of(problems: list[dict[str, Any]] | None) -> str | None:

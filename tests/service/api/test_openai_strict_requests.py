@@ -43,3 +43,23 @@ def test_param_is_the_requests_field_path(ferry: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as beta:
         ferry.fine_tuning.jobs.create(model="m", training_file="file-0a", method=method)
     assert beta.value.body["param"] == "method.dpo.hyperparameters.beta"
+
+
+def test_refusals_before_the_routes_are_in_openais_envelope(tmp_path: Path) -> None:
+    token = "t" * 32
+    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None, api_token=token, max_body_bytes=1024)
+    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
+    with TestClient(app, raise_server_exceptions=False) as http:
+        wrong = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as unauthorized:  # old code: Ferry's envelope
+            wrong.fine_tuning.jobs.list()
+        assert set(unauthorized.value.body) == {"message", "type", "param", "code"}
+        assert unauthorized.value.body["type"] == "authentication_error"
+        assert unauthorized.value.response.headers["WWW-Authenticate"] == "Bearer"
+        right = openai.OpenAI(base_url="http://testserver/v1", api_key=token, http_client=http, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as large:
+            right.fine_tuning.jobs.create(model="m" * 2000, training_file="file-0a")
+        assert large.value.status_code == 413
+        assert large.value.body["type"] == "invalid_request_error" and large.value.body["code"] == "body_too_large"
+        # Ferry's own routes keep Ferry's envelope.
+        assert set(http.get("/v1/jobs").json()["error"]) == {"code", "message"}
