@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     events_step_window: int = Field(100, ge=1)
     # Below this much free space on the data directory's disk, /ready says so and submits get 507.
     min_free_disk_bytes: int = Field(256 << 20, ge=0)
+    # How long a write waits for another connection's lock on the SQLite file (a backup, a `sqlite3` shell)
+    # before it is retried (service/queue/db.py); past that a request answers 503 with Retry-After. The job
+    # processes inherit it through the environment (FERRY_DB_BUSY_TIMEOUT_S).
+    db_busy_timeout_s: float = Field(30.0, gt=0, le=3600)
 
     @field_validator("model_roots", "data_roots", mode="before")
     @classmethod

@@ -26,6 +26,7 @@ from jobs.spec.values import (
     bad_strings,
     flatten_annotation,
     foreign_key_hint,
+    list_items,
 )
 
 Loc = tuple[str | int, ...]
@@ -166,9 +167,11 @@ def _valid_keys(loc: Loc) -> list[str]:
         field = model.model_fields.get(str(parts.pop(0)))
         if field is None:
             return []
-        candidates = [
-            t for t in flatten_annotation(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)
-        ]
+        annotation = field.annotation
+        if parts and isinstance(parts[0], int):  # an item of a list of sections (data.mix.0)
+            parts.pop(0)
+            annotation = list_items(annotation)
+        candidates = [t for t in flatten_annotation(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
         if len(candidates) > 1 and parts:  # discriminated union: the next location part is the tag
             tag = parts.pop(0)
             candidates = [c for c in candidates if typing.get_args(c.model_fields["kind"].annotation)[:1] == (tag,)]

@@ -136,7 +136,19 @@ def bad_numbers(data: Any, model: type[BaseModel], path: Path_ = ()) -> list[tup
             section = _section_for(field.annotation, value)
             if section is not None:
                 found += bad_numbers(value, section, where)
+        elif isinstance(value, list):  # a list of sections (data.mix): each item along its section's fields
+            items = list_items(field.annotation)
+            for index, item in enumerate(value):
+                section = _section_for(items, item) if isinstance(item, dict) and items is not None else None
+                if section is not None:
+                    found += bad_numbers(item, section, (*where, str(index)))
     return found
+
+
+def list_items(annotation: Any) -> Any:
+    """The item type of the list a field's annotation admits (``list[DataSourceSpec] | None``), else None."""
+    lists = [t for t in flatten_annotation(annotation) if typing.get_origin(t) is list]
+    return typing.get_args(lists[0])[0] if lists and typing.get_args(lists[0]) else None
 
 
 def _section_for(annotation: Any, value: dict) -> type[BaseModel] | None:

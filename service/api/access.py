@@ -18,7 +18,7 @@ import ipaddress
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.api.errors import error_response
+from service.api.openai.errors import envelope_for
 from service.settings import MIN_TOKEN_LENGTH
 
 
@@ -52,14 +52,15 @@ class AccessMiddleware:
         if scope["type"] == "http":
             client = scope.get("client")
             if self.refusal is not None and is_remote_peer(client[0] if client else None):
-                await error_response(403, "loopback_only", self.refusal)(scope, receive, send)
+                await envelope_for(scope["path"], 403, "loopback_only", self.refusal)(scope, receive, send)
                 return
             if self.token is not None and _needs_token(scope["path"]):
                 problem = self._token_problem(scope)
                 if problem is not None:
-                    await error_response(401, "unauthorized", problem, headers={"WWW-Authenticate": "Bearer"})(
-                        scope, receive, send
+                    answer = envelope_for(
+                        scope["path"], 401, "unauthorized", problem, headers={"WWW-Authenticate": "Bearer"}
                     )
+                    await answer(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 

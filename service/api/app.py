@@ -58,7 +58,7 @@ def create_app(
             timeout_s=settings.spec_check_timeout_s, memory_bytes=settings.spec_check_memory_bytes
         )
         checker.start()  # imports torch in its own process while this one carries on
-        store = JobStore(settings.db_path)  # creates the schema on a fresh start
+        store = JobStore(settings.db_path, busy_timeout_s=settings.db_busy_timeout_s)  # the schema on a fresh start
         ensure_reserve(settings.data_dir)  # room for cancel and delete should the disk fill up (disk.py)
         if executor is None and settings.executor == "ray":
             runner, slots = _ray_executor(settings)

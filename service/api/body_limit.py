@@ -6,6 +6,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.openai.errors import is_openai_path
+
 
 class _TooLarge(Exception):
     pass
@@ -29,7 +31,7 @@ class BodyLimitMiddleware:
         limit, setting = self.path_limits.get(scope["path"], (self.max_bytes, "FERRY_MAX_BODY_BYTES"))
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(send, limit, setting)
+            await self._refuse(send, limit, setting, scope["path"])
             return
         received = 0
         started = False
@@ -52,12 +54,17 @@ class BodyLimitMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._refuse(send, limit, setting)
+                await self._refuse(send, limit, setting, scope["path"])
 
-    async def _refuse(self, send: Send, limit: int, setting: str) -> None:
+    async def _refuse(self, send: Send, limit: int, setting: str, path: str) -> None:
         what = "file" if setting != "FERRY_MAX_BODY_BYTES" else "spec"
         message = f"The request body is larger than {limit} bytes; send a smaller {what} or raise {setting}."
-        body = json.dumps({"error": {"code": "body_too_large", "message": message}}).encode()
+        error: dict[str, str | None] = {"code": "body_too_large", "message": message}
+        if is_openai_path(path):  # OpenAI's envelope on its routes
+            what = "request" if what == "spec" else what
+            message = f"The request body is larger than {limit} bytes; send a smaller {what} or raise {setting}."
+            error = {"message": message, "type": "invalid_request_error", "param": None, "code": "body_too_large"}
+        body = json.dumps({"error": error}).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,10 +13,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import ApiError
+from service.queue.db import is_locked
 from service.queue.status import IllegalTransition
 from service.queue.store import JobNotFound
 
-__all__ = ["INT64_MAX", "ApiError", "error_response", "install_error_handlers"]  # ApiError: service/errors.py
+__all__ = [
+    "INT64_MAX",
+    "ApiError",
+    "database_busy",
+    "error_response",
+    "install_error_handlers",
+]  # ApiError: service/errors.py
 
 log = logging.getLogger("ferry.api")
 INT64_MAX = 2**63 - 1  # the largest id, cursor or count the store (SQLite INTEGER) holds
@@ -27,6 +35,20 @@ class _EnvelopeResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+DB_RETRY_AFTER_S = 5  # a database locked by another connection (a backup, a shell): try again about then
+
+
+def database_busy() -> ApiError:
+    """The 503 for a database another connection kept locked past the busy timeout and every retry."""
+    return ApiError(
+        503,
+        "database_busy",
+        "The job database is locked by another connection (a backup or an sqlite3 shell?) past "
+        "FERRY_DB_BUSY_TIMEOUT_S; nothing was changed: send the request again.",
+        headers={"Retry-After": str(DB_RETRY_AFTER_S)},
+    )
 
 
 def error_response(
@@ -65,6 +87,13 @@ def install_error_handlers(app: FastAPI) -> None:
         ]
         summary = "; ".join(f"{p['path']}: {p['message']}" for p in problems)
         return error_response(422, "invalid_request", f"The request is invalid: {summary}.", problems)
+
+    @app.exception_handler(sqlite3.OperationalError)
+    async def _database(request: Request, error: sqlite3.OperationalError) -> JSONResponse:
+        if is_locked(error):
+            busy = database_busy()
+            return error_response(busy.status_code, busy.code, busy.message, headers=busy.headers)
+        return await _unexpected(request, error)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import sqlite3
 
-from service.api.errors import ApiError
+from service.api.errors import ApiError, database_busy
 from service.checking.messages import CheckedSpec
+from service.queue.db import is_locked, retry_locked
 from service.queue.disk import refuse_if_disk_low
 from service.queue.records import JobRecord
 from service.queue.store import JobStore, QueueFull
@@ -32,22 +34,30 @@ def queue_checked_spec(
 
     Raises:
         ApiError: 507 when the data directory's disk is low, the checker's refusal (no GPU worker, does not
-            fit), or 429 when the queue is full.
+            fit), 429 when the queue is full, or 503 (Retry-After) when another connection holds the database's
+            lock through every retry.
         IdempotencyConflict: the key was used with another request; each API answers it in its own words.
     """
     refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
     if checked.refusal is not None:  # no GPU worker for device: cuda, or estimated not to fit
         raise checked.refusal.error()
+    job_id = f"job-{secrets.token_hex(6)}"  # one id for every try: a try that did commit is found by its key
     try:
-        return store.create_job(
-            job_id=f"job-{secrets.token_hex(6)}",
-            name=checked.name,
-            spec_text=text,
-            spec=checked.spec,
-            idempotency_key=idempotency_key,
-            request_sha256=hashlib.sha256(body).hexdigest(),
-            max_queued=settings.max_queued_jobs,
+        return retry_locked(
+            lambda: store.create_job(
+                job_id=job_id,
+                name=checked.name,
+                spec_text=text,
+                spec=checked.spec,
+                idempotency_key=idempotency_key,
+                request_sha256=hashlib.sha256(body).hexdigest(),
+                max_queued=settings.max_queued_jobs,
+            )
         )
+    except sqlite3.OperationalError as error:
+        if is_locked(error):
+            raise database_busy() from None
+        raise
     except QueueFull:
         raise ApiError(
             429,

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from time import sleep
+from typing import TypeVar
+
+from service.queue.stored_json import stored_json
 
 SCHEMA_VERSION = 1
+T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -75,34 +82,91 @@ CREATE TABLE IF NOT EXISTS fine_tuning_jobs (
 """
 
 
-def connect(path: Path) -> sqlite3.Connection:
+def default_busy_timeout_s() -> float:
+    """FERRY_DB_BUSY_TIMEOUT_S (Settings.db_busy_timeout_s, which a job's process inherits), else 30 s."""
+    try:
+        return max(float(os.environ.get("FERRY_DB_BUSY_TIMEOUT_S", "30")), 0.001)
+    except ValueError:
+        return 30.0
+
+
+def is_locked(error: BaseException) -> bool:
+    """True for SQLite's "database is locked" / "busy": another connection held the lock past the busy timeout."""
+    text = str(error).lower()
+    return isinstance(error, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
+
+
+def retry_locked(write: Callable[[], T], *, attempts: int = 4, first_wait_s: float = 0.05) -> T:
+    """``write()``, tried again with a doubling wait while the database is locked; the last lock error is raised.
+
+    Each try already waits the busy timeout inside SQLite; the backoff spaces the tries so a lock that is
+    released between them is found free."""
+    wait = first_wait_s
+    for attempt in range(attempts):
+        try:
+            return write()
+        except sqlite3.OperationalError as error:
+            if not is_locked(error) or attempt == attempts - 1:
+                raise
+        sleep(wait)
+        wait *= 2
+    raise AssertionError("unreachable")
+
+
+def connect(path: Path, busy_timeout_s: float | None = None) -> sqlite3.Connection:
     """Open ``path`` in WAL mode with autocommit; callers open transactions explicitly."""
-    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    timeout = default_busy_timeout_s() if busy_timeout_s is None else busy_timeout_s
+    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
     conn.row_factory = sqlite3.Row
     # WAL lets the API read while a worker writes events. synchronous=NORMAL in WAL mode never corrupts the
     # file; a power loss can drop only the last few commits, which a resume from checkpoint covers.
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute(f"PRAGMA busy_timeout={max(int(timeout * 1000), 1)}")
     return conn
 
 
-def create_schema(path: Path) -> None:
+def create_schema(path: Path, busy_timeout_s: float | None = None) -> None:
     """Create the data dir, the file and every table if missing; idempotent."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    conn = connect(path)
+    conn = connect(path, busy_timeout_s)
     try:
         conn.executescript(SCHEMA)
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        _repair_non_finite(conn)
     finally:
         conn.close()
+
+
+def _repair_non_finite(conn: sqlite3.Connection) -> None:
+    """Once per database: rewrite rows an older server stored with a bare ``NaN`` or ``Infinity`` (not JSON:
+    SQLite's json functions refuse them) as strict JSON (stored_json.py)."""
+    if conn.execute("SELECT 1 FROM meta WHERE key = 'strict_json'").fetchone():
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for table, key, column in (("events", "id", "data"), ("jobs", "seq", "progress_json")):
+            rows = conn.execute(
+                f"SELECT {key}, {column} FROM {table} WHERE {column} IS NOT NULL AND NOT json_valid({column})"
+            ).fetchall()
+            for row in rows:
+                try:
+                    fixed = stored_json(json.loads(row[1]))
+                except ValueError:  # not JSON even to Python: left as it is, as before
+                    continue
+                conn.execute(f"UPDATE {table} SET {column} = ? WHERE {key} = ?", (fixed, row[0]))
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('strict_json', '1')")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 class Database:
     """One connection per thread on one file, plus a ``transaction()`` that takes the write lock up front."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, busy_timeout_s: float | None = None) -> None:
+        self.path, self.busy_timeout_s = path, busy_timeout_s
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -111,7 +175,7 @@ class Database:
     def conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = connect(self.path)
+            conn = connect(self.path, self.busy_timeout_s)
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
@@ -127,7 +191,12 @@ class Database:
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError:  # e.g. locked: leave no transaction open for this thread's next one
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Any
 from service.queue.db import Database
 from service.queue.records import EventRecord, JobRecord
 from service.queue.store import JobNotFound
+from service.queue.stored_json import finite
 
 # The job's columns and the request's; the request's time under its own name (both tables have created_at).
 _SELECT = (
@@ -103,7 +104,8 @@ class FineTuningStore:
         return [EventRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 
     def step_losses(self, job_id: str, steps: list[int]) -> dict[int, float]:
-        """The training loss stored for each of ``steps`` (a step the retention dropped is absent)."""
+        """The training loss stored for each of ``steps`` (absent: a step the retention dropped, or whose loss was
+        not finite, a job that diverged)."""
         if not steps:
             return {}
         rows = self.db.conn.execute(
@@ -111,4 +113,4 @@ class FineTuningStore:
             f" WHERE job_id = ? AND type = 'step' AND json_extract(data, '$.step') IN ({','.join('?' * len(steps))})",
             (job_id, *steps),
         ).fetchall()
-        return {int(r["step"]): float(r["loss"]) for r in rows if r["loss"] is not None}
+        return {int(r["step"]): loss for r in rows if (loss := finite(r["loss"])) is not None}

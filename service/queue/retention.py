@@ -2,8 +2,9 @@
 
 A fast small job reports a step event many times a second; kept whole, a long job's events would grow the
 database without bound (bench/event_retention_bench.py measures it). The first ``keep_first`` steps stay whole
-(where a curve changes most). After that, each complete window of ``window`` steps keeps three points: its last
-step, and the steps with the lowest and the highest loss, so a spike or a dip never disappears from the curve.
+(where a curve changes most). After that, each complete window of ``window`` steps keeps three or four points: its last
+step, the steps with the lowest and the highest loss, and its first non-finite loss, so a spike, a dip or the
+step where a job diverged never disappears from the curve.
 Other events (status, checkpoints, evaluations) are never touched. The job row keeps the latest step whatever is
 compacted.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass
+
+from service.queue.stored_json import finite
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,14 @@ def compact_steps(conn: sqlite3.Connection, job_id: str, after_id: int, retentio
     doomed: list[int] = []
     for group in done:
         keep = {group[-1]["id"]}
-        losses = [r for r in group if r["loss"] is not None]
+        losses = [(loss, r["id"]) for r in group if (loss := finite(r["loss"])) is not None]
         if losses:
-            keep |= {min(losses, key=lambda r: r["loss"])["id"], max(losses, key=lambda r: r["loss"])["id"]}
+            keep |= {min(losses, key=lambda t: t[0])[1], max(losses, key=lambda t: t[0])[1]}
+        # A non-finite loss (stored as "NaN" or "Infinity": stored_json.py) is the highest spike of all: the
+        # window keeps its first one, so the step where the job diverged stays on the curve.
+        diverged = next((r["id"] for r in group if isinstance(r["loss"], str)), None)
+        if diverged is not None:
+            keep.add(diverged)
         doomed += [r["id"] for r in group if r["id"] not in keep]
     conn.executemany("DELETE FROM events WHERE id = ?", [(i,) for i in doomed])
     return max(r["id"] for r in done[-1]) if done else after_id

@@ -26,6 +26,7 @@ from service.queue.events import JobError, StatusEvent, StopRequestedEvent, pars
 from service.queue.records import EventRecord, JobRecord
 from service.queue.retention import StepRetention, compact_steps
 from service.queue.status import FINISHED, IllegalTransition, JobStatus, check_transition, deletion_refused_message
+from service.queue.stored_json import stored_json
 
 # Columns a transition may set besides status; everything else is derived in `_transition`.
 _TRANSITION_FIELDS = frozenset({"worker", "device", "error_code", "error_message"})
@@ -62,9 +63,9 @@ class JobStore:
         store.transition(job.id, JobStatus.CANCELLED, reason="cancelled by user")
     """
 
-    def __init__(self, path: Path) -> None:
-        create_schema(path)
-        self.db = Database(path)
+    def __init__(self, path: Path, *, busy_timeout_s: float | None = None) -> None:
+        create_schema(path, busy_timeout_s)
+        self.db = Database(path, busy_timeout_s)  # None: FERRY_DB_BUSY_TIMEOUT_S, else 30 s (db.py)
 
     def close(self) -> None:
         """Close this process's connections to the file."""
@@ -308,7 +309,7 @@ class JobStore:
             # A cache job's progress events count samples encoded, as steps count optimizer steps.
             steps = [e for e in typed if isinstance(e, StepEvent | CacheProgressEvent)]
             if steps:  # the latest only: the job row shows the newest step
-                latest = json.dumps({**event_to_wire(steps[-1]), "reported_at": time.time()})  # for the finish time
+                latest = stored_json({**event_to_wire(steps[-1]), "reported_at": time.time()})  # for the finish time
                 conn.execute("UPDATE jobs SET progress_json = ? WHERE id = ?", (storable(latest), job_id))
             for event in typed:
                 if isinstance(event, CheckpointEvent):
@@ -380,6 +381,6 @@ class JobStore:
         data = event.model_dump(mode="json")
         cursor = conn.execute(
             "INSERT INTO events (job_id, attempt, type, created_at, data) VALUES (?, ?, ?, ?, ?)",
-            (job_id, attempt, data["type"], now or time.time(), storable(json.dumps(data, ensure_ascii=False))),
+            (job_id, attempt, data["type"], now or time.time(), storable(stored_json(data))),
         )
         return int(cursor.lastrowid)

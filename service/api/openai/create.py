@@ -17,11 +17,13 @@ What OpenAI's request names maps onto the spec; what it leaves to the server tak
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from service.api.errors import ApiError
 
@@ -31,10 +33,25 @@ AUTO_BETA = 0.1
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # Llama, Qwen, Mistral and Gemma name them so
 FILE_ID = r"^file-[0-9a-f]{1,64}$"
 Auto = Literal["auto"]
+# What pydantic inserts in a location for the member of a union it tried: int, float, literal['auto'], ...
+_UNION_MEMBER = re.compile(r"^(int|float|str|bool|none|[a-z-]+\[.*\])$")
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _strict_number(value: Any, info: ValidationInfo) -> Any:
+    """``auto``, null, or a number that is a number: JSON ``true`` is no epoch count (pydantic takes it for 1)."""
+    if value is None or value == "auto":
+        return value
+    whole = info.field_name in ("n_epochs", "batch_size")
+    if isinstance(value, bool) or not isinstance(value, int | float) or (whole and not float(value).is_integer()):
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f'must be {kind} above 0 or "auto"; got {json.dumps(value)}')
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f'must be above 0 or "auto"; got {value}')
+    return int(value) if whole else float(value)
 
 
 class Hyperparameters(_Body):
@@ -42,9 +59,13 @@ class Hyperparameters(_Body):
     batch_size: int | Auto | None = Field("auto", description="auto: Ferry's training.batch_size (1)")
     learning_rate_multiplier: float | Auto | None = Field("auto", description="times Ferry's 1e-4; auto: 1")
 
+    _numbers = field_validator("n_epochs", "batch_size", "learning_rate_multiplier", mode="before")(_strict_number)
+
 
 class DpoHyperparameters(Hyperparameters):
     beta: float | Auto | None = Field("auto", description="auto: 0.1")
+
+    _beta = field_validator("beta", mode="before")(_strict_number)
 
 
 class Supervised(_Body):
@@ -91,9 +112,16 @@ def parse_create(body: bytes) -> FineTuningCreate:
         return FineTuningCreate.model_validate_json(body or b"{}")
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-        raise request_error(param, message) from None
+        param = request_param(first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise request_error(param, f"{param}: {message}" if param else message) from None
+
+
+def request_param(loc: tuple[Any, ...]) -> str | None:
+    """The request's field path of a pydantic location, without the union members pydantic names in it
+    (``hyperparameters.n_epochs.int`` is ``hyperparameters.n_epochs``)."""
+    parts = [str(part) for part in loc if not _UNION_MEMBER.match(str(part))]
+    return ".".join(parts) or None
 
 
 def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ request is a 400, as OpenAI answers one; the ``code`` is Ferry's (``invalid_spec
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -16,7 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from service.api.errors import ApiError
+from service.api.errors import ApiError, database_busy, error_response
+from service.api.openai.create import request_param
+from service.queue.db import is_locked
 from service.queue.status import IllegalTransition
 from service.queue.store import JobNotFound
 
@@ -55,6 +58,26 @@ def openai_error(status_code: int, message: str, *, code: str | None, param: str
     return Response(json.dumps(body, ensure_ascii=True), status_code=status_code, media_type="application/json")
 
 
+OPENAI_PREFIX = "/v1/fine_tuning"  # the routes that speak OpenAI's API, and so its envelope
+
+
+def is_openai_path(path: str) -> bool:
+    """True for a path under the OpenAI-compatible routes: refused there (401, 403, 413) in OpenAI's envelope."""
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
+
+
+def envelope_for(
+    path: str, status_code: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    """A refusal made before any route runs (the access and body-size layers), in the envelope of ``path``'s
+    route family: OpenAI's under ``OPENAI_PREFIX``, Ferry's elsewhere."""
+    if not is_openai_path(path):
+        return error_response(status_code, code, message, headers=headers)
+    response = openai_error(status_code, message, code=code)
+    response.headers.update(headers or {})
+    return response
+
+
 def param_of(problems: list[dict[str, Any]] | None) -> str | None:
     """The request parameter behind the first spec problem: a spec path the request set, else ``ferry.<path>``."""
     if not problems:
@@ -84,9 +107,16 @@ class OpenAIRoute(APIRoute):
                 return openai_error(404, str(error), code="not_found")
             except IllegalTransition as error:
                 return openai_error(409, str(error), code="illegal_transition")
+            except sqlite3.OperationalError as error:
+                if not is_locked(error):
+                    raise
+                busy = database_busy()
+                response = openai_error(busy.status_code, busy.message, code=busy.code)
+                response.headers.update(busy.headers or {})
+                return response
             except RequestValidationError as error:
                 first = error.errors()[0]
-                param = ".".join(str(p) for p in first["loc"][1:]) or None
+                param = request_param(first["loc"][1:])
                 return openai_error(400, f"{param or 'request'}: {first['msg']}", code="invalid_request", param=param)
 
         return answer

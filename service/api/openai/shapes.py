@@ -14,6 +14,7 @@ from service.queue.files import FileRecord
 from service.queue.fine_tuning import FineTuningRecord
 from service.queue.records import EventRecord, JobRecord
 from service.queue.status import JobStatus
+from service.queue.stored_json import NON_FINITE, finite
 
 # Ferry's statuses as OpenAI names them. OpenAI has no pause: a paused job says so. An interrupted job is
 # queued again at once (or fails when its retries are spent).
@@ -128,8 +129,8 @@ class FineTuningJobPublic(BaseModel):
     def of(cls, request: FineTuningRecord, job: JobRecord) -> FineTuningJobPublic:
         step = job.progress or {}
         succeeded = job.status is JobStatus.SUCCEEDED
-        eta = step.get("eta_s") if job.status is JobStatus.RUNNING else None
-        tokens = step.get("tokens_per_s")
+        eta = finite(step.get("eta_s")) if job.status is JobStatus.RUNNING else None
+        tokens, elapsed = finite(step.get("tokens_per_s")), finite(step.get("elapsed_s"))
         return cls(
             id=job.id,
             created_at=int(job.created_at),
@@ -143,9 +144,7 @@ class FineTuningJobPublic(BaseModel):
             method=request.method,
             seed=request.seed,
             # An estimate: the last step's token rate over the job's training time (Ferry counts no total).
-            trained_tokens=round(tokens * step["elapsed_s"])
-            if succeeded and tokens and step.get("elapsed_s")
-            else None,
+            trained_tokens=round(tokens * elapsed) if succeeded and tokens and elapsed else None,
             error=_error(job),
             estimated_finish=int(step["reported_at"] + eta) if eta is not None and step.get("reported_at") else None,
             metadata=request.metadata,
@@ -181,9 +180,11 @@ class EventPublic(BaseModel):
     @classmethod
     def of(cls, event: EventRecord) -> EventPublic:
         data, level, kind = event.data, "info", "message"
+        if event.type in ("step", "eval"):
+            data = _figures(data)  # a diverged job's NaN loss is stored as "NaN": it answers null
         if event.type == "step":
             kind = "metrics"
-            message = f"Step {data['step']}/{data['total_steps']}: training loss={data['loss']:.4f}"
+            message = f"Step {data['step']}/{data['total_steps']}: training loss={_loss(data['loss'])}"
             data = {**data, "train_loss": data["loss"]}  # OpenAI's metrics name, beside Ferry's step figures
         elif event.type == "status":
             status = data["status"]
@@ -195,7 +196,7 @@ class EventPublic(BaseModel):
         elif event.type == "checkpoint":
             message = f"Checkpoint created at step {data['step']}"
         elif event.type == "eval":
-            message = f"Step {data['step']}: validation loss={data.get('eval_loss', float('nan')):.4f}"
+            message = f"Step {data['step']}: validation loss={_loss(data.get('eval_loss'))}"
         elif event.type == "finished":
             message = f"Training ended ({data['status']}) at step {data['step']}"
         elif event.type == "failed":
@@ -241,6 +242,20 @@ class CheckpointPublic(BaseModel):
             step_number=info.step,
             ferry={"name": info.name, "url": f"/v1/jobs/{job_id}/checkpoints/{info.name}/files"},
         )
+
+
+def _loss(value: Any) -> str:
+    loss = finite(value)
+    return f"{loss:.4f}" if loss is not None else "not finite (the job has diverged: lower the learning rate)"
+
+
+def _figures(data: Any) -> Any:
+    """A step's or evaluation's stored figures with each non-finite one (stored as "NaN", ...) as None."""
+    if isinstance(data, dict):
+        return {key: _figures(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_figures(value) for value in data]
+    return None if isinstance(data, str) and data in NON_FINITE else data
 
 
 def checkpoint_id(job_id: str, step: int) -> str:

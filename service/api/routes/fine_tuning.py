@@ -29,6 +29,7 @@ from service.api.openai.errors import OpenAIErrorBody, OpenAIRoute
 from service.api.openai.shapes import CheckpointPublic, EventPublic, FineTuningJobPublic, ListPage, checkpoint_id
 from service.api.submission import queue_checked_spec
 from service.checking.messages import CheckRequest
+from service.queue.db import retry_locked
 from service.queue.disk import refuse_if_disk_low
 from service.queue.files import FileNotFound, FileStore
 from service.queue.fine_tuning import FineTuningRecord
@@ -86,7 +87,7 @@ def create_fine_tuning_job(
             metadata=create.metadata,
             created_at=job.created_at,
         )
-        fine_tuning.add(record)
+        retry_locked(lambda: fine_tuning.add(record))  # the job is queued: its request must not be lost to a lock
         scheduler.wake()
     return FineTuningJobPublic.of(*fine_tuning.get(job.id))
 

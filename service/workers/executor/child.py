@@ -10,12 +10,15 @@ import ctypes
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from time import sleep
 from typing import Any, Protocol
 
+from service.queue.db import is_locked
 from service.workers.executor.base import LaunchRequest
 
 STOP_NONE, STOP_PAUSE, STOP_CANCEL = 0, 1, 2
@@ -211,6 +214,7 @@ class EventReporter:
     """
 
     BATCH_S, BATCH_STEPS, LOG_STEP_S = 0.25, 64, 2.0
+    FINAL_WAIT_S = 600.0  # the outcome's write waits this long for a locked database
 
     def __init__(self, store: EventSink, request: LaunchRequest) -> None:
         self._store, self._request = store, request
@@ -237,11 +241,27 @@ class EventReporter:
         ):
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, *, final: bool = False) -> None:
+        """Write the pending events. While another connection holds the database's lock past the busy timeout,
+        they stay pending and training goes on: the next event tries again. The ``final`` flush (the outcome)
+        waits for the lock, with backoff, up to ``FINAL_WAIT_S``: a lock must not fail a running job."""
         if not self._pending:
             return
-        batch, self._pending = self._pending, []
-        self._store.append_events(self._request.job_id, self._request.attempt, batch)
+        deadline, wait = time.monotonic() + self.FINAL_WAIT_S, 0.05
+        while True:
+            try:
+                self._store.append_events(self._request.job_id, self._request.attempt, self._pending)
+                break
+            except sqlite3.OperationalError as error:
+                if not is_locked(error) or (final and time.monotonic() >= deadline):
+                    raise
+                log.warning("the job database is locked; %d event(s) kept to write later", len(self._pending))
+                if not final:
+                    self._flushed_at = time.monotonic()  # the next try at the next step, not at once
+                    return
+                sleep(wait)
+                wait = min(wait * 2, 2.0)
+        self._pending = []
         self._flushed_at = time.monotonic()
 
     def finished(self, status: str, step: int) -> None:
@@ -249,14 +269,14 @@ class EventReporter:
 
         if not self._ended:
             self(FinishedEvent(status=status, step=step))  # type: ignore[arg-type]
-        self.flush()
+        self.flush(final=True)
 
     def failed(self, error: BaseException) -> None:
         from jobs.events import failed_event
 
         if not self._ended:  # e.g. the spec was refused before run_job started
             self(failed_event(error))
-        self.flush()
+        self.flush(final=True)
 
     def _log(self, wire: dict[str, Any]) -> None:
         kind = wire["type"]
