@@ -15,6 +15,7 @@ from jobs.checkpoints.directory import CheckpointInfo, save_checkpoint
 from jobs.checkpoints.export import save_tokenizer
 from jobs.checkpoints.sample_artifacts import keep_samples
 from jobs.checkpoints.training_state import save_training_state
+from jobs.data.auto_size import choose_auto
 from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import whole_optimizer_reason
 from jobs.errors import OutOfMemoryHint
@@ -116,6 +117,7 @@ def run_job(
     """
     output_dir, report = Path(output_dir), report or (lambda event: None)
     output_dir.mkdir(parents=True, exist_ok=True)
+    spec, chosen = choose_auto(spec)  # batch_size/epochs: auto, from the data (as the checker chose at submit)
     if spec.distributed.world_size > 1 and current_group() is None:  # the launcher; each rank runs this again
         from jobs.distributed.launch import run_ranks
 
@@ -129,6 +131,8 @@ def run_job(
     step = 0
     try:
         _warn_skipped_settings(spec, report)
+        for why in chosen:
+            report(LogEvent(level="info", message=why))
         if spec.task != "train":
             outcome = _run_task(spec, report, should_stop)
             report(FinishedEvent(status=outcome.status, step=outcome.step))
