@@ -127,13 +127,15 @@ def _row_problems(spec: JobSpec) -> list[SpecProblem]:
         return [SpecProblem("data.path", str(error))]
     if "batch_size" in training.auto or rows.rows >= training.batch_size:
         return []
-    fix = f"lower training.batch_size to {rows.rows} or less, or set it to auto" if rows.rows else "add data"
-    also = "lower data.seq_len or add data" if rows.layout in ("packed", "concatenated") else "add data"
+    fixes = [f"lower training.batch_size to {rows.rows} or less (or set it to auto)"] if rows.rows else []
+    if rows.layout in ("packed", "concatenated"):
+        fixes.append("lower data.seq_len")
+    fixes.append("add data")
     return [
         SpecProblem(
             "training.batch_size",
-            f"the data makes {rows.described(data.seq_len)}, fewer than training.batch_size={training.batch_size}: "
-            f"a batch cannot be filled; {fix}, or {also}",
+            f"the data makes {rows.described(data.seq_len)}, fewer than training.batch_size={training.batch_size}, "
+            f"so no batch can be filled; {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}",
         )
     ]
 
