@@ -90,20 +90,17 @@ def choose_auto(spec: JobSpec) -> tuple[JobSpec, list[str]]:
     if not training.auto:
         return spec, []
     if spec.data.kind != "text":
-        raise ValueError(
-            f"training.{training.auto[0]}: auto is chosen from text data (data.kind: text); give a number"
-        )
+        raise ValueError(f"training.{training.auto[0]}: auto is chosen from text data (data.kind: text); give a number")
     rows = count_rows(spec)
-    where = rows.described(spec.data.seq_len)  # type: ignore[union-attr]  # text data, checked above
+    where = rows.described(spec.data.seq_len)
     chosen: dict[str, object] = {"auto": []}
     notes = []
     if "batch_size" in training.auto:
         batch = auto_batch_size(rows)
         chosen["batch_size"] = batch
         wanted = min(MAX_AUTO_BATCH, max(1, math.ceil(BATCH_FRACTION * rows.examples)))
-        why = (
-            f"0.2% of {rows.examples} example(s), 1 to {MAX_AUTO_BATCH}, is {wanted}"
-            + (f", and the data makes only {where}" if batch < wanted else f"; the data makes {where}")
+        why = f"0.2% of {rows.examples} example(s), 1 to {MAX_AUTO_BATCH}, is {wanted}" + (
+            f", and the data makes only {where}" if batch < wanted else f"; the data makes {where}"
         )
         notes.append(f"batch_size auto -> {batch} because {why}")
     if "epochs" in training.auto:

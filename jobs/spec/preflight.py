@@ -38,7 +38,9 @@ def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
             problems += _row_problems(spec)
     elif spec.training.auto:
         field = spec.training.auto[0]
-        problems.append(SpecProblem(f"training.{field}", "auto is chosen from text data (data.kind: text); give a number"))
+        problems.append(
+            SpecProblem(f"training.{field}", "auto is chosen from text data (data.kind: text); give a number")
+        )
     family = family_of(spec.model)
     if family.checkpoint_problems is not None:
         problems += _checkpoint_problems(spec, family.checkpoint_problems)

@@ -199,7 +199,9 @@ def test_a_batch_the_packed_data_cannot_fill_is_refused_with_the_count(llm_roots
 def test_batch_size_and_epochs_auto_are_chosen_from_the_rows(llm_roots: PathRoots) -> None:
     from jobs.data.auto_size import choose_auto
 
-    text = yaml.safe_dump(llm_spec(data={"seq_len": 64}, training={"steps": None, "epochs": "auto", "batch_size": "auto"}))
+    text = yaml.safe_dump(
+        llm_spec(data={"seq_len": 64}, training={"steps": None, "epochs": "auto", "batch_size": "auto"})
+    )
     spec = load_job_spec(text, llm_roots)
     assert spec.training.auto == ["batch_size", "epochs"]
     chosen, notes = choose_auto(spec)
@@ -209,6 +211,8 @@ def test_batch_size_and_epochs_auto_are_chosen_from_the_rows(llm_roots: PathRoot
 
 
 def test_auto_on_synthetic_data_asks_for_a_number() -> None:
-    text = "name: x\nmodel: {kind: toy_mlp}\ndata: {kind: synthetic_regression}\ntraining: {steps: 2, batch_size: auto}\n"
+    text = (
+        "name: x\nmodel: {kind: toy_mlp}\ndata: {kind: synthetic_regression}\ntraining: {steps: 2, batch_size: auto}\n"
+    )
     (found,) = preflight_problems(load_job_spec(text))
     assert found.path == "training.batch_size" and "give a number" in found.message
