@@ -42,11 +42,13 @@ def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
             SpecProblem(f"training.{field}", "auto is chosen from text data (data.kind: text); give a number")
         )
     family = family_of(spec.model)
+    model_problems = []
     if family.checkpoint_problems is not None:
-        problems += _checkpoint_problems(spec, family.checkpoint_problems)
+        model_problems = _checkpoint_problems(spec, family.checkpoint_problems)
     read_names = family.module_names_from_files
-    if spec.lora is not None and read_names is not None:
-        problems += _lora_problems(spec, read_names)
+    if spec.lora is not None and read_names is not None and not model_problems:  # no model, no module names
+        model_problems = _lora_problems(spec, read_names)
+    problems += model_problems
     return problems
 
 

@@ -216,3 +216,30 @@ def test_auto_on_synthetic_data_asks_for_a_number() -> None:
     )
     (found,) = preflight_problems(load_job_spec(text))
     assert found.path == "training.batch_size" and "give a number" in found.message
+
+
+def test_init_random_on_an_architecture_automodelforcausallm_cannot_build_is_one_line(llm_roots: PathRoots) -> None:
+    """T5 is an encoder-decoder: refused at validate, in one line, not in the worker with transformers' 3 KB list."""
+    from transformers import T5Config
+
+    T5Config(d_model=8, num_layers=1, num_heads=1, d_ff=8, d_kv=8, vocab_size=320).save_pretrained(
+        llm_roots.model_roots[0] / "t5"
+    )
+    model = {"kind": "hf_causal_lm", "path": "t5", "dtype": "float32", "init": "random"}
+    (found,) = problems(llm_roots, model=model)
+    assert found.path == "model.path"
+    assert found.message == (
+        "t5/config.json: model_type 't5' is not a causal LM that AutoModelForCausalLM "
+        "builds; point model.path at a decoder-only causal LM's directory (model_type e.g. llama, qwen2, mistral, "
+        "gemma, phi3)"
+    )
+
+
+def test_an_unknown_architecture_is_one_line(llm_roots: PathRoots) -> None:
+    (llm_roots.model_roots[0] / "ferret").mkdir()
+    (llm_roots.model_roots[0] / "ferret" / "config.json").write_text('{"model_type": "ferret", "hidden_size": 8}')
+    for init in ("random", "checkpoint"):
+        model = {"kind": "hf_causal_lm", "path": "ferret", "dtype": "float32", "init": init}
+        (found,) = problems(llm_roots, model=model)
+        assert found.path == "model.path" and "\n" not in found.message and len(found.message) < 300
+        assert found.message.startswith("ferret/config.json: model_type 'ferret' is not an architecture this")
