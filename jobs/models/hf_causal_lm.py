@@ -120,9 +120,9 @@ def _intermediate(config: Any) -> int:
 
 
 def _config(spec: HFCausalLMSpec) -> Any:
-    from transformers import AutoConfig
+    from jobs.models.hf_architecture import causal_lm_config
 
-    return AutoConfig.from_pretrained(str(spec.path), local_files_only=True, trust_remote_code=False)
+    return causal_lm_config(Path(spec.path))  # an architecture it cannot build: a one-line ValueError
 
 
 def meta_hf_causal_lm(spec: HFCausalLMSpec) -> nn.Module:
@@ -138,8 +138,10 @@ def meta_hf_causal_lm(spec: HFCausalLMSpec) -> nn.Module:
 
 def hf_checkpoint_problems(spec: HFCausalLMSpec) -> list[tuple[str, str, str]]:
     """What keeps ``spec.path``'s safetensors from filling the model as ``from_pretrained`` would, from the
-    files' headers alone: (tensor, file, what is wrong). Nothing for ``init: random``."""
+    files' headers alone: (tensor, file, what is wrong). For ``init: random``, only that the config is one
+    `AutoModelForCausalLM` builds (raises ValueError otherwise, as for a checkpoint)."""
     if spec.init == "random":
+        _config(spec)
         return []
     problems = checkpoint_problems(meta_hf_causal_lm(spec), Path(spec.path))
     return [(p.tensor, p.file, p.message) for p in problems]

@@ -12,9 +12,11 @@ def hf_module_names(path: Path) -> list[str]:
 
     The model is instantiated on the meta device, so a 70B config costs milliseconds and no memory.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    from jobs.models.hf_architecture import causal_lm_config
+
+    config = causal_lm_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     return [name for name, _ in model.named_modules() if name]

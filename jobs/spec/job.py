@@ -162,8 +162,15 @@ class TrainingSpec(Section):
     """How long and how to optimize. Give exactly one of ``steps`` and ``epochs``."""
 
     steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps")
-    epochs: int | None = Field(None, gt=0, le=1_000_000, description="passes over a finite dataset")
-    batch_size: int = Field(1, gt=0, le=MAX_BATCH)
+    epochs: int | None = Field(
+        None, gt=0, le=1_000_000, description="passes over a finite dataset; auto: chosen from the data at submit"
+    )
+    batch_size: int = Field(1, gt=0, le=MAX_BATCH, description="auto: the largest the data fills, chosen at submit")
+    auto: list[Literal["batch_size", "epochs"]] = Field(
+        [],
+        description="the fields given as auto, which jobs/data/auto_size.py chooses from the data before the job "
+        "runs (empty once chosen)",
+    )
     gradient_accumulation_steps: int = Field(1, gt=0, le=MAX_BATCH)
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     learning_rate: float = Field(1e-4, gt=0)
@@ -181,6 +188,19 @@ class TrainingSpec(Section):
     dpo: DPOSpec = DPOSpec()
     orpo: ORPOSpec = ORPOSpec()
     # The families' own fields follow (ModelFamily.training_fields), added below.
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_auto(cls, data: Any) -> Any:
+        """``batch_size: auto`` / ``epochs: auto``: a placeholder of 1, the field listed in ``auto`` until the data
+        is read (the fields stay ints for every rule and consumer; nothing trains on the placeholder)."""
+        if not isinstance(data, dict):
+            return data
+        given = [name for name in ("batch_size", "epochs") if data.get(name) == "auto"]
+        if not given:
+            return data
+        listed = data.get("auto") or []
+        return {**data, **dict.fromkeys(given, 1), "auto": [*listed, *(n for n in given if n not in listed)]}
 
     @model_validator(mode="after")
     def _check_steps_or_epochs(self) -> TrainingSpec:

@@ -18,6 +18,7 @@ from jobs.spec.job import HFTokenizerSpec, JobSpec, TextDataSpec
 
 log = logging.getLogger(__name__)
 ROWS_CHECKED = 20  # per data file
+ROWS_COUNTED_BYTES = 64 << 20  # data up to this size is read whole at submit to count its rows
 
 
 def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
@@ -31,14 +32,23 @@ def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
 
     problems = [SpecProblem(path, message) for path, message in missing_tracking_packages(spec.tracking)]
     if spec.data.kind == "text":
-        problems += _data_problems(spec)
-        problems += _chat_prompt_problems(spec)
+        data_problems = _data_problems(spec)
+        problems += data_problems + _chat_prompt_problems(spec)
+        if not data_problems:  # rows are counted from data whose first rows read
+            problems += _row_problems(spec)
+    elif spec.training.auto:
+        field = spec.training.auto[0]
+        problems.append(
+            SpecProblem(f"training.{field}", "auto is chosen from text data (data.kind: text); give a number")
+        )
     family = family_of(spec.model)
+    model_problems = []
     if family.checkpoint_problems is not None:
-        problems += _checkpoint_problems(spec, family.checkpoint_problems)
+        model_problems = _checkpoint_problems(spec, family.checkpoint_problems)
     read_names = family.module_names_from_files
-    if spec.lora is not None and read_names is not None:
-        problems += _lora_problems(spec, read_names)
+    if spec.lora is not None and read_names is not None and not model_problems:  # no model, no module names
+        model_problems = _lora_problems(spec, read_names)
+    problems += model_problems
     return problems
 
 
@@ -99,6 +109,47 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
         except Exception as error:  # datasets/pyarrow parse errors: name the file's problem, not a 500
             problems.append(SpecProblem(setting, f"cannot read {path}: {type(error).__name__}: {error}"))
     return problems
+
+
+def _row_problems(spec: JobSpec) -> list[SpecProblem]:
+    """A batch the data cannot fill, refused now with the count (the worker would fail on it in the queue);
+    ``auto`` fields are chosen from the same count, so only a data set that makes no row is refused for them.
+
+    Data larger than `ROWS_COUNTED_BYTES` is not counted here unless ``auto`` needs it: it makes far more rows
+    than any batch, and reading it all would hold up the submission."""
+    from jobs.data.auto_size import count_rows
+
+    data, training = spec.data, spec.training
+    assert isinstance(data, TextDataSpec)  # called for data.kind: text only
+    if spec.task != "train":
+        return []
+    if not training.auto and _source_bytes(spec) > ROWS_COUNTED_BYTES:
+        return []
+    try:
+        rows = count_rows(spec)
+    except ValueError as error:
+        return [SpecProblem("data.path", str(error))]
+    if "batch_size" in training.auto or rows.rows >= training.batch_size:
+        return []
+    fixes = [f"lower training.batch_size to {rows.rows} or less (or set it to auto)"] if rows.rows else []
+    if rows.layout in ("packed", "concatenated"):
+        fixes.append("lower data.seq_len")
+    fixes.append("add data")
+    return [
+        SpecProblem(
+            "training.batch_size",
+            f"the data makes {rows.described(data.seq_len)}, fewer than training.batch_size={training.batch_size}, "
+            f"so no batch can be filled; {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}",
+        )
+    ]
+
+
+def _source_bytes(spec: JobSpec) -> int:
+    data = spec.data
+    assert isinstance(data, TextDataSpec)
+    paths = [Path(path) for _, path, _ in data.sources()]
+    files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []) if f.is_file()]
+    return sum(f.stat().st_size for f in files)
 
 
 def _chat_prompt_problems(spec: JobSpec) -> list[SpecProblem]:

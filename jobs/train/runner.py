@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from jobs.data.auto_size import choose_auto
 from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import whole_optimizer_reason
 from jobs.errors import OutOfMemoryHint
@@ -112,6 +113,7 @@ def run_job(
     """
     output_dir, report = Path(output_dir), report or (lambda event: None)
     output_dir.mkdir(parents=True, exist_ok=True)
+    spec, chosen = choose_auto(spec)  # batch_size/epochs: auto, from the data (as the checker chose at submit)
     if spec.distributed.world_size > 1 and current_group() is None:  # the launcher; each rank runs this again
         from jobs.distributed.launch import run_ranks
 
@@ -131,6 +133,8 @@ def run_job(
     step = 0
     try:
         _warn_skipped_settings(spec, report)
+        for why in chosen:
+            report(LogEvent(level="info", message=why))
         if spec.task != "train":
             outcome = _run_task(spec, report, should_stop)
             report(FinishedEvent(status=outcome.status, step=outcome.step))

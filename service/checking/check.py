@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
+from jobs.data.auto_size import choose_auto
 from jobs.spec.preflight import preflight_problems
 from jobs.spec.text import ParsedSpec, parse_spec_text
 from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
@@ -96,6 +97,8 @@ def load_checked_spec(request: CheckRequest) -> tuple[JobSpec, ParsedSpec]:
     problems = preflight_problems(spec)
     if problems:
         raise spec_error([{**asdict(p), "line": p.line or parsed.line_of(p.path)} for p in problems])
+    if spec.training.auto:  # batch_size/epochs: auto, chosen from the data: the stored spec and the estimate
+        spec, _ = choose_auto(spec)  # the worker chooses the same from the same data and logs why
     return spec, parsed
 
 

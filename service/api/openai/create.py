@@ -6,8 +6,9 @@ What OpenAI's request names maps onto the spec; what it leaves to the server tak
   tokenizer read from the same directory;
 - ``training_file`` / ``validation_file``: uploaded files (``data.path`` / ``eval.path`` name them by id);
   a chat file trains ``data.format: chat``, a preference file ``data.format: preference``;
-- ``hyperparameters`` (or ``method.<type>.hyperparameters``): ``n_epochs`` → ``training.epochs`` (auto: 3),
-  ``batch_size`` → ``training.batch_size`` (auto: Ferry's 1), ``learning_rate_multiplier`` → ``training.learning_rate``
+- ``hyperparameters`` (or ``method.<type>.hyperparameters``): ``n_epochs`` → ``training.epochs`` and ``batch_size``
+  → ``training.batch_size`` (auto: ``auto``, which the checker chooses from the data by OpenAI's rules, see
+  jobs/data/auto_size.py, and the job's events say why), ``learning_rate_multiplier`` → ``training.learning_rate``
   as a multiple of Ferry's 1e-4 (auto: 1); DPO's ``beta`` → ``training.dpo.beta`` (auto: 0.1);
 - ``seed`` → ``training.seed`` (a random one when absent, shown on the job); ``suffix`` names the job;
 - LoRA on ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` at Ferry's rank, no offload, the fit check on;
@@ -28,7 +29,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from service.api.errors import ApiError
 
 BASE_LEARNING_RATE = 1e-4  # Ferry's training.learning_rate, which learning_rate_multiplier scales
-AUTO_EPOCHS = 3
 AUTO_BETA = 0.1
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # Llama, Qwen, Mistral and Gemma name them so
 FILE_ID = r"^file-[0-9a-f]{1,64}$"
@@ -55,8 +55,8 @@ def _strict_number(value: Any, info: ValidationInfo) -> Any:
 
 
 class Hyperparameters(_Body):
-    n_epochs: int | Auto | None = Field("auto", description="auto: 3")
-    batch_size: int | Auto | None = Field("auto", description="auto: Ferry's training.batch_size (1)")
+    n_epochs: int | Auto | None = Field("auto", description="auto: chosen from the data, as OpenAI's auto")
+    batch_size: int | Auto | None = Field("auto", description="auto: chosen from the data, as OpenAI's auto")
     learning_rate_multiplier: float | Auto | None = Field("auto", description="times Ferry's 1e-4; auto: 1")
 
     _numbers = field_validator("n_epochs", "batch_size", "learning_rate_multiplier", mode="before")(_strict_number)
@@ -128,9 +128,11 @@ def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: i
     """The Ferry spec for ``create`` (see the module docstring), ``ferry`` merged over it."""
     _refuse_unsupported(create, training_format)
     chosen = create.chosen_hyperparameters()
-    training: dict[str, Any] = {"epochs": _given(chosen.n_epochs, AUTO_EPOCHS), "seed": seed}
-    if isinstance(chosen.batch_size, int):
-        training["batch_size"] = chosen.batch_size
+    training: dict[str, Any] = {
+        "epochs": _given(chosen.n_epochs, "auto"),
+        "batch_size": _given(chosen.batch_size, "auto"),
+        "seed": seed,
+    }
     training["learning_rate"] = BASE_LEARNING_RATE * _given(chosen.learning_rate_multiplier, 1.0)
     if create.method_type == "dpo":
         beta = _given(getattr(chosen, "beta", None), AUTO_BETA)
@@ -153,7 +155,8 @@ def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: i
 
 
 def resolved_method(create: FineTuningCreate, spec: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``method`` with the values the job trains with (``auto`` resolved, ``ferry`` applied)."""
+    """OpenAI's ``method`` with the values the job trains with: ``spec`` is the checked spec (``auto`` chosen,
+    ``ferry`` applied)."""
     training = spec.get("training") or {}
     hyperparameters: dict[str, Any] = {
         "n_epochs": training.get("epochs", "auto"),

@@ -83,7 +83,7 @@ def create_fine_tuning_job(
             validation_file=create.validation_file,
             suffix=create.suffix,
             seed=seed,
-            method=resolved_method(create, spec),
+            method=resolved_method(create, checked.spec),
             metadata=create.metadata,
             created_at=job.created_at,
         )

@@ -150,7 +150,7 @@ def test_chat_sample_prompts_are_checked_at_submit(llm_roots: PathRoots) -> None
 
 def test_chat_sample_prompts_need_a_chat_template(llm_roots: PathRoots) -> None:
     plain = {"tokenizer": {"kind": "hf", "path": "tok-plain"}, "format": "text", "path": "chat.jsonl"}
-    write_jsonl(llm_roots.data_roots[0] / "chat.jsonl", [{"text": "the quick fox"}] * 4)
+    write_jsonl(llm_roots.data_roots[0] / "chat.jsonl", [{"text": "the quick fox"}] * 80)  # enough rows for a batch
     (found,) = problems(llm_roots, data=plain, text_samples={"prompts": [CONVERSATION]})
     assert found == SpecProblem(
         "text_samples.prompts",
@@ -201,3 +201,64 @@ def test_a_tool_call_the_template_cannot_render_is_refused_at_submit(llm_roots: 
     )
     qwen = (Path(__file__).parents[1] / "data" / "templates" / "qwen2_5.jinja").read_text()
     assert problems(llm_roots, data={"chat_template": qwen}) == []
+
+
+def test_a_batch_the_packed_data_cannot_fill_is_refused_with_the_count(llm_roots: PathRoots) -> None:
+    """8 short chats pack into fewer 512-token rows than a batch of 4: refused at submit, not in the queue."""
+    (found,) = problems(llm_roots, data={"seq_len": 512}, training={"steps": 6, "batch_size": 4})
+    assert found.path == "training.batch_size"
+    assert found.message == (
+        "the data makes 2 packed row(s) of data.seq_len=512 tokens from 8 example(s), fewer than "
+        "training.batch_size=4, so no batch can be filled; lower training.batch_size to 2 or less (or set it to "
+        "auto), lower data.seq_len or add data"
+    )
+    assert problems(llm_roots, data={"seq_len": 512}, training={"steps": 6, "batch_size": "auto"}) == []
+
+
+def test_batch_size_and_epochs_auto_are_chosen_from_the_rows(llm_roots: PathRoots) -> None:
+    from jobs.data.auto_size import choose_auto
+
+    text = yaml.safe_dump(
+        llm_spec(data={"seq_len": 64}, training={"steps": None, "epochs": "auto", "batch_size": "auto"})
+    )
+    spec = load_job_spec(text, llm_roots)
+    assert spec.training.auto == ["batch_size", "epochs"]
+    chosen, notes = choose_auto(spec)
+    assert (chosen.training.batch_size, chosen.training.epochs, chosen.training.auto) == (1, 12, [])
+    assert notes[0].startswith("batch_size auto -> 1 because 0.2% of 8 example(s), 1 to 256, is 1; the data makes ")
+    assert notes[1].startswith("epochs auto -> 12 because 8 example(s) x 12 epoch(s) is 96 examples seen")
+
+
+def test_auto_on_synthetic_data_asks_for_a_number() -> None:
+    text = (
+        "name: x\nmodel: {kind: toy_mlp}\ndata: {kind: synthetic_regression}\ntraining: {steps: 2, batch_size: auto}\n"
+    )
+    (found,) = preflight_problems(load_job_spec(text))
+    assert found.path == "training.batch_size" and "give a number" in found.message
+
+
+def test_init_random_on_an_architecture_automodelforcausallm_cannot_build_is_one_line(llm_roots: PathRoots) -> None:
+    """T5 is an encoder-decoder: refused at validate, in one line, not in the worker with transformers' 3 KB list."""
+    from transformers import T5Config
+
+    T5Config(d_model=8, num_layers=1, num_heads=1, d_ff=8, d_kv=8, vocab_size=320).save_pretrained(
+        llm_roots.model_roots[0] / "t5"
+    )
+    model = {"kind": "hf_causal_lm", "path": "t5", "dtype": "float32", "init": "random"}
+    (found,) = problems(llm_roots, model=model)
+    assert found.path == "model.path"
+    assert found.message == (
+        "t5/config.json: model_type 't5' is not a causal LM that AutoModelForCausalLM "
+        "builds; point model.path at a decoder-only causal LM's directory (model_type e.g. llama, qwen2, mistral, "
+        "gemma, phi3)"
+    )
+
+
+def test_an_unknown_architecture_is_one_line(llm_roots: PathRoots) -> None:
+    (llm_roots.model_roots[0] / "ferret").mkdir()
+    (llm_roots.model_roots[0] / "ferret" / "config.json").write_text('{"model_type": "ferret", "hidden_size": 8}')
+    for init in ("random", "checkpoint"):
+        model = {"kind": "hf_causal_lm", "path": "ferret", "dtype": "float32", "init": init}
+        (found,) = problems(llm_roots, model=model)
+        assert found.path == "model.path" and "\n" not in found.message and len(found.message) < 300
+        assert found.message.startswith("ferret/config.json: model_type 'ferret' is not an architecture this")

@@ -151,3 +151,18 @@ def test_dpo_job_on_preference_pairs(ferry: openai.OpenAI) -> None:
     spec = ferry.get(f"/jobs/{job.id}", cast_to=dict)["spec"]  # type: ignore[type-var]
     assert spec["training"]["objective"] == "dpo" and spec["training"]["dpo"]["beta"] == 0.2
     assert spec["data"]["format"] == "preference"
+
+
+def test_twelve_chats_with_no_hyperparameters_succeed(ferry: openai.OpenAI) -> None:
+    """OpenAI's minimum (10 examples, here 12) and no hyperparameters: ``auto`` picks a batch and epochs the
+    packed data fills, and the job's events say what was chosen."""
+    upload = ferry.files.create(file=("train.jsonl", jsonl([chat_record(i) for i in range(12)])), purpose="fine-tune")
+    settings = {"device": "cpu", "model": {"dtype": "float32"}, "lora": {"rank": 4}}  # no data.seq_len, no batch
+    job = ferry.fine_tuning.jobs.create(model="llama", training_file=upload.id, extra_body={"ferry": settings})
+    events = follow(ferry, job.id, "succeeded")
+    chosen = [e.message for e in events if "auto ->" in e.message]
+    assert any(m.startswith("batch_size auto -> 1 because") for m in chosen), chosen
+    assert any(m.startswith("epochs auto -> 8 because") for m in chosen), chosen
+    done = ferry.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded"
+    assert done.hyperparameters.model_dump() == {"n_epochs": 8, "batch_size": 1, "learning_rate_multiplier": 1.0}
