@@ -33,7 +33,8 @@ _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 @dataclass(frozen=True)
 class Record:
-    """One row and where it came from, so a problem can name the file and the 1-based row."""
+    """One row and where it came from, so a problem can name the file and the 1-based row (in a JSONL file
+    its line, blank lines counted, as an editor and the upload check number it)."""
 
     file: str
     row: int
@@ -101,7 +102,7 @@ def _jsonl_records(file: Path, limit: int | None) -> Iterator[Record]:
         for number, fields in itertools.islice(rows, limit):
             yield Record(str(file), number, fields)
     except JsonlError as error:
-        raise ValueError(f"{file} {error}") from None
+        raise ValueError(f"cannot read {file}: {error}") from None
     finally:
         rows.close()  # closes the file at once when the caller stops early
 
