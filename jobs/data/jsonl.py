@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ class _DuplicateKey(ValueError):
         self.key = key
 
 
-def read_jsonl(path: Path, *, max_line_bytes: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_jsonl(path: Path, *, max_line_bytes: int | None = None) -> Generator[tuple[int, dict[str, Any]], None, None]:
     """``(line number, row)`` for every non-blank line of ``path``, in order.
 
     Args:

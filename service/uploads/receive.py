@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,10 +105,8 @@ class UploadWriter:
         return Received(path=path, size=self.size, sha256=self._hash.hexdigest())
 
     def discard(self) -> None:
-        try:
+        with suppress(OSError):
             self._file.close()  # flushes what is buffered: on a full disk that fails too
-        except OSError:
-            pass
         self._temporary.unlink(missing_ok=True)
 
     @contextmanager

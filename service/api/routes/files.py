@@ -17,8 +17,8 @@ from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from service.api.deps import FilesDep, SettingsDep
 from jobs.fit.sizes import human_bytes
+from service.api.deps import FilesDep, SettingsDep
 from service.api.errors import ApiError
 from service.api.openai.shapes import FileDeleted, FilePublic, FilesPublic
 from service.api.routes.checkpoints import DownloadResponse
@@ -185,9 +185,7 @@ def _checked_purpose(purpose: str | None) -> str:
     return purpose
 
 
-def _keep(
-    files: FileStore, file_id: str, filename: str, purpose: str, received: Any, settings: Settings
-) -> FilePublic:
+def _keep(files: FileStore, file_id: str, filename: str, purpose: str, received: Any, settings: Settings) -> FilePublic:
     """Check a fine-tuning file's rows (422 naming the first bad one), then record the file."""
     checked = None
     if purpose == "fine-tune":

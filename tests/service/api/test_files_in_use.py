@@ -131,11 +131,11 @@ def test_creates_racing_deletes_never_leave_a_job_without_its_file(tmp_path: Pat
             start = threading.Barrier(2)
             answers: dict[str, Any] = {}
 
-            def create(file_id: str = file_id) -> None:
+            def create(file_id: str = file_id, start: Any = start, answers: dict = answers) -> None:
                 start.wait()
                 answers["create"] = submit(client, file_id)
 
-            def delete(file_id: str = file_id) -> None:
+            def delete(file_id: str = file_id, start: Any = start, answers: dict = answers) -> None:
                 start.wait()
                 answers["delete"] = client.delete(f"/v1/files/{file_id}")
 

@@ -187,7 +187,7 @@ def test_downloads_racing_a_delete_are_whole_or_404(client: TestClient) -> None:
         answers: list[tuple[int, bytes]] = []
         start = threading.Barrier(5)
 
-        def download(file_id: str = file_id) -> None:
+        def download(file_id: str = file_id, start: Any = start, answers: list = answers) -> None:
             start.wait()
             for _ in range(5):
                 answer = client.get(f"/v1/files/{file_id}/content")
