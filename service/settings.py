@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_048_576, ge=1024)
     # POST /v1/files streams an upload to disk (<storage_dir>/uploads) up to this many bytes, past max_body_bytes.
     max_upload_bytes: int = Field(512 << 20, ge=1024)
+    # A fine-tuning upload's rows are checked one line at a time, each read up to this many bytes: the check's
+    # memory follows this limit, not the file's size. A longer line (a .json array on one line) gets a 422.
+    max_upload_line_bytes: int = Field(4 << 20, ge=1024)
     max_yaml_depth: int = Field(32, ge=2)
     max_yaml_nodes: int = Field(20_000, ge=10)  # after alias expansion
     max_queued_jobs: int = Field(100, ge=1)
@@ -151,6 +154,13 @@ class Settings(BaseSettings):
         """Where ``POST /v1/files`` keeps uploads (``file-<id>/<name>``); always a data root, so that a spec names
         an upload by its id (``data: {path: file-<id>}``)."""
         return self.storage_dir / "uploads"
+
+    @property
+    def incoming_uploads_dir(self) -> Path:
+        """Where uploads are written until they are complete: beside ``uploads_dir``, on its disk (a complete one
+        is renamed into place), but outside every data root, so that no spec can name a partial upload.
+        Emptied at start-up (a server killed mid-upload leaves its file here)."""
+        return self.storage_dir / "uploads-incoming"
 
     @property
     def effective_model_roots(self) -> list[Path]:

@@ -1,4 +1,5 @@
-"""Reading data records through ``datasets``: JSONL, JSON, CSV, Parquet, text files, a ``save_to_disk`` dir.
+"""Reading data records: JSONL line by line (jobs/data/jsonl.py); JSON, CSV, Parquet, text files and a
+``save_to_disk`` dir through ``datasets``.
 
 Records are read as streams (``streaming=True``): nothing is cached on disk, rows of mixed shapes reach
 the format check (which names the row) instead of failing Arrow's schema inference, and reading the
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs.data.jsonl import JsonlError, read_jsonl
 from jobs.paths import data_files as safe_data_files
 
 # suffix -> (file_type, datasets builder)
@@ -31,7 +33,8 @@ _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 @dataclass(frozen=True)
 class Record:
-    """One row and where it came from, so a problem can name the file and the 1-based row."""
+    """One row and where it came from, so a problem can name the file and the 1-based row (in a JSONL file
+    its line, blank lines counted, as an editor and the upload check number it)."""
 
     file: str
     row: int
@@ -74,6 +77,9 @@ def iter_records(path: Path, file_type: str = "auto", *, limit_per_file: int | N
     A text file (``txt``) is one record ``{"text": <the whole file>}``, as plain-text corpora are read.
     """
     for file, kind in data_files(path, file_type):
+        if kind == "jsonl":
+            yield from _jsonl_records(file, limit_per_file)
+            continue
         rows = _rows(file, kind)
         if limit_per_file is not None:
             rows = itertools.islice(rows, limit_per_file)
@@ -86,6 +92,19 @@ def iter_records(path: Path, file_type: str = "auto", *, limit_per_file: int | N
                 f"cannot read {file} as {kind} after row {number}: {type(error).__name__}: {error}; "
                 "check the file or set data.file_type"
             ) from None
+
+
+def _jsonl_records(file: Path, limit: int | None) -> Iterator[Record]:
+    """JSON Lines through the reader the upload check uses (jobs/data/jsonl.py), not ``datasets``: its JSON
+    reader splits a row with a key twice into other rows, which the job then trained on. ``row`` is the line."""
+    rows = read_jsonl(file)
+    try:
+        for number, fields in itertools.islice(rows, limit):
+            yield Record(str(file), number, fields)
+    except JsonlError as error:
+        raise ValueError(f"cannot read {file}: {error}") from None
+    finally:
+        rows.close()  # closes the file at once when the caller stops early
 
 
 def _rows(file: Path, kind: str) -> Iterator[dict[str, Any]]:

@@ -24,6 +24,7 @@ from service.queue.files import FileStore
 from service.queue.fine_tuning import FineTuningStore
 from service.queue.store import JobStore
 from service.settings import Settings
+from service.uploads.receive import clean_incoming
 from service.workers.devices import GpuMonitor, Slot, plan_slots, query_gpus, threads_for
 from service.workers.executor import Executor, LocalProcessExecutor
 from service.workers.scheduler import Scheduler
@@ -54,6 +55,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         make_private(settings.data_dir, settings.storage_dir)
         lock = DataDirLock.acquire(settings.data_dir)  # a second server on this directory stops here
+        clean_incoming(settings.uploads_dir, settings.incoming_uploads_dir)  # partial uploads of a killed server
         checker = spec_checker or SpecCheckerProcess(
             timeout_s=settings.spec_check_timeout_s, memory_bytes=settings.spec_check_memory_bytes
         )

@@ -4,18 +4,23 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from service.api.errors import ApiError, database_busy
 from service.checking.messages import CheckedSpec
 from service.queue.db import is_locked, retry_locked
 from service.queue.disk import refuse_if_disk_low
 from service.queue.records import JobRecord
-from service.queue.store import JobStore, QueueFull
+from service.queue.store import JobStore, QueueFull, UploadsGone
 from service.settings import Settings
 
 RETRY_AFTER_S = 10  # a full queue: about when a job may have started and freed a place
+_UPLOAD_ID = re.compile(r"file-[0-9a-f]{1,64}")
 
 
 def queue_checked_spec(
@@ -34,8 +39,8 @@ def queue_checked_spec(
 
     Raises:
         ApiError: 507 when the data directory's disk is low, the checker's refusal (no GPU worker, does not
-            fit), 429 when the queue is full, or 503 (Retry-After) when another connection holds the database's
-            lock through every retry.
+            fit), 429 when the queue is full, 409 when an upload the spec names was deleted meanwhile, or 503
+            (Retry-After) when another connection holds the database's lock through every retry.
         IdempotencyConflict: the key was used with another request; each API answers it in its own words.
     """
     refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
@@ -52,12 +57,15 @@ def queue_checked_spec(
                 idempotency_key=idempotency_key,
                 request_sha256=hashlib.sha256(body).hexdigest(),
                 max_queued=settings.max_queued_jobs,
+                uploads=uploads_named(checked.spec, settings.uploads_dir),
             )
         )
     except sqlite3.OperationalError as error:
         if is_locked(error):
             raise database_busy() from None
         raise
+    except UploadsGone as gone:
+        raise ApiError(409, "file_deleted", str(gone)) from None
     except QueueFull:
         raise ApiError(
             429,
@@ -66,3 +74,27 @@ def queue_checked_spec(
             "(FERRY_MAX_QUEUED_JOBS); wait for some to start or cancel queued ones.",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None
+
+
+def uploads_named(spec: dict[str, Any], uploads_dir: Path) -> set[str]:
+    """The ids of the uploaded files a resolved spec names: every path under the uploads directory (the checker
+    resolved each data path, so an upload named by its id reads ``<uploads>/file-<hex>``)."""
+    prefix = f"{uploads_dir.resolve()}/"
+    named = set()
+    for text in _strings(spec):
+        if text.startswith(prefix):
+            first = text[len(prefix) :].split("/", 1)[0]
+            if _UPLOAD_ID.fullmatch(first):
+                named.add(first)
+    return named
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from service.queue.db import Database
 from service.queue.status import JobStatus
+from service.queue.store import storable
 
 # A job in one of these will read its data again (a paused or interrupted one when it resumes).
 USING_STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED, JobStatus.INTERRUPTED)
@@ -113,8 +114,14 @@ class FileStore:
 
     def delete(self, file_id: str, *, directory: Path) -> FileRecord:
         """Forget the file unless a job that has not finished names ``directory`` (its resolved place) in its
-        resolved spec; raises ``FileInUse`` then. The caller removes the bytes."""
-        quoted = json.dumps(str(directory))  # as the spec's JSON holds the path: the file itself, or inside it
+        resolved spec; raises ``FileInUse`` then. The caller removes the bytes.
+
+        A job being created at the same time cannot slip past: ``JobStore.create_job`` checks, in its own
+        write transaction, that the uploads its spec names are still recorded; the two transactions are
+        serialised, so the job is refused or this delete sees it."""
+        # As the stored spec's JSON holds the path (json.dumps without ASCII escapes, then storable): the file
+        # itself, or inside it. Escaped, a data directory named in other than ASCII never matched.
+        quoted = storable(json.dumps(str(directory), ensure_ascii=False))
         statuses = [s.value for s in USING_STATUSES]
         with self.db.transaction() as conn:
             record = self._get(conn, file_id)

@@ -50,6 +50,17 @@ class QueueFull(Exception):
     """The queue already holds ``max_queued_jobs``."""
 
 
+class UploadsGone(Exception):
+    """Uploaded files the spec names were deleted before the job could be stored."""
+
+    def __init__(self, file_ids: list[str]) -> None:
+        super().__init__(
+            f"{', '.join(file_ids)} {'was' if len(file_ids) == 1 else 'were'} deleted while the job was being "
+            "submitted; upload the data again and submit with its new id."
+        )
+        self.file_ids = file_ids
+
+
 class IdempotencyConflict(Exception):
     """An ``Idempotency-Key`` reused with a different request body."""
 
@@ -84,9 +95,16 @@ class JobStore:
         idempotency_key: str | None = None,
         request_sha256: str | None = None,
         max_queued: int | None = None,
+        uploads: Iterable[str] = (),
     ) -> tuple[JobRecord, bool]:
-        """Queue a new job; returns ``(job, created)``. A repeated idempotency key returns the first job."""
+        """Queue a new job; returns ``(job, created)``. A repeated idempotency key returns the first job.
+
+        ``uploads``: the ids of the uploaded files the spec names. Each must still be recorded, checked in this
+        write transaction (``UploadsGone`` if not): a delete of one (``FileStore.delete``) is serialised with
+        it, so either the job is refused here or the delete sees the job and refuses.
+        """
         now = time.time()
+        needed = sorted(set(uploads))
         with self.db.transaction() as conn:
             if idempotency_key is not None:
                 existing = conn.execute("SELECT * FROM jobs WHERE idempotency_key = ?", (idempotency_key,)).fetchone()
@@ -96,6 +114,11 @@ class JobStore:
                     return JobRecord.from_row(existing), False
             if max_queued is not None and self._count(conn, JobStatus.QUEUED) >= max_queued:
                 raise QueueFull(max_queued)
+            if needed:
+                placeholders = ",".join("?" * len(needed))
+                kept = {r["id"] for r in conn.execute(f"SELECT id FROM files WHERE id IN ({placeholders})", needed)}
+                if missing := [file_id for file_id in needed if file_id not in kept]:
+                    raise UploadsGone(missing)
             conn.execute(
                 "INSERT INTO jobs (id, name, status, spec_text, spec_json, total_steps, idempotency_key,"
                 " request_sha256, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

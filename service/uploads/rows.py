@@ -1,8 +1,10 @@
 """The row check of a fine-tuning upload: every JSONL row a chat conversation, or every row a preference pair.
 
-It runs in the API process, so it reads JSON and nothing else (no tokenizer, no torch); the rules are those the
-job's own data check applies at submit (``jobs/data/formats/chat.py``, ``jobs/data/formats/preference.py``), so a file accepted
-here is not refused there for its layout. What needs the tokenizer (the chat template) is checked at job creation.
+It runs in the API process, so it reads JSON and nothing else (no tokenizer, no torch). The lines are read by the
+job's own JSONL reader (``jobs/data/jsonl.py``: one parse, one refusal of a duplicate key or a row nested too deep)
+and checked by the rules the job's data check applies at submit (``jobs/data/formats/chat.py``,
+``jobs/data/formats/preference.py``), so a file accepted here is not refused there for its layout. What needs the
+tokenizer (the chat template) is checked at job creation.
 
 Example:
     checked = check_fine_tuning_rows(Path("train.jsonl"))   # FileRows(format="chat", rows=120)
@@ -10,18 +12,20 @@ Example:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from jobs.data.formats.chat import check_messages
 from jobs.data.formats.examples import RecordError
+from jobs.data.jsonl import JsonlError, LineTooLong, read_jsonl
+from jobs.fit.sizes import human_bytes
 
 OPENAI_PAIR = ("input", "preferred_output", "non_preferred_output")  # OpenAI's DPO layout
 TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
 
 Format = Literal["chat", "preference"]
+DEFAULT_MAX_LINE_BYTES = 4 << 20  # Settings.max_upload_line_bytes (FERRY_MAX_UPLOAD_LINE_BYTES)
 
 
 class RowProblem(ValueError):
@@ -41,19 +45,20 @@ class FileRows:
     rows: int
 
 
-def check_fine_tuning_rows(path: Path) -> FileRows:
+def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> FileRows:
     """Check every row of the JSONL file at ``path``; the first bad one raises.
+
+    Read line by line through the job's own JSONL reader (jobs/data/jsonl.py), never more than
+    ``max_line_bytes`` of a line at once, so the check's memory stays near that limit whatever the file's size.
 
     Raises:
         RowProblem: naming the row (its line) and the field, e.g. ``row 3: field 'messages[1].role': ...``.
     """
     layout: Format | None = None
     count = 0
-    with path.open("rb") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            record = _parse(line, number)
+    rows = read_jsonl(path, max_line_bytes=max_line_bytes)
+    try:
+        for number, record in rows:
             kind = _layout(record, number)
             if layout is not None and kind != layout:
                 raise RowProblem(number, "", f"is a {kind} row in a file whose first row is a {layout} row")
@@ -63,6 +68,12 @@ def check_fine_tuning_rows(path: Path) -> FileRows:
             except _FieldError as error:
                 raise RowProblem(number, error.field, error.message) from None
             count += 1
+    except LineTooLong as long:
+        raise RowProblem(long.line, "", _too_long(long.limit)) from None
+    except JsonlError as error:
+        raise RowProblem(error.line, "", error.message) from None
+    finally:
+        rows.close()
     if layout is None:
         raise RowProblem(1, "", "the file holds no rows; upload one JSON object per line")
     return FileRows(layout, count)
@@ -74,14 +85,12 @@ class _FieldError(ValueError):
         self.field, self.message = field, message
 
 
-def _parse(line: bytes, number: int) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is a ValueError
-        raise RowProblem(number, "", f"is not valid JSON ({error}); upload JSON Lines, one object per line") from None
-    if not isinstance(record, dict):
-        raise RowProblem(number, "", f"must be a JSON object; got {type(record).__name__}")
-    return record
+def _too_long(limit: int) -> str:
+    return (
+        f"is longer than {human_bytes(limit)} (FERRY_MAX_UPLOAD_LINE_BYTES); a fine-tuning file is JSON Lines, "
+        "one row per line. A .json array converts with: jq -c '.[]' train.json > train.jsonl; "
+        "for rows this long, raise FERRY_MAX_UPLOAD_LINE_BYTES"
+    )
 
 
 def _layout(record: dict[str, Any], number: int) -> Format:

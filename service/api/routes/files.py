@@ -8,21 +8,26 @@ bad row and field. A spec names an upload by its id: ``data: {path: file-<hex>}`
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Any
+import sqlite3
+from pathlib import Path
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from jobs.fit.sizes import human_bytes
 from service.api.deps import FilesDep, SettingsDep
 from service.api.errors import ApiError
 from service.api.openai.shapes import FileDeleted, FilePublic, FilesPublic
+from service.api.routes.checkpoints import DownloadResponse
 from service.api.schemas import ErrorBody
-from service.queue.disk import refuse_if_disk_low
+from service.queue.disk import free_bytes, refuse_if_disk_low
 from service.queue.files import FileInUse, FileNotFound, FileRecord, FileStore
 from service.queue.store import storable
-from service.uploads.receive import UploadTooLarge, UploadWriter, remove_upload, safe_name
+from service.settings import Settings
+from service.uploads.receive import UploadNoSpace, UploadTooLarge, UploadWriter, remove_upload, safe_name
 from service.uploads.rows import RowProblem, check_fine_tuning_rows
 
 router = APIRouter(prefix="/files", tags=["files"])
@@ -66,7 +71,10 @@ async def create_file(
     """Upload a file: multipart with fields ``file`` and ``purpose`` (what ``client.files.create`` sends), or the
     raw bytes as the body with ``?filename=...&purpose=...``."""
     refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
-    writer = UploadWriter(settings.uploads_dir, limit=settings.max_upload_bytes)
+    try:
+        writer = UploadWriter(settings.uploads_dir, settings.incoming_uploads_dir, limit=settings.max_upload_bytes)
+    except OSError as error:  # not even an empty file fits
+        raise _no_space(settings, 0) from error
     try:
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             filename, purpose = await _receive_form(request, writer)
@@ -84,14 +92,27 @@ async def create_file(
             f"The file is larger than {settings.max_upload_bytes} bytes; "
             "send a smaller file or raise FERRY_MAX_UPLOAD_BYTES.",
         ) from None
+    except UploadNoSpace as full:
+        writer.discard()
+        raise _no_space(settings, full.size) from None
     except BaseException:
         writer.discard()
         raise
     file_id = f"file-{secrets.token_hex(12)}"
     name = safe_name(filename, suffix=".jsonl" if purpose == "fine-tune" else None)
-    received = await run_in_threadpool(writer.commit, file_id, name)
     try:
-        return await run_in_threadpool(_keep, files, file_id, filename or name, purpose, received)
+        received = await run_in_threadpool(writer.commit, file_id, name)
+    except UploadNoSpace as full:
+        writer.discard()
+        remove_upload(settings.uploads_dir, file_id)
+        raise _no_space(settings, full.size) from None
+    try:
+        return await run_in_threadpool(_keep, files, file_id, filename or name, purpose, received, settings)
+    except sqlite3.OperationalError as error:
+        remove_upload(settings.uploads_dir, file_id)
+        if "full" not in str(error):
+            raise
+        raise _no_space(settings, received.size) from None
     except BaseException:
         remove_upload(settings.uploads_dir, file_id)
         raise
@@ -124,11 +145,14 @@ def read_file(file_id: str, files: FilesDep) -> FilePublic:
     responses={200: {"content": {"application/octet-stream": {}}}, **_ERRORS},
 )
 def download_file(file_id: str, files: FilesDep, settings: SettingsDep) -> FileResponse:
-    """The file's bytes as uploaded (``X-Checksum-SHA256`` is their SHA-256)."""
+    """The file's bytes as uploaded (``X-Checksum-SHA256`` is their SHA-256); ``Range: bytes=...`` gives 206.
+
+    The file is opened before any header is sent and streamed from that handle: one deleted in between is a
+    404, one deleted while it streams still arrives whole (the open handle keeps its bytes)."""
     record = _found(files, file_id)
+    handle = _open(settings.uploads_dir / record.path, file_id)
     headers = {"X-Checksum-SHA256": record.sha256, "Cache-Control": "private, no-store"}
-    path = settings.uploads_dir / record.path
-    return FileResponse(path, filename=record.filename, headers=headers, media_type="application/octet-stream")
+    return DownloadResponse(handle, filename=record.filename, headers=headers, media_type="application/octet-stream")
 
 
 @router.delete("/{file_id}", responses={**_ERRORS, 409: {"model": ErrorBody}})
@@ -161,12 +185,12 @@ def _checked_purpose(purpose: str | None) -> str:
     return purpose
 
 
-def _keep(files: FileStore, file_id: str, filename: str, purpose: str, received: Any) -> FilePublic:
+def _keep(files: FileStore, file_id: str, filename: str, purpose: str, received: Any, settings: Settings) -> FilePublic:
     """Check a fine-tuning file's rows (422 naming the first bad one), then record the file."""
     checked = None
     if purpose == "fine-tune":
         try:
-            checked = check_fine_tuning_rows(received.path)
+            checked = check_fine_tuning_rows(received.path, max_line_bytes=settings.max_upload_line_bytes)
         except RowProblem as problem:
             raise ApiError(
                 422,
@@ -185,6 +209,35 @@ def _keep(files: FileStore, file_id: str, filename: str, purpose: str, received:
         rows=checked.rows if checked else None,
     )
     return FilePublic.from_record(record)
+
+
+def _open(path: Path, file_id: str) -> BinaryIO:
+    """The upload's bytes, opened before any header is sent; gone (deleted meanwhile, or removed from the disk
+    by hand) is a 404."""
+    try:
+        return path.open("rb")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise ApiError(
+            404,
+            "not_found",
+            f"File {file_id} is listed but its bytes are no longer on disk (deleted, or removed from "
+            f"{path.parent}); upload it again.",
+        ) from None
+
+
+def _no_space(settings: Settings, received: int) -> ApiError:
+    """507: the disk holding the uploads filled up; says how much is free and what to do."""
+    directory = settings.uploads_dir
+    try:
+        free = human_bytes(free_bytes(directory))
+    except OSError:
+        free = "an unknown amount"
+    return ApiError(
+        507,
+        "insufficient_storage",
+        f"The disk holding {directory.resolve()} ran out of space after {human_bytes(received)} of the upload; "
+        f"it has {free} free. Free space on that disk (delete files or finished jobs) and upload again.",
+    )
 
 
 def _found(files: FileStore, file_id: str) -> FileRecord:

@@ -23,7 +23,7 @@ def test_reads_jsonl_and_text(tmp_path: Path) -> None:
     assert [r.fields["text"] for r in iter_records(tmp_path)] == ["one", "two", "three"]
     assert [(Path(r.file).name, r.row) for r in iter_records(tmp_path)] == [
         ("a.jsonl", 1),
-        ("a.jsonl", 2),
+        ("a.jsonl", 3),  # a JSONL row is named by its line, as the upload check names it
         ("b.txt", 1),
     ]
 
