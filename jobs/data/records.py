@@ -8,6 +8,7 @@ first rows at submit time costs only those rows.
 
 from __future__ import annotations
 
+import glob
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -120,5 +121,8 @@ def _rows(file: Path, kind: str) -> Iterator[dict[str, Any]]:
         yield from loaded
         return
     options: dict[str, Any] = {"sample_by": "document"} if kind == "txt" else {}
-    stream = datasets.load_dataset(_BUILDERS[kind], data_files=[str(file)], split="train", streaming=True, **options)
+    # `datasets` reads data_files as glob patterns: a `[` in a path is escaped, or the file matches nothing.
+    stream = datasets.load_dataset(
+        _BUILDERS[kind], data_files=[glob.escape(str(file))], split="train", streaming=True, **options
+    )
     yield from stream

@@ -16,6 +16,16 @@ from jobs.data.tokenizers import ByteTokenizer, HFTokenizer
 from jobs.spec.job import TextDataSpec
 
 
+@pytest.mark.parametrize("name", ["run[1]", "a*b?"])
+def test_reads_files_whose_path_holds_glob_characters(tmp_path: Path, name: str) -> None:
+    # `datasets` takes data_files as glob patterns: unescaped, `run[1]/x.csv` matched no file and read no rows.
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "x[a].csv").write_text("text\none\ntwo\n")
+    (directory / "y.txt").write_text("three")
+    assert [r.fields["text"] for r in iter_records(directory)] == ["one", "two", "three"]
+
+
 def test_reads_jsonl_and_text(tmp_path: Path) -> None:
     (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
     (tmp_path / "b.txt").write_text("three")
