@@ -28,6 +28,7 @@ from jobs.spec.values import (
     foreign_key_hint,
     list_items,
 )
+from jobs.spec.wording import ferry_message
 
 Loc = tuple[str | int, ...]
 
@@ -139,8 +140,7 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
             rule = PATTERN_RULES[error["ctx"]["pattern"]]
             problems.append(SpecProblem(".".join(path), f"{rule}; got {error['input']!r}", line_in(path, lines)))
         else:
-            message = error["msg"].removeprefix("Value error, ")
-            problems.append(SpecProblem(".".join(path), message, line_in(path, lines)))
+            problems.append(SpecProblem(".".join(path), ferry_message(error), line_in(path, lines)))
     return problems
 
 

@@ -13,7 +13,7 @@ from tests.service.checking.test_yaml_guard import BOMB
 from tests.service.conftest import TOKEN, Server, spec_yaml
 
 UNKNOWN_KEY_HINT = (
-    "unknown key (valid keys: steps, epochs, batch_size, gradient_accumulation_steps, optimizer, "
+    "unknown key (valid keys: steps, epochs, batch_size, auto, gradient_accumulation_steps, optimizer, "
     "learning_rate, weight_decay, scheduler, max_grad_norm, seed, mixed_precision, "
     "gradient_checkpointing, objective, dpo, orpo, timestep_range, timestep_weighting, guidance)"
 )
@@ -71,10 +71,7 @@ class TestRejectedSpecs:
     def test_wrong_type(self, client: httpx.Client) -> None:
         assert spec_error(post_spec(client, spec_yaml().replace("steps: 40", "steps: forty")))[:2] == (
             422,
-            (
-                "The job spec has 1 problem: training.steps (line 4): Input should be a valid integer, unable to "
-                "parse string as an integer"
-            ),
+            ("The job spec has 1 problem: training.steps (line 4): must be a whole number; got 'forty'"),
         )
 
     def test_every_problem_is_reported_at_once(self, client: httpx.Client) -> None:

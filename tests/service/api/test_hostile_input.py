@@ -93,8 +93,8 @@ class TestBodies:
     @pytest.mark.parametrize(
         ("key", "value", "message"),
         [
-            ("learning_rate", ".inf", "Input should be a finite number"),
-            ("learning_rate", "1e400", "Input should be a finite number"),
+            ("learning_rate", ".inf", "must be a finite number; got inf"),
+            ("learning_rate", "1e400", "must be a finite number; got 1e400"),
             ("steps", "true", "must be a number, not true"),
             ("steps", BIG, "must be within ±(2**63 - 1), what the store holds; got a 64-bit number"),
         ],
