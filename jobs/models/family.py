@@ -44,9 +44,10 @@ class ModelFamily(Generic[JobT]):
             for backward at the peak of one micro-batch (the fit check's only per-family formula).
         lora_target_names: ``names(model_spec) -> list[str] | None``: the Linear modules LoRA may
             target, checked at submit time; None when they are known only once the model is loaded.
-        module_names_from_files: ``names(model_spec) -> list[str]``: every module name, read from the
-            model's files (a ``config.json``) at submit time by jobs/spec/preflight.py, for families whose
-            ``lora_target_names`` is None; LoRA targets matching none of them are refused before queueing.
+        module_names_from_files: ``names(model_spec) -> {name: LoRA can wrap it}``: every module name, read
+            from the model's files (a ``config.json``) at submit time by jobs/spec/preflight.py, for families
+            whose ``lora_target_names`` is None; LoRA targets matching none of them, or matching a module LoRA
+            cannot wrap (a container, a layer index), are refused before queueing.
         peft_task_type: peft's ``task_type`` for LoRA (``"CAUSAL_LM"`` lets peft's Auto classes load it).
         enable_gradient_checkpointing: Turns activation checkpointing on for a built model; None when
             the family does not support it (``training.gradient_checkpointing: true`` is then refused).
@@ -96,7 +97,7 @@ class ModelFamily(Generic[JobT]):
     meta_model: Callable[[Any], nn.Module]
     activation_bytes: Callable[[JobT, nn.Module], int]
     lora_target_names: Callable[[Any], list[str] | None]
-    module_names_from_files: Callable[[Any], list[str]] | None = None
+    module_names_from_files: Callable[[Any], Mapping[str, bool]] | None = None
     peft_task_type: str | None = None
     enable_gradient_checkpointing: Callable[[nn.Module], None] | None = None
     weights_format: WeightsFormat = TRAINABLE_SAFETENSORS

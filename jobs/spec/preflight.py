@@ -8,11 +8,12 @@ naming the file, row and field) instead of failing minutes into a worker.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from jobs.errors import SpecProblem
+from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
 from jobs.spec.job import HFTokenizerSpec, JobSpec, TextDataSpec
 
@@ -189,24 +190,47 @@ def _chat_prompt_problems(spec: JobSpec) -> list[SpecProblem]:
     return []
 
 
-def _lora_problems(spec: JobSpec, read_names: Callable[[Any], list[str]]) -> list[SpecProblem]:
-    from jobs.models.names import lora_target_matches
-
+def _lora_problems(spec: JobSpec, read_names: Callable[[Any], Mapping[str, bool]]) -> list[SpecProblem]:
+    """LoRA targets against the model's module names: one that matches no module, or (target_modules) one that
+    matches a module LoRA cannot wrap (``mlp``, a layer index ``1``), which peft would refuse in the worker."""
     try:
         names = read_names(spec.model)
     except Exception as error:  # a broken config.json: report it rather than skip the check silently
         return [SpecProblem("model.path", f"cannot read the model's config: {type(error).__name__}: {error}")]
-    problems = []
     lora = spec.lora
     assert lora is not None  # called with a lora section only
-    for setting, targets in (
-        ("lora.target_modules", lora.target_modules),
-        ("lora.modules_to_save", lora.modules_to_save),
+    wrappable = [name for name, can_wrap in names.items() if can_wrap]
+    model = spec.model.path.name
+    problems = []
+    for setting, targets, candidates in (
+        ("lora.target_modules", lora.target_modules, wrappable),
+        ("lora.modules_to_save", lora.modules_to_save, list(names)),
     ):
         missing = [t for t in targets if not any(lora_target_matches(name, t) for name in names)]
         if missing:
-            examples = ", ".join(sorted({name.split(".")[-1] for name in names if name})[:16])
             problems.append(
-                SpecProblem(setting, f"{missing} match no module of {spec.model.path.name} (names end in: {examples})")
+                SpecProblem(setting, f"{missing} match no module of {model} (names end in: {_endings(candidates)})")
+            )
+    for target in lora.target_modules:
+        unwrappable = [n for n, can_wrap in names.items() if lora_target_matches(n, target) and not can_wrap]
+        if unwrappable:
+            inside = [n for n in wrappable if n.startswith(unwrappable[0] + ".")]
+            fix = f"name the layers inside it instead (e.g. {_endings(inside)})" if inside else "remove it"
+            problems.append(
+                SpecProblem(
+                    "lora.target_modules",
+                    f"{target!r} matches {unwrappable[0]}{_and_more(unwrappable)}, which holds other modules and "
+                    f"LoRA cannot wrap (it wraps Linear, Embedding and convolution layers); {fix}",
+                )
             )
     return problems
+
+
+def _endings(names: list[str]) -> str:
+    """The distinct last components of ``names`` that are module names, not layer indices (``q_proj``, not ``3``)."""
+    endings = sorted({name.split(".")[-1] for name in names if name and not name.split(".")[-1].isdigit()})
+    return ", ".join(endings[:16])
+
+
+def _and_more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""

@@ -69,6 +69,24 @@ def test_lora_targets_are_checked_against_the_models_config_without_weights(llm_
     assert found.message.startswith("['to_q'] match no module of llama (names end in: ")
     assert "q_proj" in found.message and "down_proj" in found.message
 
+    assert not any(ending.isdigit() for ending in found.message.split("names end in: ")[1].rstrip(")").split(", "))
+
+
+@pytest.mark.parametrize(
+    ("target", "matched", "inside"),
+    [("mlp", "model.layers.0.mlp (and 1 more)", "down_proj, gate_proj, up_proj"), ("1", "model.layers.1", "down_proj")],
+)
+def test_a_lora_target_peft_cannot_wrap_is_refused_with_the_layers_inside_it(
+    llm_roots: PathRoots, target: str, matched: str, inside: str
+) -> None:
+    # A container (`mlp`) or a layer index (`1`) matched names, so it passed, and peft raised in the worker.
+    (found,) = problems(llm_roots, lora={"target_modules": ["q_proj", target]})
+    assert found.path == "lora.target_modules"
+    assert found.message.startswith(
+        f"{target!r} matches {matched}, which holds other modules and LoRA cannot wrap (it wraps Linear, Embedding "
+        f"and convolution layers); name the layers inside it instead (e.g. {inside}"
+    )
+
 
 def test_unreadable_data_is_a_problem_not_a_crash(llm_roots: PathRoots) -> None:
     (llm_roots.data_roots[0] / "chat.jsonl").write_text('{"messages": [\n')
