@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import stat
@@ -85,29 +86,81 @@ def confine(raw: str | Path, roots: list[Path], kind: str) -> Path:
         exists = resolved.exists()
     except (OSError, RuntimeError) as error:  # a link loop, a name over 255 bytes, a path over PATH_MAX
         raise ValueError(f"'{raw}' cannot be used: {_reason(error)}") from None
+    # Messages name roots by label and paths relative to them: the server's directory layout is not the user's.
     if not any(resolved == root or resolved.is_relative_to(root) for root in roots):
-        allowed = ", ".join(str(r) for r in roots)
-        raise ValueError(f"'{raw}' resolves to {resolved}, outside the allowed {kind} roots ({allowed})")
+        raise ValueError(
+            f"'{raw}' leads outside every {kind} root ({', '.join(root_labels(roots, kind))}); give a path "
+            f"relative to a {kind} root, and copy the files in rather than linking to them"
+        )
     if not exists:
-        raise ValueError(f"'{raw}' does not exist (looked at {resolved})")
+        raise ValueError(_not_found(raw, path, roots, kind))
     if kind == "data":
         if resolved.is_dir():
-            data_files(resolved)  # raises on a link out of the directory
+            data_files(resolved, shown=str(raw))  # raises on a link out of the directory
         elif not resolved.is_file():
             raise ValueError(f"'{raw}' is not a regular file or a directory (a FIFO, socket or device is never read)")
     return resolved
 
 
-def data_files(directory: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
+def root_labels(roots: list[Path], kind: str) -> list[str]:
+    """How messages name each root: ``data root 1``, ``data root 2 (the bundled example data)``."""
+    bundled = BUNDLED_DATA.resolve()
+    return [
+        f"{kind} root {i}" + (" (the bundled example data)" if r == bundled else "") for i, r in enumerate(roots, 1)
+    ]
+
+
+NEAR_NAMES_SCANNED = 5000  # entries looked at under the roots for near matches: a large root is not walked whole
+
+
+def _not_found(raw: str | Path, path: Path, roots: list[Path], kind: str) -> str:
+    """``'x' does not exist in data root 1 or data root 2``, with the names under the roots closest to ``x``."""
+    labels = root_labels(roots, kind)
+    searched = [(root, label) for root, label in zip(roots, labels, strict=True)]
+    if path.is_absolute():
+        searched = [(r, label) for r, label in searched if path.is_relative_to(r)] or searched
+    wanted = next((path.relative_to(r).as_posix() for r, _ in searched if path.is_relative_to(r)), path.as_posix())
+    names = _names_under(searched, wanted)
+    near = [
+        f"'{name}' in {names[name]}" if len(roots) > 1 else f"'{name}'"
+        for name in difflib.get_close_matches(wanted, list(names), n=3, cutoff=0.6)
+    ]
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    return f"'{raw}' does not exist in {' or '.join(label for _, label in searched)}{hint}"
+
+
+def _names_under(searched: list[tuple[Path, str]], wanted: str) -> dict[str, str]:
+    """Relative names of the entries under each root, as deep as ``wanted`` is, mapped to their root's label."""
+    depth = wanted.count("/") + 1
+    names: dict[str, str] = {}
+    for root, label in searched:
+        for parent, dirs, files in os.walk(root, followlinks=False):
+            relative = Path(parent).relative_to(root)
+            if len(relative.parts) + 1 >= depth:
+                dirs.clear()  # deeper entries cannot be a near match of a name this deep
+            for name in [*dirs, *files]:
+                names.setdefault((relative / name).as_posix(), label)
+            if len(names) >= NEAR_NAMES_SCANNED:
+                return names
+    return names
+
+
+def data_files(directory: Path, suffixes: tuple[str, ...] | None = None, *, shown: str | None = None) -> list[Path]:
     """The regular files under ``directory`` (sorted), never following a link out of it.
 
     Links that stay inside are followed; one that leads outside is refused (it would read a file the roots
     exclude). FIFOs, sockets and devices are skipped: reading one hangs or never ends.
 
+    Args:
+        directory: The directory to list.
+        suffixes: Only files with these suffixes; None: every regular file.
+        shown: How messages name ``directory`` (the path as the spec wrote it); default: its name.
+
     Raises:
-        ValueError: A link under ``directory`` leads outside it, or loops.
+        ValueError: A link under ``directory`` leads outside it, or loops (named relative to ``directory``).
     """
     directory = directory.resolve()
+    label = shown if shown is not None else directory.name
     found = []
     for parent, dirs, files in os.walk(directory, followlinks=False):
         for name in [*dirs, *files]:
@@ -116,10 +169,14 @@ def data_files(directory: Path, suffixes: tuple[str, ...] | None = None) -> list
                 try:
                     target = entry.resolve(strict=True)
                 except (OSError, RuntimeError) as error:
-                    raise ValueError(f"{entry} is a broken link or a link loop ({_reason(error)})") from None
+                    where = entry.relative_to(directory).as_posix()
+                    raise ValueError(
+                        f"{where} in '{label}' is a broken link or a link loop ({_reason(error)})"
+                    ) from None
                 if not target.is_relative_to(directory):
                     raise ValueError(
-                        f"{entry} links to {target}, outside {directory}; copy the file in instead of linking to it"
+                        f"{entry.relative_to(directory).as_posix()} in '{label}' links outside it; copy the file in "
+                        "instead of linking to it"
                     )
                 if target.is_dir():
                     continue  # its files are under `directory` already, or will be walked there

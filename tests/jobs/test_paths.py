@@ -20,8 +20,13 @@ def test_relative_paths_resolve_against_the_first_root(tmp_path: Path) -> None:
 def test_escapes_are_refused(tmp_path: Path, raw: str) -> None:
     root = tmp_path / "root"
     root.mkdir()
-    with pytest.raises(ValueError, match="outside the allowed data roots"):
+    with pytest.raises(ValueError) as refused:
         confine(raw, [root], "data")
+    assert str(refused.value) == (
+        f"'{raw}' leads outside every data root (data root 1); give a path relative to a data root, and copy "
+        "the files in rather than linking to them"
+    )
+    assert str(tmp_path) not in str(refused.value) and "/etc/passwd" not in str(refused.value).replace(raw, "")
 
 
 def test_symlink_out_of_a_root_is_refused(tmp_path: Path) -> None:
@@ -59,8 +64,9 @@ def test_a_link_inside_a_data_directory_may_not_lead_out(tmp_path: Path) -> None
     outside.write_text("not for training")
     (root / "corpus" / "a.txt").write_text("fine")
     (root / "corpus" / "b.txt").symlink_to(outside)
-    with pytest.raises(ValueError, match=r"b.txt links to .*secret.txt, outside .*corpus; copy the file in"):
+    with pytest.raises(ValueError) as refused:
         confine("corpus", [root], "data")
+    assert str(refused.value) == "b.txt in 'corpus' links outside it; copy the file in instead of linking to it"
     with pytest.raises(ValueError, match="outside"):
         confine(".", [root], "data")
 
@@ -81,3 +87,34 @@ def test_link_loops_and_overlong_names_are_problems_not_crashes(tmp_path: Path) 
         confine("loop", [tmp_path], "data")
     with pytest.raises(ValueError, match="longer than the filesystem allows"):
         confine("a" * 300, [tmp_path], "data")
+
+
+def test_not_found_names_every_root_searched_and_near_names_never_absolute_paths(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    (first / "sub").mkdir(parents=True), second.mkdir()
+    (first / "chat.jsonl").write_text("x")
+    (first / "sub" / "train.jsonl").write_text("x")
+    (second / "chats.jsonl").write_text("x")
+    expected = {
+        "chat.json": "'chat.json' does not exist in data root 1 or data root 2; did you mean 'chat.jsonl' in "
+        "data root 1 or 'chats.jsonl' in data root 2?",
+        "sub/trian.jsonl": "'sub/trian.jsonl' does not exist in data root 1 or data root 2; did you mean "
+        "'sub/train.jsonl' in data root 1?",
+        "nothing-like-it": "'nothing-like-it' does not exist in data root 1 or data root 2",
+    }
+    for raw, message in expected.items():
+        with pytest.raises(ValueError) as refused:
+            confine(raw, [first, second], "data")
+        assert str(refused.value) == message
+    with pytest.raises(ValueError) as refused:  # an absolute path: only the root it lies in was searched
+        confine(first / "chat.jsonx", [first, second], "data")
+    assert str(refused.value).endswith("does not exist in data root 1; did you mean 'chat.jsonl' in data root 1?")
+
+
+def test_the_bundled_data_root_is_named_so() -> None:
+    from jobs.paths import BUNDLED_DATA, root_labels
+
+    assert root_labels([Path("/srv/x"), BUNDLED_DATA], "data") == [
+        "data root 1",
+        "data root 2 (the bundled example data)",
+    ]
