@@ -259,10 +259,16 @@ def _chat_template(name: str | None, reader: AxolotlConfig, sink: Any) -> str | 
     return None
 
 
+_DEFAULTS = {"text_field": "text", "messages_field": "messages", "file_type": "auto"}  # Ferry's, left unwritten
+
+
 def _difference(source: _Source, first: _Source) -> str:
+    def value(settings: dict[str, Any], key: str) -> Any:
+        return settings.get(key, _DEFAULTS.get(key))
+
     keys = sorted(set(source.settings) | set(first.settings))
-    changed = [k for k in keys if source.settings.get(k) != first.settings.get(k)]
-    shown_changes = ", ".join(f"{k}: {shown(source.settings.get(k), 30)}" for k in changed)
+    changed = [k for k in keys if value(source.settings, k) != value(first.settings, k)]
+    shown_changes = ", ".join(f"{k}: {shown(value(source.settings, k), 30)}" for k in changed)
     return f"its settings ({shown_changes}) differ from the first entry's"
 
 

@@ -63,7 +63,7 @@ def _targets(config: AxolotlConfig, notes: list[str]) -> list[str]:
         names = regex_targets(raw)
         if not _PLAIN_NAME.fullmatch(raw):
             notes.append(
-                f"lora_target_modules: the regex {shown(raw, 120)} is converted to the modules it names, "
+                f"lora_target_modules: the regex {_quoted(raw)} is converted to the modules it names, "
                 f"{', '.join(names)}, matched by name in every layer"
             )
     else:
@@ -93,27 +93,34 @@ def regex_targets(pattern: str) -> list[str]:
     try:
         paths = _expand(sre_parse.parse(pattern))
     except re.error as error:
-        raise ValueError(f"lora_target_modules: {shown(pattern, 120)} is not a regular expression ({error}); {fix}") from None
+        raise ValueError(f"lora_target_modules: {_quoted(pattern)} is not a regular expression ({error}); {fix}") from None
     except _TooWide:
-        raise ValueError(f"lora_target_modules: the regex {shown(pattern, 120)} is too open to list its modules; {fix}") from None
+        raise ValueError(f"lora_target_modules: the regex {_quoted(pattern)} is too open to list its modules; {fix}") from None
     names: list[str] = []
+    layers: set[str] = set()
     for path in paths:
         parts = path.split(".")
         leaf = parts[-1]
         if not leaf or _WILD in leaf or _INDEX in leaf:
             raise ValueError(
-                f"lora_target_modules: the regex {shown(pattern, 120)} does not spell out the last name of the "
+                f"lora_target_modules: the regex {_quoted(pattern)} does not spell out the last name of the "
                 f"modules it picks, so Ferry cannot list them; {fix}"
             )
-        layers = sorted({p for p in parts[:-1] if p.isdigit()}, key=int)
-        if layers:
-            raise ValueError(
-                f"lora_target_modules: the regex {shown(pattern, 120)} picks particular layers ({', '.join(layers)}); "
-                f"Ferry's lora.target_modules names modules for every layer; {fix}, to train them in every layer"
-            )
+        layers |= {p for p in parts[:-1] if p.isdigit()}
         if leaf not in names:
             names.append(leaf)
+    if layers:
+        raise ValueError(
+            f"lora_target_modules: the regex {_quoted(pattern)} picks particular layers "
+            f"({', '.join(sorted(layers, key=int))}); Ferry's lora.target_modules names modules for every layer; "
+            f"{fix}, to train them in every layer"
+        )
     return names
+
+
+def _quoted(pattern: str) -> str:
+    """The pattern as the user wrote it (backslashes single), unless it holds a line break or control."""
+    return f"'{pattern}'" if pattern.isprintable() and len(pattern) <= 120 else shown(pattern, 120)
 
 
 class _TooWide(Exception):
