@@ -15,7 +15,9 @@ import yaml
 
 from jobs.convert.axolotl.reader import key_shown
 
-HEADER = "# Converted from an axolotl config (python -m jobs import-axolotl); what was not converted is listed at the end."
+HEADER = (
+    "# Converted from an axolotl config (python -m jobs import-axolotl); what was not converted is listed at the end."
+)
 
 
 @dataclass

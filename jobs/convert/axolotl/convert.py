@@ -27,10 +27,17 @@ from jobs.convert.axolotl.data import data_section, looks_local
 from jobs.convert.axolotl.keys import UNKNOWN, asks_for_nothing, reason_for
 from jobs.convert.axolotl.lora import lora_section
 from jobs.convert.axolotl.reader import AxolotlConfig, shown
-from jobs.spec.yaml_guard import MAX_DEPTH, MAX_NODES, ShapeGuard, YamlShapeError, shape_error
 from jobs.spec.text import parse_spec_text
+from jobs.spec.yaml_guard import MAX_DEPTH, MAX_NODES, ShapeGuard, YamlShapeError, shape_error
 
-_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw", "adam": "adam", "sgd": "sgd"}
+_OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_hf": "adamw",
+    "adamw": "adamw",
+    "adam": "adam",
+    "sgd": "sgd",
+}
 _APPROXIMATE_OPTIMIZERS = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_apex_fused")
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
 _OBJECTIVES = {"dpo": "dpo", "ipo": "dpo", "orpo": "orpo"}
@@ -48,7 +55,11 @@ def convert_axolotl(text: str, *, max_depth: int = MAX_DEPTH, max_nodes: int = M
             data, holds a value of the wrong type, or asks for what Ferry does not train; each names the key.
     """
     config = AxolotlConfig(_parse(text, max_depth=max_depth, max_nodes=max_nodes))
-    missing = [k for k in ("base_model", "datasets") if k not in config and not (k == "datasets" and "pretraining_dataset" in config)]
+    missing = [
+        k
+        for k in ("base_model", "datasets")
+        if k not in config and not (k == "datasets" and "pretraining_dataset" in config)
+    ]
     if missing:
         raise ValueError(f"the axolotl config has no {' and no '.join(missing)}; Ferry needs both")
     conversion = AxolotlConversion(spec={})
@@ -143,7 +154,9 @@ def _lora_for_objective(lora: dict[str, Any], objective: str | None, conversion:
     return lora
 
 
-def _data_extras(config: AxolotlConfig, data: dict[str, Any], conversion: AxolotlConversion, *, preference: bool) -> None:
+def _data_extras(
+    config: AxolotlConfig, data: dict[str, Any], conversion: AxolotlConversion, *, preference: bool
+) -> None:
     """The top-level keys that shape the data: length, packing, prompt loss, tokenizer."""
     seq_len = config.integer("sequence_len", example=2048)
     if seq_len is not None:
@@ -172,8 +185,13 @@ def _training(config: AxolotlConfig, conversion: AxolotlConversion, rl: str | No
     else:
         training["epochs"] = max(1, math.ceil(epochs or 1))
         if epochs and not float(epochs).is_integer():
-            conversion.not_converted.append(("num_epochs", f"Ferry trains whole epochs ({training['epochs']}); set training.steps for less"))
-    micro, accumulation = config.integer("micro_batch_size", example=2), config.integer("gradient_accumulation_steps", example=4)
+            conversion.not_converted.append(
+                ("num_epochs", f"Ferry trains whole epochs ({training['epochs']}); set training.steps for less")
+            )
+    micro, accumulation = (
+        config.integer("micro_batch_size", example=2),
+        config.integer("gradient_accumulation_steps", example=4),
+    )
     total = config.integer("batch_size", example=8)
     if micro is not None:
         training["batch_size"] = micro
@@ -181,7 +199,11 @@ def _training(config: AxolotlConfig, conversion: AxolotlConversion, rl: str | No
         accumulation = max(1, total // micro)  # axolotl's batch_size is micro_batch_size x accumulation
     if accumulation is not None:
         training["gradient_accumulation_steps"] = accumulation
-    for key, name in (("weight_decay", "weight_decay"), ("max_grad_norm", "max_grad_norm"), ("learning_rate", "learning_rate")):
+    for key, name in (
+        ("weight_decay", "weight_decay"),
+        ("max_grad_norm", "max_grad_norm"),
+        ("learning_rate", "learning_rate"),
+    ):
         value = config.number(key)
         if value is not None:
             training[name] = value
@@ -213,7 +235,9 @@ def _optimizer(config: AxolotlConfig, training: dict[str, Any], conversion: Axol
     if optimizer in _APPROXIMATE_OPTIMIZERS:
         conversion.notes.append(f"optimizer: {optimizer} (8-bit, paged or apex state) is trained as plain adamw")
     elif optimizer not in _OPTIMIZERS:
-        conversion.not_converted.append(("optimizer", f"{shown(optimizer)} is not an optimizer Ferry has (adamw, adam, sgd); adamw is used"))
+        conversion.not_converted.append(
+            ("optimizer", f"{shown(optimizer)} is not an optimizer Ferry has (adamw, adam, sgd); adamw is used")
+        )
 
 
 def _preference_objective(config: AxolotlConfig, training: dict[str, Any], rl: str) -> None:
@@ -238,7 +262,12 @@ def _scheduler(config: AxolotlConfig, conversion: AxolotlConversion) -> dict[str
     if name is not None:
         scheduler["kind"] = _SCHEDULERS.get(name, "constant")
         if name not in _SCHEDULERS:
-            conversion.not_converted.append(("lr_scheduler", f"{shown(name)} is not a schedule Ferry has (cosine, linear, constant); constant is used"))
+            conversion.not_converted.append(
+                (
+                    "lr_scheduler",
+                    f"{shown(name)} is not a schedule Ferry has (cosine, linear, constant); constant is used",
+                )
+            )
     warmup, ratio = config.number("warmup_steps", example="10"), config.number("warmup_ratio", example="0.1")
     steps = config.integer("max_steps")
     ratio_key = "warmup_ratio"
@@ -246,13 +275,18 @@ def _scheduler(config: AxolotlConfig, conversion: AxolotlConversion) -> dict[str
         warmup, ratio, ratio_key = None, warmup, "warmup_steps"  # transformers reads one below 1 as a ratio
     if warmup is not None:
         if not warmup.is_integer() or warmup < 0:
-            raise ValueError(f"warmup_steps: must be a whole number of steps, e.g. warmup_steps: 10; got {shown(warmup)}")
+            raise ValueError(
+                f"warmup_steps: must be a whole number of steps, e.g. warmup_steps: 10; got {shown(warmup)}"
+            )
         scheduler["warmup_steps"] = int(warmup)
     elif ratio and steps:
         scheduler["warmup_steps"] = round(ratio * steps)
     elif ratio:
         conversion.not_converted.append(
-            (ratio_key, "a ratio of the run: Ferry warms up for a number of steps; set warmup_steps (no max_steps to scale)")
+            (
+                ratio_key,
+                "a ratio of the run: Ferry warms up for a number of steps; set warmup_steps (no max_steps to scale)",
+            )
         )
     return scheduler
 
@@ -266,7 +300,9 @@ def _eval(config: AxolotlConfig, conversion: AxolotlConversion) -> dict[str, Any
     if every and every >= 1:
         evaluation["every_steps"] = int(every)
     elif every:
-        conversion.not_converted.append(("eval_steps", "a fraction of the run is not a step count; set eval.every_steps"))
+        conversion.not_converted.append(
+            ("eval_steps", "a fraction of the run is not a step count; set eval.every_steps")
+        )
     patience = config.integer("early_stopping_patience", example=3)
     if patience:
         evaluation["early_stopping"] = {"patience": patience}
@@ -279,7 +315,9 @@ def _checkpoint(config: AxolotlConfig, conversion: AxolotlConversion) -> dict[st
     if every and every >= 1:
         checkpoint["every_steps"] = int(every)
     elif every:
-        conversion.not_converted.append(("save_steps", "a fraction of the run is not a step count; set checkpoint.every_steps"))
+        conversion.not_converted.append(
+            ("save_steps", "a fraction of the run is not a step count; set checkpoint.every_steps")
+        )
     keep = config.integer("save_total_limit", example=2)
     if keep:
         checkpoint["keep_last"] = keep
@@ -302,4 +340,4 @@ def _list_the_rest(config: AxolotlConfig, conversion: AxolotlConversion) -> None
             continue
         conversion.not_converted.append((key, why))
     listed = {key for key, _ in conversion.not_converted}
-    conversion.mapped = {key for key in config.keys() if key not in listed}
+    conversion.mapped = {key for key in config.keys() if key not in listed}  # noqa: SIM118 - not a dict

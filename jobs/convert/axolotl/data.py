@@ -60,12 +60,15 @@ def data_section(config: AxolotlConfig, conversion: AxolotlConversion, *, prefer
     first = sources[0][1]
     assert first is not None  # refused above
     paths: list[str] = []
-    for index, (reader, source) in enumerate(sources):
+    for index, (_reader, source) in enumerate(sources):
         if source is None or source.settings != first.settings:
             why = "its type is not a format Ferry reads" if source is None else _difference(source, first)
             conversion.not_converted.append(
-                (f"{key}[{index}]", f"{why}; a Ferry job reads every source with one data section's fields, so it "
-                 "would be read wrongly: convert it to the first entry's layout, or train it in a job of its own")
+                (
+                    f"{key}[{index}]",
+                    f"{why}; a Ferry job reads every source with one data section's fields, so it "
+                    "would be read wrongly: convert it to the first entry's layout, or train it in a job of its own",
+                )
             )
             continue
         paths += [p for p in source.paths if p not in paths]
@@ -119,7 +122,9 @@ def _source(reader: AxolotlConfig, *, preference: bool, pretraining: bool, templ
     elif kind == "alpaca" or kind.startswith("alpaca:"):
         source.settings = {"format": "instruction"}
         if kind != "alpaca":
-            source.not_converted.append((reader.name("type"), f"{kind!r}'s prompt style is not Ferry's; alpaca's is used"))
+            source.not_converted.append(
+                (reader.name("type"), f"{kind!r}'s prompt style is not Ferry's; alpaca's is used")
+            )
     elif kind in ("completion", "pretrain"):
         field_name = reader.text("field") or reader.text("text_column") or "text"
         source.settings = {"format": "text"} | ({"text_field": field_name} if field_name != "text" else {})
@@ -133,10 +138,14 @@ def _source(reader: AxolotlConfig, *, preference: bool, pretraining: bool, templ
     if ds_type in _FILE_TYPES:
         source.settings["file_type"] = _FILE_TYPES[ds_type]
     elif ds_type is not None:
-        source.not_converted.append((reader.name("ds_type"), f"{ds_type!r} is not a file type Ferry reads (json, csv, parquet, text)"))
+        source.not_converted.append(
+            (reader.name("ds_type"), f"{ds_type!r} is not a file type Ferry reads (json, csv, parquet, text)")
+        )
     split = reader.text("split", example="train")
     if split not in (None, "train"):
-        source.not_converted.append((reader.name("split"), "Ferry reads local files whole; point path at the split's file"))
+        source.not_converted.append(
+            (reader.name("split"), "Ferry reads local files whole; point path at the split's file")
+        )
     source.notes += _hub_notes(reader, source.paths)
     for key in reader.unread():
         why = _ENTRY_REASONS.get(key, "it is not a dataset setting Ferry has")
@@ -167,7 +176,9 @@ def _paths(reader: AxolotlConfig) -> list[str]:
 
 def _chat(reader: AxolotlConfig, kind: str, source: _Source) -> dict[str, Any]:
     chat: dict[str, Any] = {"format": "chat"}
-    field_name = reader.text("field_messages", example="messages") or ("conversations" if kind == "sharegpt" else "messages")
+    field_name = reader.text("field_messages", example="messages") or (
+        "conversations" if kind == "sharegpt" else "messages"
+    )
     if field_name != "messages":
         chat["messages_field"] = field_name
     _message_fields(reader, source)
@@ -179,7 +190,9 @@ def _chat(reader: AxolotlConfig, kind: str, source: _Source) -> dict[str, Any]:
         )
     eos = reader.text("train_on_eos", example="turn")
     if eos not in (None, "turn"):
-        source.not_converted.append((reader.name("train_on_eos"), "Ferry trains each assistant turn's end-of-turn token"))
+        source.not_converted.append(
+            (reader.name("train_on_eos"), "Ferry trains each assistant turn's end-of-turn token")
+        )
     if kind not in ("chat_template", "sharegpt"):
         source.notes.append(f"{reader.name('type')}: {kind!r} is read as chat messages through the chat template")
     return chat
@@ -187,15 +200,21 @@ def _chat(reader: AxolotlConfig, kind: str, source: _Source) -> dict[str, Any]:
 
 def _preference(reader: AxolotlConfig, kind: str, source: _Source) -> dict[str, Any]:
     """Pairs for dpo/orpo: Ferry reads TRL's layout (prompt, chosen, rejected) or OpenAI's, by those names."""
-    for key, ferry, default in (("field_messages", "prompt", "messages"), ("field_chosen", "chosen", "chosen"),
-                                ("field_rejected", "rejected", "rejected")):
+    for key, ferry, default in (
+        ("field_messages", "prompt", "messages"),
+        ("field_chosen", "chosen", "chosen"),
+        ("field_rejected", "rejected", "rejected"),
+    ):
         name = reader.text(key, example=ferry)
         if (name or default) != ferry:
             where = reader.name(key) if name else reader.name("type")
             source.not_converted.append(
-                (where, f"Ferry's preference format reads the {ferry} from {ferry!r} (TRL's layout; or OpenAI's "
-                 f"input.messages, preferred_output, non_preferred_output); rename {(name or default)!r} to {ferry!r} "
-                 "in the data")
+                (
+                    where,
+                    f"Ferry's preference format reads the {ferry} from {ferry!r} (TRL's layout; or OpenAI's "
+                    f"input.messages, preferred_output, non_preferred_output); rename {(name or default)!r} to {ferry!r} "
+                    "in the data",
+                )
             )
     _message_fields(reader, source)
     _roles(reader, source)
@@ -221,8 +240,11 @@ def _message_fields(reader: AxolotlConfig, source: _Source) -> None:
     keys = [k for k in ("message_property_mappings", "message_field_role", "message_field_content") if k in reader]
     for key in keys:
         source.not_converted.append(
-            (reader.name(key), "Ferry reads a message's role and content from 'role' and 'content' (or ShareGPT's "
-             "'from' and 'value'); rename the fields in the data")
+            (
+                reader.name(key),
+                "Ferry reads a message's role and content from 'role' and 'content' (or ShareGPT's "
+                "'from' and 'value'); rename the fields in the data",
+            )
         )
 
 
@@ -234,11 +256,16 @@ def _roles(reader: AxolotlConfig, source: _Source) -> None:
     for role, names in roles.items():
         names = [names] if isinstance(names, str) else names
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ValueError(f"{reader.name('roles')}.{role}: must be a list of names, e.g. [human]; got {shown(names)}")
+            raise ValueError(
+                f"{reader.name('roles')}.{role}: must be a list of names, e.g. [human]; got {shown(names)}"
+            )
         if any(SHAREGPT_ROLES.get(n, n) != role for n in names):
             source.not_converted.append(
-                (reader.name("roles"), f"Ferry reads the roles {', '.join(SHAREGPT_ROLES)} (human as user, gpt as "
-                 "assistant); rename the data's other roles")
+                (
+                    reader.name("roles"),
+                    f"Ferry reads the roles {', '.join(SHAREGPT_ROLES)} (human as user, gpt as "
+                    "assistant); rename the data's other roles",
+                )
             )
             return
 
@@ -253,8 +280,11 @@ def _chat_template(name: str | None, reader: AxolotlConfig, sink: Any) -> str | 
     if name == "jinja" and jinja:
         return jinja
     sink.not_converted.append(
-        (reader.name("chat_template"), f"{name!r} is not built into Ferry (chatml is); the tokenizer's own template is "
-         "used (or give chat_template: jinja with chat_template_jinja)")
+        (
+            reader.name("chat_template"),
+            f"{name!r} is not built into Ferry (chatml is); the tokenizer's own template is "
+            "used (or give chat_template: jinja with chat_template_jinja)",
+        )
     )
     return None
 
@@ -285,4 +315,6 @@ def _hub_notes(reader: AxolotlConfig, paths: list[str]) -> list[str]:
 
 def looks_local(path: str) -> bool:
     """Whether ``path`` reads as a file or directory rather than a Hub id (``org/name``)."""
-    return path.startswith(("/", "./", "../", "~")) or path.lower().endswith(_DATA_SUFFIXES) or "/" not in path.strip("/")
+    return (
+        path.startswith(("/", "./", "../", "~")) or path.lower().endswith(_DATA_SUFFIXES) or "/" not in path.strip("/")
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
-import re._parser as sre_parse  # the standard library's own regex parser: the tree peft's regex compiles from
+import re._parser as sre_parse  # type: ignore[import-not-found]  # the standard library's own regex parser: the tree peft's regex compiles from
 from typing import Any
 
 from jobs.convert.axolotl.reader import AxolotlConfig, shown
@@ -34,7 +34,9 @@ def lora_section(config: AxolotlConfig, notes: list[str]) -> dict[str, Any] | No
     if adapter is None:
         return None
     if adapter not in ("lora", "qlora"):
-        raise ValueError(f"adapter: {shown(adapter)} is not an adapter Ferry trains (lora, qlora); remove it to train the whole model")
+        raise ValueError(
+            f"adapter: {shown(adapter)} is not an adapter Ferry trains (lora, qlora); remove it to train the whole model"
+        )
     lora: dict[str, Any] = {"target_modules": _targets(config, notes)}
     rank, alpha = config.integer("lora_r"), config.number("lora_alpha", example="32")
     if rank is not None:
@@ -93,9 +95,13 @@ def regex_targets(pattern: str) -> list[str]:
     try:
         paths = _expand(sre_parse.parse(pattern))
     except re.error as error:
-        raise ValueError(f"lora_target_modules: {_quoted(pattern)} is not a regular expression ({error}); {fix}") from None
+        raise ValueError(
+            f"lora_target_modules: {_quoted(pattern)} is not a regular expression ({error}); {fix}"
+        ) from None
     except _TooWide:
-        raise ValueError(f"lora_target_modules: the regex {_quoted(pattern)} is too open to list its modules; {fix}") from None
+        raise ValueError(
+            f"lora_target_modules: the regex {_quoted(pattern)} is too open to list its modules; {fix}"
+        ) from None
     names: list[str] = []
     layers: set[str] = set()
     for path in paths:

@@ -73,7 +73,9 @@ def test_qlora_alpaca_epochs_and_unknown_keys() -> None:
     assert spec["checkpoint"] == {"every_steps": 50, "keep_last": 2}
     assert spec["tracking"] == {"wandb": {"project": "demo", "mode": "offline"}}
     assert [key for key, _ in converted.not_converted] == ["lr_scheduler", "warmup_ratio", "rope_scaling"]
-    assert "note: optimizer: paged_adamw_8bit (8-bit, paged or apex state) is trained as plain adamw" in converted.warnings
+    assert (
+        "note: optimizer: paged_adamw_8bit (8-bit, paged or apex state) is trained as plain adamw" in converted.warnings
+    )
 
 
 def test_sharegpt_reads_conversations_and_a_config_without_datasets_is_refused() -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from jobs.convert.axolotl import convert_axolotl
 
 
-def convert(text: str):  # noqa: ANN201 - the conversion
+def convert(text: str):
     return convert_axolotl("base_model: m\n" + text)
 
 
-def listed(conversion) -> dict[str, str]:  # noqa: ANN001
+def listed(conversion) -> dict[str, str]:
     return dict(conversion.not_converted)
 
 
@@ -85,7 +85,8 @@ def test_pretraining_dataset_is_a_text_dataset_and_hub_ids_say_how_to_fetch() ->
     assert "pretraining_dataset[0].name" in listed(conversion)
     assert any(
         "Ferry reads local paths only" in w
-        and "huggingface-cli download --repo-type dataset HuggingFaceFW/fineweb-edu --local-dir <data root>/HuggingFaceFW/fineweb-edu" in w
+        and "huggingface-cli download --repo-type dataset HuggingFaceFW/fineweb-edu --local-dir <data root>/HuggingFaceFW/fineweb-edu"
+        in w
         for w in conversion.warnings
     )
     model = convert_axolotl("base_model: meta-llama/Llama-3.2-1B\ndatasets: [{path: d.jsonl, type: alpaca}]\n")

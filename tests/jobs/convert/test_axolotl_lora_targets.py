@@ -17,7 +17,9 @@ def targets(line: str) -> list[str]:
 def test_a_regex_becomes_the_names_of_its_trailing_alternation() -> None:
     # As in axolotl's LiquidAI, llava, qwen2-vl and pixtral examples; split into characters before.
     regex = r"model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"
-    assert targets(f"lora_target_modules: '{regex}'\n") == [f"{n}_proj" for n in ("up", "down", "gate", "q", "k", "v", "o")]
+    assert targets(f"lora_target_modules: '{regex}'\n") == [
+        f"{n}_proj" for n in ("up", "down", "gate", "q", "k", "v", "o")
+    ]
     nested = r"model.layers.[\d]+.(self_attn.(q_a_proj|o_proj)|mlp.(shared_experts.)?(gate_proj|up_proj))"
     assert targets(f"lora_target_modules: '{nested}'\n") == ["q_a_proj", "o_proj", "gate_proj", "up_proj"]
     assert targets(r"lora_target_modules: 'model\.projector\.linear_[12]'" + "\n") == ["linear_1", "linear_2"]
@@ -38,7 +40,9 @@ def test_a_regex_that_does_not_map_to_names_is_refused_with_the_fix(regex: str, 
     with pytest.raises(ValueError, match="lora_target_modules: ") as error:
         convert_axolotl(BASE + f"lora_target_modules: '{regex}'\n")
     assert why in str(error.value)
-    assert "write lora_target_modules as a list of module names, e.g. [q_proj, k_proj, v_proj, o_proj]" in str(error.value)
+    assert "write lora_target_modules as a list of module names, e.g. [q_proj, k_proj, v_proj, o_proj]" in str(
+        error.value
+    )
 
 
 def test_target_linear_and_all_linear_expand_to_the_linear_layers() -> None:
