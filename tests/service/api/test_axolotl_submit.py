@@ -1,4 +1,4 @@
-"""axolotl configs over HTTP: converted with the keys not honoured listed, and submitted as Ferry specs."""
+"""axolotl configs over HTTP: converted with the keys not converted listed, and submitted as Ferry specs."""
 
 from __future__ import annotations
 
