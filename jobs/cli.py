@@ -146,17 +146,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _import_axolotl(file: Path) -> int:
-    """The Ferry spec on stdout (keys it cannot honour as comments at its top), and those keys on stderr."""
+    """The Ferry spec on stdout (what is not converted as comments at its end), and that block on stderr.
+
+    The config is read under the same YAML shape guard as every spec (an alias bomb is refused before it expands),
+    and the spec printed is the serializer's text, read back and compared before it is printed."""
     from jobs.convert.axolotl import convert_axolotl
 
     try:
         converted = convert_axolotl(file.read_text())
+        text = converted.to_yaml()
     except (ValueError, OSError) as error:
         print(error, file=sys.stderr)
         return 2
+    print(text, end="")
     for warning in converted.warnings:
-        print(f"not honoured: {warning}", file=sys.stderr)
-    print(converted.to_yaml(), end="")
+        print(warning, file=sys.stderr)
     return 0
 
 

@@ -29,6 +29,7 @@ from jobs.spec.values import (
     list_items,
 )
 from jobs.spec.wording import ferry_message
+from jobs.spec.yaml_guard import ShapeGuard, YamlShapeError
 
 Loc = tuple[str | int, ...]
 
@@ -52,7 +53,11 @@ def load_job_spec(text: str | ParsedSpec, roots: PathRoots | None = None) -> Job
         30
     """
     try:
-        parsed = text if isinstance(text, ParsedSpec) else parse_spec_text(text)
+        # Text is parsed under the shape guard's default limits (an alias bomb stops before it expands); a
+        # caller with limits of its own (the service) parses with them and passes the result.
+        parsed = text if isinstance(text, ParsedSpec) else parse_spec_text(text, on_event=ShapeGuard().see)
+    except YamlShapeError as exc:
+        raise JobSpecError([SpecProblem("", exc.message, exc.line)]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise JobSpecError([SpecProblem("", f"not valid YAML: {exc}", mark.line + 1 if mark else None)]) from exc

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from jobs.convert.axolotl import AxolotlConversion, convert_axolotl
-from service.checking.yaml_guard import YamlShapeError, check_yaml_shape
+from service.checking.yaml_guard import MAX_DEPTH, MAX_NODES
 from service.errors import ApiError, spec_error
 
 YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain"})
@@ -15,8 +15,11 @@ JSON_TYPES = frozenset({"application/json"})
 AXOLOTL_TYPE = "application/x-axolotl+yaml"  # an axolotl config, converted to a spec first (jobs/convert/axolotl.py)
 
 
-def spec_text_from_body(body: bytes, content_type: str | None) -> str:
-    """The spec as text; JSON is accepted as is because JSON is YAML."""
+def spec_text_from_body(
+    body: bytes, content_type: str | None, *, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES
+) -> str:
+    """The spec as text; JSON is accepted as is because JSON is YAML. An axolotl config is converted first,
+    read under the YAML limits given (the settings' ``max_yaml_depth`` and ``max_yaml_nodes``)."""
     media_type = (content_type or "application/yaml").split(";")[0].strip().lower()
     if media_type not in YAML_TYPES | JSON_TYPES | {AXOLOTL_TYPE}:
         raise ApiError(
@@ -38,20 +41,17 @@ def spec_text_from_body(body: bytes, content_type: str | None) -> str:
     if media_type in JSON_TYPES:
         _check_json(text)
     if media_type == AXOLOTL_TYPE:
-        return axolotl_conversion(text).to_yaml()
+        return axolotl_conversion(text, max_depth=max_depth, max_nodes=max_nodes).to_yaml()
     return text
 
 
-def axolotl_conversion(text: str, *, max_depth: int = 32, max_nodes: int = 20_000) -> AxolotlConversion:
-    """The Ferry spec of an axolotl config (the keys it cannot honour become comments in its text), or a 422.
+def axolotl_conversion(text: str, *, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> AxolotlConversion:
+    """The Ferry spec of an axolotl config (what is not converted becomes comments at the end of its text), or a 422.
 
-    The config is read here, in the API process, so its shape is checked before it is expanded (yaml_guard.py);
-    the limits are the settings' defaults unless given."""
+    The config is read here, in the API process, under the YAML shape guard with the limits given, so an alias
+    bomb stops before it expands; the converted text is read back before it is returned (conversion.py)."""
     try:
-        check_yaml_shape(text, max_depth=max_depth, max_nodes=max_nodes)
-        return convert_axolotl(text)
-    except YamlShapeError as error:
-        raise spec_error([{"path": "", "message": error.message, "line": error.line, "suggestion": None}]) from None
+        return convert_axolotl(text, max_depth=max_depth, max_nodes=max_nodes)
     except ValueError as error:
         raise spec_error([{"path": "", "message": str(error), "line": None, "suggestion": None}]) from None
 

@@ -21,7 +21,7 @@ _BODY = {"requestBody": {"required": True, "content": {AXOLOTL_TYPE: {"schema": 
 
 
 class ConversionPublic(BaseModel):
-    """The converted spec (as text, warnings as comments, and as data) and each key not honoured (``key: why``)."""
+    """The converted spec (as text, warnings as comments, and as data) and the warnings (notes, then ``not converted: KEY because WHY``)."""
 
     spec_text: str
     spec: dict[str, Any]

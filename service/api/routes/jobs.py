@@ -71,7 +71,12 @@ def create_job(
 ) -> JobPublic:
     """Queue a job from a YAML (or JSON) spec. Every problem in the spec is reported at once, and a GPU job
     estimated to exceed every GPU's memory is refused (422 ``does_not_fit``) unless ``fit_check=false``."""
-    text = spec_text_from_body(body, request.headers.get("content-type"))
+    text = spec_text_from_body(
+        body,
+        request.headers.get("content-type"),
+        max_depth=settings.max_yaml_depth,
+        max_nodes=settings.max_yaml_nodes,
+    )
     fit = "refuse" if fit_check else "skip"
     check = CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=queue_anyway, fit=fit)
     checked = checker.check(check)  # the spec's problems: 422, all at once (in the checker's process)
@@ -105,7 +110,12 @@ def validate_job(
     queue_anyway: Annotated[bool, Query(description="true: accept a device: cuda job without a GPU worker")] = False,
 ) -> ValidationPublic:
     """The same checks as submitting, plus whether the job fits this service's GPUs; queues nothing."""
-    text = spec_text_from_body(body, request.headers.get("content-type"))
+    text = spec_text_from_body(
+        body,
+        request.headers.get("content-type"),
+        max_depth=settings.max_yaml_depth,
+        max_nodes=settings.max_yaml_nodes,
+    )
     check = CheckRequest.for_service(
         text, settings, scheduler.slots, gpus.gpus(), queue_anyway=queue_anyway, fit="report"
     )
