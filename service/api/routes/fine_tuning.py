@@ -174,9 +174,9 @@ def list_fine_tuning_checkpoints(
     request, _ = fine_tuning.get(job_id)
     output = settings.job_dir(job_id) / "output"
     found = list(reversed(list_checkpoints(output))) if output.exists() else []
-    if after is not None:
-        ids = [checkpoint_id(job_id, info.step) for info in found]
-        found = found[ids.index(after) + 1 :] if after in ids else []
+    if after is not None:  # by step, so a checkpoint removed since (a cleanup, a disk full) still pages on
+        last = _checkpoint_step(job_id, after)
+        found = [info for info in found if info.step < last]
     page, has_more = found[:limit], len(found) > limit
     losses = fine_tuning.step_losses(job_id, [info.step for info in page])
     data = [
@@ -184,6 +184,15 @@ def list_fine_tuning_checkpoints(
         for info in page
     ]
     return ListPage.of(data, has_more)
+
+
+def _checkpoint_step(job_id: str, after: str) -> int:
+    """The step of checkpoint id ``after`` (``ftckpt-<job>-<step>``), or a 400 naming ``after``."""
+    prefix = checkpoint_id(job_id, 0).removesuffix("0")
+    step = after.removeprefix(prefix)
+    if not after.startswith(prefix) or not step.isdigit() or len(step) > 18:
+        raise request_error("after", f"after: {after!r} is no checkpoint id of {job_id} (they read {prefix}<step>).")
+    return int(step)
 
 
 def _uploaded(files: FileStore, file_id: str, param: str) -> Any:
