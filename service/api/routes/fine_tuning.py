@@ -24,8 +24,10 @@ from service.api.deps import (
     SpecCheckerDep,
     StoreDep,
 )
+from service.api.errors import ApiError
 from service.api.openai.create import build_spec, new_seed, parse_create, request_error, resolved_method
 from service.api.openai.errors import OpenAIErrorBody, OpenAIRoute
+from service.api.openai.problems import in_request_terms
 from service.api.openai.shapes import CheckpointPublic, EventPublic, FineTuningJobPublic, ListPage, checkpoint_id
 from service.api.submission import queue_checked_spec
 from service.checking.messages import CheckRequest
@@ -64,10 +66,10 @@ def create_fine_tuning_job(
     seed = create.seed if create.seed is not None else new_seed()
     spec = build_spec(create, training_format=training.format, seed=seed)
     text = yaml.safe_dump(spec, sort_keys=False)
-    checked = checker.check(
-        CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=False, fit="refuse")
-    )
     try:
+        checked = checker.check(
+            CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=False, fit="refuse")
+        )
         job, created = queue_checked_spec(
             checked, text, body, store=store, settings=settings, idempotency_key=idempotency_key
         )
@@ -75,6 +77,8 @@ def create_fine_tuning_job(
         raise request_error(
             None, f"Idempotency-Key {idempotency_key!r} was already used with another request."
         ) from None
+    except ApiError as error:  # the spec is Ferry's, not the user's: say it in the request's fields
+        raise in_request_terms(error, create, uploads_dir=settings.uploads_dir) from None
     if created:
         record = FineTuningRecord(
             job_id=job.id,
