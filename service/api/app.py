@@ -15,6 +15,7 @@ from service.api.access import AccessMiddleware
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.errors import install_error_handlers
 from service.api.job_answers import JobAnswers
+from service.api.openai.errors import install_openai_http_errors
 from service.api.routes import checkpoints, conversions, events, files, fine_tuning, health, jobs, samples, workers
 from service.checking.checker import SpecChecker, SpecCheckerProcess
 from service.dashboard import mount_dashboard
@@ -108,6 +109,7 @@ def create_app(
     token = settings.api_token.get_secret_value() if settings.api_token else None
     app.add_middleware(AccessMiddleware, token=token)  # outermost: peer and token before anything reads the request
     install_error_handlers(app)
+    install_openai_http_errors(app)  # 404/405 under /v1/fine_tuning in OpenAI's envelope
     app.state.job_answers = JobAnswers()  # each job's JSON, kept while its row is unchanged
 
     # Straight into the app, not through a /v1 router of their own: FastAPI matches an included router's

@@ -79,6 +79,10 @@ CREATE TABLE IF NOT EXISTS fine_tuning_jobs (
     metadata_json   TEXT,
     created_at      REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS deleted_ids (
+    id  TEXT PRIMARY KEY,                               -- a deleted job's or file's id (job-<hex>, file-<hex>)
+    seq INTEGER NOT NULL                                -- its seq: a list's `after` cursor still pages from it
+);
 """
 
 
@@ -124,6 +128,20 @@ def connect(path: Path, busy_timeout_s: float | None = None) -> sqlite3.Connecti
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute(f"PRAGMA busy_timeout={max(int(timeout * 1000), 1)}")
     return conn
+
+
+def remember_deleted(conn: sqlite3.Connection, item_id: str, seq: int) -> None:
+    """Keep a deleted row's place in its list: ``after=<its id>`` pages on from the next one, as OpenAI does."""
+    conn.execute("INSERT OR REPLACE INTO deleted_ids (id, seq) VALUES (?, ?)", (item_id, seq))
+
+
+def cursor_seq(conn: sqlite3.Connection, table: str, item_id: str) -> int | None:
+    """The seq of ``item_id`` in ``table`` (``jobs`` or ``files``), or of the row it was before a delete; None for
+    an id never seen. Ids are random, so a list's ``after`` is compared by this seq, never by the id."""
+    row = conn.execute(f"SELECT seq FROM {table} WHERE id = ?", (item_id,)).fetchone()
+    if row is None:
+        row = conn.execute("SELECT seq FROM deleted_ids WHERE id = ?", (item_id,)).fetchone()
+    return None if row is None else int(row[0])
 
 
 def create_schema(path: Path, busy_timeout_s: float | None = None) -> None:

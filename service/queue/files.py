@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.queue.db import Database
+from service.queue.db import Database, cursor_seq, remember_deleted
 from service.queue.status import JobStatus
 from service.queue.store import storable
 
@@ -104,9 +104,12 @@ class FileStore:
         if purpose is not None:
             where.append("purpose = ?")
             args.append(purpose)
-        if after is not None:
+        if after is not None:  # a deleted file's place is kept: the page starts at the next one
+            seq = cursor_seq(self.db.conn, "files", after)
+            if seq is None:
+                raise FileNotFound(after)
             where.append("seq < ?")
-            args.append(self.get(after).seq)
+            args.append(seq)
         rows = self.db.conn.execute(
             f"SELECT * FROM files WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
         ).fetchall()
@@ -133,6 +136,7 @@ class FileStore:
             if users:
                 raise FileInUse(file_id, [row["id"] for row in users])
             conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            remember_deleted(conn, file_id, record.seq)
             return record
 
     @staticmethod

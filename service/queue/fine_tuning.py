@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from service.queue.db import Database
+from service.queue.db import Database, cursor_seq
 from service.queue.records import EventRecord, JobRecord
 from service.queue.store import JobNotFound
 from service.queue.stored_json import finite
@@ -88,9 +88,12 @@ class FineTuningStore:
     def page(self, *, after: str | None, limit: int) -> tuple[list[tuple[FineTuningRecord, JobRecord]], bool]:
         """Newest first; ``after`` is the last job id of the previous page. Returns ``(jobs, has_more)``."""
         sql, args = _SELECT, []
-        if after is not None:
+        if after is not None:  # a deleted job's place is kept (db.deleted_ids): the page starts at the next one
+            seq = cursor_seq(self.db.conn, "jobs", after)
+            if seq is None:
+                raise JobNotFound(after)
             sql += " WHERE j.seq < ?"
-            args.append(self.get(after)[1].seq)
+            args.append(seq)
         rows = self.db.conn.execute(sql + " ORDER BY j.seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
         return [(FineTuningRecord.from_row(r), JobRecord.from_row(r)) for r in rows[:limit]], len(rows) > limit
 

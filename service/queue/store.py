@@ -21,7 +21,7 @@ from jobs.events import (
     event_to_wire,
     parse_job_event,
 )
-from service.queue.db import Database, create_schema
+from service.queue.db import Database, create_schema, remember_deleted
 from service.queue.events import JobError, StatusEvent, StopRequestedEvent, parse_stored_event
 from service.queue.records import EventRecord, JobRecord
 from service.queue.retention import StepRetention, compact_steps
@@ -195,6 +195,7 @@ class JobStore:
                 raise IllegalTransition(job_id, job.status, job.status, deletion_refused_message(job_id, job.status))
             conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            remember_deleted(conn, job_id, job.seq)
             return job
 
     # -- the lifecycle ---------------------------------------------------------------------------------

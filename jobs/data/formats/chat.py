@@ -28,6 +28,8 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 def check_messages(messages: Any, field: str, *, need_assistant: bool = True) -> list[dict[str, Any]]:
     """The conversation of a record, checked: a non-empty list of ``{role, content[, weight]}`` with an
     assistant turn to train on (``need_assistant=False``: a prompt, whose completion comes from elsewhere).
+    ``content`` is a string or OpenAI's text parts (``[{type: text, text}]``, joined); image, audio and file
+    parts are refused by name (``messages[0].content[1].type``), never trained as the text around them.
 
     An assistant turn may carry OpenAI's ``tool_calls`` (its ``content`` then may be empty or null) and
     reasoning text (``reasoning_content``, ``thinking`` or ``reasoning``); a ``tool`` turn may carry
@@ -61,6 +63,10 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     tool_calls = check_tool_calls(calls, f"{where}.tool_calls")
     if content is None and tool_calls:
         content = ""  # OpenAI writes null content beside tool calls; templates concatenate strings
+    if isinstance(content, list):
+        content = _text_parts(content, f"{where}.content")
+    if message.get("audio") is not None:
+        raise RecordError(f"{where}.audio", _NOT_TEXT.format(kind="audio"))
     if not isinstance(content, str):
         raise RecordError(f"{where}.content", f"must be a string; got {_shown(content)}")
     if weight is not None and (weight not in (0, 1) or isinstance(weight, bool)):
@@ -83,6 +89,45 @@ def _message(message: Any, where: str) -> dict[str, Any]:
             raise RecordError(f"{where}.{key}", f"must be a string; got {_shown(message[key])}")
         checked[key] = message[key]
     return checked
+
+
+def _text_parts(parts: list[Any], field: str) -> str:
+    """OpenAI's content parts as the text they hold: ``[{type: text, text}, ...]`` joined as templates that read
+    parts join them (one after the other). An image, audio or file part is refused, naming it: dropped, the
+    row would train as text on other data than the user's."""
+    texts = []
+    for index, part in enumerate(parts):
+        where = f"{field}[{index}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "text":
+            raise RecordError(f"{where}.text", f"must be a string; got {_shown(part.get('text'))}")
+        elif isinstance(kind, str) and kind in _MEDIA:
+            raise RecordError(f"{where}.type", _NOT_TEXT.format(kind=f"{_MEDIA[kind]} content ({kind!r})"))
+        else:
+            raise RecordError(
+                f"{where}.type",
+                f"content parts must be {{type: text, text}}; got {_shown(kind if kind is not None else part)}",
+            )
+    return "".join(texts)
+
+
+# OpenAI's content parts that are no text, and what they hold.
+_MEDIA = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "audio": "audio",
+    "file": "file",
+    "input_file": "file",
+    "refusal": "refusal",
+}
+_NOT_TEXT = (
+    "{kind} cannot be trained: Ferry fine-tunes text models, and dropping it would train the row on other "
+    "data than yours; remove it, or write it as text ({{type: text, text}} or a string)"
+)
 
 
 def chat_example(

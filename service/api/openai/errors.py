@@ -12,10 +12,11 @@ import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.errors import ApiError, database_busy, error_response
 from service.api.openai.create import request_param
@@ -76,6 +77,28 @@ def envelope_for(
     response = openai_error(status_code, message, code=code)
     response.headers.update(headers or {})
     return response
+
+
+def install_openai_http_errors(app: FastAPI) -> None:
+    """Starlette's own refusals (404 for a path no route has, 405 for a method the route lacks) under
+    ``OPENAI_PREFIX`` in OpenAI's envelope, ``Allow`` kept; elsewhere Ferry's handler answers as before.
+    Call after ``install_error_handlers``: this one wraps the handler that installed."""
+    ferry = app.exception_handlers[StarletteHTTPException]
+
+    async def answer(request: Request, error: Exception) -> Response:
+        if not isinstance(error, StarletteHTTPException) or not is_openai_path(request.scope["path"]):
+            return await ferry(request, error)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        message = {
+            404: f"No route {request.scope['path']}; the fine-tuning routes are under {OPENAI_PREFIX}/jobs.",
+            405: f"{request.method} is not allowed on {request.scope['path']}"
+            + (f"; use {error.headers['Allow']}." if error.headers and "Allow" in error.headers else "."),
+        }.get(error.status_code, str(error.detail))
+        response = openai_error(error.status_code, message, code=code)
+        response.headers.update(error.headers or {})
+        return response
+
+    app.add_exception_handler(StarletteHTTPException, answer)
 
 
 def param_of(problems: list[dict[str, Any]] | None) -> str | None:

@@ -24,8 +24,10 @@ from service.api.deps import (
     SpecCheckerDep,
     StoreDep,
 )
+from service.api.errors import ApiError
 from service.api.openai.create import build_spec, new_seed, parse_create, request_error, resolved_method
 from service.api.openai.errors import OpenAIErrorBody, OpenAIRoute
+from service.api.openai.problems import in_request_terms
 from service.api.openai.shapes import CheckpointPublic, EventPublic, FineTuningJobPublic, ListPage, checkpoint_id
 from service.api.submission import queue_checked_spec
 from service.checking.messages import CheckRequest
@@ -64,10 +66,10 @@ def create_fine_tuning_job(
     seed = create.seed if create.seed is not None else new_seed()
     spec = build_spec(create, training_format=training.format, seed=seed)
     text = yaml.safe_dump(spec, sort_keys=False)
-    checked = checker.check(
-        CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=False, fit="refuse")
-    )
     try:
+        checked = checker.check(
+            CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=False, fit="refuse")
+        )
         job, created = queue_checked_spec(
             checked, text, body, store=store, settings=settings, idempotency_key=idempotency_key
         )
@@ -75,6 +77,8 @@ def create_fine_tuning_job(
         raise request_error(
             None, f"Idempotency-Key {idempotency_key!r} was already used with another request."
         ) from None
+    except ApiError as error:  # the spec is Ferry's, not the user's: say it in the request's fields
+        raise in_request_terms(error, create, uploads_dir=settings.uploads_dir) from None
     if created:
         record = FineTuningRecord(
             job_id=job.id,
@@ -174,9 +178,9 @@ def list_fine_tuning_checkpoints(
     request, _ = fine_tuning.get(job_id)
     output = settings.job_dir(job_id) / "output"
     found = list(reversed(list_checkpoints(output))) if output.exists() else []
-    if after is not None:
-        ids = [checkpoint_id(job_id, info.step) for info in found]
-        found = found[ids.index(after) + 1 :] if after in ids else []
+    if after is not None:  # by step, so a checkpoint removed since (a cleanup, a disk full) still pages on
+        last = _checkpoint_step(job_id, after)
+        found = [info for info in found if info.step < last]
     page, has_more = found[:limit], len(found) > limit
     losses = fine_tuning.step_losses(job_id, [info.step for info in page])
     data = [
@@ -184,6 +188,15 @@ def list_fine_tuning_checkpoints(
         for info in page
     ]
     return ListPage.of(data, has_more)
+
+
+def _checkpoint_step(job_id: str, after: str) -> int:
+    """The step of checkpoint id ``after`` (``ftckpt-<job>-<step>``), or a 400 naming ``after``."""
+    prefix = checkpoint_id(job_id, 0).removesuffix("0")
+    step = after.removeprefix(prefix)
+    if not after.startswith(prefix) or not step.isdigit() or len(step) > 18:
+        raise request_error("after", f"after: {after!r} is no checkpoint id of {job_id} (they read {prefix}<step>).")
+    return int(step)
 
 
 def _uploaded(files: FileStore, file_id: str, param: str) -> Any:

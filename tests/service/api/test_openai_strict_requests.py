@@ -63,3 +63,35 @@ def test_refusals_before_the_routes_are_in_openais_envelope(tmp_path: Path) -> N
         assert large.value.body["type"] == "invalid_request_error" and large.value.body["code"] == "body_too_large"
         # Ferry's own routes keep Ferry's envelope.
         assert set(http.get("/v1/jobs").json()["error"]) == {"code", "message"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/fine_tuning/nothing", 404),
+        ("GET", "/v1/fine_tuning/jobs/job-1/nothing", 404),
+        ("DELETE", "/v1/fine_tuning/jobs/job-1", 405),
+        ("PUT", "/v1/fine_tuning/jobs", 405),
+        ("GET", "/v1/fine_tuning/jobs/job-1/cancel", 405),
+    ],
+)
+def test_unknown_paths_and_methods_are_in_openais_envelope(
+    ferry: openai.OpenAI, method: str, path: str, status: int
+) -> None:
+    http = ferry._client
+    answer = http.request(method, path)
+    assert answer.status_code == status
+    error = answer.json()["error"]  # old code: Ferry's {"error": {"code", "message"}}
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["code"] == ("not_found" if status == 404 else "method_not_allowed")
+    if status == 405:
+        assert answer.headers["Allow"] and answer.headers["Allow"] in error["message"]
+    with pytest.raises(openai.APIStatusError) as refused:  # and OpenAI's client reads it
+        getattr(ferry, method.lower())(path.removeprefix("/v1"), cast_to=dict)
+    assert refused.value.status_code == status and refused.value.body["code"] == error["code"]
+
+
+def test_ferrys_routes_keep_ferrys_404_and_405(ferry: openai.OpenAI) -> None:
+    http = ferry._client
+    assert set(http.get("/v1/nothing").json()["error"]) == {"code", "message"}
+    assert set(http.put("/v1/jobs").json()["error"]) == {"code", "message"}
