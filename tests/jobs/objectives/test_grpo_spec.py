@@ -1,0 +1,79 @@
+"""The ``training.grpo`` section and its rules: G >= 2, a grader, prompt-only data, beta needs LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from jobs.errors import JobSpecError
+from jobs.paths import PathRoots
+from jobs.spec.loading import load_job_spec
+from tests.jobs.llm_helpers import llm_spec, write_jsonl
+
+GRADER = {"type": "string_check", "reference": "{{item.answer}}", "operation": "eq"}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    (tmp_path / "models" / "tok").mkdir(parents=True)
+    write_jsonl(tmp_path / "data" / "prompts.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    return tmp_path
+
+
+def grpo_spec(grpo: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    base = llm_spec(
+        data={"path": "prompts.jsonl", "format": "prompt"},
+        training={"objective": "grpo", "steps": 2, "grpo": {"grader": GRADER, "num_generations": 4, **grpo}},
+    )
+    return llm_spec(**{**base, **sections})
+
+
+def load(data: dict[str, Any], root: Path) -> Any:
+    roots = PathRoots(model_roots=[root / "models"], data_roots=[root / "data"])
+    return load_job_spec(yaml.safe_dump(data), roots)
+
+
+def test_a_grpo_spec_loads_with_trls_defaults(root: Path) -> None:
+    grpo = load(grpo_spec({}), root).training.grpo
+    assert (grpo.loss_type, grpo.beta, grpo.epsilon, grpo.temperature) == ("dapo", 0.0, 0.2, 1.0)
+    assert grpo.grader.type == "string_check"
+
+
+def test_one_generation_is_refused_naming_the_field(root: Path) -> None:
+    with pytest.raises(JobSpecError, match="num_generations"):
+        load(grpo_spec({"num_generations": 1}), root)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"grpo": {"grader": None}}, "training.grpo.grader"),
+        ({"grpo": {"beta": 0.04}, "lora": None}, "training.grpo.beta"),
+        ({"data": {"format": "chat"}}, "training.objective"),
+    ],
+)
+def test_broken_grpo_setups_are_refused_naming_the_field(root: Path, change: dict[str, Any], field: str) -> None:
+    data = grpo_spec(change.get("grpo", {}))
+    if change.get("grpo", {}).get("grader", GRADER) is None:
+        data["training"]["grpo"].pop("grader")
+    if "lora" in change:
+        data.pop("lora")
+    if "data" in change:
+        data["data"] = {**data["data"], **change["data"]}
+    with pytest.raises(JobSpecError, match=field.replace(".", r"\.")):
+        load(data, root)
+
+
+def test_prompt_rows_without_grpo_are_refused(root: Path) -> None:
+    data = grpo_spec({})
+    data["training"] = {"steps": 2}
+    with pytest.raises(JobSpecError, match="training.objective: grpo"):
+        load(data, root)
+
+
+def test_beta_with_lora_loads(root: Path) -> None:
+    assert load(grpo_spec({"beta": 0.04}), root).training.grpo.beta == 0.04
