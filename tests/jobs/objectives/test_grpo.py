@@ -99,3 +99,78 @@ def test_advantages_are_trls_and_equal_rewards_give_zero() -> None:
 def test_one_generation_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="training.grpo.num_generations"):
         group_advantages(torch.tensor([1.0, 0.0]), 1)
+
+
+def tiny_llama(vocab: int = 16, seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def letters(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+def grpo_section(**overrides: Any) -> Any:
+    from jobs.spec.llm import GRPOSpec
+
+    grader = {"type": "string_check", "reference": "{{item.answer}}", "operation": "like"}
+    return GRPOSpec.model_validate(
+        {"num_generations": 8, "max_new_tokens": 4, "temperature": 1.0, "grader": grader, **overrides}
+    )
+
+
+def train_rewards(
+    model: torch.nn.Module, grpo: Any, steps: int, seed: int = 0, lr: float = 2e-2
+) -> list[dict[str, float]]:
+    """The metrics of each step of GRPO on "say f somewhere in 4 tokens", through the runner's train_step."""
+    from accelerate import Accelerator
+
+    from jobs.objectives.graders import Graders
+    from jobs.train.runner import train_step
+
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    loss_fn = GRPOLoss(grpo, Graders(grpo.grader), letters)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [[1, 2, 3], [4, 2], [7, 8, 9, 1], [3, 3]]
+    rows = [{"prompt": letters(p), "answer": "f"} for p in prompts]
+    rewards = []
+    for _ in range(steps):
+        rollout = loss_fn.rollout(
+            model, prompts, rows, stops=frozenset({0}), pad_id=0, device=torch.device("cpu"), generator=generator
+        )
+        train_step(
+            model, loss_fn, [rollout.batch], optimizer=optimizer, scheduler=scheduler, accelerator=accelerator,
+            manager=None, max_grad_norm=1.0, device=torch.device("cpu"),
+        )
+        metrics = loss_fn.take_metrics()
+        assert {"reward_mean", "reward_std", "completion_length", "clip_ratio"} <= set(metrics)
+        rewards.append(metrics)
+    return rewards
+
+
+def test_grpo_raises_the_mean_reward_of_a_tiny_model_deterministically() -> None:
+    rewards = [m["reward_mean"] for m in train_rewards(tiny_llama(), grpo_section(), steps=12)]
+    again = [m["reward_mean"] for m in train_rewards(tiny_llama(), grpo_section(), steps=12)]
+    assert rewards == again  # the seed decides every sample and every update
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert start < 0.5 and end > 0.9, rewards
+
+
+def test_lora_grpo_with_kl_to_the_base_learns_and_reports_kl() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_llama(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"])
+    )
+    metrics = train_rewards(model, grpo_section(beta=0.04, loss_type="grpo"), steps=12, lr=5e-2)
+    rewards = [m["reward_mean"] for m in metrics]
+    assert sum(rewards[:3]) / 3 < 0.5 and sum(rewards[-3:]) / 3 > 0.9, rewards
+    assert metrics[0]["kl"] == 0.0 < metrics[-1]["kl"]  # B starts at zero: the policy starts as the base
