@@ -182,8 +182,17 @@ class GRPOLoss:
         >>> train_step(model, loss_fn, [batch], ...); loss_fn.take_metrics()["reward_mean"]
     """
 
-    def __init__(self, grpo: Any, grade: Grade, decode: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self,
+        grpo: Any,
+        grade: Grade,
+        decode: Callable[[list[int]], str],
+        *,
+        stops: frozenset[int] = frozenset(),
+        pad_id: int = 0,
+    ) -> None:
         self.grpo, self.grade, self.decode = grpo, grade, decode
+        self.stops, self.pad_id = stops, pad_id  # the ids a completion ends at (eos, end of turn); its padding
         self._metrics: dict[str, list[torch.Tensor]] = {}
         self._zero_std_logged = False
 
@@ -245,6 +254,24 @@ class GRPOLoss:
         self._add("frac_reward_zero_std", zero_std.float().mean())
         self._add("completion_length", lengths.mean().cpu())
         return Rollout(batch=batch, completions=completions, rewards=rewards)
+
+    def step_batches(
+        self,
+        model: nn.Module,
+        micro_batches: Sequence[Sequence[tuple[list[int], dict[str, Any]]]],
+        *,
+        device: torch.device,
+    ) -> list[dict[str, torch.Tensor]]:
+        """One optimizer step's batches: each micro-batch of (prompt ids, row) sampled and graded. dapo's
+        normalizer is the step's completion tokens, split over the micro-batches (train_step averages them)."""
+        batches = []
+        for prompts in micro_batches:
+            ids, rows = [p for p, _ in prompts], [r for _, r in prompts]
+            batches.append(self.rollout(model, ids, rows, stops=self.stops, pad_id=self.pad_id, device=device).batch)
+        tokens = sum(batch["completion_mask"].sum() for batch in batches)
+        for batch in batches:
+            batch["num_items"] = (tokens / len(batches)).float()
+        return batches
 
     def _reference_logps(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         disable = getattr(model, "disable_adapter", None)

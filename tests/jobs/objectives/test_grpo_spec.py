@@ -77,3 +77,51 @@ def test_prompt_rows_without_grpo_are_refused(root: Path) -> None:
 
 def test_beta_with_lora_loads(root: Path) -> None:
     assert load(grpo_spec({"beta": 0.04}), root).training.grpo.beta == 0.04
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.jobs.llm_helpers import save_bpe_tokenizer, save_llama
+
+    root = tmp_path_factory.mktemp("grpo")
+    save_bpe_tokenizer(root / "models" / "tok")
+    save_llama(root / "models" / "llama")
+    rows = [{"prompt": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)]
+    rows += [{"prompt": [{"role": "user", "content": "say hi"}], "answer": "hi"}]
+    rows += [{"prompt": "a very long prompt " * 40, "answer": "x"}]  # longer than seq_len: skipped
+    write_jsonl(root / "data" / "prompts.jsonl", rows)
+    return root
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_grpo_job_runs_and_reports_its_figures_per_step(tiny: Path, tmp_path: Path, lora: bool) -> None:
+    from jobs.events import event_to_wire
+    from jobs.train.runner import run_job
+
+    data = grpo_spec(
+        {"num_generations": 3, "max_new_tokens": 6, "beta": 0.04 if lora else 0.0, "loss_type": "grpo"},
+        training={
+            "objective": "grpo",
+            "steps": 2,
+            "batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-2,
+            "grpo": {
+                "num_generations": 3,
+                "max_new_tokens": 6,
+                "beta": 0.04 if lora else 0.0,
+                "grader": {"type": "string_check", "reference": "{{item.answer}}", "operation": "like"},
+            },
+        },
+    )
+    if not lora:
+        data.pop("lora")
+    events: list[dict[str, Any]] = []
+    run_job(load(data, tiny), output_dir=tmp_path / "out", report=lambda e: events.append(event_to_wire(e)))
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == 2 and events[-1]["status"] == "succeeded"
+    for step in steps:
+        figures = step["grpo"]
+        assert 0 <= figures["reward_mean"] <= 1 and 0 < figures["completion_length"] <= 6
+        assert (figures["kl"] is not None) == lora
+        assert step["loss"] == step["loss"]  # finite, not NaN
