@@ -120,7 +120,7 @@ def text_similarity(spec: Any, completion: str, row: dict[str, Any]) -> float:
     if spec.evaluation_metric == "fuzzy_match":
         return difflib.SequenceMatcher(None, given, reference).ratio()
     try:
-        import sacrebleu
+        import sacrebleu  # type: ignore[import-not-found]
     except ImportError as error:
         raise ValueError("text_similarity bleu needs sacrebleu (pip install sacrebleu); or use fuzzy_match") from error
     return float(sacrebleu.sentence_bleu(given, [reference]).score) / 100

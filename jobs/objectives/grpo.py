@@ -268,9 +268,9 @@ class GRPOLoss:
         for prompts in micro_batches:
             ids, rows = [p for p, _ in prompts], [r for _, r in prompts]
             batches.append(self.rollout(model, ids, rows, stops=self.stops, pad_id=self.pad_id, device=device).batch)
-        tokens = sum(batch["completion_mask"].sum() for batch in batches)
+        tokens = torch.stack([batch["completion_mask"].sum() for batch in batches]).sum().float()
         for batch in batches:
-            batch["num_items"] = (tokens / len(batches)).float()
+            batch["num_items"] = tokens / len(batches)
         return batches
 
     def _reference_logps(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -90,9 +90,7 @@ class MultiGrader(Section):
         return self
 
 
-Grader = Annotated[
-    StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader, Field(discriminator="type")
-]
+Grader = Annotated[StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader, Field(discriminator="type")]
 
 
 class GRPOSpec(Section):

@@ -222,9 +222,11 @@ def _setup_grpo(spec: JobSpec, model: nn.Module) -> tuple[BatchSource, None, Los
     from jobs.objectives.graders import Graders
     from jobs.objectives.grpo import GRPOLoss
     from jobs.objectives.prompts import PromptData
+    from jobs.spec.job import TextDataSpec
 
     if current_group() is not None:
         raise ValueError("distributed.world_size: grpo runs on one rank for now; set world_size: 1")
+    assert isinstance(spec.data, TextDataSpec)  # a rule refuses grpo without data.format: prompt
     tokenizer = build_tokenizer(spec.data.tokenizer, spec.data.chat_template)
     data = PromptData.from_spec(spec, tokenizer)
     log.info("grpo: %s", data.summary)

@@ -28,7 +28,7 @@ class _Accelerator:
 
 def _trl_loss(logps: torch.Tensor, inputs: dict[str, Any], *, loss_type: str, beta: float, eps: float) -> torch.Tensor:
     """TRL's ``_compute_loss`` itself, its model forward replaced by the given per-token log-probs."""
-    rows, tokens = logps.shape
+    tokens = logps.shape[1]
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0,
@@ -77,8 +77,16 @@ def test_loss_and_gradients_equal_trls(loss_type: str, beta: float) -> None:
     theirs.backward()
     ours_logps = base.clone().requires_grad_()
     ours, metrics = grpo_loss(
-        ours_logps, old, ref, advantages, mask, beta=beta, epsilon=0.2, epsilon_high=None,
-        loss_type=loss_type, max_completion_length=tokens,
+        ours_logps,
+        old,
+        ref,
+        advantages,
+        mask,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=None,
+        loss_type=loss_type,
+        max_completion_length=tokens,
     )
     ours.backward()
     # float64 throughout: the same operations in the same order, so equal to 1e-12.
@@ -106,8 +114,14 @@ def tiny_llama(vocab: int = 16, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
     )
     return LlamaForCausalLM(config).float()
 
@@ -147,8 +161,15 @@ def train_rewards(
             model, prompts, rows, stops=frozenset({0}), pad_id=0, device=torch.device("cpu"), generator=generator
         )
         train_step(
-            model, loss_fn, [rollout.batch], optimizer=optimizer, scheduler=scheduler, accelerator=accelerator,
-            manager=None, max_grad_norm=1.0, device=torch.device("cpu"),
+            model,
+            loss_fn,
+            [rollout.batch],
+            optimizer=optimizer,
+            scheduler=scheduler,
+            accelerator=accelerator,
+            manager=None,
+            max_grad_norm=1.0,
+            device=torch.device("cpu"),
         )
         metrics = loss_fn.take_metrics()
         assert {"reward_mean", "reward_std", "completion_length", "clip_ratio"} <= set(metrics)
@@ -167,9 +188,7 @@ def test_grpo_raises_the_mean_reward_of_a_tiny_model_deterministically() -> None
 def test_lora_grpo_with_kl_to_the_base_learns_and_reports_kl() -> None:
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(
-        tiny_llama(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"])
-    )
+    model = get_peft_model(tiny_llama(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"]))
     metrics = train_rewards(model, grpo_section(beta=0.04, loss_type="grpo"), steps=12, lr=5e-2)
     rewards = [m["reward_mean"] for m in metrics]
     assert sum(rewards[:3]) / 3 < 0.5 and sum(rewards[-3:]) / 3 > 0.9, rewards
