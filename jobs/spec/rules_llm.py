@@ -115,6 +115,9 @@ def _check_grpo(spec: JobSpec, prompts: bool) -> list[Problem]:
         )
     if grpo.grader is None:
         problems.append(("training.grpo.grader", "grpo needs a grader to reward completions, e.g. string_check"))
+    for name in ("eval", "text_samples"):
+        if getattr(spec, name) is not None:
+            problems.append((name, "grpo jobs report rewards per step and do not evaluate or sample yet; remove it"))
     if grpo.beta > 0 and spec.lora is None:
         problems.append(
             (

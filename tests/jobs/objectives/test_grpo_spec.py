@@ -68,6 +68,13 @@ def test_broken_grpo_setups_are_refused_naming_the_field(root: Path, change: dic
         load(data, root)
 
 
+def test_eval_and_text_samples_are_refused_for_grpo(root: Path) -> None:
+    data = grpo_spec({})
+    data["text_samples"] = {"prompts": ["hi"], "every_steps": 1}
+    with pytest.raises(JobSpecError, match="text_samples"):
+        load(data, root)
+
+
 def test_prompt_rows_without_grpo_are_refused(root: Path) -> None:
     data = grpo_spec({})
     data["training"] = {"steps": 2}
