@@ -132,3 +132,18 @@ def test_a_grpo_job_runs_and_reports_its_figures_per_step(tiny: Path, tmp_path: 
         assert 0 <= figures["reward_mean"] <= 1 and 0 < figures["completion_length"] <= 6
         assert (figures["kl"] is not None) == lora
         assert step["loss"] == step["loss"]  # finite, not NaN
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_none_fitting_is_refused(root: Path) -> None:
+    from jobs.data.tokenizers import ByteTokenizer
+    from jobs.objectives.prompts import PromptData
+
+    write_jsonl(root / "data" / "prompts.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x" * 40}])
+    byte = {"data": {"path": "prompts.jsonl", "format": "prompt", "seq_len": 20, "tokenizer": {"kind": "byte"}}}
+    spec = load(grpo_spec({"max_new_tokens": 8}, **byte), root)
+    data = PromptData.from_spec(spec, ByteTokenizer())
+    assert (len(data.rows), data.skipped_long) == (1, 1)
+    assert data.rows[0][1]["answer"] == "2" and data.prompts(0)[0][0] == ByteTokenizer().encode("1+1=")
+    spec = load(grpo_spec({"max_new_tokens": 18}, **byte), root)
+    with pytest.raises(ValueError, match="data.seq_len"):
+        PromptData.from_spec(spec, ByteTokenizer())
