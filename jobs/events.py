@@ -140,6 +140,20 @@ class PreferenceMetrics(BaseModel):
     logps_rejected: float
 
 
+class GRPOMetrics(BaseModel):
+    """A grpo step's figures, TRL's names: the rewards of the step's completions, their length in tokens, the
+    KL to the reference (beta > 0) and the share of completion tokens whose ratio was clipped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reward_mean: float
+    reward_std: float
+    frac_reward_zero_std: float = Field(description="share of completions whose group's rewards were all equal")
+    completion_length: float
+    clip_ratio: float
+    kl: float | None = Field(None, description="mean per-token k3 KL to the reference; null when beta is 0")
+
+
 class RankFigures(BaseModel):
     """One rank's share of a data-parallel step: its own step time and memory."""
 
@@ -165,6 +179,7 @@ class StepEvent(JobEvent, StepMetrics, MemorySnapshot):
     eta_s: float
     offload: OffloadStats | None = Field(None, description="the offload engine's counters; null without offload")
     preference: PreferenceMetrics | None = Field(None, description="training.objective dpo/orpo; null for sft")
+    grpo: GRPOMetrics | None = Field(None, description="training.objective grpo: rewards, KL, length, clipping")
     ranks: list[RankFigures] | None = Field(
         None, description="distributed.world_size > 1: every rank's step time and memory; null on one rank"
     )

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationInfo, create_model, field_validator, model
 
 from jobs.models import registry
 from jobs.spec.distributed import DistributedSpec
-from jobs.spec.llm import DPOSpec, EvalSpec, InstructionFields, ORPOSpec, TextSamplesSpec, TrackingSpec
+from jobs.spec.llm import DPOSpec, EvalSpec, GRPOSpec, InstructionFields, ORPOSpec, TextSamplesSpec, TrackingSpec
 from jobs.spec.sections import DataPath, ModelPath, Section, broken_rules
 from jobs.spec.sections import Dtype as Dtype
 from offload import OffloadOptions
@@ -80,10 +80,11 @@ class TextDataSpec(Section):
     mix: list[DataSourceSpec] | None = Field(
         None, min_length=1, max_length=64, description="instead of path: several sources mixed by weight"
     )
-    format: Literal["text", "instruction", "chat", "preference"] = Field(
+    format: Literal["text", "instruction", "chat", "preference", "prompt"] = Field(
         "text",
         description="text: every token trains; instruction/chat: only responses unless train_on_prompt; "
-        "preference: prompt, chosen and rejected (TRL's or OpenAI's DPO layout) for training.objective dpo/orpo",
+        "preference: prompt, chosen and rejected (TRL's or OpenAI's DPO layout) for training.objective dpo/orpo; "
+        "prompt: prompt-only rows (TRL's, standard or conversational) for training.objective grpo",
     )
     file_type: Literal["auto", "jsonl", "json", "csv", "parquet", "txt", "saved"] = Field(
         "auto", description="auto: from the suffix (a directory saved by datasets.save_to_disk is 'saved')"
@@ -182,11 +183,14 @@ class TrainingSpec(Section):
         "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
     )
     gradient_checkpointing: bool = False
-    objective: Literal["sft", "dpo", "orpo"] = Field(
-        "sft", description="sft: next-token loss on the labels; dpo/orpo: preference pairs (data.format: preference)"
+    objective: Literal["sft", "dpo", "orpo", "grpo"] = Field(
+        "sft",
+        description="sft: next-token loss on the labels; dpo/orpo: preference pairs (data.format: preference); "
+        "grpo: rewards of sampled completions (data.format: prompt)",
     )
     dpo: DPOSpec = DPOSpec()
     orpo: ORPOSpec = ORPOSpec()
+    grpo: GRPOSpec = GRPOSpec()
     # The families' own fields follow (ModelFamily.training_fields), added below.
 
     @model_validator(mode="before")

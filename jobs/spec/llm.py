@@ -7,7 +7,7 @@ the job. A module of their own so the job spec stays one screen of model, data a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -37,6 +37,86 @@ class ORPOSpec(Section):
     loss. ``beta`` is the ORPO paper's lambda, named as in TRL's ``ORPOConfig``."""
 
     beta: float = Field(0.1, gt=0, description="the weight of the odds-ratio term (the paper's lambda)")
+
+
+class StringCheckGrader(Section):
+    """OpenAI's ``string_check``: 1 when ``input`` and ``reference`` (templates: ``{{sample.output_text}}``,
+    ``{{item.<column>}}``) pass ``operation`` (eq, ne; like: contains, ilike: contains ignoring case), else 0."""
+
+    type: Literal["string_check"]
+    name: str = "string_check"
+    input: str = "{{sample.output_text}}"
+    reference: str
+    operation: Literal["eq", "ne", "like", "ilike"] = "eq"
+
+
+class TextSimilarityGrader(Section):
+    """OpenAI's ``text_similarity``: fuzzy_match (difflib's ratio, 0 to 1) or bleu (sacrebleu, when installed)."""
+
+    type: Literal["text_similarity"]
+    name: str = "text_similarity"
+    input: str = "{{sample.output_text}}"
+    reference: str
+    evaluation_metric: Literal["fuzzy_match", "bleu"] = "fuzzy_match"
+
+
+class PythonGrader(Section):
+    """OpenAI's ``python`` grader: ``grade(sample, item) -> float`` from ``file`` (under a data root), run in a
+    subprocess in the file's folder with ``timeout_s`` per completion and ``memory_mb`` of address space."""
+
+    type: Literal["python"]
+    name: str = "python"
+    file: DataPath
+    timeout_s: float = Field(5.0, gt=0, le=600)
+    memory_mb: int = Field(1024, ge=64, le=1_048_576)
+
+
+class MultiGrader(Section):
+    """OpenAI's ``multi``: the weighted sum of its graders' rewards (``weights`` by grader name, default 1)."""
+
+    type: Literal["multi"]
+    name: str = "multi"
+    graders: list[StringCheckGrader | TextSimilarityGrader | PythonGrader] = Field(min_length=1)
+    weights: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _weights_name_graders(self) -> MultiGrader:
+        names = [grader.name for grader in self.graders]
+        if len(set(names)) != len(names):
+            raise ValueError(f"multi grader: give each grader its own name; got {names}")
+        unknown = sorted(set(self.weights) - set(names))
+        if unknown:
+            raise ValueError(f"multi grader: weights name no grader: {unknown}; graders are {names}")
+        return self
+
+
+Grader = Annotated[StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader, Field(discriminator="type")]
+
+
+class GRPOSpec(Section):
+    """Group Relative Policy Optimization; the names and meanings are TRL's ``GRPOConfig``'s (``max_new_tokens``
+    is its ``max_completion_length``), the graders OpenAI's reinforcement fine-tuning's."""
+
+    num_generations: int = Field(8, le=1024, description="completions sampled per prompt: the group (at least 2)")
+    max_new_tokens: int = Field(256, gt=0, le=65536)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    beta: float = Field(0.0, ge=0, description="the KL weight to the reference (the base, LoRA adapters off)")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="the ratio's clip: 1 - epsilon to 1 + epsilon_high")
+    epsilon_high: float | None = Field(None, gt=0, description="the upper clip (DAPO's); null: epsilon")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="grpo: mean per completion; dr_grpo: sum over completions * max_new_tokens; dapo: per token"
+    )
+    grader: Grader | None = Field(None, description="how completions are rewarded (OpenAI's grader objects)")
+
+    @field_validator("num_generations")
+    @classmethod
+    def _a_group(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                "training.grpo.num_generations must be at least 2: advantages compare a prompt's completions"
+            )
+        return value
 
 
 class EarlyStoppingSpec(Section):

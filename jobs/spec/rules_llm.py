@@ -86,6 +86,9 @@ def _check_dora_under_offload(spec: JobSpec) -> list[Problem]:
 
 def _check_objective_fits_data(spec: JobSpec) -> list[Problem]:
     objective, data = spec.training.objective, spec.data
+    prompts = data.kind == "text" and data.format == "prompt"
+    if objective == "grpo" or prompts:
+        return _check_grpo(spec, prompts)
     pairs = data.kind == "text" and data.format == "preference"
     if objective != "sft" and not pairs:
         return [
@@ -100,10 +103,37 @@ def _check_objective_fits_data(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _check_grpo(spec: JobSpec, prompts: bool) -> list[Problem]:
+    """grpo samples from prompt-only rows and rewards with a grader; its KL reference is the base under LoRA."""
+    grpo = spec.training.grpo
+    if spec.training.objective != "grpo":
+        return [("data.format", "prompt-only rows train with training.objective: grpo")]
+    problems: list[Problem] = []
+    if not prompts:
+        problems.append(
+            ("training.objective", "grpo samples completions of prompts: set data.kind: text and data.format: prompt")
+        )
+    if grpo.grader is None:
+        problems.append(("training.grpo.grader", "grpo needs a grader to reward completions, e.g. string_check"))
+    for name in ("eval", "text_samples"):
+        if getattr(spec, name) is not None:
+            problems.append((name, "grpo jobs report rewards per step and do not evaluate or sample yet; remove it"))
+    if grpo.beta > 0 and spec.lora is None:
+        problems.append(
+            (
+                "training.grpo.beta",
+                "the KL reference is the base with the LoRA adapters off; a full fine-tune has none: set lora or beta: 0",
+            )
+        )
+    if spec.lora is not None and grpo.beta > 0 and (spec.lora.use_dora or spec.lora.modules_to_save):
+        problems.append(("lora", "grpo's reference turns plain LoRA adapters off; remove use_dora/modules_to_save"))
+    return problems
+
+
 def _check_preference_setup(spec: JobSpec) -> list[Problem]:
     """What preference tuning does not combine with (yet)."""
     objective, lora = spec.training.objective, spec.lora
-    if objective == "sft":
+    if objective in ("sft", "grpo"):
         return []
     problems: list[Problem] = []
     if objective == "dpo" and lora is not None and (lora.use_dora or lora.modules_to_save):

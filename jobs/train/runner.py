@@ -17,6 +17,7 @@ from jobs.distributed.optimizer_shards import whole_optimizer_reason
 from jobs.errors import OutOfMemoryHint
 from jobs.events import (
     FinishedEvent,
+    GRPOMetrics,
     LogEvent,
     PreferenceMetrics,
     Report,
@@ -237,7 +238,11 @@ def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClo
     accumulation = training.gradient_accumulation_steps
     lr = session.optimizer.param_groups[0]["lr"]  # the rate this step uses
     first = done * accumulation  # data position: micro-batches consumed so far
-    batches = [session.data.batch(index) for index in range(first, first + accumulation)]
+    grpo = training.objective == "grpo"
+    if grpo:  # sampled from the policy as it is now, graded: this step's batches
+        batches = grpo_batches(session, range(first, first + accumulation))
+    else:
+        batches = [session.data.batch(index) for index in range(first, first + accumulation)]
     loss = train_step(
         session.forward_model,
         session.loss_fn,
@@ -269,9 +274,21 @@ def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClo
     if group is not None:
         event = group.with_rank_figures(event, timing["step_s"])  # every rank's time and memory
     take_metrics = getattr(session.loss_fn, "take_metrics", None)  # dpo/orpo: rewards and log-probs
-    if callable(take_metrics):
+    if grpo and callable(take_metrics):
+        event = event.model_copy(update={"grpo": GRPOMetrics(**take_metrics())})
+    elif callable(take_metrics):
         event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})
     return event
+
+
+def grpo_batches(session: TrainingSession, indices: range) -> list[dict[str, torch.Tensor]]:
+    """A grpo step's micro-batches: the prompts at ``indices``, G completions each sampled and graded."""
+    from jobs.objectives.grpo import GRPOLoss
+
+    loss_fn, data = session.loss_fn, session.data
+    assert isinstance(loss_fn, GRPOLoss)
+    prompts = getattr(data, "prompts")  # noqa: B009 (PromptData; BatchSource has no prompts)
+    return loss_fn.step_batches(session.forward_model, [prompts(i) for i in indices], device=session.device)
 
 
 def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:

@@ -96,7 +96,9 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     family = family_of(spec.model)
     loading_started = time.perf_counter()
     model, loss_fn, source = _setup_model(spec, family, device)
-    if spec.training.objective != "sft":
+    if spec.training.objective == "grpo":
+        pass  # its loss needs the tokenizer: built with its prompts below
+    elif spec.training.objective != "sft":
         from jobs.objectives.preference import PreferenceLoss
 
         loss_fn = PreferenceLoss(spec.training, model)  # dpo's reference: the base, adapters masked per row
@@ -107,8 +109,11 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     if checkpoint is not None and source is None:
         family.weights_format.load(model, Path(checkpoint.path))  # before the engine takes the weights over
     group = current_group()  # data parallelism: each rank reads its rows of the global batch
-    data, text = _setup_data(group.union_spec(spec) if group else spec, family, device, model)
-    data = group.shard(data) if group else data
+    if spec.training.objective == "grpo":
+        data, text, loss_fn = _setup_grpo(spec, model)
+    else:
+        data, text = _setup_data(group.union_spec(spec) if group else spec, family, device, model)
+        data = group.shard(data) if group else data
     sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
     _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
     model.train()
@@ -208,6 +213,32 @@ def _setup_model(
     elif quantize is not None:
         _quantize_base(model, quantize, device)
     return model, loss_fn, source
+
+
+def _setup_grpo(spec: JobSpec, model: nn.Module) -> tuple[BatchSource, None, LossFn]:
+    """grpo's prompts (no token batches: each step samples its own) and its loss, with the graders."""
+    from jobs.data.tokenizers import build_tokenizer
+    from jobs.evaluate.text_samples import stop_ids
+    from jobs.objectives.graders import Graders
+    from jobs.objectives.grpo import GRPOLoss
+    from jobs.objectives.prompts import PromptData
+    from jobs.spec.job import TextDataSpec
+
+    if current_group() is not None:
+        raise ValueError("distributed.world_size: grpo runs on one rank for now; set world_size: 1")
+    assert isinstance(spec.data, TextDataSpec)  # a rule refuses grpo without data.format: prompt
+    tokenizer = build_tokenizer(spec.data.tokenizer, spec.data.chat_template)
+    data = PromptData.from_spec(spec, tokenizer)
+    log.info("grpo: %s", data.summary)
+    grpo = spec.training.grpo
+    loss = GRPOLoss(
+        grpo,
+        Graders(grpo.grader),
+        tokenizer.decode,
+        stops=stop_ids(tokenizer, model),
+        pad_id=tokenizer.pad_id,
+    )
+    return data, None, loss
 
 
 def _setup_data(
