@@ -43,7 +43,7 @@ def write_final_exports(spec: JobSpec, output_dir: Path, report: Report) -> list
         written = _write(name, spec, checkpoint)
         files = [_digest(path, output_dir) for path in written]
         quant = spec.export.gguf.quant if name == "gguf" and spec.export.gguf is not None else None
-        event = ExportEvent(checkpoint=chosen.name, format=name, quant=quant, files=files)  # type: ignore[arg-type]
+        event = ExportEvent(checkpoint=chosen.name, format=name, quant=quant, files=files)
         log.info("exported %s as %s: %s", chosen.name, name, ", ".join(f.name for f in files))
         report(event)
         events.append(event)
