@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from jobs.checkpoints.directory import EXPORTS_DIR, CheckpointInfo, best_checkpoint, file_sha256, list_checkpoints
-from jobs.events import ExportEvent, FileDigest, Report
+from jobs.events import ExportEvent, FileDigest, LogEvent, Report
 from jobs.spec.job import JobSpec
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,13 @@ def export_checkpoint_to_use(output_dir: Path) -> CheckpointInfo | None:
 def write_final_exports(spec: JobSpec, output_dir: Path, report: Report) -> list[ExportEvent]:
     """Write every export ``spec.export`` asks for and report each; returns the events reported.
 
+    An export an exporter refuses (a diverged checkpoint, a base model gone) is reported as an ``error`` log
+    event naming ``export.<format>`` and the fix, and the job still succeeds: its checkpoints are kept, and
+    the export can be made later from another one (``python -m jobs export``, the checkpoint routes).
+    Nothing partial is left: each exporter writes atomically.
+
     Raises:
-        ValueError: the job left no checkpoint to export (the rules at submit make that rare), or an exporter
-            refused it (its message says why). Nothing partial is left: each exporter writes atomically.
+        ValueError: the job left no checkpoint to export (the rules at submit make that rare).
     """
     formats = spec.export.formats()
     if not formats:
@@ -40,7 +44,11 @@ def write_final_exports(spec: JobSpec, output_dir: Path, report: Report) -> list
     checkpoint = Path(chosen.path)
     events = []
     for name in formats:
-        written = _write(name, spec, checkpoint)
+        try:
+            written = _write(name, spec, checkpoint)
+        except ValueError as error:  # refused (e.g. a diverged checkpoint): the training itself succeeded
+            report(LogEvent(level="error", message=f"export.{name} not written: {error}"))
+            continue
         files = [_digest(path, output_dir) for path in written]
         quant = spec.export.gguf.quant if name == "gguf" and spec.export.gguf is not None else None
         event = ExportEvent(checkpoint=chosen.name, format=name, quant=quant, files=files)

@@ -5,6 +5,7 @@ written from its last checkpoint, reported as ``export`` events and listed by th
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from jobs import JobSpecError, PathRoots, load_job_spec, run_job
 from jobs.events import ExportEvent, JobEvent
+from jobs.train.final_exports import write_final_exports
 from service.api.app import create_app
 from service.checking.check import InlineSpecChecker
 from service.queue.status import JobStatus
@@ -90,6 +92,23 @@ def test_a_lora_job_ends_with_its_exports_reported_and_listed(tmp_path: Path, ll
         # A second POST answers with the file the job already wrote, exporting nothing again.
         again = client.post(f"/v1/jobs/{JOB}/checkpoints/step-00000002/gguf?quant=q8_0").json()
         assert again["gguf"]["sha256"] == exported[1].files[0].sha256
+
+    # The same checkpoint diverged (a NaN in its adapter): each export is refused in an error event naming
+    # its field and the fix, and nothing is written.
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(output / "exports")
+    adapter = output / "checkpoints" / "step-00000002" / "adapter_model.safetensors"
+    weights = load_file(str(adapter))
+    next(iter(weights.values())).view(-1)[0] = float("inf")
+    save_file(weights, str(adapter))
+    later: list[JobEvent] = []
+    assert write_final_exports(load_job_spec(yaml.safe_dump(data), llm_roots), output, later.append) == []
+    assert [(e.type, getattr(e, "level", None)) for e in later] == [("log", "error"), ("log", "error")]
+    messages = [getattr(e, "message", "") for e in later]
+    assert messages[0].startswith("export.merged not written: checkpoint step-00000002 has weights that are not")
+    assert messages[1].startswith("export.gguf not written:") and "export an earlier checkpoint" in messages[1]
+    assert not (output / "exports").exists() or not any((output / "exports").iterdir())
 
 
 def test_bad_export_sections_are_refused_at_submit_naming_the_field(llm_roots: PathRoots) -> None:
