@@ -217,9 +217,10 @@ def test_a_diverged_checkpoint_is_refused_by_every_export_with_nothing_left(
 ) -> None:
     from safetensors.torch import load_file, save_file
 
-    from tests.jobs.llm_helpers import save_llama
+    from tests.jobs.llm_helpers import save_bpe_tokenizer, save_llama
 
     model = save_llama(tmp_path / "llama")
+    save_bpe_tokenizer(model)  # a whole model with its tokenizer: exportable but for the NaN
     weights = load_file(str(model / "model.safetensors"))
     name = sorted(weights)[3]
     weights[name][0, 0] = float("nan")  # one weight a diverged step made NaN
