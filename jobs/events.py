@@ -218,6 +218,16 @@ class CheckpointEvent(JobEvent):
     files: list[FileDigest]
 
 
+class ExportEvent(JobEvent):
+    """An export the spec's ``export:`` section asked for was written from a checkpoint, after training."""
+
+    type: Literal["export"] = "export"
+    checkpoint: str = Field(description="the checkpoint exported, e.g. step-00000100")
+    format: Literal["gguf", "merged"]
+    quant: str | None = Field(None, description="of a GGUF file: f32, f16, bf16 or q8_0")
+    files: list[FileDigest] = Field(description="names relative to the job's output directory")
+
+
 class SampleEvent(JobEvent):
     """A sample the model produced: generated text, or a file (an image, audio) under the output directory."""
 
@@ -278,6 +288,7 @@ JOB_EVENTS: tuple[type[JobEvent], ...] = (
     StepEvent,
     EvalEvent,
     CheckpointEvent,
+    ExportEvent,
     SampleEvent,
     CacheProgressEvent,
     LogEvent,
@@ -290,6 +301,7 @@ AnyJobEvent = Annotated[
     | StepEvent
     | EvalEvent
     | CheckpointEvent
+    | ExportEvent
     | SampleEvent
     | CacheProgressEvent
     | LogEvent

@@ -88,6 +88,7 @@ def merge_lora_checkpoint(checkpoint: Path, output: Path | None = None, *, archi
 
     checkpoint = Path(checkpoint)
     spec = _lora_spec(checkpoint)
+    check_finite_weights(checkpoint)
     base_path = Path(spec["model"]["path"])
     if not (base_path / "config.json").is_file():
         raise ValueError(f"the base model {base_path} of {checkpoint} is gone; it is needed to merge the adapter")
@@ -108,6 +109,33 @@ def merge_lora_checkpoint(checkpoint: Path, output: Path | None = None, *, archi
         archive_directory(output)
     log.info("merged %s into %s", checkpoint, output)
     return output
+
+
+def check_finite_weights(checkpoint: Path) -> None:
+    """Refuse a checkpoint whose saved weights hold NaN or infinity: a diverged run, which no program can use.
+
+    Each ``.safetensors`` file of the checkpoint is read one tensor at a time (the host memory of the largest
+    tensor, not of the model).
+
+    Raises:
+        ValueError: naming the first tensor that is not finite and the fix (an earlier checkpoint).
+    """
+    from safetensors import safe_open
+
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        try:
+            weights = safe_open(str(path), framework="pt")
+        except Exception:  # not safetensors at all: the exporter's own reading says what is wrong with it
+            continue
+        with weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open is not iterable)
+                tensor = weights.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise ValueError(
+                        f"checkpoint {Path(checkpoint).name} has weights that are not finite ({name} in {path.name} "
+                        "holds NaN or infinity: the run diverged); export an earlier checkpoint, or train again "
+                        "with a lower training.learning_rate"
+                    )
 
 
 def archive_directory(directory: Path) -> Path:

@@ -155,6 +155,10 @@ def export_gguf(
     if not checkpoint.is_dir():
         raise ValueError(f"checkpoint {checkpoint} is not a directory")
     ferry = (checkpoint / "manifest.json").is_file()
+    if ferry:
+        from jobs.checkpoints.export import check_finite_weights
+
+        check_finite_weights(checkpoint)  # before any file is made: a diverged run is refused whole
     if output is None:
         stem = f"{checkpoint.name}-{quant}.gguf"
         output = checkpoint.parent.parent / EXPORTS_DIR / stem if ferry else checkpoint.parent / stem

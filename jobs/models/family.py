@@ -83,6 +83,8 @@ class ModelFamily(Generic[JobT]):
         checkpoint_problems: ``checkpoint_problems(model_spec) -> [(tensor, file, message)]``: the ways the
             checkpoint fails to fill the model, read from the files' headers at submit time (missing,
             unexpected, misshapen tensors); None when the family has no such check.
+        exports: The formats of the job spec's ``export:`` section this family's checkpoints can be written
+            in (``gguf``: llama.cpp's file; ``merged``: a LoRA adapter merged into a full Hugging Face model).
         checkpointed_inputs: ``checkpointed_inputs(job_spec, meta_model) -> [bytes, ...]``: what gradient
             checkpointing keeps from forward to backward, one entry per checkpointed call in the order they are
             saved (a decoder's block inputs); ``offload.activations`` plans their pinned host memory from it.
@@ -120,6 +122,7 @@ class ModelFamily(Generic[JobT]):
     training_fields: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
     section_rules: tuple[Callable[[JobSpec, ModelFamily[Any]], list[Problem]], ...] = ()
     task_help: Mapping[str, str] = field(default_factory=dict)
+    exports: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation

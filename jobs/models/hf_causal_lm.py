@@ -255,4 +255,5 @@ FAMILY = ModelFamily(
     build_on_meta=build_hf_causal_lm_on_meta,
     checkpoint_problems=hf_checkpoint_problems,
     checkpointed_inputs=hf_checkpointed_inputs,
+    exports=frozenset({"gguf", "merged"}),  # jobs/checkpoints/gguf_file.py, export.py read save_pretrained dirs
 )

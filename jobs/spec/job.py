@@ -329,6 +329,30 @@ class CheckpointSpec(Section):
     save_final: bool = True
 
 
+class GgufExportSpec(Section):
+    """The final checkpoint written as one GGUF file (llama.cpp, Ollama, LM Studio) with an Ollama Modelfile."""
+
+    quant: str = Field("f16", description="f32, f16, bf16 or q8_0 (K-quants: llama-quantize the f16 file)")
+
+    @field_validator("quant")
+    @classmethod
+    def _check_quant(cls, value: str) -> str:
+        from jobs.checkpoints.gguf_quants import check_quant  # torch-free
+
+        return check_quant(value)
+
+
+class ExportSpec(Section):
+    """Exports written when the job succeeds, from its best checkpoint (lowest eval loss) or else its last."""
+
+    gguf: GgufExportSpec | None = Field(None, description="e.g. {quant: q8_0}; null: no GGUF file")
+    merged: bool = Field(False, description="a LoRA adapter merged into its base model (save_pretrained + .tar)")
+
+    def formats(self) -> list[str]:
+        """The formats asked for, in the order they are written."""
+        return [name for name, wanted in (("merged", self.merged), ("gguf", self.gguf is not None)) if wanted]
+
+
 # ---- the job -----------------------------------------------------------------------------------------
 class JobSpec(Section):
     """A whole training job. Build it with `jobs.load_job_spec`, which reports every problem at once."""
@@ -346,6 +370,7 @@ class JobSpec(Section):
     offload: OffloadSpec = OffloadSpec()
     distributed: DistributedSpec = DistributedSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    export: ExportSpec = Field(ExportSpec(), description="files other programs load, written when the job succeeds")
 
     eval: EvalSpec | None = None
     text_samples: TextSamplesSpec | None = Field(None, description="text from fixed prompts (language models)")

@@ -140,6 +140,27 @@ def _check_distributed_trains(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def _check_exports_supported(spec: JobSpec) -> list[Problem]:
+    family = family_of(spec.model)
+    problems: list[Problem] = []
+    for name in spec.export.formats():
+        if name not in family.exports:
+            can = f"its exports: {', '.join(sorted(family.exports))}" if family.exports else "it has none"
+            problems.append(
+                (
+                    f"export.{name}",
+                    f"model kind {family.kind!r} cannot be exported as {name} ({can}); remove export.{name}",
+                )
+            )
+    if spec.export.merged and spec.lora is None and "merged" in family.exports:
+        problems.append(
+            ("export.merged", "a full fine-tune's checkpoint is already a whole model: remove export.merged")
+        )
+    if spec.export.formats() and not spec.checkpoint.save_final and spec.checkpoint.every_steps is None:
+        problems.append(("export", "exports are written from a checkpoint: set checkpoint.save_final: true"))
+    return problems
+
+
 RULES = (
     _check_task_supported,
     _check_distributed_trains,
@@ -153,6 +174,7 @@ RULES = (
     _check_activation_offload_needs_checkpointing,
     _check_uncheckpointed_layers_need_checkpointing,
     _check_quantize_needs_a_frozen_base,
+    _check_exports_supported,
     *LLM_RULES,
 )
 

@@ -32,6 +32,7 @@ from jobs.reporting.tracking import Tracking
 from jobs.spec.job import JobSpec
 from jobs.train.between_steps import EvalAndSamples
 from jobs.train.checkpoint_keeper import CheckpointKeeper, checkpoint_due
+from jobs.train.final_exports import write_final_exports
 from jobs.train.gc_pauses import setup_frozen_for_the_collector
 from jobs.train.oom import oom_message
 from jobs.train.reference_logps import needs_reference_pass, prepare_reference_logps
@@ -161,6 +162,11 @@ def run_job(
             prepare_reference_logps(session, spec, output_dir, report, cache_dir=cache_dir)
         with setup_frozen_for_the_collector():  # no full collection walks the model in the middle of a step
             outcome = _train(session, spec, resolved, output_dir, report, should_stop)
+        if outcome.status == "succeeded" and spec.export.formats() and leads():
+            close_session(session)  # the exporters load the checkpoint themselves: the training model goes first
+            session = None
+            return_cached_host_memory()
+            write_final_exports(spec, output_dir, report)
         report(FinishedEvent(status=outcome.status, step=outcome.step))
         return outcome
     except torch.OutOfMemoryError as error:

@@ -237,6 +237,9 @@ class CheckpointPublic(BaseModel):
     eval_loss: float | None = None  # measured at this step, when the job evaluates
     best: bool = False  # the lowest eval loss of the job's checkpoints
     damaged: str | None = None  # why its manifest cannot be used; a damaged checkpoint lists no files
+    # Made from it (the spec's export: section, POST .../merge or .../gguf): a merged .tar, GGUF files and
+    # their Modelfiles, each with its download url.
+    exports: list[CheckpointFile] = []
 
 
 class MergedPublic(BaseModel):

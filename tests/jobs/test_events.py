@@ -30,6 +30,7 @@ def test_the_contract_declares_the_issue_s_event_types() -> None:
     assert set(EVENT_TYPES) == {
         *("started", "step", "eval", "checkpoint", "sample", "log", "finished", "failed"),
         "cache_progress",  # task: cache jobs (diffusion split training)
+        "export",  # the spec's export: section, after a successful job
     }
     assert [EVENT_TYPES[cls.model_fields["type"].default] for cls in JOB_EVENTS] == list(JOB_EVENTS)
 

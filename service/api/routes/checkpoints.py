@@ -36,7 +36,7 @@ from jobs.checkpoints.directory import (
     file_sha256,
     scan_checkpoints,
 )
-from jobs.checkpoints.gguf_quants import check_quant
+from jobs.checkpoints.gguf_quants import QUANTS, check_quant
 from service.api.deps import SettingsDep, StoreDep
 from service.api.errors import ApiError, error_response
 from service.api.merged_archives import merged_archive_sha256
@@ -60,7 +60,8 @@ def list_job_checkpoints(job_id: str, store: StoreDep, settings: SettingsDep) ->
     store.get_job(job_id)
     scan = _scan(settings.job_dir(job_id))
     best = best_checkpoint(scan.valid)
-    listed = [_public(job_id, c, best) for c in scan.valid] + [_damaged(d) for d in scan.damaged]
+    exports = settings.job_dir(job_id) / "output" / EXPORTS_DIR
+    listed = [_public(job_id, c, best, exports) for c in scan.valid] + [_damaged(d) for d in scan.damaged]
     return CheckpointsPublic(data=sorted(listed, key=lambda c: (c.step, c.name)))
 
 
@@ -400,7 +401,36 @@ def _scan(job_dir: Path) -> CheckpointScan:
     return scan_checkpoints(output) if output.exists() else CheckpointScan([], [])
 
 
-def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None) -> CheckpointPublic:
+def _exports(job_id: str, checkpoint: str, exports: Path) -> list[CheckpointFile]:
+    """The finished exports of a checkpoint (a merged .tar, GGUF files, Modelfiles) with their download urls.
+
+    Only a file whose ``.sha256`` is written counts as finished: an export under way, or one a crash cut
+    short, is not listed (the exporters write their files whole, then the checksum)."""
+    base = f"/v1/jobs/{job_id}/checkpoints/{checkpoint}"
+    found = []
+    merged = _merged_archive(exports.parent.parent, checkpoint)
+    if merged.is_file() and merged.with_name(merged.name + ".sha256").is_file():
+        found.append(_export_file(merged, f"{base}/merged"))
+    for quant in QUANTS:
+        path = _gguf_path(exports.parent.parent, checkpoint, quant)
+        if path.is_file() and path.with_name(path.name + ".sha256").is_file():
+            found.append(_export_file(path, f"{base}/gguf?quant={quant}"))
+            modelfile = path.with_suffix(".Modelfile")
+            if modelfile.is_file():
+                found.append(_export_file(modelfile, f"{base}/gguf/modelfile?quant={quant}", file_sha256(modelfile)))
+    return found
+
+
+def _export_file(path: Path, url: str, sha256: str | None = None) -> CheckpointFile:
+    try:
+        digest = sha256 or path.with_name(path.name + ".sha256").read_text().strip()
+        size = path.stat().st_size
+    except FileNotFoundError:  # deleted between the check and now: listed with what is known
+        digest, size = sha256 or "", 0
+    return CheckpointFile(name=path.name, bytes=size, sha256=digest, url=url)
+
+
+def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None, exports: Path) -> CheckpointPublic:
     base = f"/v1/jobs/{job_id}/checkpoints/{info.name}/files"
     files = [
         CheckpointFile(name=f["name"], bytes=f["bytes"], sha256=f["sha256"], url=f"{base}/{f['name']}")
@@ -413,6 +443,7 @@ def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None) -> C
         files=files,
         eval_loss=info.eval_loss,
         best=best is not None and best.name == info.name,
+        exports=_exports(job_id, info.name, exports) if exports.is_dir() else [],
     )
 
 

@@ -126,6 +126,30 @@ export function mergedArchive(body) {
 }
 
 /**
+ * The exports made from a checkpoint (a merged .tar, GGUF files, their Modelfiles), each a download.
+ * @param {CheckpointPublic} ckpt
+ */
+export function checkpointExports(ckpt) {
+  return (ckpt.exports || []).map((f) => ({ url: f.url, name: f.name, bytes: f.bytes, sha256: f.sha256 }));
+}
+
+/**
+ * Whether a checkpoint is a Hugging Face model or adapter, which the GGUF export reads.
+ * @param {CheckpointPublic} ckpt
+ */
+export function ggufExportable(ckpt) {
+  return ckpt.files.some((f) => f.name === "adapter_config.json" || f.name === "config.json");
+}
+
+/**
+ * The GGUF file a GGUF export answer offers for download.
+ * @param {GgufPublic} body
+ */
+export function ggufFile(body) {
+  return { url: body.gguf.url, name: body.gguf.name, bytes: body.gguf.bytes };
+}
+
+/**
  * A stored or streamed event (`{id, job_id, attempt, type, created_at, data}`) as one flat object; a step
  * event comes out shaped as a `/metrics` point (`event_id`, `time` in seconds).
  * @param {EventPublic} item

@@ -210,3 +210,33 @@ def test_gguf_export_refusals_are_4xx_naming_the_fix(client: TestClient, setting
     exports = settings.job_dir(JOB) / "output" / "exports"
     assert not exports.exists() or not any(exports.iterdir())  # nothing partial left behind
     assert error(client.post(f"{BASE}/step-00000099/gguf"))[0] == 404
+
+
+def test_a_diverged_checkpoint_is_refused_by_every_export_with_nothing_left(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from tests.jobs.llm_helpers import save_bpe_tokenizer, save_llama
+
+    model = save_llama(tmp_path / "llama")
+    save_bpe_tokenizer(model)  # a whole model with its tokenizer: exportable but for the NaN
+    weights = load_file(str(model / "model.safetensors"))
+    name = sorted(weights)[3]
+    weights[name][0, 0] = float("nan")  # one weight a diverged step made NaN
+
+    def diverged(directory: Path) -> None:
+        save_file(weights, str(directory / "model.safetensors"))
+        for file in model.iterdir():
+            if file.suffix != ".safetensors":
+                (directory / file.name).write_bytes(file.read_bytes())
+
+    save_checkpoint(settings.job_dir(JOB) / "output", 4, {}, diverged)
+    status, code, message = error(client.post(f"{BASE}/step-00000004/gguf", params={"quant": "q8_0"}))
+    assert (status, code) == (422, "not_exportable")
+    assert f"({name} in model.safetensors holds NaN or infinity: the run diverged); export an earlier" in message
+    exports = settings.job_dir(JOB) / "output" / "exports"
+    assert not exports.exists() or not any(exports.iterdir())  # nothing partial left behind
+    assert error(client.get(f"{BASE}/step-00000004/gguf", params={"quant": "q8_0"}))[0] == 404
+    listed = {c["name"]: c for c in client.get(BASE).json()["data"]}
+    assert listed["step-00000004"]["exports"] == []

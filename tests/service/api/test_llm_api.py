@@ -98,3 +98,23 @@ def test_prometheus_shows_the_latest_eval_loss_of_a_running_job(tmp_path: Path) 
         store.append_event("job-1", 1, EvalEvent(step=step, eval_loss=loss, perplexity=2.718281828**loss))
     text = render_metrics(store, SimpleNamespace(running={}, slots=[])).decode()
     assert '\nferry_job_eval_loss{job_id="job-1",worker="cpu0"} 2.25\n' in text
+
+
+def test_a_bad_export_section_is_a_422_naming_the_field_and_nothing_is_queued(tmp_path: Path, make_server) -> None:
+    server = make_server(**roots(tmp_path))
+    bad = [
+        (llm_spec(export={"gguf": {"quant": "q4_k_m"}}), "export.gguf.quant", "llama-quantize model-f16.gguf"),
+        (llm_spec(export={"gguf": {"quant": "int3"}}), "export.gguf.quant", "unknown quant 'int3'"),
+        (llm_spec(lora=None, export={"merged": True}), "export.merged", "already a whole model"),
+        (llm_spec(export={"gguf": "q8_0"}), "export.gguf", ""),
+    ]
+    with server.client() as client:
+        for spec, path, said in bad:
+            for route in ("/v1/jobs", "/v1/jobs/validate"):
+                answer = client.post(
+                    route, content=yaml.safe_dump(spec, sort_keys=False), headers={"content-type": "application/yaml"}
+                )
+                assert answer.status_code == 422, answer.text
+                problems = {p["path"]: p["message"] for p in answer.json()["error"]["problems"]}
+                assert said in problems[path]
+        assert client.get("/v1/jobs").json()["data"] == []

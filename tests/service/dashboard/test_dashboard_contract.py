@@ -43,6 +43,9 @@ REQUIRED = {
     ("model.js", "samplesOf"): "SamplesPublic",
     ("model.js", "normalizeSample"): "SamplePoint",
     ("model.js", "mergedArchive"): "MergedPublic",
+    ("model.js", "checkpointExports"): "CheckpointPublic",
+    ("model.js", "ggufExportable"): "CheckpointPublic",
+    ("model.js", "ggufFile"): "GgufPublic",
 }
 # `reader(await api(...))` or `api(...).then(reader)`: what the service answered goes straight to a reader.
 AWAITED_ANSWER = re.compile(r"(\w+)\(await api\($")

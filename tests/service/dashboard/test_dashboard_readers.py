@@ -11,6 +11,7 @@ import dataclasses
 import json
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -117,3 +118,63 @@ def test_the_offload_figures_say_what_the_budget_keeps_on_the_gpu_and_what_the_r
     )
     read = read_with("m.offloadFigures(a.off)", off=dataclasses.asdict(stats))
     assert read == {"h2d": 54.2, "d2h": 0.0, "copyWait": 0.5, "h2dBytes": 10, "kept": 15 << 30, "reused": 7}
+
+
+def test_a_checkpoints_exports_are_offered_as_downloads_the_routes_serve(tmp_path: Path) -> None:
+    """The listing the service sends, read by model.js as the checkpoints card does: each export's link is a
+    route that serves that file (the merged .tar, the GGUF, its Modelfile); a GGUF export answer gives its file."""
+    from fastapi.testclient import TestClient
+
+    from jobs.checkpoints.directory import file_sha256, save_checkpoint
+    from service.api.app import create_app
+    from service.checking.check import InlineSpecChecker
+    from service.queue.status import JobStatus
+    from service.queue.store import JobStore
+    from service.settings import Settings
+    from tests.service.checking.test_one_parse import IdleExecutor
+
+    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
+    store = JobStore(settings.db_path)
+    store.create_job(job_id="j", name=None, spec_text="name: x", spec={})
+    store.transition("j", JobStatus.CANCELLED, reason="cancelled by user")
+    store.close()
+    output = settings.job_dir("j") / "output"
+    save_checkpoint(output, 2, {}, lambda d: (d / "adapter_config.json").write_text("{}"))
+    exports = output / "exports"
+    made = {
+        "step-00000002-merged.tar": b"tar",
+        "step-00000002-q8_0.gguf": b"GGUF",
+        "step-00000002-q8_0.Modelfile": b"FROM",
+    }
+    for name, content in made.items():
+        (exports / name).parent.mkdir(parents=True, exist_ok=True)
+        (exports / name).write_bytes(content)
+        if not name.endswith(".Modelfile"):
+            (exports / f"{name}.sha256").write_text(file_sha256(exports / name))
+    (exports / "step-00000002-f16.gguf").write_bytes(b"half-written")  # no .sha256 yet: not listed
+
+    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        listing = client.get("/v1/jobs/j/checkpoints").json()
+        ckpt = listing["data"][0]
+        read = read_with("[m.checkpointExports(a.ckpt), m.ggufExportable(a.ckpt)]", ckpt=ckpt)
+        links, exportable = read
+        assert exportable is True
+        assert {link["name"]: link["url"] for link in links} == {
+            "step-00000002-merged.tar": "/v1/jobs/j/checkpoints/step-00000002/merged",
+            "step-00000002-q8_0.gguf": "/v1/jobs/j/checkpoints/step-00000002/gguf?quant=q8_0",
+            "step-00000002-q8_0.Modelfile": "/v1/jobs/j/checkpoints/step-00000002/gguf/modelfile?quant=q8_0",
+        }
+        for link in links:
+            answer = client.get(link["url"])
+            assert answer.status_code == 200 and answer.content == made[link["name"]]
+            assert link["bytes"] == len(made[link["name"]])
+        # The card's GGUF button reads the export answer; the q8_0 file is made already, so no export runs.
+        answer = client.post("/v1/jobs/j/checkpoints/step-00000002/gguf?quant=q8_0").json()
+        assert read_with("m.ggufFile(a.answer)", answer=answer) == {
+            "url": "/v1/jobs/j/checkpoints/step-00000002/gguf?quant=q8_0",
+            "name": "step-00000002-q8_0.gguf",
+            "bytes": 4,
+        }
+        card = client.get("/ui/static/pages/checkpoints.js")
+        assert card.status_code == 200 and "data-gguf" in card.text and "checkpointExports(ckpt)" in card.text

@@ -1,9 +1,11 @@
 // Checkpoints: each with its step, eval loss (the best marked), files, sizes, SHA-256 and an authenticated
-// download; a LoRA checkpoint can be merged into a full model, downloaded as one archive.
+// download; a LoRA checkpoint can be merged into a full model, downloaded as one archive, and a Hugging Face
+// one written as a GGUF file (llama.cpp, Ollama, LM Studio). Exports made (by a button here, the API or the
+// spec's export: section) are listed under their checkpoint as downloads.
 
 import { AuthError, api, download, getToken } from "../api.js";
 import { bytes, dateTime, h, isNum, num } from "../format.js";
-import { mergedArchive } from "../model.js";
+import { checkpointExports, ggufExportable, ggufFile, mergedArchive } from "../model.js";
 
 export function checkpointsCard(jobId, ctx) {
   const body = h("div", { class: "checkpoints", id: "checkpoints" }, h("p", { class: "muted small" }, "Loading…"));
@@ -26,7 +28,8 @@ export function checkpointsCard(jobId, ctx) {
   }
 
   function table(checkpoints) {
-    const rows = checkpoints.flatMap((ckpt) => [headRow(ckpt, mergeButton), ...ckpt.files.map((f) => fileRow(f, ctx))]);
+    const rows = checkpoints.flatMap((ckpt) => [headRow(ckpt, mergeButton, ggufButton),
+      ...ckpt.files.map((f) => fileRow(f, ctx)), ...checkpointExports(ckpt).map((f) => fileRow(f, ctx, "export"))]);
     return h("div", { class: "table-scroll" }, h("table", { class: "table compact" },
       h("thead", {}, h("tr", {}, h("th", {}, "File"), h("th", { class: "num" }, "Size"), h("th", {}, "SHA-256"))),
       h("tbody", {}, rows)));
@@ -54,6 +57,27 @@ export function checkpointsCard(jobId, ctx) {
     return slot;
   }
 
+  /** Write the checkpoint as an f16 GGUF file with its Modelfile on the server, then list it. */
+  function ggufButton(name) {
+    const button = h("button", { class: "btn small", type: "button", "data-gguf": name,
+      title: "Write a GGUF file (f16) with an Ollama Modelfile; q8_0 through the API or the spec's export:",
+      onclick: async () => {
+        button.disabled = true;
+        button.textContent = "Exporting…";
+        try {
+          const made = ggufFile(await api(`${base}/${encodeURIComponent(name)}/gguf?quant=f16`, { method: "POST" }));
+          ctx.toast(`Wrote ${made.name} (${bytes(made.bytes)})`, "info");
+          await refresh();
+        } catch (err) {
+          if (err instanceof AuthError) return ctx.needToken(err.message);
+          button.disabled = false;
+          button.textContent = "GGUF";
+          ctx.toast(err.message, "error");
+        }
+      } }, "GGUF");
+    return button;
+  }
+
   return { element, refresh };
 }
 
@@ -66,23 +90,24 @@ function checkpointList(body) {
  * A checkpoint's heading row: name, step, time, eval loss, the best badge and (LoRA) the merge button.
  * @param {CheckpointPublic} ckpt
  */
-function headRow(ckpt, mergeButton) {
+function headRow(ckpt, mergeButton, ggufButton) {
   const lora = ckpt.files.some((f) => f.name === "adapter_config.json");
   return h("tr", { class: "ckpt-head", "data-checkpoint": ckpt.name },
     h("td", { colspan: "3" }, h("strong", {}, ckpt.name), h("span", { class: "muted small" },
       ` step ${ckpt.step}${ckpt.created ? ` · ${dateTime(ckpt.created)}` : ""}`,
       isNum(ckpt.eval_loss) ? ` · eval loss ${num(ckpt.eval_loss)}` : ""),
     ckpt.best ? h("span", { class: "badge best", "data-best": "true", title: "lowest eval loss" }, " best") : null,
-    lora ? mergeButton(ckpt.name) : null));
+    lora ? mergeButton(ckpt.name) : null,
+    ggufExportable(ckpt) ? ggufButton(ckpt.name) : null));
 }
 
 /**
- * One file of a checkpoint: an authenticated download, its size and SHA-256.
+ * One file of a checkpoint, or an export made from it: an authenticated download, its size and SHA-256.
  * @param {CheckpointFile} file
  */
-function fileRow(file, ctx) {
-  return h("tr", { class: "ckpt-file" },
-    h("td", {}, downloadLink(file.url, file.name, ctx)),
+function fileRow(file, ctx, kind = "file") {
+  return h("tr", { class: `ckpt-${kind}`, "data-kind": kind },
+    h("td", {}, downloadLink(file.url, file.name, ctx), kind === "export" ? h("span", { class: "badge" }, " export") : null),
     h("td", { class: "num small" }, bytes(file.bytes)),
     h("td", { class: "sha mono small", title: file.sha256 }, h("span", { class: "sha-text" }, file.sha256)));
 }

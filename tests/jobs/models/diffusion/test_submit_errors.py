@@ -87,3 +87,12 @@ def test_qwen_image_refuses_video_frames_and_lora_names_it_lacks(roots) -> None:
     )
     assert problems["data.num_frames"] == "Qwen-Image trains on images; set it to 1 (got 5)"
     assert problems["lora.target_modules"].startswith("['attn.q_proj'] match no Linear module of diffusers_transformer")
+
+
+def test_a_gguf_or_merged_export_of_a_diffusion_job_is_refused_naming_the_field(roots) -> None:
+    data = {"kind": "image_caption", "path": "images", "max_pixels": 64 * 48}  # no cache needed to check it
+    problems = _problems(train_job(data=data, export={"gguf": {"quant": "q8_0"}, "merged": True}), roots)
+    assert problems["export.gguf"] == (
+        "model kind 'diffusers_transformer' cannot be exported as gguf (it has none); remove export.gguf"
+    )
+    assert problems["export.merged"].startswith("model kind 'diffusers_transformer' cannot be exported as merged")
