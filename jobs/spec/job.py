@@ -219,9 +219,11 @@ class OffloadSpec(Section):
     prefetch: int = Field(1, ge=0, le=1024, description="units copied ahead; 0 = the seed's serialized behaviour")
     granularity: Literal["leaf", "block"] = "leaf"
     gpu_memory_budget: int | str | None = Field(
-        None,
-        description="bytes or e.g. '8GiB' of weights kept on the device; 'auto' = what gpu_memory_limit (or the "
-        "GPU's free memory) leaves above the peak of the first two steps, less a margin; null = stream all",
+        AUTO_BUDGET,
+        description="bytes or e.g. '8GiB' of weights kept on the device; 'auto' (the default) = what "
+        "gpu_memory_limit (or the GPU) leaves above the estimated streamed peak, less a margin, refined on a GPU "
+        "from the peak of the first two steps; on the CPU without gpu_memory_limit every unit streams; "
+        "null = stream every unit",
     )
     gpu_memory_limit: int | str | None = Field(
         None, description="bytes or e.g. '24GiB': the job's process may use no more device memory; null = the GPU"

@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -27,6 +27,10 @@ from jobs.reporting.telemetry import peak_rss_bytes
 from jobs.spec.job import JobSpec
 from jobs.train.optim import build_optimizer, build_scheduler
 from offload import OffloadTrainingManager, OptimizerShard, parse_bytes, set_gpu_memory_limit
+from offload.options import AUTO_BUDGET
+
+if TYPE_CHECKING:
+    from jobs.fit.budget import BudgetDecision
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class TrainingSession:
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
     load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
     passed_over: list[str] = field(default_factory=list)  # why newer checkpoints were not resumed from
+    budget_message: str | None = None  # what offload.gpu_memory_budget auto chose, and why
     optimizer_shards: OptimizerShards | None = None  # data parallelism: this rank's part of the CPU optimizer
 
 
@@ -112,7 +117,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
     _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
     model.train()
-    manager = _setup_offload(spec, model, device, limit, source)
+    budget = _decided_budget(spec) if spec.offload.enable_model_cpu_offload else None
+    manager = _setup_offload(spec, model, device, limit, source, budget)
     if checkpoint is not None and source is not None:
         # Into the engine's host masters and device adapters, now that the meta tensors are real.
         family.weights_format.load(model, Path(checkpoint.path))
@@ -148,6 +154,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         resumed_extra=extra,
         load=load,
         passed_over=passed_over,
+        budget_message=budget.message if budget is not None else None,
         optimizer_shards=shards,
     )
 
@@ -220,7 +227,12 @@ def _setup_data(
 
 
 def _setup_offload(
-    spec: JobSpec, model: nn.Module, device: torch.device, limit: int | None, source: WeightSource | None
+    spec: JobSpec,
+    model: nn.Module,
+    device: torch.device,
+    limit: int | None,
+    source: WeightSource | None,
+    budget: BudgetDecision | None,
 ) -> OffloadTrainingManager | None:
     """The offload engine attached to ``model`` under model offload; None without it. With
     ``offload.activations`` the engine also holds what checkpointing keeps, planned from the job's estimate."""
@@ -235,6 +247,7 @@ def _setup_offload(
         enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
         options=spec.offload.engine_options(
+            gpu_memory_budget=budget.engine_budget if budget is not None else spec.offload.gpu_memory_budget,
             gpu_memory_limit=limit,
             offload_activations=spec.offload.activations is True or bool(saved),
             activation_host_bytes=saved,
@@ -260,6 +273,18 @@ def _with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
     decided = with_mlp_tiling_decided(spec)
     log.info("model.tiled_mlp=auto: %s", "tiled" if decided.model.tiled_mlp else "whole MLPs")
     return decided
+
+
+def _decided_budget(spec: JobSpec) -> BudgetDecision | None:
+    """``offload.gpu_memory_budget: auto`` decided as the fit check decides it (jobs/fit/budget.py)."""
+    if spec.offload.gpu_memory_budget != AUTO_BUDGET:
+        return None
+    from jobs.fit.budget import decide_budget  # builds meta models: only where there is a choice
+
+    decision = decide_budget(spec)
+    if decision is not None:
+        log.info("%s", decision.message)
+    return decision
 
 
 def _offloaded_activations(spec: JobSpec) -> tuple[int, ...]:
