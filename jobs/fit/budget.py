@@ -77,7 +77,7 @@ def decide_budget(spec: JobSpec) -> BudgetDecision | None:
     ceiling, source = device_ceiling(spec)
     if ceiling is None:
         message = (
-            f"offload.gpu_memory_budget auto -> 0 GiB resident of {human_bytes(weights)} weights because the job "
+            f"offload.gpu_memory_budget auto -> {human_bytes(0)} resident of {human_bytes(weights)} weights because the job "
             "runs on the CPU with no offload.gpu_memory_limit to size it against: every unit streams "
             "(set offload.gpu_memory_limit, or a gpu_memory_budget)"
         )

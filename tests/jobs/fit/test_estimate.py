@@ -37,7 +37,7 @@ def test_an_auto_budget_is_estimated_as_the_streamed_peak_and_says_so() -> None:
     auto = estimate_memory(spec_from(merged(BIG_TOY, offload={**BOTH, "gpu_memory_budget": "auto"})))
     fixed = estimate_memory(spec_from(merged(BIG_TOY, offload={**BOTH, "gpu_memory_budget": "8MiB"})))
     assert auto.peak_device_bytes == streamed.peak_device_bytes < fixed.peak_device_bytes
-    assert any("gpu_memory_budget auto -> 0 GiB resident" in note for note in auto.notes)
+    assert any("gpu_memory_budget auto -> 0 B resident" in note for note in auto.notes)
 
 
 def test_lora_keeps_only_adapters_and_their_state_on_the_device(roots: PathRoots) -> None:
