@@ -16,7 +16,14 @@ import torch
 
 from offload.options import AUTO_BUDGET
 
-__all__ = ["AUTO_BUDGET", "MEASURED_AFTER_STEPS", "margin_bytes", "measured_budget", "room_for_weights", "start_measuring"]
+__all__ = [
+    "AUTO_BUDGET",
+    "MEASURED_AFTER_STEPS",
+    "margin_bytes",
+    "measured_budget",
+    "room_for_weights",
+    "start_measuring",
+]
 MEASURED_AFTER_STEPS = 2
 # Kept free under the ceiling: allocator fragmentation (the caching allocator reserves more than is allocated,
 # and the gap grows with the job) and what later steps allocate that the measured ones did not.

@@ -178,6 +178,11 @@ class TrainingSpec(Section):
     scheduler: SchedulerSpec = SchedulerSpec()
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm; null = no clipping")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="0 to 2**32 - 1")
+    kernels: Literal["liger", "none"] = Field(
+        "none",
+        description="liger: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU/GeGLU in the decoder layers (CUDA, "
+        "pip install 'ferry[kernels]'; elsewhere a warning and the plain path); none: the plain path",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
     )

@@ -21,6 +21,7 @@ from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
+from jobs.models.fused_kernels import Notice, fused_kernels_notice
 from jobs.models.loading.weight_sources import LoadReport, WeightSource
 from jobs.recompute import apply_activation_checkpointing, offload_checkpointed_inputs
 from jobs.reporting.telemetry import peak_rss_bytes
@@ -67,7 +68,8 @@ class TrainingSession:
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
     load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
     passed_over: list[str] = field(default_factory=list)  # why newer checkpoints were not resumed from
-    budget_message: str | None = None  # what offload.gpu_memory_budget auto chose, and why
+    # (level, message) for the job's events: which fused kernels ran, what gpu_memory_budget auto chose and why
+    notices: list[Notice] = field(default_factory=list)
     optimizer_shards: OptimizerShards | None = None  # data parallelism: this rank's part of the CPU optimizer
 
 
@@ -100,7 +102,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     device = accelerator.device
     family = family_of(spec.model)
     loading_started = time.perf_counter()
-    model, loss_fn, source = _setup_model(spec, family, device)
+    model, loss_fn, source, notices = _setup_model(spec, family, device)
     if spec.training.objective != "sft":
         from jobs.objectives.preference import PreferenceLoss
 
@@ -154,7 +156,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         resumed_extra=extra,
         load=load,
         passed_over=passed_over,
-        budget_message=budget.message if budget is not None else None,
+        notices=notices + ([("info", budget.message)] if budget is not None else []),
         optimizer_shards=shards,
     )
 
@@ -176,9 +178,10 @@ def _setup_device(spec: JobSpec) -> tuple[Accelerator, int | None]:
 
 def _setup_model(
     spec: JobSpec, family: ModelFamily[Any], device: torch.device
-) -> tuple[nn.Module, LossFn, WeightSource | None]:
-    """The model with its adapters, precision and quantization, its loss, and the source that fills the
-    engine's pinned copies when it was built on the meta device (None: built in memory)."""
+) -> tuple[nn.Module, LossFn, WeightSource | None, list[Notice]]:
+    """The model with its adapters, precision and quantization, its loss, the source that fills the
+    engine's pinned copies when it was built on the meta device (None: built in memory), and what the job
+    should say about it (``training.kernels``)."""
     training = spec.training
     source = None
     spec = _with_mlp_tiling_decided(spec)
@@ -190,6 +193,8 @@ def _setup_model(
         loss_fn = family.loss
     else:
         model, loss_fn = build_model(spec.model, training.seed)
+    # Before checkpointing, adapters and the engine wrap the layers: the kernels replace the plain modules.
+    kernels = fused_kernels_notice(training.kernels, family.kind, family.apply_kernels, model, device)
     if training.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.model)  # the model's own switch, then Ferry's policy on it
         apply_activation_checkpointing(model, uncheckpointed_layers=getattr(spec.model, "uncheckpointed_layers", 0))
@@ -214,7 +219,7 @@ def _setup_model(
         source = QuantizingSource(source, model, quantize, device)
     elif quantize is not None:
         _quantize_base(model, quantize, device)
-    return model, loss_fn, source
+    return model, loss_fn, source, [kernels] if kernels is not None else []
 
 
 def _setup_data(
