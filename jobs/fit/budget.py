@@ -56,12 +56,12 @@ def runs_on_gpu(spec: JobSpec) -> bool:
 
 
 def device_ceiling(spec: JobSpec) -> tuple[int | None, str]:
-    """The device bytes the job may use and where the figure comes from; ``None`` on the CPU without a
-    ``gpu_memory_limit`` (no device memory to size the budget against)."""
+    """The device bytes the job may use and where the figure comes from; ``None`` without a
+    ``gpu_memory_limit`` where no GPU is here (the CPU, or the fit check of a GPU job on a machine without one)."""
     limit = parse_bytes(spec.offload.gpu_memory_limit, name="offload.gpu_memory_limit")
     if limit is not None:
         return limit, "offload.gpu_memory_limit"
-    if runs_on_gpu(spec):
+    if runs_on_gpu(spec) and torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory, "the GPU's memory"
     return None, ""
 
@@ -75,6 +75,12 @@ def decide_budget(spec: JobSpec) -> BudgetDecision | None:
     streamed = estimate_memory(with_budget(spec, None))
     weights = streamed.weight_bytes
     ceiling, source = device_ceiling(spec)
+    if ceiling is None and runs_on_gpu(spec):
+        message = (
+            f"offload.gpu_memory_budget auto: of {human_bytes(weights)} weights, the engine keeps what the GPU "
+            "leaves above the peak measured in the first two steps (no GPU here to estimate it against)"
+        )
+        return BudgetDecision(AUTO_BUDGET, 0, weights, message)
     if ceiling is None:
         message = (
             f"offload.gpu_memory_budget auto -> {human_bytes(0)} resident of {human_bytes(weights)} weights because the job "
