@@ -108,7 +108,12 @@ def lora_spec(
             "gradient_checkpointing": True,
             "mixed_precision": precision,
         },
-        "offload": {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": limit},
+        "offload": {
+            "enable_model_cpu_offload": True,
+            "granularity": "block",
+            "gpu_memory_limit": limit,
+            "gpu_memory_budget": None,
+        },  # streamed: --budget sets one
         "checkpoint": {"save_final": True},
     }
 
@@ -376,6 +381,7 @@ def full3b(args: argparse.Namespace) -> dict[str, Any]:
             "enable_optimizer_cpu_offload": True,
             "granularity": "block",
             "gpu_memory_limit": args.limit or "16GiB",
+            "gpu_memory_budget": None,  # every unit streamed
         },
         "checkpoint": {"save_final": False},
     }
@@ -558,7 +564,12 @@ def long32k(args: argparse.Namespace) -> dict[str, Any]:
         job = lora_spec(name, "qwen2.5-32b-shape", limit, args.steps, tokens, "random", device, args.mixed_precision)
         return {**job, "offload": offload, "checkpoint": {"save_final": False}}
 
-    streamed = {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": limit}
+    streamed = {
+        "enable_model_cpu_offload": True,
+        "granularity": "block",
+        "gpu_memory_limit": limit,
+        "gpu_memory_budget": None,
+    }
     kept = kept_on_device("64GiB")  # resident: every unit kept on the device, no limit
     jobs = {
         "offloaded_long": spec("qwen32b-shape-lora-32k-offload", long, {**streamed, "activations": True}),

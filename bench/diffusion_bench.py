@@ -619,6 +619,7 @@ def main() -> None:
                 "granularity": "leaf",
                 "prefetch": 0,
                 "reuse_ring_slots": False,
+                "gpu_memory_budget": None,  # streams every weight
                 **limited,
             },
             # The seed streams every weight (Flux's DiTs have no table to switch off).
@@ -745,7 +746,7 @@ def cache_throughput(
             "enable_model_cpu_offload": True,
             "granularity": "block",
             "prefetch": 1,
-            **({} if args.tiny else {"gpu_memory_budget": args.encoder_budget}),
+            "gpu_memory_budget": None if args.tiny else args.encoder_budget,
             **limited,
         },
     }

@@ -67,7 +67,7 @@ def main() -> None:
             "enable_model_cpu_offload": True,
             "granularity": "block",
             "prefetch": 1,
-            **({"gpu_memory_budget": args.budget} if args.budget else {}),
+            "gpu_memory_budget": args.budget or None,  # unset: every unit streamed
         }
     )
     spec = dit_job("host-calls", "dit", steps=PROFILED + 3, device="cpu", offload=offload)

@@ -98,7 +98,7 @@ def main() -> None:
             "granularity": args.granularity,
             "prefetch": args.prefetch,
             **({} if args.tiny else {"gpu_memory_limit": args.limit}),
-            **({"gpu_memory_budget": args.budget} if args.budget else {}),
+            "gpu_memory_budget": args.budget or None,  # unset: every unit streamed
         }
     )
     model = {"quantize": args.quantize} if args.quantize else None

@@ -25,8 +25,8 @@ from jobs.events import JobEvent, StepEvent
 
 MODES = {
     "no offload": {"enable_model_cpu_offload": False},
-    "offload, leaf units": {"enable_model_cpu_offload": True, "granularity": "leaf"},
-    "offload, block units": {"enable_model_cpu_offload": True, "granularity": "block"},
+    "offload, leaf units": {"enable_model_cpu_offload": True, "granularity": "leaf", "gpu_memory_budget": None},
+    "offload, block units": {"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": None},
 }
 
 

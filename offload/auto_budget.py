@@ -16,12 +16,30 @@ import torch
 
 from offload.options import AUTO_BUDGET
 
-__all__ = ["AUTO_BUDGET", "MEASURED_AFTER_STEPS", "measured_budget", "start_measuring"]
+__all__ = [
+    "AUTO_BUDGET",
+    "MEASURED_AFTER_STEPS",
+    "margin_bytes",
+    "measured_budget",
+    "room_for_weights",
+    "start_measuring",
+]
 MEASURED_AFTER_STEPS = 2
 # Kept free under the ceiling: allocator fragmentation (the caching allocator reserves more than is allocated,
 # and the gap grows with the job) and what later steps allocate that the measured ones did not.
 MARGIN_FRACTION = 1 / 16
 MIN_MARGIN_BYTES = 512 << 20
+
+
+def margin_bytes(ceiling: int) -> int:
+    """What the budget leaves free under ``ceiling``: 1/16 of it, at least 512 MiB."""
+    return max(MIN_MARGIN_BYTES, int(ceiling * MARGIN_FRACTION))
+
+
+def room_for_weights(ceiling: int, peak: int) -> int:
+    """Bytes of weights that may stay resident when the job's other memory peaks at ``peak`` (estimated
+    or measured) under ``ceiling``: the ceiling less the peak and the margin, never below 0."""
+    return max(0, ceiling - peak - margin_bytes(ceiling))
 
 
 def start_measuring(device: torch.device) -> None:
@@ -45,5 +63,4 @@ def measured_budget(device: torch.device, gpu_memory_limit: int | None) -> int |
     free, _total = torch.cuda.mem_get_info(device)
     reachable = torch.cuda.memory_reserved(device) + free
     ceiling = min(gpu_memory_limit, reachable) if gpu_memory_limit else reachable
-    margin = max(MIN_MARGIN_BYTES, int(ceiling * MARGIN_FRACTION))
-    return max(0, ceiling - torch.cuda.max_memory_reserved(device) - margin)
+    return room_for_weights(ceiling, torch.cuda.max_memory_reserved(device))

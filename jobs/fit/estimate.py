@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from jobs.distributed.optimizer_shards import splits_optimizer
+from jobs.fit.budget import decide_budget, with_budget
 from jobs.fit.host_memory import (
     OPTIMIZER_STATES,
     RANK_PROCESS_HOST_BYTES,
@@ -49,6 +50,7 @@ class MemoryEstimate:
         optimizer_host_bytes: each rank's CPU optimizer state under optimizer offload (ordinary host memory):
             the whole state on one rank, about 1/world_size of it per rank when the ranks split it.
         ranks: the job's data-parallel ranks (``distributed.world_size``), all on one machine.
+        weight_bytes: the model's weights and buffers (what ``gpu_memory_budget`` could keep resident).
     """
 
     peak_device_bytes: int
@@ -57,6 +59,7 @@ class MemoryEstimate:
     device_ring_bytes: int = 0
     optimizer_host_bytes: int = 0
     ranks: int = 1
+    weight_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -77,6 +80,13 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
         >>> estimate.peak_device_bytes > 0
         True
     """
+    if spec.offload.gpu_memory_budget == AUTO_BUDGET and spec.offload.enable_model_cpu_offload:
+        # What auto keeps resident is what the streamed estimate leaves under the ceiling (budget.py).
+        decision = decide_budget(spec)
+        assert decision is not None
+        estimate = estimate_memory(with_budget(spec, decision.resident_bytes or None))
+        estimate.notes.append(decision.message)
+        return estimate
     decided = with_mlp_tiling_decided(spec)
     layers = getattr(spec.model, "num_layers", None)
     if isinstance(layers, int) and layers > MAX_BUILT_LAYERS:
@@ -104,7 +114,7 @@ def with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
         return spec
     tiles = False
     if spec.training.gradient_checkpointing:
-        offload = spec.offload
+        offload = _streamed(spec).offload  # an auto budget fills what is left after the tiling
         if offload.activations == "auto":
             offload = offload.model_copy(update={"activations": False})
         whole = spec.model_copy(update={"model": section.model_copy(update={"tiled_mlp": False}), "offload": offload})
@@ -133,6 +143,7 @@ def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:
         device_ring_bytes=large.device_ring_bytes,  # the window, full from a few layers on
         optimizer_host_bytes=grow(small.optimizer_host_bytes, large.optimizer_host_bytes),
         ranks=large.ranks,
+        weight_bytes=grow(small.weight_bytes, large.weight_bytes),
     )
 
 
@@ -161,7 +172,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
             f"{_gib(precomputed)} of weights precomputed once and kept on the host (model.precompute_modulation)"
         )
 
-    ranks, optimizer_host = spec.distributed.world_size, 0
+    ranks, optimizer_host, budget = spec.distributed.world_size, 0, 0
     if not offload.enable_model_cpu_offload:
         resident = total + lora + trainable + optimizer_state  # weights (+ adapters), gradients, state
         notes.append("no offload: weights, gradients and optimizer state all on the device")
@@ -215,7 +226,8 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
                 f"trainable masters, gradient buffers and buffers ({_gib(own)}) once per rank"
             )
     peak = resident + max(activations, step_temp)
-    saved = _offloaded_inputs(spec, model, peak)
+    # Decided on the streamed peak: a budget (auto's above all) fills what the activations leave.
+    saved = _offloaded_inputs(spec, model, peak - budget)
     if saved:
         # Held on the host from forward to the recompute: on the device, the input being recomputed and the
         # one its prefetch brings back.
@@ -243,7 +255,13 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         f"temporaries {_gib(step_temp)}); excludes the CUDA context"
     )
     return MemoryEstimate(
-        int(peak), int(pinned), notes, device_ring_bytes=ring, optimizer_host_bytes=optimizer_host, ranks=ranks
+        int(peak),
+        int(pinned),
+        notes,
+        device_ring_bytes=ring,
+        optimizer_host_bytes=optimizer_host,
+        ranks=ranks,
+        weight_bytes=total,
     )
 
 
@@ -255,10 +273,16 @@ def offloaded_activations(spec: JobSpec) -> tuple[int, ...]:
     if not _offloads_at_all(spec) or family.checkpointed_inputs is None:
         return ()
     if spec.offload.activations == "auto":
-        kept = spec.model_copy(update={"offload": spec.offload.model_copy(update={"activations": False})})
+        streamed = _streamed(spec)  # an auto budget fills what the activations leave: decided after them
+        kept = streamed.model_copy(update={"offload": streamed.offload.model_copy(update={"activations": False})})
         if estimate_memory(kept).peak_device_bytes <= (_usable_device_bytes(spec) or 2**62):
             return ()
     return tuple(family.checkpointed_inputs(spec, _shapes_only_model(spec)))
+
+
+def _streamed(spec: JobSpec) -> JobSpec:
+    """``spec`` with an auto budget left out: the decisions an auto budget follows are made without it."""
+    return with_budget(spec, None) if spec.offload.gpu_memory_budget == AUTO_BUDGET else spec
 
 
 def _offloaded_inputs(spec: JobSpec, model: nn.Module, peak: float) -> tuple[int, ...]:

@@ -77,6 +77,9 @@ class ModelFamily(Generic[JobT]):
             every job, whatever its model (another family's job may still give the section), each returning its
             (path, message) problems; ``job_family`` is the entry of the job's own ``model.kind``.
         task_help: A line of help per name of ``tasks``, shown in the ``task`` field's description.
+        apply_kernels: ``apply_kernels(model) -> [kernel names]``: swaps the built model's layers for fused
+            kernels (``training.kernels: liger``, jobs/models/fused_kernels.py), on CUDA only; None: the family has
+            none and the plain path runs.
         build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
             with its weights on the meta device and the source that fills the offload engine's pinned host
             copies directly (jobs/models/loading/weight_sources.py); None when the family can only be built in memory.
@@ -123,6 +126,7 @@ class ModelFamily(Generic[JobT]):
     section_rules: tuple[Callable[[JobSpec, ModelFamily[Any]], list[Problem]], ...] = ()
     task_help: Mapping[str, str] = field(default_factory=dict)
     exports: frozenset[str] = frozenset()
+    apply_kernels: Callable[[nn.Module], list[str]] | None = None
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation

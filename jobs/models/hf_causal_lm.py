@@ -12,6 +12,7 @@ from torch import nn
 from jobs.checkpoints.export import HF_PRETRAINED
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
 from jobs.models.family import ModelFamily
+from jobs.models.fused_kernels import apply_liger_kernels
 from jobs.models.hf_names import hf_module_names
 from jobs.models.loading.hf_checkpoint import checkpoint_problems, checkpoint_source
 from jobs.models.loading.weight_sources import RandomSource, WeightSource
@@ -256,4 +257,5 @@ FAMILY = ModelFamily(
     checkpoint_problems=hf_checkpoint_problems,
     checkpointed_inputs=hf_checkpointed_inputs,
     exports=frozenset({"gguf", "merged"}),  # jobs/checkpoints/gguf_file.py, export.py read save_pretrained dirs
+    apply_kernels=apply_liger_kernels,  # training.kernels: liger (CUDA, with ferry[kernels])
 )

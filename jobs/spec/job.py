@@ -179,6 +179,11 @@ class TrainingSpec(Section):
     scheduler: SchedulerSpec = SchedulerSpec()
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this norm; null = no clipping")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="0 to 2**32 - 1")
+    kernels: Literal["liger", "none"] = Field(
+        "none",
+        description="liger: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU/GeGLU in the decoder layers (CUDA, "
+        "pip install 'ferry[kernels]'; elsewhere a warning and the plain path); none: the plain path",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
     )
@@ -223,9 +228,11 @@ class OffloadSpec(Section):
     prefetch: int = Field(1, ge=0, le=1024, description="units copied ahead; 0 = the seed's serialized behaviour")
     granularity: Literal["leaf", "block"] = "leaf"
     gpu_memory_budget: int | str | None = Field(
-        None,
-        description="bytes or e.g. '8GiB' of weights kept on the device; 'auto' = what gpu_memory_limit (or the "
-        "GPU's free memory) leaves above the peak of the first two steps, less a margin; null = stream all",
+        AUTO_BUDGET,
+        description="bytes or e.g. '8GiB' of weights kept on the device; 'auto' (the default) = what "
+        "gpu_memory_limit (or the GPU) leaves above the estimated streamed peak, less a margin, refined on a GPU "
+        "from the peak of the first two steps; on the CPU without gpu_memory_limit every unit streams; "
+        "null = stream every unit",
     )
     gpu_memory_limit: int | str | None = Field(
         None, description="bytes or e.g. '24GiB': the job's process may use no more device memory; null = the GPU"

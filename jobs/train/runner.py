@@ -154,6 +154,8 @@ def run_job(
                 load=session.load,
             )
         )
+        for level, message in session.notices:  # training.kernels, offload.gpu_memory_budget: auto
+            report(LogEvent(level=level, message=message))
         for why in session.passed_over:  # a damaged newer checkpoint: resumed from an older one
             report(LogEvent(level="warning", message=why))
         if session.text is not None:

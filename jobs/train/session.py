@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -21,12 +21,17 @@ from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
+from jobs.models.fused_kernels import Notice, fused_kernels_notice
 from jobs.models.loading.weight_sources import LoadReport, WeightSource
 from jobs.recompute import apply_activation_checkpointing, offload_checkpointed_inputs
 from jobs.reporting.telemetry import peak_rss_bytes
 from jobs.spec.job import JobSpec
 from jobs.train.optim import build_optimizer, build_scheduler
 from offload import OffloadTrainingManager, OptimizerShard, parse_bytes, set_gpu_memory_limit
+from offload.options import AUTO_BUDGET
+
+if TYPE_CHECKING:
+    from jobs.fit.budget import BudgetDecision
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,8 @@ class TrainingSession:
     resumed_extra: dict[str, Any] = field(default_factory=dict)  # the runner's state from the checkpoint
     load: LoadStats | None = None  # how the weights were loaded (reported in the started event)
     passed_over: list[str] = field(default_factory=list)  # why newer checkpoints were not resumed from
+    # (level, message) for the job's events: which fused kernels ran, what gpu_memory_budget auto chose and why
+    notices: list[Notice] = field(default_factory=list)
     optimizer_shards: OptimizerShards | None = None  # data parallelism: this rank's part of the CPU optimizer
 
 
@@ -95,7 +102,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     device = accelerator.device
     family = family_of(spec.model)
     loading_started = time.perf_counter()
-    model, loss_fn, source = _setup_model(spec, family, device)
+    model, loss_fn, source, notices = _setup_model(spec, family, device)
     if spec.training.objective == "grpo":
         pass  # its loss needs the tokenizer: built with its prompts below
     elif spec.training.objective != "sft":
@@ -117,7 +124,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
     sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
     _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)
     model.train()
-    manager = _setup_offload(spec, model, device, limit, source)
+    budget = _decided_budget(spec) if spec.offload.enable_model_cpu_offload else None
+    manager = _setup_offload(spec, model, device, limit, source, budget)
     if checkpoint is not None and source is not None:
         # Into the engine's host masters and device adapters, now that the meta tensors are real.
         family.weights_format.load(model, Path(checkpoint.path))
@@ -153,6 +161,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         resumed_extra=extra,
         load=load,
         passed_over=passed_over,
+        notices=notices + ([("info", budget.message)] if budget is not None else []),
         optimizer_shards=shards,
     )
 
@@ -174,9 +183,10 @@ def _setup_device(spec: JobSpec) -> tuple[Accelerator, int | None]:
 
 def _setup_model(
     spec: JobSpec, family: ModelFamily[Any], device: torch.device
-) -> tuple[nn.Module, LossFn, WeightSource | None]:
-    """The model with its adapters, precision and quantization, its loss, and the source that fills the
-    engine's pinned copies when it was built on the meta device (None: built in memory)."""
+) -> tuple[nn.Module, LossFn, WeightSource | None, list[Notice]]:
+    """The model with its adapters, precision and quantization, its loss, the source that fills the
+    engine's pinned copies when it was built on the meta device (None: built in memory), and what the job
+    should say about it (``training.kernels``)."""
     training = spec.training
     source = None
     spec = _with_mlp_tiling_decided(spec)
@@ -188,6 +198,8 @@ def _setup_model(
         loss_fn = family.loss
     else:
         model, loss_fn = build_model(spec.model, training.seed)
+    # Before checkpointing, adapters and the engine wrap the layers: the kernels replace the plain modules.
+    kernels = fused_kernels_notice(training.kernels, family.kind, family.apply_kernels, model, device)
     if training.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.model)  # the model's own switch, then Ferry's policy on it
         apply_activation_checkpointing(model, uncheckpointed_layers=getattr(spec.model, "uncheckpointed_layers", 0))
@@ -212,7 +224,7 @@ def _setup_model(
         source = QuantizingSource(source, model, quantize, device)
     elif quantize is not None:
         _quantize_base(model, quantize, device)
-    return model, loss_fn, source
+    return model, loss_fn, source, [kernels] if kernels is not None else []
 
 
 def _setup_grpo(spec: JobSpec, model: nn.Module) -> tuple[BatchSource, None, LossFn]:
@@ -251,7 +263,12 @@ def _setup_data(
 
 
 def _setup_offload(
-    spec: JobSpec, model: nn.Module, device: torch.device, limit: int | None, source: WeightSource | None
+    spec: JobSpec,
+    model: nn.Module,
+    device: torch.device,
+    limit: int | None,
+    source: WeightSource | None,
+    budget: BudgetDecision | None,
 ) -> OffloadTrainingManager | None:
     """The offload engine attached to ``model`` under model offload; None without it. With
     ``offload.activations`` the engine also holds what checkpointing keeps, planned from the job's estimate."""
@@ -266,6 +283,7 @@ def _setup_offload(
         enable_optimizer_cpu_offload=spec.offload.enable_optimizer_cpu_offload,
         cpu_offload_split_threshold=spec.offload.cpu_offload_split_threshold,
         options=spec.offload.engine_options(
+            gpu_memory_budget=budget.engine_budget if budget is not None else spec.offload.gpu_memory_budget,
             gpu_memory_limit=limit,
             offload_activations=spec.offload.activations is True or bool(saved),
             activation_host_bytes=saved,
@@ -291,6 +309,18 @@ def _with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
     decided = with_mlp_tiling_decided(spec)
     log.info("model.tiled_mlp=auto: %s", "tiled" if decided.model.tiled_mlp else "whole MLPs")
     return decided
+
+
+def _decided_budget(spec: JobSpec) -> BudgetDecision | None:
+    """``offload.gpu_memory_budget: auto`` decided as the fit check decides it (jobs/fit/budget.py)."""
+    if spec.offload.gpu_memory_budget != AUTO_BUDGET:
+        return None
+    from jobs.fit.budget import decide_budget  # builds meta models: only where there is a choice
+
+    decision = decide_budget(spec)
+    if decision is not None:
+        log.info("%s", decision.message)
+    return decision
 
 
 def _offloaded_activations(spec: JobSpec) -> tuple[int, ...]:

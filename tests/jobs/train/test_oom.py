@@ -20,6 +20,7 @@ def test_advice_follows_the_expected_savings() -> None:
     assert advice(offload={**both, "gpu_memory_budget": "auto"}).startswith(
         "set offload.gpu_memory_budget to a size below what 'auto' chose"
     )
+    assert advice(offload={**both, "gpu_memory_budget": None}).startswith("lower training.batch_size")
     assert advice(offload={**both, "prefetch": 3}).startswith("lower offload.prefetch")
     assert advice(offload=both).startswith("lower training.batch_size (now 8)")
     assert "lower model.hidden_size" in advice(offload=both, training={"batch_size": 1})
