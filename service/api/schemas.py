@@ -237,6 +237,9 @@ class CheckpointPublic(BaseModel):
     eval_loss: float | None = None  # measured at this step, when the job evaluates
     best: bool = False  # the lowest eval loss of the job's checkpoints
     damaged: str | None = None  # why its manifest cannot be used; a damaged checkpoint lists no files
+    mergeable: bool = Field(
+        False, description="a LoRA adapter of a family that merges: POST .../merge makes a full model of it"
+    )
 
 
 class MergedPublic(BaseModel):

@@ -117,3 +117,16 @@ def test_the_offload_figures_say_what_the_budget_keeps_on_the_gpu_and_what_the_r
     )
     read = read_with("m.offloadFigures(a.off)", off=dataclasses.asdict(stats))
     assert read == {"h2d": 54.2, "d2h": 0.0, "copyWait": 0.5, "h2dBytes": 10, "kept": 15 << 30, "reused": 7}
+
+
+def test_merge_is_offered_where_the_server_says_a_merge_works() -> None:
+    """A LoRA checkpoint of a family that does not merge has adapter_config.json too: the file is no sign."""
+    adapter = {"name": "adapter_config.json", "bytes": 2, "sha256": "ab", "url": "/a"}
+    listed = [
+        {"name": "a", "step": 1, "created": None, "files": [adapter], "mergeable": True},
+        {"name": "b", "step": 2, "created": None, "files": [adapter], "mergeable": False},
+        {"name": "c", "step": 3, "created": None, "files": []},
+    ]
+    assert read_with("a.listed.map(m.mergeable)", listed=listed) == [True, False, False]
+    page = (STATIC_DIR / "pages" / "checkpoints.js").read_text()
+    assert "const lora = mergeable(ckpt);" in page and '"adapter_config.json"' not in page
