@@ -3,7 +3,7 @@
 The base model already knows the capitals; the job teaches it a reply format it would never produce on its
 own (``ANSWER: <city>``). Its first loss is a pretrained model's, well below ln(vocabulary); the loss falls;
 the adapter, loaded with peft, and the merged model both answer a country held out of the data in that format,
-and correctly. The job is the README walkthrough's own file, ``configs/smollm2-walkthrough.yaml`` (its data:
+and correctly. The job is the README walkthrough's own file, ``configs/hf_causal_lm_smollm2-walkthrough_lora_model-offload.yaml`` (its data:
 ``configs/data/smollm2-capitals.jsonl``); ``tests/service/api/test_readme_walkthrough.py`` runs it through the
 service as the README does.
 """
@@ -62,7 +62,7 @@ HELD_OUT = ("Japan", "Tokyo")
 SYSTEM = "You answer geography questions in the quiz format."
 FORMAT = "ANSWER: "
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "smollm2-walkthrough.yaml"
+CONFIG = REPO / "configs" / "hf_causal_lm_smollm2-walkthrough_lora_model-offload.yaml"
 DATA = REPO / "configs" / "data"
 MODEL_DIR = "SmolLM2-135M-Instruct"  # the name the config's model.path and tokenizer.path give
 

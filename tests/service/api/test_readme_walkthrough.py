@@ -9,6 +9,7 @@ command whose line ends in ``# <text>`` claims it prints ``<text>``; each claim 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -50,7 +51,9 @@ def free_port() -> int:
 
 def test_readme_commands_are_read_between_the_markers() -> None:
     commands = walkthrough_commands((REPO / "README.md").read_text())
-    assert commands[0].startswith("pip install") and any("configs/smollm2-walkthrough.yaml" in c for c in commands)
+    assert commands[0].startswith("pip install") and any(
+        "configs/hf_causal_lm_smollm2-walkthrough_lora_model-offload.yaml" in c for c in commands
+    )
     assert claimed_output("curl -s x | jq -r .status   # succeeded") == "succeeded"
     assert claimed_output("python -m service &") is None
 
@@ -82,10 +85,8 @@ def test_readme_smollm2_walkthrough_runs_as_written(tmp_path: Path, capsys: pyte
     try:
         output, _ = shell.communicate(timeout=1200)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the server's group, started by this test
             os.killpg(shell.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         shell.wait()
     log = tmp_path / "ferry-server.log"
     server_log = log.read_text()[-4000:] if log.is_file() else ""
@@ -104,7 +105,7 @@ def test_readme_smollm2_walkthrough_runs_as_written(tmp_path: Path, capsys: pyte
         if claim.startswith("["):  # numbers: the losses, as rounded to two places by the command itself
             expected, measured = json.loads(claim), json.loads(got)
             assert len(measured) == len(expected), (commands[index], got)
-            assert all(abs(a - b) <= 0.015 for a, b in zip(measured, expected)), (commands[index], got)
+            assert all(abs(a - b) <= 0.015 for a, b in zip(measured, expected, strict=True)), (commands[index], got)
         else:
             assert got == claim, (commands[index], got)
     assert printed[max(claims)].startswith("ANSWER: ") and "Tokyo" in printed[max(claims)]
