@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +31,17 @@ _FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # removes its partial file first, so the disk is no longer full when the error arrives.
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 EXPORTS_DIR = "exports"  # beside checkpoints/: merged models and other exports (jobs/checkpoints/export.py)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+MERGEABLE_MODEL_KINDS = frozenset({"hf_causal_lm"})  # peft's merge_and_unload into an AutoModelForCausalLM
+
+
+def is_mergeable(file_names: Iterable[str], model_kind: str | None) -> bool:
+    """Whether a checkpoint can be merged into a full model: a LoRA adapter (``adapter_config.json``) of a
+    family whose base loads as a Hugging Face model. The merge itself (``jobs.checkpoints.export``) refuses
+    the rest, and the API marks each checkpoint with this, so the dashboard offers Merge only where it works."""
+    return model_kind in MERGEABLE_MODEL_KINDS and ADAPTER_CONFIG in set(file_names)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.checkpoints.directory import EXPORTS_DIR
+from jobs.checkpoints.directory import EXPORTS_DIR, is_mergeable
 from jobs.checkpoints.weights import WeightsFormat, is_peft_model, load_trainable
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ def _lora_spec(checkpoint: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         raise ValueError(f"{checkpoint} is not a Ferry checkpoint (no readable manifest.json)") from None
     spec = manifest["spec"]
-    if not (checkpoint / "adapter_config.json").is_file() or spec.get("model", {}).get("kind") != "hf_causal_lm":
+    names = [path.name for path in checkpoint.iterdir()]
+    if not is_mergeable(names, spec.get("model", {}).get("kind")):
         raise ValueError(
             f"{checkpoint} is not a LoRA checkpoint of an hf_causal_lm model; only those can be merged "
             "(a full fine-tune's checkpoint is already a whole model)"

@@ -240,6 +240,9 @@ class CheckpointPublic(BaseModel):
     # Made from it (the spec's export: section, POST .../merge or .../gguf): a merged .tar, GGUF files and
     # their Modelfiles, each with its download url.
     exports: list[CheckpointFile] = []
+    mergeable: bool = Field(
+        False, description="a LoRA adapter of a family that merges: POST .../merge makes a full model of it"
+    )
 
 
 class MergedPublic(BaseModel):

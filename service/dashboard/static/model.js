@@ -118,6 +118,14 @@ export function normalizeSample(sample, jobPath, streamId = null) {
 }
 
 /**
+ * Whether the Merge button belongs on a checkpoint: the server's word, not a guess from its files.
+ * @param {CheckpointPublic} ckpt
+ */
+export function mergeable(ckpt) {
+  return ckpt.mergeable === true;
+}
+
+/**
  * The archive a merge answer offers for download.
  * @param {MergedPublic} body
  */

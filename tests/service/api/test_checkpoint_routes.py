@@ -240,3 +240,30 @@ def test_a_diverged_checkpoint_is_refused_by_every_export_with_nothing_left(
     assert error(client.get(f"{BASE}/step-00000004/gguf", params={"quant": "q8_0"}))[0] == 404
     listed = {c["name"]: c for c in client.get(BASE).json()["data"]}
     assert listed["step-00000004"]["exports"] == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "adapter", "mergeable"),
+    [("hf_causal_lm", True, True), ("transformer_lm", True, False), ("hf_causal_lm", False, False)],
+)
+def test_a_checkpoint_is_marked_mergeable_only_when_a_merge_works(
+    tmp_path: Path, kind: str, adapter: bool, mergeable: bool
+) -> None:
+    """The dashboard shows Merge where ``mergeable`` is true: a LoRA adapter of a family that merges. Any
+    other (a transformer_lm adapter, a full fine-tune) answers the merge with an error, so it is not offered."""
+    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
+    store = JobStore(settings.db_path)
+    store.create_job(job_id=JOB, name=None, spec_text="name: x", spec={"model": {"kind": kind}})
+    store.transition(JOB, JobStatus.CANCELLED, reason="cancelled by user")
+    store.close()
+
+    def files(directory: Path) -> None:
+        write(directory)
+        if adapter:
+            (directory / "adapter_config.json").write_text("{}")
+
+    save_checkpoint(settings.job_dir(JOB) / "output", 1, {}, files)
+    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        (listed,) = client.get(BASE).json()["data"]
+    assert listed["mergeable"] is mergeable

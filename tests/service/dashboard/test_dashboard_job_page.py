@@ -1,11 +1,14 @@
 """The job page's readers in model.js (run by node, as the browser would): a CPU job is described in CPU
 terms with no transfer charts where no byte moved, a whitespace-only sample is said in words, and a finished
-job offers Delete."""
+job offers Delete; the event log gives each event's local time."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -61,3 +64,27 @@ def test_the_job_page_speaks_of_host_memory_on_the_cpu_and_offers_delete_when_fi
     assert 'allowed("delete") ? button("delete", "Delete", "danger")' in page
     assert "await apiDelete(path)" in page
     assert "transfer.element.hidden = !copies" in series
+
+
+def clock_in(zone: str, *moments: object) -> list[object]:
+    """format.js's clockTime of each moment, in node with the reader's time zone ``zone``."""
+    script = (
+        f"import {{ clockTime }} from {json.dumps((STATIC_DIR / 'format.js').as_uri())};\n"
+        f"console.log(JSON.stringify({json.dumps(moments)}.map(clockTime)));\n"
+    )
+    env = {**os.environ, "TZ": zone}
+    done = subprocess.run(
+        ["node", "--input-type=module", "-e", script], capture_output=True, text=True, check=True, env=env
+    )
+    return json.loads(done.stdout)
+
+
+@node
+def test_the_event_log_shows_each_event_at_the_readers_local_time_not_an_epoch_float() -> None:
+    moment = 1765065607.25  # 2025-12-07 00:00:07.25 UTC, as a step point's `time`
+    utc, tokyo = clock_in("UTC", moment, "2025-12-07T00:00:07Z", None), clock_in("Asia/Tokyo", moment)
+    assert [c and c["text"] for c in utc] == ["00:00:07", "00:00:07", None]  # type: ignore[index]
+    assert tokyo[0]["text"] == "09:00:07" and tokyo[0]["iso"] == "2025-12-07T00:00:07.250Z"  # type: ignore[index]
+    log = (STATIC_DIR / "pages" / "event-log.js").read_text()
+    assert 'timeCell(event), h("span", { class: "event-type" }' in log  # every row starts with its time
+    assert "!ENVELOPE.has(key)" in log  # an unknown event's JSON leaves out `time` and `created_at`

@@ -178,3 +178,16 @@ def test_a_checkpoints_exports_are_offered_as_downloads_the_routes_serve(tmp_pat
         }
         card = client.get("/ui/static/pages/checkpoints.js")
         assert card.status_code == 200 and "data-gguf" in card.text and "checkpointExports(ckpt)" in card.text
+
+
+def test_merge_is_offered_where_the_server_says_a_merge_works() -> None:
+    """A LoRA checkpoint of a family that does not merge has adapter_config.json too: the file is no sign."""
+    adapter = {"name": "adapter_config.json", "bytes": 2, "sha256": "ab", "url": "/a"}
+    listed = [
+        {"name": "a", "step": 1, "created": None, "files": [adapter], "mergeable": True},
+        {"name": "b", "step": 2, "created": None, "files": [adapter], "mergeable": False},
+        {"name": "c", "step": 3, "created": None, "files": []},
+    ]
+    assert read_with("a.listed.map(m.mergeable)", listed=listed) == [True, False, False]
+    page = (STATIC_DIR / "pages" / "checkpoints.js").read_text()
+    assert "const lora = mergeable(ckpt);" in page and '"adapter_config.json"' not in page

@@ -5,7 +5,7 @@
 
 import { AuthError, api, download, getToken } from "../api.js";
 import { bytes, dateTime, h, isNum, num } from "../format.js";
-import { checkpointExports, ggufExportable, ggufFile, mergedArchive } from "../model.js";
+import { checkpointExports, ggufExportable, ggufFile, mergeable, mergedArchive } from "../model.js";
 
 export function checkpointsCard(jobId, ctx) {
   const body = h("div", { class: "checkpoints", id: "checkpoints" }, h("p", { class: "muted small" }, "Loading…"));
@@ -87,11 +87,12 @@ function checkpointList(body) {
 }
 
 /**
- * A checkpoint's heading row: name, step, time, eval loss, the best badge and (LoRA) the merge button.
+ * A checkpoint's heading row: name, step, time, eval loss, the best badge and the merge button where the
+ * server says a merge works (a LoRA adapter of a family that merges; any other answers an error).
  * @param {CheckpointPublic} ckpt
  */
 function headRow(ckpt, mergeButton, ggufButton) {
-  const lora = ckpt.files.some((f) => f.name === "adapter_config.json");
+  const lora = mergeable(ckpt);
   return h("tr", { class: "ckpt-head", "data-checkpoint": ckpt.name },
     h("td", { colspan: "3" }, h("strong", {}, ckpt.name), h("span", { class: "muted small" },
       ` step ${ckpt.step}${ckpt.created ? ` · ${dateTime(ckpt.created)}` : ""}`,

@@ -1,7 +1,7 @@
 // The live event log. The stored events arrive first (loaded on page load), then the stream adds new ones
 // live, so a reload shows the whole history again and continues from there.
 
-import { bytes, h, num } from "../format.js";
+import { bytes, clockTime, h, num } from "../format.js";
 
 const MAX_ROWS = 400;
 
@@ -41,7 +41,7 @@ export function eventLog() {
       if (id !== null) seen.add(id);
       total += 1;
       pending.push(h("li", { class: `event event-${type}`, "data-event-id": id ?? "", "data-type": type },
-        h("span", { class: "event-type" }, type), h("span", { class: "event-text" }, describe(type, event))));
+        timeCell(event), h("span", { class: "event-type" }, type), h("span", { class: "event-text" }, describe(type, event))));
       if (pending.length === 1) requestAnimationFrame(flush);
     },
     setState(value) {
@@ -56,8 +56,21 @@ const DESCRIBE = { step: describeStep, started: describeStarted, checkpoint: des
   sample: describeSample, finished: describeFinished, failed: describeFailed, log: describeLog, status: describeStatus,
   stop_requested: describeStopRequested, cache_progress: describeCacheProgress };
 
+// The reader's envelope fields (unwrapEvent's): the time column shows the moment, the others are no news.
+const ENVELOPE = new Set(["time", "created_at", "event_id", "type", "attempt"]);
+
 function describe(type, e) {
-  return DESCRIBE[type] ? DESCRIBE[type](e) : JSON.stringify(e);  // a type this page does not know yet
+  if (DESCRIBE[type]) return DESCRIBE[type](e);
+  // A type this page does not know yet: its own fields, without epoch floats the time column already says.
+  return JSON.stringify(Object.fromEntries(Object.entries(e).filter(([key]) => !ENVELOPE.has(key))));
+}
+
+/** When the event happened, in the reader's local time (the full date on hover); a step point's wall-clock
+ * seconds (`time`) or a stored event's `created_at`. */
+export function timeCell(e) {
+  const when = clockTime(e.time ?? e.created_at);
+  return when ? h("time", { class: "event-time", datetime: when.iso, title: when.title }, when.text)
+    : h("span", { class: "event-time muted" }, "—");
 }
 
 /** @param {StepEvent} e */
