@@ -78,6 +78,7 @@ def _import_what_a_job_needs() -> None:
     import jobs.spec.rules  # noqa: F401 - the cross-section rules, imported by the first spec a process loads
     from jobs import PathRoots, load_job_spec, run_job  # noqa: F401 - the names `_run` calls
     from jobs.data import prepare, synthetic, text  # noqa: F401 - the data sources jobs.data imports on first use
+    from jobs.fit import budget, estimate, host_memory  # noqa: F401 - gpu_memory_budget: auto, decided as the fit check does
     from service.queue.store import JobStore  # noqa: F401 - where the job's events go
 
     if importlib.util.find_spec("tensorboard") is not None:  # jobs.reporting.tracking writes TensorBoard by default

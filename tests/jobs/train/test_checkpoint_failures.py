@@ -96,12 +96,12 @@ KILLED_MID_SAVE = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    import jobs.train.runner
+    import jobs.train.checkpoint_keeper
     from jobs import run_job
     from tests.jobs.train.test_checkpoint_failures import EVERY_2
     from tests.jobs.helpers import spec_from
 
-    save = jobs.train.runner.save_training_state
+    save = jobs.train.checkpoint_keeper.save_training_state
 
     def hang_at_step_4(directory, **kwargs):
         if kwargs["step"] < 4:
@@ -110,7 +110,7 @@ KILLED_MID_SAVE = textwrap.dedent(
         print("saving", flush=True)
         time.sleep(600)
 
-    jobs.train.runner.save_training_state = hang_at_step_4
+    jobs.train.checkpoint_keeper.save_training_state = hang_at_step_4
     run_job(spec_from(EVERY_2), output_dir=Path(sys.argv[1]))
     """
 )
