@@ -36,6 +36,7 @@ STEP_KEYS = {
     "pinned_bytes",
     "offload",
     "preference",
+    "grpo",
     "ranks",
 }
 
