@@ -184,6 +184,16 @@ class TrainingSpec(Section):
         description="liger: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU/GeGLU in the decoder layers (CUDA, "
         "pip install 'ferry[kernels]'; elsewhere a warning and the plain path); none: the plain path",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the repeated block (a decoder layer) once for all layers; with model offload "
+        "needs offload.granularity: block; the compiled code is cached for later jobs of the same shape",
+    )
+    profile: bool = Field(
+        False,
+        description="run torch.profiler over two steps after the first two and report the share of step time "
+        "in matmuls, attention, copies waited on, the optimizer and the rest, and the MFU (a job event)",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="bf16/fp16: compute in it, trainable weights kept in float32; no: the model's dtype"
     )

@@ -134,6 +134,19 @@ def _check_uncheckpointed_layers_need_checkpointing(spec: JobSpec) -> list[Probl
     return []
 
 
+def _check_compile_runs_outside_the_engine_hooks(spec: JobSpec) -> list[Problem]:
+    offload = spec.offload
+    if spec.training.compile and offload.enable_model_cpu_offload and offload.granularity == "leaf":
+        return [
+            (
+                "training.compile",
+                "with offload.enable_model_cpu_offload the engine's leaf units hook every layer inside a compiled "
+                "block; set offload.granularity: block (the engine then hooks the block, outside what is compiled)",
+            )
+        ]
+    return []
+
+
 def _check_distributed_trains(spec: JobSpec) -> list[Problem]:
     if spec.distributed.world_size > 1 and spec.task != "train":
         return [("distributed.world_size", f"data parallelism trains; task {spec.task!r} runs on one rank: set 1")]
@@ -173,6 +186,7 @@ RULES = (
     _check_delayed_update_without_clipping,
     _check_activation_offload_needs_checkpointing,
     _check_uncheckpointed_layers_need_checkpointing,
+    _check_compile_runs_outside_the_engine_hooks,
     _check_quantize_needs_a_frozen_base,
     _check_exports_supported,
     *LLM_RULES,

@@ -27,6 +27,7 @@ from jobs.events import (
     failed_event,
 )
 from jobs.models import LossFn, family_of
+from jobs.reporting.step_profile import StepProfiler, peak_flops, training_flops
 from jobs.reporting.telemetry import StepClock, device_identity, step_event
 from jobs.reporting.tracking import Tracking
 from jobs.spec.job import JobSpec
@@ -143,7 +144,7 @@ def run_job(
             return outcome
         if leads():  # one rank of a data-parallel job writes the job's files
             tracking = report = Tracking(spec, output_dir, report)  # TensorBoard (MLflow, W&B) see every event too
-        session = open_session(spec, output_dir, resume=resume)
+        session = open_session(spec, output_dir, resume=resume, cache_dir=Path(cache_dir) if cache_dir else None)
         step = session.start_step
         report(
             StartedEvent(
@@ -217,6 +218,7 @@ def _train(
     checkpoints = CheckpointKeeper(session, spec, resolved, output_dir, report, between)
     if step == 0:  # a resumed job evaluated the base model in its first attempt
         between.before_first_step()
+    profiler = _step_profiler(session, spec) if spec.training.profile else None
     while step < total:
         request = should_stop() if should_stop is not None else None
         if request == "pause":
@@ -224,8 +226,15 @@ def _train(
             return JobOutcome("paused", step, paused_at.path if paused_at else None)
         if request == "cancel":
             return JobOutcome("cancelled", step, checkpoints.last_path)
+        if profiler is not None:
+            profiler.before_step(step + 1)
         report(_run_step(session, spec, step, clock))
         step += 1
+        if session.compiled is not None and step == session.start_step + 1:  # the first step compiled the blocks
+            report(LogEvent(level="info", message=session.compiled.summary()))
+        profiled = profiler.after_step(step, _step_tokens(session, spec)) if profiler is not None else None
+        if profiled is not None:
+            report(LogEvent(level="info", message=profiled.message()))
         stop_early = between.after_step(step)
         group = current_group()
         if group is not None:
@@ -238,6 +247,29 @@ def _train(
     if spec.checkpoint.save_final:
         checkpoints.save(step)
     return JobOutcome("succeeded", step, checkpoints.last_path)
+
+
+def _step_profiler(session: TrainingSession, spec: JobSpec) -> StepProfiler:
+    """``training.profile``: torch.profiler over two steps after the first two (jobs/reporting/step_profile.py)."""
+    model, manager = session.model, session.manager
+    seq_len = session.data.tokens_per_sample or 0
+    frozen = next((p for p in model.parameters() if p.is_floating_point() and not p.requires_grad), None)
+    precision = spec.training.mixed_precision
+    dtype = torch.bfloat16 if precision != "no" else (frozen.dtype if frozen is not None else torch.float32)
+    return StepProfiler.over_steps(
+        session.start_step,
+        session.total_steps,
+        device=session.device,
+        flops=lambda tokens: training_flops(model, tokens, seq_len),
+        peak=peak_flops(session.device, dtype),
+        copy_wait=(lambda: manager.stats().copy_wait_seconds) if manager is not None else None,
+    )
+
+
+def _step_tokens(session: TrainingSession, spec: JobSpec) -> int | None:
+    """The tokens of one optimizer step on this rank (its FLOPs are this device's); None for data that is not tokens."""
+    per_sample = session.data.tokens_per_sample
+    return spec.training.batch_size * spec.training.gradient_accumulation_steps * per_sample if per_sample else None
 
 
 def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClock) -> StepEvent:

@@ -21,6 +21,7 @@ from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
+from jobs.models.compiled_blocks import CompiledBlocks, compile_repeated_blocks, use_inductor_cache
 from jobs.models.fused_kernels import Notice, fused_kernels_notice
 from jobs.models.loading.weight_sources import LoadReport, WeightSource
 from jobs.recompute import apply_activation_checkpointing, offload_checkpointed_inputs
@@ -71,6 +72,7 @@ class TrainingSession:
     # (level, message) for the job's events: which fused kernels ran, what gpu_memory_budget auto chose and why
     notices: list[Notice] = field(default_factory=list)
     optimizer_shards: OptimizerShards | None = None  # data parallelism: this rank's part of the CPU optimizer
+    compiled: CompiledBlocks | None = None  # training.compile: the blocks that run compiled
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -90,19 +92,21 @@ def total_steps(spec: JobSpec, data: BatchSource) -> int:
     return max(1, epochs * per_epoch // spec.training.gradient_accumulation_steps)
 
 
-def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSession:
+def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Path | None = None) -> TrainingSession:
     """Build the run, following the seed's integration, one named step after another.
 
     With model offload the model stays on the CPU: it is never ``.to(device)``-ed nor passed to
     ``accelerator.prepare``; the engine attaches to it instead. Accelerate handles the rest (device,
     mixed precision, loss scaling, optimizer and scheduler wrapping). The order of the steps is the order of
-    the random draws, so a resumed job and a fresh one see the same numbers.
+    the random draws, so a resumed job and a fresh one see the same numbers. ``cache_dir``: what later jobs
+    reuse (``training.compile``'s compiled blocks); None: ``output_dir/cache``.
     """
     accelerator, limit = _setup_device(spec)
     device = accelerator.device
     family = family_of(spec.model)
     loading_started = time.perf_counter()
     model, loss_fn, source, notices = _setup_model(spec, family, device)
+    compiled = _setup_compile(spec, model, cache_dir or output_dir / "cache")
     if spec.training.objective == "grpo":
         pass  # its loss needs the tokenizer: built with its prompts below
     elif spec.training.objective != "sft":
@@ -163,6 +167,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool) -> TrainingSe
         passed_over=passed_over,
         notices=notices + ([("info", budget.message)] if budget is not None else []),
         optimizer_shards=shards,
+        compiled=compiled,
     )
 
 
@@ -225,6 +230,15 @@ def _setup_model(
     elif quantize is not None:
         _quantize_base(model, quantize, device)
     return model, loss_fn, source, [kernels] if kernels is not None else []
+
+
+def _setup_compile(spec: JobSpec, model: nn.Module, cache_dir: Path) -> CompiledBlocks | None:
+    """``training.compile``: the model's repeated blocks compiled once for all its layers (after the kernels and the
+    adapters: what a block holds when it first runs is what is traced), their code kept in the cache's inductor
+    folder for later jobs of the same shape."""
+    if not spec.training.compile:
+        return None
+    return compile_repeated_blocks(model, cache_dir=use_inductor_cache(cache_dir / "inductor"))
 
 
 def _setup_grpo(spec: JobSpec, model: nn.Module) -> tuple[BatchSource, None, LossFn]:

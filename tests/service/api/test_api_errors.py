@@ -14,7 +14,7 @@ from tests.service.conftest import TOKEN, Server, spec_yaml
 
 UNKNOWN_KEY_HINT = (
     "unknown key (valid keys: steps, epochs, batch_size, auto, gradient_accumulation_steps, optimizer, "
-    "learning_rate, weight_decay, scheduler, max_grad_norm, seed, kernels, mixed_precision, "
+    "learning_rate, weight_decay, scheduler, max_grad_norm, seed, kernels, compile, profile, mixed_precision, "
     "gradient_checkpointing, objective, dpo, orpo, grpo, timestep_range, timestep_weighting, guidance)"
 )
 
