@@ -119,13 +119,13 @@ def compile_repeated_blocks(
         return None
     chosen = backend or BACKEND
     compiled = CompiledBlocks(blocks, chosen, cache_dir)  # counters from before the first compile
-    wrappers: dict[type, Any] = {}
+    wrappers: dict[type[nn.Module], Any] = {}
     for block in blocks:
         cls = type(block)
         function, checkpoints = _plain_forward(cls)
         if cls not in wrappers:
             wrappers[cls] = torch.compile(function, backend=chosen)
-        block.forward = _block_forward(block, wrappers[cls], checkpoints)  # type: ignore[method-assign]
+        block.forward = _block_forward(block, wrappers[cls], checkpoints)
     log.info(
         "training.compile: %d blocks (%s), backend %s", len(blocks), sorted({type(b).__name__ for b in blocks}), chosen
     )
@@ -141,14 +141,14 @@ def use_inductor_cache(directory: Path) -> Path:
     return directory
 
 
-def _plain_forward(cls: type) -> tuple[Any, bool]:
+def _plain_forward(cls: type[nn.Module]) -> tuple[Any, bool]:
     """The function to compile for blocks of ``cls``, and whether it sits under transformers' checkpointing wrapper.
 
     transformers (from 5.18) replaces each decoder layer class's ``forward`` with ``forward_with_checkpointing``,
     which calls ``_gradient_checkpointing_func`` around the original; the original is what runs in both the
     checkpoint's forward and its recompute, so it is what is compiled, and the wrapper's choice is made again
     outside it (``_block_forward``)."""
-    forward = cls.forward
+    forward: Any = cls.forward
     if forward.__code__.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
         return forward.__wrapped__, True
     return forward, False
@@ -163,7 +163,8 @@ def _block_forward(block: nn.Module, compiled: Any, checkpoints: bool) -> Any:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if getattr(block, "gradient_checkpointing", False) and block.training and torch.is_grad_enabled():
-            return block._gradient_checkpointing_func(functools.partial(compiled, block, **kwargs), *args)
+            checkpoint: Any = block._gradient_checkpointing_func  # Ferry's (jobs/recompute/checkpoint.py)
+            return checkpoint(functools.partial(compiled, block, **kwargs), *args)
         return compiled(block, *args, **kwargs)
 
     return forward

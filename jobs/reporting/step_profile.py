@@ -138,7 +138,7 @@ class ProfileReport:
         """The job event's text."""
         span = f"{self.steps[0]}-{self.steps[-1]}" if len(self.steps) > 1 else str(self.steps[0])
         shares = ", ".join(f"{name.replace('_', ' ')} {self.shares[name]:.1%}" for name in CATEGORIES)
-        rate = f"{self.achieved_flops / 1e12:.1f} TFLOP/s"
+        rate = f"{self.achieved_flops / 1e12:.3g} TFLOP/s"
         if self.mfu is not None and self.peak_flops is not None:
             rate += f", MFU {self.mfu:.1%} of {self.peak_flops / 1e12:.0f}"
         return (

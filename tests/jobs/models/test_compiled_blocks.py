@@ -105,17 +105,51 @@ def test_compiled_streamed_lora_trains_as_eager_with_graphs_independent_of_depth
     assert _train(2, backend="aot_eager", checkpointing=checkpointing, steps=1)[2] == graphs
 
 
+class _AdaptedBlock(nn.Module):
+    """A frozen projection with a trainable low-rank adapter and a norm: a decoder layer's parts, few kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.base = nn.Linear(16, 16).requires_grad_(False)
+        self.down, self.up = nn.Linear(16, 2, bias=False), nn.Linear(2, 16, bias=False)
+        self.norm.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + torch.nn.functional.silu(self.base(h) + self.up(self.down(h)))
+
+
+def _train_blocks(backend: str | None) -> tuple[list[torch.Tensor], int]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList(_AdaptedBlock() for _ in range(3)))
+    compiled = compile_repeated_blocks(model, backend=backend) if backend else None
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block", gpu_memory_budget=None))
+    grads = []
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        for block in model[0]:
+            x = block(x)
+        x.pow(2).mean().backward()
+        manager.after_backward()
+        grads += [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+    manager.remove()
+    return grads, compiled.graphs if compiled is not None else 0
+
+
 def test_inductor_compiles_once_into_the_cache_and_matches_eager(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # restored after the test; use_inductor_cache sets it
     use_inductor_cache(tmp_path / "inductor")
-    eager_losses, eager_grads, _, _ = _train(2, backend=None, steps=2)
-    losses, grads, graphs, _ = _train(2, backend="inductor", steps=2)
-    # Inductor fuses and reorders float32 reductions: equal within 1e-5 (measured 3e-6 on the gradients).
-    assert losses == pytest.approx(eager_losses, abs=1e-5)
-    _assert_close(grads, eager_grads, atol=1e-5)
-    assert graphs == 2
+    eager, _ = _train_blocks(None)
+    compiled, graphs = _train_blocks("inductor")
+    # Inductor fuses float32 arithmetic differently: equal within 1e-5.
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert graphs == 1  # three streamed blocks, one graph
     assert any((tmp_path / "inductor").iterdir())  # the compiled code is where later jobs look for it
 
 
