@@ -97,14 +97,15 @@ def ferry_job(mode: str, tokens: int, steps: int, device: str, scale: float, pro
         offload["granularity"] = "block"
     if "6GiB" in mode:
         offload["gpu_memory_limit"] = "6GiB" if scale >= 1 else "1GiB"
+    training = {"steps": steps, "batch_size": 1, "learning_rate": 1e-4, "gradient_checkpointing": True}
+    training |= {"profile": profile, **({"kernels": "liger", "compile": True} if fast else {})}
     spec = {
         "name": f"llama-3b-shape-{mode}",
         "device": device,
         "model": {"kind": "hf_causal_lm", "path": "llama-3b-shape", "dtype": "bfloat16", "init": "random"},
         "data": {"kind": "text", "path": "corpus", "seq_len": tokens},
         "lora": {"target_modules": ALL_LINEAR, "rank": 16},
-        "training": {"steps": steps, "batch_size": 1, "learning_rate": 1e-4, "gradient_checkpointing": True,
-                     "profile": profile, **({"kernels": "liger", "compile": True} if fast else {})},  # fmt: skip
+        "training": training,
         "offload": offload,
         "checkpoint": {"save_final": False},
     }
