@@ -14,6 +14,9 @@
     python bench/big_models.py headline --out big --budget 8GiB --prefetch 2   # the 32B gap's candidates: units
                                                     # kept on the device, a third ring slot (copy floor counts
                                                     # the bytes still streamed)
+    python bench/big_models.py qlora70b --out big --profile --kernels liger --compile   # every job with
+                                                    # training.profile (its shares of the step and MFU printed),
+                                                    # Liger's kernels and compiled blocks
 
 Each figure sits beside its floor measured in the same run: the pinned host->device copy rate (GB/s) gives
 the copy floor 2 x weight bytes / H2D; the disk's own read rate (``dd iflag=direct``); a CPU AdamW step.
@@ -53,6 +56,8 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
              "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
              "tie_word_embeddings": False}  # fmt: skip
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# --profile, --kernels, --compile: training settings every job of the run takes (main fills it)
+TRAINING_EXTRA: dict[str, Any] = {}
 
 
 def scaled(shape: dict[str, Any], scale: float) -> dict[str, Any]:
@@ -107,6 +112,7 @@ def lora_spec(
             "learning_rate": 1e-4,
             "gradient_checkpointing": True,
             "mixed_precision": precision,
+            **TRAINING_EXTRA,
         },
         "offload": {
             "enable_model_cpu_offload": True,
@@ -183,6 +189,7 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
         else None,
         "h2d_per_step_floor_s": (offload.get("last_step_h2d_bytes") or 0) / (h2d * 1e9) if h2d == h2d else None,
         "resident": resident,
+        **_messages([e["data"].get("message", "") for e in events if e["type"] == "log"]),
     }
     return record
 
@@ -289,7 +296,7 @@ def run_in_process(spec: dict[str, Any], root: Path, output: str = "out") -> dic
     import yaml
 
     from jobs import PathRoots, load_job_spec, run_job
-    from jobs.events import StartedEvent, StepEvent
+    from jobs.events import LogEvent, StartedEvent, StepEvent
 
     roots = PathRoots(model_roots=[root / "models"], data_roots=[root / "datasets"])
     events, arrivals = [], []
@@ -301,7 +308,9 @@ def run_in_process(spec: dict[str, Any], root: Path, output: str = "out") -> dic
     started = time.perf_counter()
     outcome = run_job(load_job_spec(yaml.safe_dump(spec), roots=roots), output_dir=root / output, report=report)
     steps = [(e, t) for e, t in zip(events, arrivals, strict=True) if isinstance(e, StepEvent)]
-    times = [b[1] - a[1] for a, b in itertools.pairwise(steps)][1:]  # the first step records the order
+    profiled = {3, 4} if TRAINING_EXTRA.get("profile") else set()  # training.profile's steps run under the profiler
+    times = [b[1] - a[1] for a, b in itertools.pairwise(steps) if b[0].step not in profiled][1:]  # the first step
+    # records the order
     start = next(e for e in events if isinstance(e, StartedEvent))
     last = steps[-1][0]
     return {
@@ -315,6 +324,7 @@ def run_in_process(spec: dict[str, Any], root: Path, output: str = "out") -> dic
         "pinned_gib": last.pinned_bytes / GIB,
         "offload": last.offload.as_dict() if last.offload else None,
         "losses": [e.loss for e, _ in steps],
+        **_messages([e.message for e in events if isinstance(e, LogEvent)]),
     }
 
 
@@ -375,7 +385,13 @@ def full3b(args: argparse.Namespace) -> dict[str, Any]:
         "device": "cpu" if args.cpu else "cuda",
         "model": {"kind": "hf_causal_lm", "path": "qwen2.5-3b-shape", "dtype": "bfloat16", "init": "random"},
         "data": {"kind": "text", "path": "corpus", "seq_len": tokens},
-        "training": {"steps": args.steps, "batch_size": 1, "learning_rate": 1e-5, "gradient_checkpointing": True},
+        "training": {
+            "steps": args.steps,
+            "batch_size": 1,
+            "learning_rate": 1e-5,
+            "gradient_checkpointing": True,
+            **TRAINING_EXTRA,
+        },
         "offload": {
             "enable_model_cpu_offload": True,
             "enable_optimizer_cpu_offload": True,
@@ -472,8 +488,24 @@ def _from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The load (rates, quantized bytes, peak host RSS) and the last step's allocator peaks, from a job's events."""
     started: dict[str, Any] = next((e["data"] for e in events if e["type"] == "started"), {})
     last: dict[str, Any] = next((e["data"] for e in reversed(events) if e["type"] == "step"), {})
+    logged = [e["data"].get("message", "") for e in events if e["type"] == "log"]
     return {"load": started.get("load") or {}, "device_peak_gib": (last.get("device_peak_bytes") or 0) / GIB,
-            "device_reserved_gib": (last.get("device_peak_reserved_bytes") or 0) / GIB}  # fmt: skip
+            "device_reserved_gib": (last.get("device_peak_reserved_bytes") or 0) / GIB,
+            **_messages(logged)}  # fmt: skip
+
+
+def _messages(logged: list[str]) -> dict[str, str | None]:
+    """The job's ``training.profile`` report and ``training.compile`` summary, from its log messages."""
+    return {"profile": next((m for m in logged if m.startswith("profile of step")), None),
+            "compile": next((m for m in logged if m.startswith("training.compile")), None)}  # fmt: skip
+
+
+def profile_lines(record: Any, where: str = "") -> list[str]:
+    """Every job's profile report and compile summary found in a run's record, named by where it lies."""
+    if isinstance(record, dict):
+        found = [f"- {where or 'job'}: {record[k]}" for k in ("profile", "compile") if isinstance(record.get(k), str)]
+        return found + [line for k, v in record.items() for line in profile_lines(v, f"{where}.{k}".strip("."))]
+    return []
 
 
 def qlora_markdown(r: dict[str, Any]) -> str:
@@ -664,10 +696,25 @@ def main() -> None:
         default="no",
         help="training.mixed_precision of the LoRA jobs (the shipped LLM configs run bf16)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="training.profile: each job's shares of a step and MFU (steps 3-4 profiled: use --steps 8 or more, so "
+        "that the median step of a job followed over HTTP is an unprofiled one)",
+    )
+    parser.add_argument("--kernels", choices=["liger", "none"], help="training.kernels of every job")
+    parser.add_argument("--compile", action="store_true", help="training.compile: true for every job")
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    TRAINING_EXTRA.update({"profile": True} if args.profile else {})
+    TRAINING_EXTRA.update({"kernels": args.kernels} if args.kernels else {})
+    TRAINING_EXTRA.update({"compile": True} if args.compile else {})
+    if args.compile and args.cpu:  # the in-process jobs' graphs, without inductor's minutes of code generation here
+        from jobs.models import compiled_blocks
+
+        compiled_blocks.BACKEND = "aot_eager"
     run, markdown = RUNS[args.run]
     record = run(args)
     from provenance import commit
@@ -681,9 +728,12 @@ def main() -> None:
         f"{f' --budget {args.budget}' if args.budget else ''}"
         f"{f' --prefetch {args.prefetch}' if args.prefetch is not None else ''}{' --resident' if args.resident else ''}"
         f"{f' --whole-layers {args.whole_layers}' if args.whole_layers else ''}"
-        f"{f' --mixed-precision {args.mixed_precision}' if args.mixed_precision != 'no' else ''}`\n\n"
+        f"{f' --mixed-precision {args.mixed_precision}' if args.mixed_precision != 'no' else ''}"
+        f"{' --profile' if args.profile else ''}{f' --kernels {args.kernels}' if args.kernels else ''}"
+        f"{' --compile' if args.compile else ''}`\n\n"
     )
-    text = header + markdown(record)
+    found = profile_lines(record)
+    text = header + markdown(record) + ("\n" + "\n".join(found) + "\n" if found else "")
     print(text, flush=True)
     (args.out / f"{args.run}.json").write_text(json.dumps(record, indent=1, default=str))
     (args.out / f"{args.run}.md").write_text(text)

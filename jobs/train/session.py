@@ -107,6 +107,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     loading_started = time.perf_counter()
     model, loss_fn, source, notices = _setup_model(spec, family, device)
     compiled = _setup_compile(spec, model, cache_dir or output_dir / "cache")
+    if spec.training.compile and compiled is None:
+        notices.append(("warning", f"training.compile: {type(model).__name__} has no repeated blocks; it runs eagerly"))
     if spec.training.objective == "grpo":
         pass  # its loss needs the tokenizer: built with its prompts below
     elif spec.training.objective != "sft":

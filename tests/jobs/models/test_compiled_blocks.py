@@ -201,3 +201,40 @@ def test_compile_under_model_offload_needs_block_units(roots: PathRoots) -> None
     assert spec_from(block, roots).training.compile
     resident = merged(TINY_HF, training={"compile": True}, offload={"enable_model_cpu_offload": False})
     assert spec_from(resident, roots).training.compile
+
+
+def _job(data: dict[str, Any], output_dir: Path, roots: PathRoots | None = None) -> tuple[list[float], list[str]]:
+    from jobs import run_job
+
+    events: list[dict[str, Any]] = []
+    run_job(spec_from(data, roots), output_dir=output_dir, report=lambda e: events.append(event_to_wire(e)))
+    return [e["loss"] for e in events if e["type"] == "step"], [e["message"] for e in events if e["type"] == "log"]
+
+
+def test_ferrys_own_lm_compiles_its_checkpointed_streamed_blocks(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # transformer_lm checkpoints through checkpoint_block (the block's __call__, hooks inside the recompute) and
+    # draws dropout masks that the recompute must replay.
+    from tests.jobs.helpers import TINY_LM
+
+    monkeypatch.setattr(compiled_blocks, "BACKEND", "aot_eager")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    lm = merged(
+        TINY_LM,
+        training={"steps": 3, "gradient_checkpointing": True},
+        offload={"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_budget": None},
+    )
+    eager, _ = _job(lm, tmp_path / "eager", roots)
+    torch._dynamo.reset()
+    compiled, messages = _job(merged(lm, training={"compile": True}), tmp_path / "compiled", roots)
+    assert compiled == pytest.approx(eager, abs=1e-6)
+    assert any(m.startswith("training.compile: 2 ") and " graphs, compiled in " in m for m in messages), messages
+
+
+def test_a_model_without_repeated_blocks_runs_eagerly_and_says_so(tmp_path: Path) -> None:
+    from tests.jobs.helpers import TOY
+
+    one_layer = merged(TOY, model={"num_layers": 1}, training={"steps": 2, "compile": True})
+    _, messages = _job(one_layer, tmp_path)
+    assert "training.compile: ToyMLP has no repeated blocks; it runs eagerly" in messages
