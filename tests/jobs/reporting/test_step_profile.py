@@ -133,3 +133,25 @@ def test_a_profiled_job_reports_where_its_steps_went(tmp_path: Path, roots: Path
     profiled = next(i for i, e in enumerate(events) if e.get("message") == message)
     assert steps[3] < profiled < events.index(next(e for e in events if e["type"] == "finished"))  # after step 4
     print(message)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_kernels_are_classed_and_the_mfu_has_a_peak() -> None:
+    device = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(device, torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    n = 2 * 1024 * 4096
+    peak = peak_flops(device, torch.bfloat16)
+    profiler = StepProfiler(device=device, first=2, last=3, flops=lambda t: 6 * n * t, peak=peak)
+    report = None
+    for step in range(1, 4):
+        profiler.before_step(step)
+        x = torch.randn(4096, 1024, device=device, dtype=torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        report = profiler.after_step(step, tokens=4096) or report
+    assert report is not None
+    assert report.shares["matmul"] > 0.05 and report.shares["optimizer"] > 0
+    if any(name in torch.cuda.get_device_name() for name in ("H100", "H200", "A100")):
+        assert report.mfu is not None and 0 < report.mfu < 1
