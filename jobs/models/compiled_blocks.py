@@ -69,6 +69,7 @@ class CompiledBlocks:
     blocks: list[nn.Module]
     backend: str
     cache_dir: Path | None = None
+    originals: list[Any] = field(default_factory=list)  # each block's instance forward before (None: its class's)
     _graphs_before: int = field(init=False, default_factory=lambda: _unique_graphs())
     _seconds_before: float = field(init=False, default_factory=lambda: _compile_seconds())
 
@@ -92,9 +93,11 @@ class CompiledBlocks:
         )
 
     def remove(self) -> None:
-        """The blocks run their class's eager ``forward`` again."""
-        for block in self.blocks:
+        """The blocks run their eager ``forward`` again (their class's, or the one they had on the instance)."""
+        for block, original in zip(self.blocks, self.originals, strict=True):
             block.__dict__.pop("forward", None)
+            if original is not None:
+                block.forward = original
 
 
 def compile_repeated_blocks(
@@ -118,18 +121,26 @@ def compile_repeated_blocks(
         )
         return None
     chosen = backend or BACKEND
-    compiled = CompiledBlocks(blocks, chosen, cache_dir)  # counters from before the first compile
-    wrappers: dict[type[nn.Module], Any] = {}
+    compiled = CompiledBlocks([], chosen, cache_dir)  # counters from before the first compile (at the first call)
+    wrappers: dict[Any, Any] = {}  # the function compiled -> its one torch.compile wrapper
     for block in blocks:
-        cls = type(block)
-        function, checkpoints = _plain_forward(cls)
-        if cls not in wrappers:
-            wrappers[cls] = torch.compile(function, backend=chosen)
-        block.forward = _block_forward(block, wrappers[cls], checkpoints)
+        function, checkpoints = _plain_forward(block)
+        if function is None:
+            log.warning("training.compile: %s has a forward of its own (%r); it runs eagerly", type(block).__name__,
+                        block.__dict__["forward"])  # fmt: skip
+            continue
+        if function not in wrappers:
+            wrappers[function] = torch.compile(function, backend=chosen)
+        compiled.blocks.append(block)
+        compiled.originals.append(block.__dict__.get("forward"))
+        block.forward = _block_forward(block, wrappers[function], checkpoints)
     log.info(
-        "training.compile: %d blocks (%s), backend %s", len(blocks), sorted({type(b).__name__ for b in blocks}), chosen
+        "training.compile: %d blocks (%s), backend %s",
+        len(compiled.blocks),
+        sorted({type(b).__name__ for b in blocks}),
+        chosen,
     )
-    return compiled
+    return compiled if compiled.blocks else None
 
 
 def use_inductor_cache(directory: Path) -> Path:
@@ -141,14 +152,20 @@ def use_inductor_cache(directory: Path) -> Path:
     return directory
 
 
-def _plain_forward(cls: type[nn.Module]) -> tuple[Any, bool]:
-    """The function to compile for blocks of ``cls``, and whether it sits under transformers' checkpointing wrapper.
+def _plain_forward(block: nn.Module) -> tuple[Any, bool]:
+    """The function to compile for ``block``, and whether it sits under transformers' checkpointing wrapper; (None,
+    False) for a block whose instance ``forward`` is not a method of its own (another library's wrapper).
 
     transformers (from 5.18) replaces each decoder layer class's ``forward`` with ``forward_with_checkpointing``,
     which calls ``_gradient_checkpointing_func`` around the original; the original is what runs in both the
     checkpoint's forward and its recompute, so it is what is compiled, and the wrapper's choice is made again
-    outside it (``_block_forward``)."""
-    forward: Any = cls.forward
+    outside it (``_block_forward``). A forward bound on the instance (a kernel library's patch) is compiled as its
+    function, once for every block that has it."""
+    own = block.__dict__.get("forward")
+    if own is not None:
+        bound_here = getattr(own, "__self__", None) is block and hasattr(own, "__func__")
+        return (own.__func__, False) if bound_here else (None, False)
+    forward: Any = type(block).forward
     if forward.__code__.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
         return forward.__wrapped__, True
     return forward, False

@@ -248,3 +248,29 @@ def test_on_the_gpu_inductor_compiles_streamed_blocks_once_and_trains_as_eager()
     assert losses == pytest.approx(eager_losses, abs=1e-4)
     _assert_close(grads, eager_grads, atol=1e-4)  # float32 without TF32; inductor's fusions reorder the sums
     assert h2d == eager_h2d and graphs == 2
+
+
+def test_a_forward_bound_on_the_block_is_compiled_once_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A kernel library binds a fused forward on each instance (Liger does so for norms and MLPs): that function is
+    # compiled, once for every block that has it; another wrapper is left alone.
+    import types
+
+    torch._dynamo.reset()
+
+    def fused(self: _AdaptedBlock, x: torch.Tensor) -> torch.Tensor:
+        return x + self.up(self.down(x))
+
+    model = nn.Sequential(nn.ModuleList(_AdaptedBlock() for _ in range(3)))
+    first, second, third = model[0]
+    first.forward = types.MethodType(fused, first)
+    second.forward = types.MethodType(fused, second)
+    third.forward = lambda x: x  # not a method of the block: runs as it is
+    compiled = compile_repeated_blocks(model, backend="aot_eager")
+    assert compiled is not None and compiled.blocks == [first, second]
+    x = torch.randn(2, 16)
+    expected = x + first.up(first.down(x))
+    torch.testing.assert_close(first(x), expected)
+    second(x)
+    assert compiled.graphs == 1 and third(x) is x
+    compiled.remove()
+    assert first.forward.__func__ is fused and second.forward.__func__ is fused
