@@ -4,9 +4,8 @@ Run on a GPU box:  python bench/offload_bench.py [--workloads toy,lora4k,lora16k
 Prints a table (date, GPU, torch, commit, figures); ``--write`` puts it into bench/RESULTS.md between its
 ``offload_bench`` markers, and the rest of the file stays as it is.
 
-``hf4k`` and ``hf16k`` (bench/hf_lora.py) run Ferry's job on a 3.2B Llama beside plain transformers + peft resident;
-``--profile`` adds each row's profile (shares of the step, TFLOP/s, MFU: jobs/reporting/step_profile.py) to its notes.
-``--cpu --scale 0.01`` runs the hf workloads on a tiny shape on the CPU (a smoke run, no figures).
+``--profile`` adds each row's profile (shares of the step, TFLOP/s, MFU: jobs/reporting/step_profile.py) to its
+notes. The LoRA rows against plain transformers + peft are bench/speed_bench.py's.
 """
 
 from __future__ import annotations
@@ -294,29 +293,9 @@ def run_lora(mode: str, steps: int, tokens: int, limit: str | None = None) -> Re
 
 def profile_note(step: Callable[[], None], model: nn.Module, tokens: int, seq_len: int, dtype: torch.dtype) -> str:
     """--profile: two more steps under torch.profiler, reported as a job's ``training.profile`` reports them."""
-    from bench.hf_lora import profile_steps
+    from bench.profiled import profile_steps
 
     return profile_steps(step, model, tokens, seq_len, torch.device("cuda"), dtype)
-
-
-def run_hf(workload: str, mode: str, steps: int, device: str = "cuda", scale: float = 1.0) -> Result:
-    """A row of bench/hf_lora.py: plain transformers + peft resident, or a Ferry job, at the workload's tokens."""
-    from bench import hf_lora
-
-    tokens = hf_lora.tokens_of(workload, scale)
-    if mode == "plain":
-        row = hf_lora.plain_step(tokens, steps, device, scale, PROFILE[0])
-        hf_lora.PLAIN_MS[tokens] = row["step_ms"]
-        notes = []
-    else:
-        row = hf_lora.ferry_job(mode, tokens, max(steps, 6) + (2 if PROFILE[0] else 0), device, scale, PROFILE[0])
-        plain = hf_lora.PLAIN_MS.get(tokens)
-        notes = [f"{row['step_ms'] / plain:.3f} × plain"] if plain else []
-        notes += row["notes"]
-    if row["profile"]:
-        notes.append(row["profile"])
-    label = f"llama 3.2B lora {tokens} tokens" + (f" (scale {scale:g}, {device})" if scale < 1 else "")
-    return Result(label, mode, row["step_ms"], row["peak_gib"], "; ".join(notes), row["reserved_gib"])
 
 
 LORA_WEIGHT_BYTES = 16 * (4 * 4096 * 4096 + 2 * 4096 * 16384) * 2
@@ -341,10 +320,7 @@ WORKLOADS: dict[str, tuple[Callable[[str, int], Result], list[str]]] = {
         lambda mode, steps: run_lora(mode, steps, 4096),
         [f"ferry-budget-{b}" for b in ("0", "2GiB", "4GiB", "8GiB", "unlimited")],
     ),
-    "hf4k": (lambda mode, steps: run_hf("hf4k", mode, steps), ["plain", "ferry-default", "ferry-liger-compile"]),
-    "hf16k": (lambda mode, steps: run_hf("hf16k", mode, steps), ["plain", "ferry-6GiB", "ferry-6GiB-liger-compile"]),
 }
-HF_WORKLOADS = ("hf4k", "hf16k")
 
 
 def commit() -> str:
@@ -388,21 +364,15 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="also write the table's markdown and JSON rows here")
     parser.add_argument("--profile", action="store_true", help="each row's profile: shares of the step, MFU")
-    parser.add_argument("--modes", help="only these modes (comma-separated) of each workload")
-    parser.add_argument("--cpu", action="store_true", help="hf workloads only, on the CPU with --scale < 1 (smoke)")
-    parser.add_argument("--scale", type=float, default=1.0, help="with --cpu: a tiny shape of the hf workloads")
     args = parser.parse_args()
     PROFILE[0] = args.profile
-    if args.cpu:
-        smoke_on_cpu(args)
-        return
     if not torch.cuda.is_available():
-        sys.exit("offload_bench needs a CUDA GPU (or --cpu --scale 0.01 for the hf workloads' smoke run)")
+        sys.exit("offload_bench needs a CUDA GPU")
     h2d = pinned_h2d_gbps()
     results = []
     for name in args.workloads.split(","):
         runner, modes = WORKLOADS[name]
-        for mode in [m for m in modes if not args.modes or m in args.modes.split(",")]:
+        for mode in modes:
             try:
                 results.append(runner(mode, args.steps))
             except Exception as error:  # a peer that cannot run here is reported, not fatal
@@ -416,7 +386,7 @@ def main() -> None:
         f"Pinned host→device copy {h2d:.1f} GB/s; lora transfer floor "
         f"2 × {LORA_WEIGHT_BYTES / 1e9:.2f} GB / H2D = {2 * LORA_WEIGHT_BYTES / h2d / 1e6:.0f} ms.\n\n"
         f"Reproduce: `python bench/offload_bench.py --workloads {args.workloads} --steps {args.steps}"
-        f"{' --profile' if args.profile else ''}{f' --modes {args.modes}' if args.modes else ''}`\n"
+        f"{' --profile' if args.profile else ''}`\n"
     )
     text = header + "\n" + table(results) + "\n"
     print("\n" + text)
@@ -429,19 +399,6 @@ def main() -> None:
         (args.out / "offload_bench.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     if args.write is not None:
         replace_section(args.write, SECTION, "## Offload engine\n\n" + text, title="Benchmark results")
-
-
-def smoke_on_cpu(args: argparse.Namespace) -> None:
-    """--cpu: the hf workloads' rows on a tiny shape on the CPU; the table shows that every path runs."""
-    names = [n for n in args.workloads.split(",") if n in HF_WORKLOADS]
-    if not names or args.scale >= 1:
-        sys.exit("--cpu runs the hf workloads (--workloads hf4k,hf16k) at --scale < 1")
-    results = []
-    for name in names:
-        for mode in [m for m in WORKLOADS[name][1] if not args.modes or m in args.modes.split(",")]:
-            results.append(run_hf(name, mode, args.steps, device="cpu", scale=args.scale))
-            print(table(results[-1:]).splitlines()[-1], flush=True)
-    print("\n" + table(results))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python bench/speed_bench.py --out speed --steps 8            # every row, one run, one GPU
     python bench/speed_bench.py --out speed --rows lora4k --write   # also put the table into bench/RESULTS.md
     python bench/speed_bench.py --out speed --cpu --scale 0.01   # the same path, tiny, on the CPU
+    python bench/speed_bench.py --out speed --steps 8 --profile  # each cell's profile: shares of the step, MFU
 
 Each cell runs in its own child process (Liger-Kernel patches transformers' classes for the whole process, and
 each cell's allocator peaks must be its own). The baseline is what a user of plain transformers + peft writes:
@@ -11,7 +12,11 @@ fused AdamW over the adapters, the loss from `labels`. Ferry's cells are the sam
 `jobs.run_job` in the child: `hf_causal_lm` from the shape's config.json, `init: random`, the same LoRA, optimizer,
 tokens and checkpointing, `offload: {enable_model_cpu_offload: true, granularity: block}` and nothing else (so
 `gpu_memory_budget` is its default, `auto`). Median step after two warm-up steps; peak allocated and reserved
-memory over the timed steps.
+memory over the timed steps. With ``--profile`` each cell also reports ``training.profile``'s figures (the share of
+the step in matmuls, attention, copies waited, optimizer and the rest; TFLOP/s and MFU): a Ferry cell from its job
+(steps 3-4 profiled, left out of its median, two more steps run), a plain cell from two more steps under the same
+profiler (bench/profiled.py). On the CPU (``--cpu``) compiled cells use dynamo's ``aot_eager`` backend: the same
+graphs without inductor's code generation, which takes minutes on a small CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+import big_models  # noqa: E402
 from big_models import ALL_LINEAR, GIB, config_of, corpus, lora_spec, run_in_process, scaled, write_config  # noqa: E402
 from doc_sections import replace_section  # noqa: E402
 
@@ -56,7 +62,7 @@ def _peaks() -> tuple[float, float]:
     return torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
 
 
-def plain_cell(shape: dict[str, Any], tokens: int, steps: int, liger: bool) -> dict[str, Any]:
+def plain_cell(shape: dict[str, Any], tokens: int, steps: int, liger: bool, profile: bool = False) -> dict[str, Any]:
     """transformers + peft, resident: the baseline every Ferry cell is divided by."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -89,13 +95,24 @@ def plain_cell(shape: dict[str, Any], tokens: int, steps: int, liger: bool) -> d
         if index >= 2:
             times.append(time.perf_counter() - started)
     allocated, reserved = _peaks()
-    return {"status": "succeeded", "median_step_s": statistics.median(times), "allocated_gib": allocated,
-            "reserved_gib": reserved}  # fmt: skip
+    result = {"status": "succeeded", "median_step_s": statistics.median(times), "allocated_gib": allocated,
+              "reserved_gib": reserved}  # fmt: skip
+    if profile:
+        from profiled import profile_steps
+
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        result["profile"] = profile_steps(step, model, tokens, tokens, torch.device(device), torch.bfloat16)
+    return result
 
 
 def ferry_spec(cell: str, tokens: int, steps: int, limit: str | None, cpu: bool) -> dict[str, Any]:
-    spec = lora_spec(f"speed-{cell.replace('+', '-')}", "llama-3.2-3b-shape", limit or "", steps + 2, tokens, "random",
-                     "cpu" if cpu else "cuda")  # fmt: skip
+    extra = 2 if big_models.TRAINING_EXTRA.get("profile") else 0  # steps 3-4 profiled, left out of the median
+    spec = lora_spec(f"speed-{cell.replace('+', '-')}", "llama-3.2-3b-shape", limit or "", steps + 2 + extra, tokens,
+                     "random", "cpu" if cpu else "cuda")  # fmt: skip
     spec["offload"] = {"enable_model_cpu_offload": True, "granularity": "block"}
     if limit:
         spec["offload"]["gpu_memory_limit"] = limit
@@ -118,7 +135,8 @@ def ferry_cell(root: Path, cell: str, tokens: int, steps: int, limit: str | None
     offload = run.get("offload") or {}
     return {"status": run["status"], "median_step_s": run["median_step_s"], "allocated_gib": run["device_peak_gib"],
             "reserved_gib": run["device_reserved_gib"], "kept_gib": (offload.get("kept_resident_bytes") or 0) / GIB,
-            "h2d_gb_per_step": (offload.get("last_step_h2d_bytes") or 0) / 1e9}  # fmt: skip
+            "h2d_gb_per_step": (offload.get("last_step_h2d_bytes") or 0) / 1e9, "profile": run.get("profile"),
+            "compile": run.get("compile")}  # fmt: skip
 
 
 def child(args: argparse.Namespace) -> None:
@@ -127,11 +145,17 @@ def child(args: argparse.Namespace) -> None:
     if args.scale < 1:
         tokens = 64
     shape = scaled(LLAMA_3B, args.scale)
+    if args.profile:
+        big_models.TRAINING_EXTRA["profile"] = True  # lora_spec's jobs take it; run_in_process leaves steps 3-4 out
+    if args.cpu:
+        from jobs.models import compiled_blocks
+
+        compiled_blocks.BACKEND = "aot_eager"
     if args.cell.startswith("plain"):
         if args.cell == "plain-liger" and not torch.cuda.is_available():
             result: dict[str, Any] = {"status": "skipped: Liger-Kernel needs CUDA", "median_step_s": None}
         else:
-            result = plain_cell(shape, tokens, args.steps, liger=args.cell == "plain-liger")
+            result = plain_cell(shape, tokens, args.steps, liger=args.cell == "plain-liger", profile=args.profile)
     else:
         result = ferry_cell(args.out / "root", args.cell, tokens, args.steps, limit, args.cpu)
     print(json.dumps(result))
@@ -171,7 +195,8 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
         "",
         f"{datetime.date.today()} — {gpu} — torch {torch.__version__} — commit {commit()}",
         "",
-        f"Reproduce: `python bench/speed_bench.py --out speed --steps {args.steps} --rows {args.rows} --write`. "
+        f"Reproduce: `python bench/speed_bench.py --out speed --steps {args.steps} --rows {args.rows}"
+        f"{' --profile' if args.profile else ''} --write`. "
         "LoRA rank 16 on every projection of Llama-3.2-3B's shape (bf16, random init), one row a step, "
         "checkpointing, AdamW; each cell: median step (× the plain transformers + peft resident step of its row), "
         "peak allocated / reserved GPU memory.",
@@ -185,7 +210,9 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Names
         label = f"{tokens} tokens" + (f", Ferry under gpu_memory_limit {limit}" if limit else "")
         for cell, result in cells.items():
             lines.append(f"| {label} | {cell} | {_cell_text(result, baseline if cell != 'plain' else None)} |")
-    return "\n".join(lines) + "\n"
+    notes = [f"- {row}, {cell}: {result[key]}" for row, cells in results.items() for cell, result in cells.items()
+             for key in ("compile", "profile") if result.get(key)]  # fmt: skip
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def main() -> None:
@@ -198,6 +225,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--write", action="store_true", help="put the table into bench/RESULTS.md")
+    parser.add_argument("--profile", action="store_true", help="each cell's training.profile figures (shares, MFU)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -213,7 +241,8 @@ def main() -> None:
             if wanted and cell not in wanted:
                 continue
             command = [sys.executable, __file__, "--out", str(args.out), "--row", row, "--cell", cell,
-                       "--steps", str(args.steps), "--scale", str(args.scale)] + (["--cpu"] if args.cpu else [])  # fmt: skip
+                       "--steps", str(args.steps), "--scale", str(args.scale)] + (["--cpu"] if args.cpu else []) \
+                + (["--profile"] if args.profile else [])  # fmt: skip
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
                 last = done.stdout.strip().splitlines()[-1:] or ["{}"]
