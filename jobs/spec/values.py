@@ -69,6 +69,7 @@ FOREIGN_KEYS = {
     "max_grad_norm": "training.max_grad_norm",
     "seed": "training.seed",
     "gradient_checkpointing": "training.gradient_checkpointing",
+    "torch_compile": "training.compile",
     "sequence_len": "data.seq_len",
     "max_seq_length": "data.seq_len",
     "max_seq_len": "data.seq_len",

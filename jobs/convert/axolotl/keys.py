@@ -68,8 +68,9 @@ REASONS = {
     "plugins": _KERNELS,
     "use_kernels": _KERNELS,
     "cut_cross_entropy": "Ferry computes the loss over chunks of the sequence already (no full logits tensor)",
-    "torch_compile": "Ferry runs eager PyTorch",
-    "torch_compile_mode": "Ferry runs eager PyTorch",
+    "torch_compile": "set training.compile: true (each decoder layer compiled once, shared by all layers; with "
+    "model offload it needs offload.granularity: block)",
+    "torch_compile_mode": "training.compile uses torch.compile's default mode; there is none to choose",
     "processor_type": _MULTIMODAL,
     "freeze_mm_modules": _MULTIMODAL,
     "loss_watchdog_threshold": "Ferry stops a job whose loss is not finite; there is no threshold to set",
