@@ -155,7 +155,9 @@ class GRPOMetrics(BaseModel):
     generated_tokens: int | None = Field(None, description="completion tokens the step sampled (stops included)")
     generation_s: float | None = Field(None, description="seconds the step spent sampling its completions")
     generation_tokens_per_s: float | None = Field(None, description="generated_tokens / generation_s")
-    training_s: float | None = Field(None, description="seconds of the step's training pass (forward, backward, update)")
+    training_s: float | None = Field(
+        None, description="seconds of the step's training pass (forward, backward, update)"
+    )
     training_tokens_per_s: float | None = Field(
         None, description="prompt and completion tokens the loss read, over training_s"
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -121,14 +122,15 @@ def _decode_with_cache(
         step_input = token.unsqueeze(1)
         step_positions = step_positions[:, -1:] + 1
         attention = torch.cat([attention, torch.ones_like(step_input)], dim=1)  # a stopped row's pads: masked out
-    return decode.result() + (forwards,)
+    return (*decode.result(), forwards)
 
 
 def _cache_argument(model: nn.Module) -> str:
     """The forward's name for the KV cache: ``cache`` in newer transformers, ``past_key_values`` before."""
     import inspect
 
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # peft
+    unwrap = getattr(model, "get_base_model", None)  # peft's wrapper passes the keywords on to this model
+    base = unwrap() if callable(unwrap) else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
@@ -219,4 +221,3 @@ def sample_top_p(logits: torch.Tensor, top_p: float, generator: torch.Generator 
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-

@@ -247,9 +247,7 @@ def _train(
     return JobOutcome("succeeded", step, checkpoints.last_path)
 
 
-def _run_step(
-    session: TrainingSession, spec: JobSpec, done: int, clock: StepClock
-) -> tuple[StepEvent, Rollout | None]:
+def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClock) -> tuple[StepEvent, Rollout | None]:
     """Train the step after ``done`` steps; returns its event (loss, rate, timing, memory, preference or grpo
     metrics) and, for grpo, what the step sampled and how it was graded."""
     training = spec.training

@@ -172,7 +172,9 @@ def test_grpo_raises_the_mean_reward_of_a_tiny_model_deterministically() -> None
 def test_lora_grpo_with_kl_to_the_base_learns_and_reports_kl() -> None:
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_llama(16), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"]))
+    model = get_peft_model(
+        tiny_llama(16), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"])
+    )
     metrics = train_rewards(model, grpo_section(beta=0.04, loss_type="grpo"), steps=12, lr=5e-2)
     rewards = [m["reward_mean"] for m in metrics]
     assert sum(rewards[:3]) / 3 < 0.5 and sum(rewards[-3:]) / 3 > 0.9, rewards
