@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,26 +163,29 @@ class GRPOLoss:
         device: torch.device,
         generator: torch.Generator | None = None,
         split: int = 1,
+        autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> Rollout:
         """Sample ``num_generations`` completions of each prompt, all of them decoded as one batch, grade them,
         and build the training batch: the prompt and completion ids right-padded (``input_ids``),
         ``completion_mask`` over them, ``advantages`` and, with ``beta > 0``, the reference's per-token
         log-probs. ``split`` > 1 cuts the batch into that many micro-batches of whole groups
-        (``Rollout.batches``)."""
+        (``Rollout.batches``). ``autocast``: the training step's mixed precision (``accelerator.autocast``), so
+        that the completions are sampled from the distribution the loss scores."""
         grpo = self.grpo
         group = grpo.num_generations
         expanded = [list(p) for p in prompts for _ in range(group)]  # a prompt's group: consecutive rows
-        generated = generate(
-            model,
-            expanded,
-            max_new_tokens=grpo.max_new_tokens,
-            temperature=grpo.temperature,
-            top_p=grpo.top_p,
-            stops=stops,
-            pad_id=pad_id,
-            device=device,
-            generator=generator,
-        )
+        with autocast():
+            generated = generate(
+                model,
+                expanded,
+                max_new_tokens=grpo.max_new_tokens,
+                temperature=grpo.temperature,
+                top_p=grpo.top_p,
+                stops=stops,
+                pad_id=pad_id,
+                device=device,
+                generator=generator,
+            )
         sequences, masks, completions = [], [], []
         for prompt, completion, kept in zip(expanded, generated.ids.tolist(), generated.mask.tolist(), strict=True):
             tokens = [t for t, k in zip(completion, kept, strict=True) if k]
@@ -196,11 +199,11 @@ class GRPOLoss:
             log.info("grpo: a group's rewards are all equal; its advantages are 0 (no update from it)")
             self._zero_std_logged = True
         per_batch = -(-len(prompts) // max(1, split)) * group  # whole groups in each micro-batch
-        batches = [
-            self._batch(model, sequences[i : i + per_batch], masks[i : i + per_batch], advantages[i : i + per_batch],
-                        pad_id, device)
-            for i in range(0, len(sequences), per_batch)
-        ]  # fmt: skip
+        batches = []
+        with autocast():  # the reference's log-probs (beta > 0), in the loss's precision
+            for i in range(0, len(sequences), per_batch):
+                part = slice(i, i + per_batch)
+                batches.append(self._batch(model, sequences[part], masks[part], advantages[part], pad_id, device))
         lengths = generated.mask.sum(-1).float()
         self._add("reward_mean", rewards.mean())
         self._add("reward_std", rewards.std() if rewards.numel() > 1 else torch.zeros(()))
@@ -234,6 +237,7 @@ class GRPOLoss:
         micro_batches: Sequence[Sequence[tuple[list[int], dict[str, Any]]]],
         *,
         device: torch.device,
+        autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> tuple[list[dict[str, torch.Tensor]], Rollout]:
         """One optimizer step's batches and what was sampled for them: the prompts of every micro-batch sampled
         together (one decode loop for the whole step), graded, then cut into the micro-batches again. dapo's
@@ -247,6 +251,7 @@ class GRPOLoss:
             pad_id=self.pad_id,
             device=device,
             split=len(micro_batches),
+            autocast=autocast,
         )
         batches = rollout.batches
         tokens = torch.stack([batch["completion_mask"].sum() for batch in batches]).sum().float()

@@ -323,7 +323,10 @@ def grpo_batches(session: TrainingSession, indices: range) -> tuple[list[dict[st
     loss_fn, data = session.loss_fn, session.data
     assert isinstance(loss_fn, GRPOLoss)
     prompts = getattr(data, "prompts")  # noqa: B009 (PromptData; BatchSource has no prompts)
-    return loss_fn.step_batches(session.forward_model, [prompts(i) for i in indices], device=session.device)
+    micro_batches = [prompts(i) for i in indices]
+    return loss_fn.step_batches(
+        session.forward_model, micro_batches, device=session.device, autocast=session.accelerator.autocast
+    )
 
 
 def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:
