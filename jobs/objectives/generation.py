@@ -103,7 +103,7 @@ def _decode_with_cache(
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()  # filled in place by each forward
-    cache_arg = _cache_argument(model)
+    cache_arg, last_only = _cache_arguments(model)
     step_input, step_positions = ids, positions
     decode = _Decoder(len(prompts), temperature, top_p, stops, pad_id, device, generator)
     forwards = 0
@@ -114,6 +114,7 @@ def _decode_with_cache(
             position_ids=step_positions,
             use_cache=True,
             **{cache_arg: cache},
+            **last_only,
         )
         forwards += 1
         token = decode.take(output.logits[:, -1])
@@ -125,13 +126,17 @@ def _decode_with_cache(
     return (*decode.result(), forwards)
 
 
-def _cache_argument(model: nn.Module) -> str:
-    """The forward's name for the KV cache: ``cache`` in newer transformers, ``past_key_values`` before."""
+def _cache_arguments(model: nn.Module) -> tuple[str, dict[str, int]]:
+    """The forward's name for the KV cache (``cache`` in newer transformers, ``past_key_values`` before), and the
+    keyword that computes the logits of the last position only, where the forward takes one: the prefill's
+    logits over every prompt position and the whole vocabulary are memory no step reads."""
     import inspect
 
     unwrap = getattr(model, "get_base_model", None)  # peft's wrapper passes the keywords on to this model
     base = unwrap() if callable(unwrap) else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    parameters = inspect.signature(base.forward).parameters
+    last = next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
+    return ("cache" if "cache" in parameters else "past_key_values"), ({last: 1} if last else {})
 
 
 def _decode_by_length(
