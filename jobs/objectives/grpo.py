@@ -12,6 +12,9 @@ defaults:
 - ``loss_type``: ``grpo`` averages each completion's tokens, then the completions; ``dr_grpo`` sums the tokens
   over ``completions * max_new_tokens``; ``dapo`` sums them over the step's completion tokens.
 
+A step's completions, of every prompt of every micro-batch, are sampled in one batched decode loop with a KV cache
+(jobs/objectives/generation.py): under model offload the weights stream once per decode step for all of them.
+
 One generation per optimizer step, one gradient update per generation: the "old" log-probs are the policy's own,
 detached (what TRL does when ``num_iterations == 1``), so the ratio is 1 and no extra forward computes them.
 

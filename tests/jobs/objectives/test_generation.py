@@ -145,3 +145,19 @@ def test_sampling_is_seeded_and_top_p_keeps_to_the_nucleus(top_p: float) -> None
 def test_no_prompt_or_an_empty_prompt_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one token"):
         generate(tiny_llama(64), [[1], []], max_new_tokens=2, temperature=1.0, device=CPU)
+
+
+@pytest.mark.gpu
+def test_offloaded_generation_on_the_gpu_gives_the_resident_models_tokens_copying_once_per_step() -> None:
+    import copy
+
+    cuda = torch.device("cuda")
+    model = tiny_llama(64)
+    resident = copy.deepcopy(model).to(cuda)
+    manager = OffloadTrainingManager(model, "cuda", options=OffloadOptions(prefetch=1))
+    counts = count_unit_copies(manager)
+    prompts = [[1, 2, 3, 4], [7, 8], [3, 3, 3], [9]] * 4  # 16 rows, as 2 prompts x G = 8
+    ours = generate(model, prompts, max_new_tokens=12, temperature=0, device=cuda)
+    theirs = generate(resident, prompts, max_new_tokens=12, temperature=0, device=cuda)
+    assert torch.equal(ours.ids, theirs.ids) and ours.forwards == 12
+    assert set(counts.values()) == {12}  # each unit once per decode step for all 16 rows
