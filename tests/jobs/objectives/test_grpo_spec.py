@@ -157,3 +157,12 @@ def test_prompts_longer_than_the_context_are_skipped_and_none_fitting_is_refused
     spec = load(grpo_spec({"max_new_tokens": 18}, **byte), root)
     with pytest.raises(ValueError, match="data.seq_len"):
         PromptData.from_spec(spec, ByteTokenizer())
+
+
+def test_the_fit_check_sizes_a_grpo_micro_batch_as_its_prompts_times_their_completions(root: Path) -> None:
+    from jobs.models.decoder_activations import rows_per_micro_batch
+
+    data = grpo_spec({"num_generations": 8})
+    data["training"]["batch_size"] = 2
+    spec = load(data, root)
+    assert rows_per_micro_batch(spec) == 16  # 2 prompts x 8 completions, trained as one batch (was 4: pairs)
