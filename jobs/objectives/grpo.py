@@ -116,13 +116,21 @@ def token_logps(model: nn.Module, input_ids: torch.Tensor, temperature: float) -
 
 @dataclass
 class Rollout:
-    """One step's generations: the training batch and what was sampled and graded."""
+    """One step's generations: the training batch and what was sampled and graded.
+
+    Attributes:
+        batch: the training batch (the first micro-batch where the rollout was split).
+        completions: the decoded completions, each prompt's ``num_generations`` one after another.
+        rewards: one per completion.
+        batches: the batch cut into micro-batches of whole groups.
+        rows: the prompts' rows, one per prompt.
+    """
 
     batch: dict[str, torch.Tensor]
     completions: list[str]
     rewards: torch.Tensor
-    batches: list[dict[str, torch.Tensor]] = field(default_factory=list)  # the batch in micro-batches
-    rows: list[dict[str, Any]] = field(default_factory=list)  # the prompts' rows, one per prompt
+    batches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 class GRPOLoss:
