@@ -12,9 +12,11 @@ without one, its rows batched by prompt length so that no row needs padding.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,7 +104,11 @@ def _decode_with_cache(
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()  # filled in place by each forward
+    # Filled in place by each forward. Given the config, the cache lays out each layer as the model does (a
+    # sliding-window layer keeps its window only).
+    takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
+    config: Any = getattr(model, "config", None)  # peft's wrapper shows the base model's
+    cache = DynamicCache(config=config) if takes_config else DynamicCache()
     cache_arg, last_only = _cache_arguments(model)
     step_input, step_positions = ids, positions
     decode = _Decoder(len(prompts), temperature, top_p, stops, pad_id, device, generator)
@@ -130,8 +136,6 @@ def _cache_arguments(model: nn.Module) -> tuple[str, dict[str, int]]:
     """The forward's name for the KV cache (``cache`` in newer transformers, ``past_key_values`` before), and the
     keyword that computes the logits of the last position only, where the forward takes one: the prefill's
     logits over every prompt position and the whole vocabulary are memory no step reads."""
-    import inspect
-
     unwrap = getattr(model, "get_base_model", None)  # peft's wrapper passes the keywords on to this model
     base = unwrap() if callable(unwrap) else model
     parameters = inspect.signature(base.forward).parameters

@@ -31,8 +31,19 @@ def one_at_a_time(model: torch.nn.Module, prompt: list[int], new: int, stops: fr
     )
 
 
-def test_batched_greedy_gives_each_prompts_own_greedy_tokens() -> None:
-    model = tiny_llama(64).double()  # float64: a different batch shape rounds alike, so argmax ties cannot flip
+def tiny_mistral_with_a_sliding_window() -> torch.nn.Module:
+    """A decoder whose attention sees 3 positions back: the cache keeps each layer's window only."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=3)  # fmt: skip
+    return MistralForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_llama(64), tiny_mistral_with_a_sliding_window])
+def test_batched_greedy_gives_each_prompts_own_greedy_tokens(build: Any) -> None:
+    model = build().double()  # float64: a different batch shape rounds alike, so argmax ties cannot flip
     assert takes_kv_cache(model)
     out = generate(model, PROMPTS, max_new_tokens=10, temperature=0, device=CPU)
     assert out.forwards == 10 and out.ids.shape == (4, 10) and out.mask.all()
