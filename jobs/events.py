@@ -152,6 +152,15 @@ class GRPOMetrics(BaseModel):
     completion_length: float
     clip_ratio: float
     kl: float | None = Field(None, description="mean per-token k3 KL to the reference; null when beta is 0")
+    generated_tokens: int | None = Field(None, description="completion tokens the step sampled (stops included)")
+    generation_s: float | None = Field(None, description="seconds the step spent sampling its completions")
+    generation_tokens_per_s: float | None = Field(None, description="generated_tokens / generation_s")
+    training_s: float | None = Field(
+        None, description="seconds of the step's training pass (forward, backward, update)"
+    )
+    training_tokens_per_s: float | None = Field(
+        None, description="prompt and completion tokens the loss read, over training_s"
+    )
 
 
 class RankFigures(BaseModel):
@@ -237,6 +246,7 @@ class SampleEvent(JobEvent):
     text: str | None = None
     artifact_path: str | None = Field(None, description="relative to the job's output directory")
     media_type: str | None = Field(None, description="of the artifact, e.g. image/png")
+    reward: float | None = Field(None, description="grpo: the graders' reward of this completion of the prompt")
 
     @model_validator(mode="after")
     def _check_text_or_artifact(self) -> SampleEvent:

@@ -84,9 +84,12 @@ def decoder_checkpointed_inputs(spec: JobSpec, dims: DecoderDims) -> list[int]:
 
 def rows_per_micro_batch(spec: JobSpec) -> int:
     """The rows one forward runs: ``batch_size`` for SFT; a preference batch's pairs are two rows each
-    (chosen, rejected), and LoRA DPO doubles them again with its reference rows (jobs/objectives/preference.py)."""
+    (chosen, rejected), and LoRA DPO doubles them again with its reference rows (jobs/objectives/preference.py);
+    a grpo micro-batch holds each prompt's ``num_generations`` completions (jobs/objectives/grpo.py)."""
     rows = spec.training.batch_size
     objective = getattr(spec.training, "objective", "sft")
+    if objective == "grpo":
+        return rows * spec.training.grpo.num_generations
     if objective != "sft":
         rows *= 2
     if objective == "dpo" and getattr(spec, "lora", None) is not None:

@@ -12,6 +12,9 @@ defaults:
 - ``loss_type``: ``grpo`` averages each completion's tokens, then the completions; ``dr_grpo`` sums the tokens
   over ``completions * max_new_tokens``; ``dapo`` sums them over the step's completion tokens.
 
+A step's completions, of every prompt of every micro-batch, are sampled in one batched decode loop with a KV cache
+(jobs/objectives/generation.py): under model offload the weights stream once per decode step for all of them.
+
 One generation per optimizer step, one gradient update per generation: the "old" log-probs are the policy's own,
 detached (what TRL does when ``num_iterations == 1``), so the ratio is 1 and no extra forward computes them.
 
@@ -24,12 +27,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from jobs.objectives.generation import generate
 
 log = logging.getLogger(__name__)
 
@@ -109,62 +114,23 @@ def token_logps(model: nn.Module, input_ids: torch.Tensor, temperature: float) -
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def sample_group(
-    model: nn.Module,
-    prompt_ids: Sequence[int],
-    *,
-    num_generations: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stops: frozenset[int],
-    pad_id: int,
-    device: torch.device,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``num_generations`` sampled continuations of one prompt, decoded together as one batch.
-
-    Returns the completion ids ``[G, T]`` (``pad_id`` after a stop) and their mask (1 up to and including the
-    stop token, as TRL's). No KV cache: each step runs the window (as jobs/evaluate/text_samples.py does, for
-    every model kind alike); the G rows share each forward, so an offloaded model streams its weights once per
-    decode step for the group."""
-    rows = num_generations
-    ids = torch.tensor([list(prompt_ids)] * rows, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    new, keep = [], []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            output = model(input_ids=ids)
-            logits = (output if isinstance(output, torch.Tensor) else output.logits)[:, -1].float() / temperature
-            token = _sample_top_p(logits, top_p, generator)
-            token = torch.where(done, torch.full_like(token, pad_id), token)
-            keep.append(~done)
-            new.append(token)
-            ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
-            if stops:
-                done = done | torch.isin(token, torch.tensor(sorted(stops), device=device))
-            if bool(done.all()):  # CPU-GPU sync point, once per decode step
-                break
-    return torch.stack(new, dim=1), torch.stack(keep, dim=1).long()
-
-
-def _sample_top_p(logits: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:  # nucleus: the smallest set of tokens whose probability reaches top_p
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
 @dataclass
 class Rollout:
-    """One step's generations: the training batch and what was sampled and graded."""
+    """One step's generations: the training batch and what was sampled and graded.
+
+    Attributes:
+        batch: the training batch (the first micro-batch where the rollout was split).
+        completions: the decoded completions, each prompt's ``num_generations`` one after another.
+        rewards: one per completion.
+        batches: the batch cut into micro-batches of whole groups.
+        rows: the prompts' rows, one per prompt.
+    """
 
     batch: dict[str, torch.Tensor]
     completions: list[str]
     rewards: torch.Tensor
+    batches: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 class GRPOLoss:
@@ -194,6 +160,7 @@ class GRPOLoss:
         self.grpo, self.grade, self.decode = grpo, grade, decode
         self.stops, self.pad_id = stops, pad_id  # the ids a completion ends at (eos, end of turn); its padding
         self._metrics: dict[str, list[torch.Tensor]] = {}
+        self._totals: dict[str, float] = {}
         self._zero_std_logged = False
 
     def rollout(
@@ -206,54 +173,74 @@ class GRPOLoss:
         pad_id: int,
         device: torch.device,
         generator: torch.Generator | None = None,
+        split: int = 1,
+        autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> Rollout:
-        """Sample ``num_generations`` completions of each prompt, grade them, and build the batch: the prompt
-        and completion ids right-padded (``input_ids``), ``completion_mask`` over them, ``advantages`` and, with
-        ``beta > 0``, the reference's per-token log-probs."""
+        """Sample ``num_generations`` completions of each prompt, all of them decoded as one batch, grade them,
+        and build the training batch: the prompt and completion ids right-padded (``input_ids``),
+        ``completion_mask`` over them, ``advantages`` and, with ``beta > 0``, the reference's per-token
+        log-probs. ``split`` > 1 cuts the batch into that many micro-batches of whole groups
+        (``Rollout.batches``). ``autocast``: the training step's mixed precision (``accelerator.autocast``), so
+        that the completions are sampled from the distribution the loss scores."""
         grpo = self.grpo
-        was_training = model.training
-        model.eval()
-        sequences, masks, completions, graded_rows = [], [], [], []
-        try:
-            for prompt, row in zip(prompts, rows, strict=True):
-                ids, keep = sample_group(
-                    model,
-                    prompt,
-                    num_generations=grpo.num_generations,
-                    max_new_tokens=grpo.max_new_tokens,
-                    temperature=grpo.temperature,
-                    top_p=grpo.top_p,
-                    stops=stops,
-                    pad_id=pad_id,
-                    device=device,
-                    generator=generator,
-                )
-                for completion, kept in zip(ids.tolist(), keep.tolist(), strict=True):
-                    tokens = [t for t, k in zip(completion, kept, strict=True) if k]
-                    text_ids = [t for t in tokens if t not in stops]
-                    completions.append(self.decode(text_ids))
-                    graded_rows.append(row)
-                    sequences.append(list(prompt) + tokens)
-                    masks.append([0] * len(prompt) + [1] * len(tokens))
-        finally:
-            model.train(was_training)
+        group = grpo.num_generations
+        expanded = [list(p) for p in prompts for _ in range(group)]  # a prompt's group: consecutive rows
+        with autocast():
+            generated = generate(
+                model,
+                expanded,
+                max_new_tokens=grpo.max_new_tokens,
+                temperature=grpo.temperature,
+                top_p=grpo.top_p,
+                stops=stops,
+                pad_id=pad_id,
+                device=device,
+                generator=generator,
+            )
+        sequences, masks, completions = [], [], []
+        for prompt, completion, kept in zip(expanded, generated.ids.tolist(), generated.mask.tolist(), strict=True):
+            tokens = [t for t, k in zip(completion, kept, strict=True) if k]
+            completions.append(self.decode([t for t in tokens if t not in stops]))
+            sequences.append(prompt + tokens)
+            masks.append([0] * len(prompt) + [1] * len(tokens))
+        graded_rows = [row for row in rows for _ in range(group)]
         rewards = torch.tensor(self.grade(completions, graded_rows), dtype=torch.float32)
-        advantages, zero_std = group_advantages(rewards, grpo.num_generations)
+        advantages, zero_std = group_advantages(rewards, group)
         if bool(zero_std.any()) and not self._zero_std_logged:
             log.info("grpo: a group's rewards are all equal; its advantages are 0 (no update from it)")
             self._zero_std_logged = True
-        width = max(len(s) for s in sequences)
-        input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences], device=device)
-        completion_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], device=device)
-        batch = {"input_ids": input_ids, "completion_mask": completion_mask, "advantages": advantages.to(device)}
-        if grpo.beta != 0.0:
-            batch["ref_logps"] = self._reference_logps(model, input_ids)
-        lengths = completion_mask.sum(-1).float()
+        per_batch = -(-len(prompts) // max(1, split)) * group  # whole groups in each micro-batch
+        batches = []
+        with autocast():  # the reference's log-probs (beta > 0), in the loss's precision
+            for i in range(0, len(sequences), per_batch):
+                part = slice(i, i + per_batch)
+                batches.append(self._batch(model, sequences[part], masks[part], advantages[part], pad_id, device))
+        lengths = generated.mask.sum(-1).float()
         self._add("reward_mean", rewards.mean())
         self._add("reward_std", rewards.std() if rewards.numel() > 1 else torch.zeros(()))
         self._add("frac_reward_zero_std", zero_std.float().mean())
         self._add("completion_length", lengths.mean().cpu())
-        return Rollout(batch=batch, completions=completions, rewards=rewards)
+        self._count("generated_tokens", generated.tokens)
+        self._count("generation_s", generated.seconds)
+        self._count("training_tokens", sum(len(s) for s in sequences))
+        return Rollout(batch=batches[0], completions=completions, rewards=rewards, batches=batches, rows=list(rows))
+
+    def _batch(
+        self,
+        model: nn.Module,
+        sequences: list[list[int]],
+        masks: list[list[int]],
+        advantages: torch.Tensor,
+        pad_id: int,
+        device: torch.device,
+    ) -> dict[str, torch.Tensor]:
+        width = max(len(s) for s in sequences)
+        input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences], device=device)
+        completion_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], device=device)
+        batch = {"input_ids": input_ids, "completion_mask": completion_mask, "advantages": advantages.to(device)}
+        if self.grpo.beta != 0.0:
+            batch["ref_logps"] = self._reference_logps(model, input_ids)
+        return batch
 
     def step_batches(
         self,
@@ -261,17 +248,27 @@ class GRPOLoss:
         micro_batches: Sequence[Sequence[tuple[list[int], dict[str, Any]]]],
         *,
         device: torch.device,
-    ) -> list[dict[str, torch.Tensor]]:
-        """One optimizer step's batches: each micro-batch of (prompt ids, row) sampled and graded. dapo's
+        autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> tuple[list[dict[str, torch.Tensor]], Rollout]:
+        """One optimizer step's batches and what was sampled for them: the prompts of every micro-batch sampled
+        together (one decode loop for the whole step), graded, then cut into the micro-batches again. dapo's
         normalizer is the step's completion tokens, split over the micro-batches (train_step averages them)."""
-        batches = []
-        for prompts in micro_batches:
-            ids, rows = [p for p, _ in prompts], [r for _, r in prompts]
-            batches.append(self.rollout(model, ids, rows, stops=self.stops, pad_id=self.pad_id, device=device).batch)
+        pairs = [pair for prompts in micro_batches for pair in prompts]
+        rollout = self.rollout(
+            model,
+            [p for p, _ in pairs],
+            [r for _, r in pairs],
+            stops=self.stops,
+            pad_id=self.pad_id,
+            device=device,
+            split=len(micro_batches),
+            autocast=autocast,
+        )
+        batches = rollout.batches
         tokens = torch.stack([batch["completion_mask"].sum() for batch in batches]).sum().float()
         for batch in batches:
             batch["num_items"] = tokens / len(batches)
-        return batches
+        return batches, rollout
 
     def _reference_logps(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         disable = getattr(model, "disable_adapter", None)
@@ -308,7 +305,13 @@ class GRPOLoss:
     def _add(self, name: str, value: torch.Tensor) -> None:
         self._metrics.setdefault(name, []).append(value.detach().float().cpu())
 
+    def _count(self, name: str, value: float) -> None:
+        self._totals[name] = self._totals.get(name, 0.0) + float(value)
+
     def take_metrics(self) -> dict[str, float]:
-        """The step's metrics (each averaged over its micro-batches) since the last call."""
+        """The step's metrics since the last call: each figure averaged over its rollouts and micro-batches,
+        and the sums ``generated_tokens``, ``generation_s`` (the decode loops' wall time) and
+        ``training_tokens`` (prompt and completion tokens the loss reads)."""
         metrics, self._metrics = self._metrics, {}
-        return {name: float(torch.stack(values).mean()) for name, values in metrics.items()}
+        totals, self._totals = self._totals, {}
+        return {**{name: float(torch.stack(values).mean()) for name, values in metrics.items()}, **totals}

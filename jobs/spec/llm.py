@@ -108,6 +108,10 @@ class GRPOSpec(Section):
         "dapo", description="grpo: mean per completion; dr_grpo: sum over completions * max_new_tokens; dapo: per token"
     )
     grader: Grader | None = Field(None, description="how completions are rewarded (OpenAI's grader objects)")
+    samples_every_steps: int | None = Field(
+        None, gt=0, description="every this many steps, report a few prompts' completions and rewards as samples"
+    )
+    samples_prompts: int = Field(2, gt=0, le=64, description="how many of the step's prompts those samples show")
 
     @field_validator("num_generations")
     @classmethod

@@ -117,7 +117,13 @@ def _check_grpo(spec: JobSpec, prompts: bool) -> list[Problem]:
         problems.append(("training.grpo.grader", "grpo needs a grader to reward completions, e.g. string_check"))
     for name in ("eval", "text_samples"):
         if getattr(spec, name) is not None:
-            problems.append((name, "grpo jobs report rewards per step and do not evaluate or sample yet; remove it"))
+            problems.append(
+                (
+                    name,
+                    "grpo jobs report rewards per step and do not evaluate; remove it "
+                    "(training.grpo.samples_every_steps shows completions and their rewards)",
+                )
+            )
     if grpo.beta > 0 and spec.lora is None:
         problems.append(
             (

@@ -8,6 +8,7 @@ from typing import Any
 from jobs.evaluate.held_out import EvalHistory, evaluate
 from jobs.evaluate.pairs import evaluate_pairs
 from jobs.events import EvalEvent, LogEvent, PreferenceMetrics, Report, SampleEvent
+from jobs.objectives.grpo import Rollout
 from jobs.objectives.preference import PreferenceLoss
 from jobs.spec.job import JobSpec
 
@@ -114,6 +115,31 @@ class EvalAndSamples:
         for sample in samples:  # one event per prompt, as the event contract has it
             self.report(SampleEvent(step=step, prompt=sample["prompt"], text=sample["completion"]))
 
+    def grpo_samples(self, step: int, rollout: Rollout) -> None:
+        """Every ``training.grpo.samples_every_steps`` steps: the first ``samples_prompts`` prompts of the step,
+        each completion a sample event with its reward (the completions of one prompt share its text)."""
+        grpo = self.spec.training.grpo
+        if grpo.samples_every_steps is None or step % grpo.samples_every_steps != 0:
+            return
+        group = grpo.num_generations
+        shown = min(grpo.samples_prompts * group, len(rollout.completions))
+        for index in range(shown):
+            self.report(
+                SampleEvent(
+                    step=step,
+                    prompt=prompt_shown(rollout.rows[index // group].get("prompt")),
+                    text=rollout.completions[index],
+                    reward=float(rollout.rewards[index]),
+                )
+            )
+
     @staticmethod
     def _due(section: Any, step: int) -> bool:
         return section is not None and section.every_steps is not None and step % section.every_steps == 0
+
+
+def prompt_shown(prompt: Any) -> str:
+    """A prompt row's ``prompt`` as a sample shows it: the text, or one ``role: content`` line per message."""
+    if isinstance(prompt, list):
+        return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in prompt if isinstance(m, dict))
+    return str(prompt)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from jobs.train.oom import oom_message
 from jobs.train.reference_logps import needs_reference_pass, prepare_reference_logps
 from jobs.train.session import TrainingSession, close_session, open_session, resolve_device
 from offload import OffloadTrainingManager, parse_bytes, return_cached_host_memory, set_gpu_memory_limit
+
+if TYPE_CHECKING:
+    from jobs.objectives.grpo import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -228,8 +232,11 @@ def _train(
             return JobOutcome("cancelled", step, checkpoints.last_path)
         if profiler is not None:
             profiler.before_step(step + 1)
-        report(_run_step(session, spec, step, clock))
+        event, rollout = _run_step(session, spec, step, clock)
+        report(event)
         step += 1
+        if rollout is not None:
+            between.grpo_samples(step, rollout)
         if session.compiled is not None and step == session.start_step + 1:  # the first step compiled the blocks
             report(LogEvent(level="info", message=session.compiled.summary()))
         profiled = profiler.after_step(step, _step_tokens(session, spec)) if profiler is not None else None
@@ -272,17 +279,20 @@ def _step_tokens(session: TrainingSession, spec: JobSpec) -> int | None:
     return spec.training.batch_size * spec.training.gradient_accumulation_steps * per_sample if per_sample else None
 
 
-def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClock) -> StepEvent:
-    """Train the step after ``done`` steps; returns its event (loss, rate, timing, memory, preference metrics)."""
+def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClock) -> tuple[StepEvent, Rollout | None]:
+    """Train the step after ``done`` steps; returns its event (loss, rate, timing, memory, preference or grpo
+    metrics) and, for grpo, what the step sampled and how it was graded."""
     training = spec.training
     accumulation = training.gradient_accumulation_steps
     lr = session.optimizer.param_groups[0]["lr"]  # the rate this step uses
     first = done * accumulation  # data position: micro-batches consumed so far
     grpo = training.objective == "grpo"
+    rollout = None
     if grpo:  # sampled from the policy as it is now, graded: this step's batches
-        batches = grpo_batches(session, range(first, first + accumulation))
+        batches, rollout = grpo_batches(session, range(first, first + accumulation))
     else:
         batches = [session.data.batch(index) for index in range(first, first + accumulation)]
+    training_started = time.perf_counter()
     loss = train_step(
         session.forward_model,
         session.loss_fn,
@@ -296,6 +306,7 @@ def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClo
     )
     group = current_group()  # data parallelism: the loss and the batch are the ranks' together
     loss_value = (group.mean(loss) if group else loss).item()  # CPU-GPU sync point: once per step
+    training_s = time.perf_counter() - training_started  # after the sync: the device's work is done
     step = done + 1
     samples = training.batch_size * accumulation * spec.distributed.world_size
     timing = clock.tick(step)
@@ -315,20 +326,39 @@ def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClo
         event = group.with_rank_figures(event, timing["step_s"])  # every rank's time and memory
     take_metrics = getattr(session.loss_fn, "take_metrics", None)  # dpo/orpo: rewards and log-probs
     if grpo and callable(take_metrics):
-        event = event.model_copy(update={"grpo": GRPOMetrics(**take_metrics())})
+        event = event.model_copy(update={"grpo": grpo_figures(take_metrics(), training_s)})
     elif callable(take_metrics):
         event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})
-    return event
+    return event, rollout
 
 
-def grpo_batches(session: TrainingSession, indices: range) -> list[dict[str, torch.Tensor]]:
-    """A grpo step's micro-batches: the prompts at ``indices``, G completions each sampled and graded."""
+def grpo_figures(metrics: dict[str, float], training_s: float) -> GRPOMetrics:
+    """A grpo step's event figures from its loss's metrics: generation and training throughput apart (the
+    decode loop's completion tokens over its seconds; the tokens the loss read over the training pass's)."""
+    generated, generation_s = metrics.pop("generated_tokens", None), metrics.pop("generation_s", None)
+    trained = metrics.pop("training_tokens", None)
+    return GRPOMetrics(
+        **metrics,
+        generated_tokens=None if generated is None else int(generated),
+        generation_s=generation_s,
+        generation_tokens_per_s=generated / generation_s if generated is not None and generation_s else None,
+        training_s=training_s,
+        training_tokens_per_s=trained / training_s if trained is not None and training_s > 0 else None,
+    )
+
+
+def grpo_batches(session: TrainingSession, indices: range) -> tuple[list[dict[str, torch.Tensor]], Rollout]:
+    """A grpo step's micro-batches: the prompts at ``indices``, G completions each, sampled together and graded;
+    and the rollout they came from."""
     from jobs.objectives.grpo import GRPOLoss
 
     loss_fn, data = session.loss_fn, session.data
     assert isinstance(loss_fn, GRPOLoss)
     prompts = getattr(data, "prompts")  # noqa: B009 (PromptData; BatchSource has no prompts)
-    return loss_fn.step_batches(session.forward_model, [prompts(i) for i in indices], device=session.device)
+    micro_batches = [prompts(i) for i in indices]
+    return loss_fn.step_batches(
+        session.forward_model, micro_batches, device=session.device, autocast=session.accelerator.autocast
+    )
 
 
 def _warn_skipped_settings(spec: JobSpec, report: Report) -> None:

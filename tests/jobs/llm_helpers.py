@@ -1,4 +1,5 @@
-"""A tiny Llama-style model and a byte-level BPE tokenizer trained in the test, with chat and alpaca data."""
+"""A tiny Llama-style model (in memory or saved) and a byte-level BPE tokenizer trained in the test, with chat and
+alpaca data."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def save_bpe_tokenizer(directory: Path, *, chat_template: str | None = CHATML, v
     return directory
 
 
-def save_llama(directory: Path, vocab_size: int = 320, **overrides: Any) -> Path:
+def tiny_llama(vocab_size: int = 320, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A two-layer Llama of hidden size 32, its weights drawn from ``seed`` (float32, in memory)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     options = dict(
@@ -76,8 +78,13 @@ def save_llama(directory: Path, vocab_size: int = 320, **overrides: Any) -> Path
         max_position_embeddings=256,
     )
     options.update(overrides)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**options)).save_pretrained(directory)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**options))
+
+
+def save_llama(directory: Path, vocab_size: int = 320, **overrides: Any) -> Path:
+    """`tiny_llama` saved as a transformers checkpoint in ``directory``."""
+    tiny_llama(vocab_size, **overrides).save_pretrained(directory)
     return directory
 
 

@@ -112,6 +112,7 @@ export function normalizeSample(sample, jobPath, streamId = null) {
     step: sample.step,
     prompt: sample.prompt ?? null,
     text: sample.text ?? null,
+    reward: sample.reward ?? null,  // grpo: the graders' reward of this completion
     artifactPath: artifact,
     url: sample.url ?? (artifact ? `${jobPath}/samples/files/${artifact}` : null),
   };
@@ -188,7 +189,30 @@ export function flattenStep(row) {
     pinned: row.pinned_bytes,
     hostRss: row.host_rss_bytes,
     ...offloadFigures(off),
+    ...grpoFigures(row.grpo),
   };
+}
+
+/**
+ * A grpo step's figures (all null for other objectives): rewards, KL, completion length, clipping, and the
+ * throughput of sampling and of training apart.
+ * @param {GRPOMetrics} g
+ */
+export function grpoFigures(g) {
+  return {
+    reward: g?.reward_mean ?? null,
+    rewardStd: g?.reward_std ?? null,
+    kl: g?.kl ?? null,
+    completionLength: g?.completion_length ?? null,
+    clipRatio: g?.clip_ratio ?? null,
+    generationTokensPerS: g?.generation_tokens_per_s ?? null,
+    trainingTokensPerS: g?.training_tokens_per_s ?? null,
+  };
+}
+
+/** Whether any step carries grpo figures: the page then charts rewards, KL, lengths and clipping. */
+export function hasGrpo(rows) {
+  return (rows || []).some((r) => typeof r.reward === "number");
 }
 
 /**

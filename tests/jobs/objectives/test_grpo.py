@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jobs.objectives.grpo import GRPOLoss, group_advantages, grpo_loss
+from tests.jobs.llm_helpers import tiny_llama
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -109,23 +110,6 @@ def test_one_generation_is_refused_naming_the_field() -> None:
         group_advantages(torch.tensor([1.0, 0.0]), 1)
 
 
-def tiny_llama(vocab: int = 16, seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config).float()
-
-
 def letters(ids: list[int]) -> str:
     return "".join(chr(ord("a") + i) for i in ids)
 
@@ -178,8 +162,8 @@ def train_rewards(
 
 
 def test_grpo_raises_the_mean_reward_of_a_tiny_model_deterministically() -> None:
-    rewards = [m["reward_mean"] for m in train_rewards(tiny_llama(), grpo_section(), steps=12)]
-    again = [m["reward_mean"] for m in train_rewards(tiny_llama(), grpo_section(), steps=12)]
+    rewards = [m["reward_mean"] for m in train_rewards(tiny_llama(16), grpo_section(), steps=12)]
+    again = [m["reward_mean"] for m in train_rewards(tiny_llama(16), grpo_section(), steps=12)]
     assert rewards == again  # the seed decides every sample and every update
     start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert start < 0.5 and end > 0.9, rewards
@@ -188,7 +172,9 @@ def test_grpo_raises_the_mean_reward_of_a_tiny_model_deterministically() -> None
 def test_lora_grpo_with_kl_to_the_base_learns_and_reports_kl() -> None:
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_llama(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"]))
+    model = get_peft_model(
+        tiny_llama(16), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"])
+    )
     metrics = train_rewards(model, grpo_section(beta=0.04, loss_type="grpo"), steps=12, lr=5e-2)
     rewards = [m["reward_mean"] for m in metrics]
     assert sum(rewards[:3]) / 3 < 0.5 and sum(rewards[-3:]) / 3 > 0.9, rewards

@@ -118,6 +118,8 @@ def test_a_grpo_job_runs_and_reports_its_figures_per_step(tiny: Path, tmp_path: 
                 "max_new_tokens": 6,
                 "beta": 0.04 if lora else 0.0,
                 "grader": {"type": "string_check", "reference": "{{item.answer}}", "operation": "like"},
+                "samples_every_steps": 2,
+                "samples_prompts": 1,
             },
         },
     )
@@ -132,6 +134,14 @@ def test_a_grpo_job_runs_and_reports_its_figures_per_step(tiny: Path, tmp_path: 
         assert 0 <= figures["reward_mean"] <= 1 and 0 < figures["completion_length"] <= 6
         assert (figures["kl"] is not None) == lora
         assert step["loss"] == step["loss"]  # finite, not NaN
+        # 2 prompts x 2 micro-batches x 3 completions, sampled together; their throughput apart from training's
+        assert figures["generated_tokens"] == round(12 * figures["completion_length"])
+        assert figures["generation_tokens_per_s"] == figures["generated_tokens"] / figures["generation_s"]
+        assert figures["training_s"] > 0 and figures["training_tokens_per_s"] > 0
+    samples = [e for e in events if e["type"] == "sample"]
+    assert [s["step"] for s in samples] == [2, 2, 2]  # every 2 steps: one prompt's 3 completions
+    assert len({s["prompt"] for s in samples}) == 1 and all(s["reward"] in (0.0, 1.0) for s in samples)
+    assert all(isinstance(s["text"], str) for s in samples)
 
 
 def test_prompts_longer_than_the_context_are_skipped_and_none_fitting_is_refused(root: Path) -> None:
@@ -147,3 +157,12 @@ def test_prompts_longer_than_the_context_are_skipped_and_none_fitting_is_refused
     spec = load(grpo_spec({"max_new_tokens": 18}, **byte), root)
     with pytest.raises(ValueError, match="data.seq_len"):
         PromptData.from_spec(spec, ByteTokenizer())
+
+
+def test_the_fit_check_sizes_a_grpo_micro_batch_as_its_prompts_times_their_completions(root: Path) -> None:
+    from jobs.models.decoder_activations import rows_per_micro_batch
+
+    data = grpo_spec({"num_generations": 8})
+    data["training"]["batch_size"] = 2
+    spec = load(data, root)
+    assert rows_per_micro_batch(spec) == 16  # 2 prompts x 8 completions, trained as one batch (was 4: pairs)

@@ -90,11 +90,20 @@ def test_listed_and_streamed_samples_come_out_alike() -> None:
                 "step": 2,
                 "prompt": "a cat",
                 "text": None,
+                "reward": None,
                 "artifactPath": "samples/step-2/0.png",
                 "url": "/v1/jobs/j/samples/files/x",
             }
         ],
-        {"key": "12", "step": 3, "prompt": "hello", "text": " world", "artifactPath": None, "url": None},
+        {
+            "key": "12",
+            "step": 3,
+            "prompt": "hello",
+            "text": " world",
+            "reward": None,
+            "artifactPath": None,
+            "url": None,
+        },
     ]
     image_event = {"type": "sample", "step": 3, "artifact_path": "samples/step-3/0.png"}
     assert read_with("m.normalizeSample(a.e, '/v1/jobs/j', '13').url", e=image_event) == (

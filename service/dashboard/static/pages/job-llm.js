@@ -29,7 +29,8 @@ export function evalChart() {
   };
 }
 
-/** The samples card: each step's prompts and greedy completions, newest step first. */
+/** The samples card: each step's prompts and greedy completions, newest step first; a grpo job's completions
+ * of one prompt together under it, each with its reward. */
 export function samplesCard(path) {
   const seen = new Map();  // event id -> sample
   const body = h("div", { class: "samples", id: "samples" });
@@ -49,9 +50,7 @@ export function samplesCard(path) {
       return h("div", { class: "sample-step", "data-step": String(step) },
         h("div", { class: "muted small" }, `step ${step}`),
         images.length ? gallery(images) : null,
-        ...byStep.get(step).filter((s) => !s.url).map((s) => h("div", { class: "sample" },
-          h("div", { class: "sample-prompt" }, h("strong", {}, s.prompt ?? "")),
-          sampleBody(s.text))));
+        ...textSamples(byStep.get(step).filter((s) => !s.url)));
     }));
   }
 
@@ -66,6 +65,32 @@ export function samplesCard(path) {
       this.add(samplesOf(await api(`${path}/samples?limit=1000`)).map((sample) => normalizeSample(sample, path)));
     },
   };
+}
+
+/** Text samples as blocks: one per prompt and completion, or, where they carry rewards (grpo), one per prompt
+ * with its completions and their rewards. */
+function textSamples(samples) {
+  if (!samples.some((s) => isNum(s.reward))) {
+    return samples.map((s) => h("div", { class: "sample" },
+      h("div", { class: "sample-prompt" }, h("strong", {}, s.prompt ?? "")), sampleBody(s.text)));
+  }
+  const byPrompt = new Map();
+  for (const sample of samples) {
+    const prompt = sample.prompt ?? "";
+    if (!byPrompt.has(prompt)) byPrompt.set(prompt, []);
+    byPrompt.get(prompt).push(sample);
+  }
+  return [...byPrompt.entries()].map(([prompt, group]) => h("div", { class: "sample sample-group" },
+    h("div", { class: "sample-prompt" }, h("strong", {}, prompt),
+      h("span", { class: "muted small" }, ` · ${group.length} completions, mean reward ${num(mean(group.map((s) => s.reward)), 3)}`)),
+    ...group.map((s) => h("div", { class: "sample-completion" },
+      h("span", { class: "sample-reward mono small", "data-reward": String(s.reward) }, `reward ${num(s.reward, 3)}`),
+      sampleBody(s.text)))));
+}
+
+function mean(values) {
+  const nums = values.filter(isNum);
+  return nums.length ? nums.reduce((a, b) => a + b, 0) / nums.length : null;
 }
 
 /** A sample's text in a bounded block; whitespace only is said in words, not drawn as empty lines. */

@@ -1,9 +1,10 @@
-// The job page's time series: the stored points, the live ones from the stream, and the six charts.
+// The job page's time series: the stored points, the live ones from the stream, and the six charts (and a grpo
+// job's five more: reward, KL, completion length, clip fraction, generation and training tokens/s).
 
 import { api } from "../api.js";
 import { lineChart } from "../charts.js";
 import { isNum } from "../format.js";
-import { bytesMoved, eventsPage, flattenStep, metricsPage } from "../model.js";
+import { bytesMoved, eventsPage, flattenStep, hasGrpo, metricsPage } from "../model.js";
 
 /** The stored series, page by page (`?after=` cursor) until the service says there is no more. */
 export async function loadMetrics(path, series, onEval = () => {}, onSteps = () => {}) {
@@ -71,7 +72,8 @@ export function makeCharts({ cpu = false } = {}) {
     series: [{ label: "host → GPU" }, { label: "GPU → host", color: "#d9480f" }] });
   const wait = lineChart({ title: "Time waiting on copies", xLabel: "step", yLabel: "wait per step", unit: "ms", testId: "copy-wait",
     series: [{ label: "copy wait", color: "#c2255c" }] });
-  const all = [loss, lr, memory, throughput, transfer, wait];
+  const grpo = grpoCharts();
+  const all = [loss, lr, memory, throughput, transfer, wait, ...grpo.all];
   let pending = false;
   function update(store) {
     const rows = store.rows();
@@ -93,6 +95,7 @@ export function makeCharts({ cpu = false } = {}) {
     wait.element.hidden = !copies;
     transfer.setData(steps, col("h2d"), col("d2h"));
     wait.setData(steps, perStepWaitMs(rows));
+    grpo.update(rows, steps, col);
   }
   // Many step events arrive at once on replay: redraw charts and figures at most once a frame.
   function schedule(store, alsoDraw = () => {}) {
@@ -101,6 +104,37 @@ export function makeCharts({ cpu = false } = {}) {
     requestAnimationFrame(() => { pending = false; update(store); alsoDraw(); });
   }
   return { all, update, schedule };
+}
+
+/** A grpo job's charts, hidden until a step carries grpo figures (every other job never shows them). */
+export function grpoCharts() {
+  const reward = lineChart({ title: "Reward", xLabel: "step", yLabel: "reward", testId: "reward",
+    series: [{ label: "mean" }, { label: "std", color: "#868e96" }] });
+  const kl = lineChart({ title: "KL to the reference", xLabel: "step", yLabel: "KL", testId: "kl",
+    series: [{ label: "KL", color: "#7048e8" }] });
+  const length = lineChart({ title: "Completion length", xLabel: "step", yLabel: "tokens", testId: "completion-length",
+    series: [{ label: "mean tokens", color: "#0c8599" }] });
+  const clip = lineChart({ title: "Clip fraction", xLabel: "step", yLabel: "share of tokens", testId: "clip-fraction",
+    series: [{ label: "clipped", color: "#c2255c" }] });
+  const tokens = lineChart({ title: "Generation and training", xLabel: "step", yLabel: "tokens", unit: "tokens/s",
+    testId: "grpo-tokens", series: [{ label: "generation", color: "#2b8a3e" }, { label: "training", color: "#d9480f" }] });
+  const all = [reward, kl, length, clip, tokens];
+  for (const chart of all) chart.element.hidden = true;
+  return {
+    all,
+    update(rows, steps, col) {
+      const shown = hasGrpo(rows);
+      for (const chart of all) chart.element.hidden = !shown;
+      // KL is null while training.grpo.beta is 0: no chart of a figure that is not computed.
+      kl.element.hidden = !shown || !rows.some((r) => isNum(r.kl));
+      if (!shown) return;
+      reward.setData(steps, col("reward"), col("rewardStd"));
+      kl.setData(steps, col("kl"));
+      length.setData(steps, col("completionLength"));
+      clip.setData(steps, col("clipRatio"));
+      tokens.setData(steps, col("generationTokensPerS"), col("trainingTokensPerS"));
+    },
+  };
 }
 
 /**

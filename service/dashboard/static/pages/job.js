@@ -180,8 +180,9 @@ function drawStats(root, job, last) {
         job.status === "running" && isNum(job.eta) ? `ETA ${duration(job.eta)} · ` : "", `elapsed ${duration(elapsed)}`)),
     stat("Loss", num(from("loss")), { id: "loss" }),
     stat("Learning rate", num(from("lr"), 3), { id: "lr" }),
-    stat("Throughput", rate(from("samplesPerS"), "samples/s"), { id: "throughput",
-      sub: isNum(from("tokensPerS")) ? rate(from("tokensPerS"), "tokens/s") : null }),
+    stat("Throughput", rate(from("samplesPerS"), "samples/s"), { id: "throughput", sub: throughputSub(last, from) }),
+    ...(isNum(last?.reward) ? [stat("Reward", num(last.reward, 3), { id: "reward",
+      sub: `std ${num(last.rewardStd, 3)} · ${num(last.completionLength, 3)} tokens a completion` })] : []),
     isCpuJob(job)
       ? stat("Host memory", bytes(from("hostRss")), { id: "gpu-mem", sub: "runs on the CPU: its memory is the host's (RSS)" })
       : stat("GPU memory", bytes(from("allocated")), { id: "gpu-mem",
@@ -189,6 +190,14 @@ function drawStats(root, job, last) {
     stat("Pinned host", bytes(from("pinned")), { id: "pinned", sub: isNum(from("hostRss")) ? `RSS ${bytes(from("hostRss"))}` : null }),
     offloadStat(last, job),
   );
+}
+
+/** Tokens/s under the throughput: a grpo step's sampling and training apart, else the step's tokens/s. */
+function throughputSub(last, from) {
+  if (isNum(last?.generationTokensPerS)) {
+    return `generation ${rate(last.generationTokensPerS, "tokens/s")} · training ${rate(last.trainingTokensPerS, "tokens/s")}`;
+  }
+  return isNum(from("tokensPerS")) ? rate(from("tokensPerS"), "tokens/s") : null;
 }
 
 function offloadStat(last, job) {
