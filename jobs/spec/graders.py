@@ -138,7 +138,9 @@ class ScoreModelGrader(Section):
     model: ModelPath = Field(description="a Hugging Face causal LM directory under a model root: the judge")
     input: list[GraderMessage] = Field(min_length=1)
     range: tuple[float, float] = (0.0, 1.0)
-    max_new_tokens: int = Field(16, gt=0, le=4096, description="the judge's answer length (OpenAI's max_completions_tokens)")
+    max_new_tokens: int = Field(
+        16, gt=0, le=4096, description="the judge's answer length (OpenAI's max_completions_tokens)"
+    )
     temperature: float = Field(0.0, ge=0, description="0: greedy")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the judge runs, beside the policy")
 

@@ -29,7 +29,8 @@ class Judge:
         self.device = torch.device(spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu")
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to oddly
 
     def score(self, completions: list[str], rows: list[dict[str, Any]]) -> list[float | BaseException]:
         """The clipped score of each completion, or the error that stood in for it."""
