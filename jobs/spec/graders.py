@@ -131,7 +131,8 @@ class GraderMessage(Section):
 class ScoreModelGrader(Section):
     """OpenAI's ``score_model``, with a local model: ``model`` (a causal LM directory under a model root, its
     tokenizer and chat template beside it) reads ``input`` (messages, templates filled in) and answers; the first
-    number of its answer, clipped to ``range``, is the reward. Greedy unless ``temperature`` > 0."""
+    number of its answer, clipped to ``range``, is the reward. Greedy unless ``temperature`` > 0 (then ``top_p`` and
+    ``seed`` apply, as OpenAI's ``sampling_params``)."""
 
     type: Literal["score_model"]
     name: str = "score_model"
@@ -142,6 +143,8 @@ class ScoreModelGrader(Section):
         16, gt=0, le=4096, description="the judge's answer length (OpenAI's max_completions_tokens)"
     )
     temperature: float = Field(0.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, description="the judge's sampling seed (temperature > 0)")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the judge runs, beside the policy")
 
     @model_validator(mode="after")

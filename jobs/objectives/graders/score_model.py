@@ -58,13 +58,18 @@ class Judge:
         else:
             text = "\n".join(m["content"] for m in messages) + "\n"
         ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(self.device)
-        sampling = {"do_sample": True, "temperature": self.spec.temperature} if self.spec.temperature > 0 else {}
-        output = self.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=self.spec.max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0,
-            do_sample=bool(sampling),
-            **{k: v for k, v in sampling.items() if k != "do_sample"},
-        )
+        spec = self.spec
+        sampling = {"temperature": spec.temperature, "top_p": spec.top_p} if spec.temperature > 0 else {}
+        # The judge's own seed, in a forked RNG: the policy's sampling stream is left as it was.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if spec.seed is not None:
+                torch.manual_seed(spec.seed)
+            output = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=spec.max_new_tokens,
+                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0,
+                do_sample=bool(sampling),
+                **sampling,
+            )
         return str(self.tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True))

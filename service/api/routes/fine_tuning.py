@@ -64,7 +64,7 @@ def create_fine_tuning_job(
     if create.validation_file:
         _uploaded(files, create.validation_file, "validation_file")
     seed = create.seed if create.seed is not None else new_seed()
-    spec = build_spec(create, training_format=training.format, seed=seed)
+    spec = build_spec(create, training_format=training.format, seed=seed, training_rows=training.rows)
     text = yaml.safe_dump(spec, sort_keys=False)
     try:
         checked = checker.check(
@@ -182,9 +182,16 @@ def list_fine_tuning_checkpoints(
         last = _checkpoint_step(job_id, after)
         found = [info for info in found if info.step < last]
     page, has_more = found[:limit], len(found) > limit
-    losses = fine_tuning.step_losses(job_id, [info.step for info in page])
+    steps = [info.step for info in page]
+    losses, rewards = fine_tuning.step_losses(job_id, steps), fine_tuning.step_rewards(job_id, steps)
     data = [
-        CheckpointPublic.of(request, info, losses.get(info.step), datetime.fromisoformat(info.created).timestamp())
+        CheckpointPublic.of(
+            request,
+            info,
+            losses.get(info.step),
+            datetime.fromisoformat(info.created).timestamp(),
+            rewards.get(info.step),
+        )
         for info in page
     ]
     return ListPage.of(data, has_more)
