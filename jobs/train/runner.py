@@ -225,6 +225,8 @@ def _train(
         if request == "cancel":
             return JobOutcome("cancelled", step, checkpoints.last_path)
         report(_run_step(session, spec, step, clock))
+        for message in _new_grader_errors(session):  # a grader's distinct failures, each once, in the events
+            report(LogEvent(level="warning", message=message))
         step += 1
         stop_early = between.after_step(step)
         group = current_group()
@@ -287,6 +289,12 @@ def _run_step(session: TrainingSession, spec: JobSpec, done: int, clock: StepClo
     elif callable(take_metrics):
         event = event.model_copy(update={"preference": PreferenceMetrics(**take_metrics())})
     return event
+
+
+def _new_grader_errors(session: TrainingSession) -> list[str]:
+    """grpo: the grader errors first seen in the last step (jobs/objectives/graders/rewards.py); else none."""
+    take = getattr(getattr(session.loss_fn, "grade", None), "take_new_errors", None)
+    return list(take()) if callable(take) else []
 
 
 def grpo_batches(session: TrainingSession, indices: range) -> list[dict[str, torch.Tensor]]:
