@@ -32,8 +32,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from service.api.errors import ApiError
 from service.api.openai.reinforcement import (
     BASE_GENERATIONS,
-    auto_batch_size,
-    auto_epochs,
     ferry_grader,
     num_generations,
     refuse_unsupported,
@@ -150,11 +148,8 @@ def request_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def build_spec(
-    create: FineTuningCreate, *, training_format: str | None, seed: int, training_rows: int | None = None
-) -> dict[str, Any]:
-    """The Ferry spec for ``create`` (see the module docstring), ``ferry`` merged over it. ``training_rows``: the
-    training file's row count, from which a reinforcement job's ``auto`` batch and epochs are chosen."""
+def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: int) -> dict[str, Any]:
+    """The Ferry spec for ``create`` (see the module docstring), ``ferry`` merged over it."""
     _refuse_unsupported(create, training_format)
     chosen = create.chosen_hyperparameters()
     training: dict[str, Any] = {
@@ -167,7 +162,7 @@ def build_spec(
         beta = _given(getattr(chosen, "beta", None), AUTO_BETA)
         training.update(objective="dpo", dpo={"beta": beta})
     if create.method_type == "reinforcement":
-        training.update(_reinforcement(create, chosen, training_rows))
+        training.update(_reinforcement(create, chosen))
     spec: dict[str, Any] = {
         "name": _name(create),
         "model": {"kind": "hf_causal_lm", "path": create.model},
@@ -193,21 +188,15 @@ _ROWS = {
 }
 
 
-def _reinforcement(create: FineTuningCreate, chosen: Any, rows: int | None) -> dict[str, Any]:
-    """The training section's grpo part of a reinforcement request; auto batch and epochs from the file's rows
-    (the data check's auto reads token rows, which prompts are not)."""
+def _reinforcement(create: FineTuningCreate, chosen: Any) -> dict[str, Any]:
+    """The training section's grpo part of a reinforcement request."""
     assert create.method is not None and create.method.reinforcement is not None  # _refuse_unsupported saw to it
     refuse_unsupported(chosen, create.validation_file)
     grpo = {
         "grader": ferry_grader(create.method.reinforcement.grader),
         "num_generations": num_generations(chosen.compute_multiplier),
     }
-    training: dict[str, Any] = {"objective": "grpo", "grpo": grpo}
-    if chosen.batch_size in (None, "auto"):
-        training["batch_size"] = auto_batch_size(rows)
-    if chosen.n_epochs in (None, "auto"):
-        training["epochs"] = auto_epochs(rows)
-    return training
+    return {"objective": "grpo", "grpo": grpo}
 
 
 def resolved_method(create: FineTuningCreate, spec: dict[str, Any]) -> dict[str, Any]:

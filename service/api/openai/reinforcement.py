@@ -11,7 +11,8 @@ The grader objects map one to one onto Ferry's (jobs/spec/graders.py), templates
   ``sampling_params`` temperature, top_p, seed, max_completions_tokens; ``reasoning_effort`` is refused;
 - ``label_model`` is an evals grader, refused as OpenAI's reinforcement fine-tuning refuses it.
 
-Hyperparameters: ``n_epochs``, ``batch_size`` and ``learning_rate_multiplier`` as for supervised jobs;
+Hyperparameters: ``n_epochs``, ``batch_size`` and ``learning_rate_multiplier`` as for supervised jobs (auto: chosen
+by OpenAI's rules from the prompts that fit the context, jobs/data/auto_size.py);
 ``compute_multiplier`` scales the completions sampled per prompt (``training.grpo.num_generations``, 8 at 1);
 ``eval_interval``, ``eval_samples`` and ``reasoning_effort`` are refused unless auto/default (a grpo job reports
 its rewards each step and runs no evaluation).
@@ -19,7 +20,6 @@ its rewards each step and runs no evaluation).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from service.api.errors import ApiError
@@ -85,18 +85,6 @@ def refuse_unsupported(hyperparameters: Any, validation_file: str | None) -> Non
         raise _bad(f"{where}.reasoning_effort", "Ferry's models have no reasoning effort setting; leave it default")
     if validation_file:
         raise _bad("validation_file", "Ferry's reinforcement jobs do not evaluate yet; leave validation_file out")
-
-
-def auto_batch_size(rows: int | None) -> int:
-    """OpenAI's auto batch (about 0.2 % of the prompts, 1 to 256), from the upload's row count."""
-    return max(1, min(256, math.ceil(0.002 * (rows or 1)), rows or 1))
-
-
-def auto_epochs(rows: int | None) -> int:
-    """OpenAI's auto epochs (3, raised to show 100 prompts, lowered to about 25,000), from the upload's rows."""
-    from jobs.data.auto_size import auto_epochs as rule
-
-    return rule(rows or 1)
 
 
 def request_param(path: str, grader: Any) -> str | None:

@@ -64,7 +64,7 @@ def create_fine_tuning_job(
     if create.validation_file:
         _uploaded(files, create.validation_file, "validation_file")
     seed = create.seed if create.seed is not None else new_seed()
-    spec = build_spec(create, training_format=training.format, seed=seed, training_rows=training.rows)
+    spec = build_spec(create, training_format=training.format, seed=seed)
     text = yaml.safe_dump(spec, sort_keys=False)
     try:
         checked = checker.check(

@@ -39,6 +39,7 @@ def grpo_job(roots: PathRoots, rows: list[dict[str, Any]], *, grader: dict[str, 
             **training,
         },
     )
+    spec["training"] = {key: value for key, value in spec["training"].items() if value is not None}
     return load_job_spec(yaml.safe_dump(spec), roots)
 
 
@@ -106,3 +107,16 @@ def test_equal_rewards_train_on_advantage_zero_and_long_prompts_and_grader_error
     assert [n for n in notes if "bad grader" in n] == [
         "grader 'python' (python): RuntimeError: ValueError: bad grader; reward 0"
     ]
+
+
+def test_auto_batch_and_epochs_count_the_prompts_that_fit(roots: PathRoots) -> None:
+    from jobs.data.auto_size import choose_auto
+
+    long = {"prompt": "a long prompt, longer than the context " * 8, "answer": "x"}
+    job = grpo_job(roots, [*sums(12), long], batch_size="auto", epochs="auto", steps=None)
+    assert preflight_problems(job) == []
+    chosen, notes = choose_auto(job)
+    assert (chosen.training.batch_size, chosen.training.epochs) == (1, 8)  # OpenAI's rules over 12 prompts
+    assert notes[0].endswith(
+        "the data makes 12 prompt(s) with room for training.grpo.max_new_tokens in data.seq_len=64"
+    )
