@@ -33,12 +33,14 @@ class DataRows:
 
     rows: int
     examples: int
-    layout: str  # "packed", "padded", "concatenated" or "pairs"
+    layout: str  # "packed", "padded", "concatenated", "pairs" or "prompts"
 
     def described(self, seq_len: int) -> str:
         """The rows in the user's words, e.g. "1 packed row(s) of data.seq_len=512 tokens from 12 example(s)"."""
         if self.layout == "pairs":
             return f"{self.rows} preference pair(s)"
+        if self.layout == "prompts":
+            return f"{self.rows} prompt(s) with room for training.grpo.max_new_tokens in data.seq_len={seq_len}"
         if self.layout == "padded":
             return f"{self.rows} example(s) of at most data.seq_len={seq_len} tokens"
         return f"{self.rows} {self.layout} row(s) of data.seq_len={seq_len} tokens from {self.examples} example(s)"
@@ -55,10 +57,39 @@ def count_rows(spec: JobSpec) -> DataRows:
 
     data = spec.data
     assert data.kind == "text"  # callers check
+    if data.format == "prompt":
+        return _prompt_rows(spec)
     family = family_of(spec.model)
     packed_path = family.keeps_packed_documents_apart and model_keeps_documents_apart()
     text = prepare_text_data(data, batch_size=1, seed=spec.training.seed, packed_path=packed_path, eval_spec=spec.eval)
     return DataRows(rows=len(text.train), examples=text.counts.examples, layout=text.layout)
+
+
+def _prompt_rows(spec: JobSpec) -> DataRows:
+    """grpo's rows: the prompts that leave ``max_new_tokens`` of room in ``data.seq_len`` (the longer ones are
+    skipped, as jobs/objectives/prompts.py skips them)."""
+    from pathlib import Path
+
+    from jobs.data.formats.prompt import prompt_ids
+    from jobs.data.records import iter_records
+    from jobs.data.tokenizers import build_tokenizer
+
+    data = spec.data
+    assert data.kind == "text"  # callers check
+    tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
+    room = data.seq_len - spec.training.grpo.max_new_tokens
+    lengths = [
+        len(prompt_ids(record.fields, tokenizer))
+        for _, path, _ in data.sources()
+        for record in iter_records(Path(path), data.file_type)
+    ]
+    fits = sum(1 for length in lengths if length <= room)
+    if not fits:
+        raise ValueError(
+            f"data.seq_len: none of the {len(lengths)} prompts fits in data.seq_len={data.seq_len} with room for "
+            f"training.grpo.max_new_tokens={spec.training.grpo.max_new_tokens}; raise data.seq_len or lower it"
+        )
+    return DataRows(rows=fits, examples=fits, layout="prompts")
 
 
 def auto_batch_size(rows: DataRows) -> int:

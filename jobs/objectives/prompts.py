@@ -1,8 +1,7 @@
-"""Prompt-only rows for ``training.objective: grpo`` (``data.format: prompt``), TRL's prompt-only format.
+"""The prompts of ``training.objective: grpo`` (``data.format: prompt``) in the order a job samples them.
 
-A row is ``{"prompt": "..."}`` (standard: the text as is) or ``{"prompt": [{"role", "content"}, ...]}``
-(conversational: rendered with the chat template and its generation prompt). Every other column (``answer``,
-``solution``, ...) travels with the prompt to the graders as ``{{item.<column>}}``.
+A row is TRL's prompt-only row or OpenAI's reinforcement row (jobs/data/formats/prompt.py reads either). Every
+other column (``answer``, ``solution``, ...) travels with the prompt to the graders as ``{{item.<column>}}``.
 """
 
 from __future__ import annotations
@@ -13,23 +12,9 @@ from typing import Any
 
 import torch
 
+from jobs.data.formats.prompt import prompt_ids
 from jobs.data.records import iter_records
-from jobs.data.tokenizers import HFTokenizer, Tokenizer
-
-
-def prompt_ids(fields: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    """The token ids of a row's prompt (the chat template's generation prompt after a conversation)."""
-    prompt = fields.get("prompt")
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        if not isinstance(tokenizer, HFTokenizer):
-            raise ValueError("conversational prompts need data.tokenizer kind hf (a chat template)")
-        from jobs.data.formats.chat import conversation_prompt
-
-        messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in prompt]
-        return tokenizer.encode(conversation_prompt(messages, tokenizer))
-    raise ValueError('a prompt row needs "prompt": a string, or a list of {"role", "content"} messages')
+from jobs.data.tokenizers import Tokenizer
 
 
 @dataclass
@@ -51,7 +36,10 @@ class PromptData:
         room = data.seq_len - grpo.max_new_tokens
         rows, long = [], 0
         for record in iter_records(data.path, data.file_type):
-            ids = prompt_ids(record.fields, tokenizer)
+            try:
+                ids = prompt_ids(record.fields, tokenizer)
+            except ValueError as error:  # a RecordError naming the field
+                raise ValueError(f"data.path: {record.file} row {record.row}: {error}") from None
             if not ids or len(ids) > room:
                 long += 1
                 continue

@@ -7,10 +7,11 @@ the job. A module of their own so the job spec stays one screen of model, data a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from jobs.spec.graders import Grader
 from jobs.spec.sections import DataPath, Section, broken_rules
 
 
@@ -37,60 +38,6 @@ class ORPOSpec(Section):
     loss. ``beta`` is the ORPO paper's lambda, named as in TRL's ``ORPOConfig``."""
 
     beta: float = Field(0.1, gt=0, description="the weight of the odds-ratio term (the paper's lambda)")
-
-
-class StringCheckGrader(Section):
-    """OpenAI's ``string_check``: 1 when ``input`` and ``reference`` (templates: ``{{sample.output_text}}``,
-    ``{{item.<column>}}``) pass ``operation`` (eq, ne; like: contains, ilike: contains ignoring case), else 0."""
-
-    type: Literal["string_check"]
-    name: str = "string_check"
-    input: str = "{{sample.output_text}}"
-    reference: str
-    operation: Literal["eq", "ne", "like", "ilike"] = "eq"
-
-
-class TextSimilarityGrader(Section):
-    """OpenAI's ``text_similarity``: fuzzy_match (difflib's ratio, 0 to 1) or bleu (sacrebleu, when installed)."""
-
-    type: Literal["text_similarity"]
-    name: str = "text_similarity"
-    input: str = "{{sample.output_text}}"
-    reference: str
-    evaluation_metric: Literal["fuzzy_match", "bleu"] = "fuzzy_match"
-
-
-class PythonGrader(Section):
-    """OpenAI's ``python`` grader: ``grade(sample, item) -> float`` from ``file`` (under a data root), run in a
-    subprocess in the file's folder with ``timeout_s`` per completion and ``memory_mb`` of address space."""
-
-    type: Literal["python"]
-    name: str = "python"
-    file: DataPath
-    timeout_s: float = Field(5.0, gt=0, le=600)
-    memory_mb: int = Field(1024, ge=64, le=1_048_576)
-
-
-class MultiGrader(Section):
-    """OpenAI's ``multi``: the weighted sum of its graders' rewards (``weights`` by grader name, default 1)."""
-
-    type: Literal["multi"]
-    name: str = "multi"
-    graders: list[StringCheckGrader | TextSimilarityGrader | PythonGrader] = Field(min_length=1)
-    weights: dict[str, float] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _weights_name_graders(self) -> MultiGrader:
-        names = [grader.name for grader in self.graders]
-        if len(set(names)) != len(names):
-            raise ValueError(f"multi grader: give each grader its own name; got {names}")
-        unknown = sorted(set(self.weights) - set(names))
-        if unknown:
-            raise ValueError(f"multi grader: weights name no grader: {unknown}; graders are {names}")
-        return self
-
-
-Grader = Annotated[StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader, Field(discriminator="type")]
 
 
 class GRPOSpec(Section):

@@ -123,11 +123,10 @@ def _problems(exc: ValidationError, data: dict, lines: dict[tuple[str, ...], int
         elif error["type"] == "union_tag_invalid":
             expected = [t.strip(" '") for t in error["ctx"]["expected_tags"].split(",")]
             tag = str(error["ctx"]["tag"])
-            message = f"unknown kind '{tag}' (one of: {', '.join(expected)})"
+            key = str(error["ctx"].get("discriminator", "'kind'")).strip("'")  # kind (models, data), type (graders)
+            message = f"unknown {key} '{tag}' (one of: {', '.join(expected)})"
             problems.append(
-                SpecProblem(
-                    ".".join((*path, "kind")), message, line_in((*path, "kind"), lines), _closest(tag, expected)
-                )
+                SpecProblem(".".join((*path, key)), message, line_in((*path, key), lines), _closest(tag, expected))
             )
         elif error["type"] == "literal_error":
             expected = [t.strip(" '") for t in error["ctx"]["expected"].replace(" or ", ", ").split(",")]
@@ -153,8 +152,8 @@ def _data_path(loc: Loc, data: Any) -> list[str]:
     """Pydantic's error location minus the union tags it inserts (``model.toy_mlp.x`` → ``model.x``)."""
     path, node = [], data
     for part in loc:
-        if isinstance(node, dict) and part not in node and node.get("kind") == part:
-            continue  # a discriminated-union tag, not a key
+        if isinstance(node, dict) and part not in node and part in (node.get("kind"), node.get("type")):
+            continue  # a discriminated-union tag (model kinds, grader types), not a key
         path.append(str(part))
         node = (
             node.get(part)
@@ -179,7 +178,8 @@ def _valid_keys(loc: Loc) -> list[str]:
         candidates = [t for t in flatten_annotation(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
         if len(candidates) > 1 and parts:  # discriminated union: the next location part is the tag
             tag = parts.pop(0)
-            candidates = [c for c in candidates if typing.get_args(c.model_fields["kind"].annotation)[:1] == (tag,)]
+            key = "kind" if "kind" in candidates[0].model_fields else "type"  # grader unions are tagged by type
+            candidates = [c for c in candidates if typing.get_args(c.model_fields[key].annotation)[:1] == (tag,)]
         if not candidates:
             return []
         model = candidates[0]

@@ -36,7 +36,7 @@ def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
         data_problems = _data_problems(spec)
         problems += data_problems + _chat_prompt_problems(spec)
         if not data_problems:  # rows are counted from data whose first rows read
-            problems += _row_problems(spec)
+            problems += _prompt_problems(spec) if spec.data.format == "prompt" else _row_problems(spec)
     elif spec.training.auto:
         field = spec.training.auto[0]
         problems.append(
@@ -143,6 +143,56 @@ def _row_problems(spec: JobSpec) -> list[SpecProblem]:
             f"so no batch can be filled; {', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}",
         )
     ]
+
+
+def _prompt_problems(spec: JobSpec) -> list[SpecProblem]:
+    """grpo's prompts against the context: none that leaves ``max_new_tokens`` of room in ``data.seq_len``, or
+    fewer than a batch, is refused now. The worker skips the longer ones and says how many in the job's events.
+
+    Data larger than `ROWS_COUNTED_BYTES` is read only to its first `ROWS_CHECKED` rows a file."""
+    from jobs.data.formats.prompt import prompt_ids
+    from jobs.data.records import iter_records
+    from jobs.data.tokenizers import build_tokenizer
+
+    data, training = spec.data, spec.training
+    assert isinstance(data, TextDataSpec)  # called for data.kind: text only
+    room, new = data.seq_len - training.grpo.max_new_tokens, training.grpo.max_new_tokens
+    if room <= 0:
+        return [
+            SpecProblem(
+                "training.grpo.max_new_tokens",
+                f"{new} new tokens leave no room for a prompt in data.seq_len={data.seq_len}; lower it or raise data.seq_len",
+            )
+        ]
+    tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
+    whole = _source_bytes(spec) <= ROWS_COUNTED_BYTES
+    fits = long = 0
+    for setting, path, _ in data.sources():
+        for record in iter_records(Path(path), data.file_type, limit_per_file=None if whole else ROWS_CHECKED):
+            try:
+                length = len(prompt_ids(record.fields, tokenizer))
+            except ValueError as error:
+                return [
+                    SpecProblem(setting, f"{Path(record.file).name} row {record.row}: {error} (data.format: prompt)")
+                ]
+            fits, long = (fits + 1, long) if length <= room else (fits, long + 1)
+    if not fits:
+        return [
+            SpecProblem(
+                "data.seq_len",
+                f"none of the {long} prompts read fits in data.seq_len={data.seq_len} with room for "
+                f"training.grpo.max_new_tokens={new}; raise data.seq_len or lower max_new_tokens",
+            )
+        ]
+    if whole and "batch_size" not in training.auto and fits < training.batch_size:
+        return [
+            SpecProblem(
+                "training.batch_size",
+                f"{fits} prompts fit data.seq_len={data.seq_len} with {new} new tokens ({long} longer), fewer than "
+                f"training.batch_size={training.batch_size}; lower it to {fits} or add prompts",
+            )
+        ]
+    return []
 
 
 def _source_bytes(spec: JobSpec) -> int:

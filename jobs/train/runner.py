@@ -234,6 +234,8 @@ def _train(
             profiler.before_step(step + 1)
         event, rollout = _run_step(session, spec, step, clock)
         report(event)
+        for message in _new_grader_errors(session):  # a grader's distinct failures, each once, in the events
+            report(LogEvent(level="warning", message=message))
         step += 1
         if rollout is not None:
             between.grpo_samples(step, rollout)
@@ -345,6 +347,12 @@ def grpo_figures(metrics: dict[str, float], training_s: float) -> GRPOMetrics:
         training_s=training_s,
         training_tokens_per_s=trained / training_s if trained is not None and training_s > 0 else None,
     )
+
+
+def _new_grader_errors(session: TrainingSession) -> list[str]:
+    """grpo: the grader errors first seen in the last step (jobs/objectives/graders/rewards.py); else none."""
+    take = getattr(getattr(session.loss_fn, "grade", None), "take_new_errors", None)
+    return list(take()) if callable(take) else []
 
 
 def grpo_batches(session: TrainingSession, indices: range) -> tuple[list[dict[str, torch.Tensor]], Rollout]:

@@ -124,6 +124,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     group = current_group()  # data parallelism: each rank reads its rows of the global batch
     if spec.training.objective == "grpo":
         data, text, loss_fn = _setup_grpo(spec, model)
+        if getattr(data, "skipped_long", 0):  # prompts longer than the context: said in the job's events
+            notices.append(("warning", f"grpo: {getattr(data, 'summary', '')}"))
     else:
         data, text = _setup_data(group.union_spec(spec) if group else spec, family, device, model)
         data = group.shard(data) if group else data

@@ -117,3 +117,15 @@ class FineTuningStore:
             (job_id, *steps),
         ).fetchall()
         return {int(r["step"]): loss for r in rows if (loss := finite(r["loss"])) is not None}
+
+    def step_rewards(self, job_id: str, steps: list[int]) -> dict[int, tuple[float | None, float | None]]:
+        """A grpo job's reward mean and std stored for each of ``steps`` (absent: no grpo figures at that step)."""
+        if not steps:
+            return {}
+        rows = self.db.conn.execute(
+            "SELECT json_extract(data, '$.step') AS step, json_extract(data, '$.grpo.reward_mean') AS mean,"
+            " json_extract(data, '$.grpo.reward_std') AS std FROM events WHERE job_id = ? AND type = 'step'"
+            f" AND json_extract(data, '$.grpo') IS NOT NULL AND json_extract(data, '$.step') IN ({','.join('?' * len(steps))})",
+            (job_id, *steps),
+        ).fetchall()
+        return {int(r["step"]): (finite(r["mean"]), finite(r["std"])) for r in rows}

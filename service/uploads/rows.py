@@ -1,4 +1,6 @@
-"""The row check of a fine-tuning upload: every JSONL row a chat conversation, or every row a preference pair.
+"""The row check of a fine-tuning upload: every JSONL row a chat conversation, every row a preference pair, or every
+row a prompt (OpenAI's reinforcement rows: ``messages`` that end before the assistant's reply, and the columns its
+graders read, ``{"messages": [...], "answer": "4"}``).
 
 It runs in the API process, so it reads JSON and nothing else (no tokenizer, no torch). The lines are read by the
 job's own JSONL reader (``jobs/data/jsonl.py``: one parse, one refusal of a duplicate key or a row nested too deep)
@@ -24,7 +26,7 @@ from jobs.fit.sizes import human_bytes
 OPENAI_PAIR = ("input", "preferred_output", "non_preferred_output")  # OpenAI's DPO layout
 TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
 
-Format = Literal["chat", "preference"]
+Format = Literal["chat", "preference", "prompt"]
 DEFAULT_MAX_LINE_BYTES = 4 << 20  # Settings.max_upload_line_bytes (FERRY_MAX_UPLOAD_LINE_BYTES)
 
 
@@ -61,10 +63,15 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
         for number, record in rows:
             kind = _layout(record, number)
             if layout is not None and kind != layout:
-                raise RowProblem(number, "", f"is a {kind} row in a file whose first row is a {layout} row")
+                raise RowProblem(
+                    number, "", f"is a {kind} row in a file whose first row is a {layout} row" + _WHY[kind]
+                )
             layout = kind
             try:
-                _check_pair(record) if kind == "preference" else _messages(record.get("messages"), "messages")
+                if kind == "preference":
+                    _check_pair(record)
+                else:  # a chat trains on its assistant turns; a prompt's reply is sampled and graded
+                    _messages(record.get("messages"), "messages", need_assistant=kind == "chat")
             except _FieldError as error:
                 raise RowProblem(number, error.field, error.message) from None
             count += 1
@@ -77,6 +84,14 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
     if layout is None:
         raise RowProblem(1, "", "the file holds no rows; upload one JSON object per line")
     return FileRows(layout, count)
+
+
+# How a chat row and a prompt row differ, where a file mixes them.
+_WHY = {
+    "chat": " (its last message is the assistant's: a reinforcement file's rows end before the reply)",
+    "prompt": " (its last message is not the assistant's: a chat row ends with the reply to train on)",
+    "preference": "",
+}
 
 
 class _FieldError(ValueError):
@@ -95,7 +110,9 @@ def _too_long(limit: int) -> str:
 
 def _layout(record: dict[str, Any], number: int) -> Format:
     if "messages" in record:
-        return "chat"
+        messages = record["messages"]
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        return "chat" if not isinstance(last, dict) or last.get("role") == "assistant" else "prompt"
     if any(key in record for key in (*OPENAI_PAIR, *TRL_PAIR)):
         return "preference"
     raise RowProblem(

@@ -43,6 +43,10 @@ def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> E
     if spec.format == "instruction":
         prompt, response = instruction_texts(fields, spec)
         return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
+    if spec.format == "prompt":  # grpo's prompts: checked here at submit time, sampled from in training
+        from jobs.data.formats.prompt import prompt_example
+
+        return prompt_example(fields, tokenizer)
     assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
     if spec.format == "preference":  # checked here at submit time; trained as pairs (jobs/data/formats/preference.py)
         from jobs.data.formats.preference import preference_pair

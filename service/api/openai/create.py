@@ -10,6 +10,9 @@ What OpenAI's request names maps onto the spec; what it leaves to the server tak
   → ``training.batch_size`` (auto: ``auto``, which the checker chooses from the data by OpenAI's rules, see
   jobs/data/auto_size.py, and the job's events say why), ``learning_rate_multiplier`` → ``training.learning_rate``
   as a multiple of Ferry's 1e-4 (auto: 1); DPO's ``beta`` → ``training.dpo.beta`` (auto: 0.1);
+- ``method: reinforcement``: prompt rows (``messages`` ending before the reply, and the columns the grader reads)
+  train ``training.objective: grpo`` with the request's grader (openai/reinforcement.py maps the graders and the
+  reinforcement hyperparameters, and refuses what Ferry cannot do);
 - ``seed`` → ``training.seed`` (a random one when absent, shown on the job); ``suffix`` names the job;
 - LoRA on ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` at Ferry's rank, no offload, the fit check on;
 - ``ferry``: anything else, as spec sections merged over the above (``{lora: null}`` trains in full,
@@ -27,6 +30,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from service.api.errors import ApiError
+from service.api.openai.reinforcement import (
+    BASE_GENERATIONS,
+    ferry_grader,
+    num_generations,
+    refuse_unsupported,
+)
 
 BASE_LEARNING_RATE = 1e-4  # Ferry's training.learning_rate, which learning_rate_multiplier scales
 AUTO_BETA = 0.1
@@ -45,7 +54,7 @@ def _strict_number(value: Any, info: ValidationInfo) -> Any:
     """``auto``, null, or a number that is a number: JSON ``true`` is no epoch count (pydantic takes it for 1)."""
     if value is None or value == "auto":
         return value
-    whole = info.field_name in ("n_epochs", "batch_size")
+    whole = info.field_name in ("n_epochs", "batch_size", "eval_interval", "eval_samples")
     if isinstance(value, bool) or not isinstance(value, int | float) or (whole and not float(value).is_integer()):
         kind = "a whole number" if whole else "a number"
         raise ValueError(f'must be {kind} above 0 or "auto"; got {json.dumps(value)}')
@@ -68,6 +77,20 @@ class DpoHyperparameters(Hyperparameters):
     _beta = field_validator("beta", mode="before")(_strict_number)
 
 
+class ReinforcementHyperparameters(Hyperparameters):
+    compute_multiplier: float | Auto | None = Field("auto", description="times 8 completions per prompt; auto: 1")
+    eval_interval: int | Auto | None = Field("auto", description="only auto: grpo jobs run no evaluation")
+    eval_samples: int | Auto | None = Field("auto", description="only auto: grpo jobs run no evaluation")
+    reasoning_effort: Literal["default", "low", "medium", "high"] | None = Field("default", description="only default")
+
+    _more = field_validator("compute_multiplier", "eval_interval", "eval_samples", mode="before")(_strict_number)
+
+
+class Reinforcement(_Body):
+    grader: dict[str, Any] = Field(description="OpenAI's grader object (openai/reinforcement.py maps it)")
+    hyperparameters: ReinforcementHyperparameters = ReinforcementHyperparameters()
+
+
 class Supervised(_Body):
     hyperparameters: Hyperparameters = Hyperparameters()
 
@@ -77,9 +100,10 @@ class Dpo(_Body):
 
 
 class Method(_Body):
-    type: Literal["supervised", "dpo"]
+    type: Literal["supervised", "dpo", "reinforcement"]
     supervised: Supervised | None = None
     dpo: Dpo | None = None
+    reinforcement: Reinforcement | None = None
 
 
 class FineTuningCreate(_Body):
@@ -137,13 +161,15 @@ def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: i
     if create.method_type == "dpo":
         beta = _given(getattr(chosen, "beta", None), AUTO_BETA)
         training.update(objective="dpo", dpo={"beta": beta})
+    if create.method_type == "reinforcement":
+        training.update(_reinforcement(create, chosen))
     spec: dict[str, Any] = {
         "name": _name(create),
         "model": {"kind": "hf_causal_lm", "path": create.model},
         "data": {
             "kind": "text",
             "path": create.training_file,
-            "format": "preference" if create.method_type == "dpo" else "chat",
+            "format": _FORMATS[create.method_type],
             "tokenizer": {"kind": "hf", "path": create.model},
         },
         "lora": {"target_modules": list(LORA_TARGETS)},
@@ -152,6 +178,25 @@ def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: i
     if create.validation_file:
         spec["eval"] = {"path": create.validation_file}
     return merge(spec, create.ferry or {})
+
+
+_FORMATS = {"supervised": "chat", "dpo": "preference", "reinforcement": "prompt"}
+_ROWS = {
+    "chat": "(messages)",
+    "preference": "(input, preferred_output, non_preferred_output)",
+    "prompt": "(messages ending before the assistant's reply, and the columns the grader reads)",
+}
+
+
+def _reinforcement(create: FineTuningCreate, chosen: Any) -> dict[str, Any]:
+    """The training section's grpo part of a reinforcement request."""
+    assert create.method is not None and create.method.reinforcement is not None  # _refuse_unsupported saw to it
+    refuse_unsupported(chosen, create.validation_file)
+    grpo = {
+        "grader": ferry_grader(create.method.reinforcement.grader),
+        "num_generations": num_generations(chosen.compute_multiplier),
+    }
+    return {"objective": "grpo", "grpo": grpo}
 
 
 def resolved_method(create: FineTuningCreate, spec: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +210,18 @@ def resolved_method(create: FineTuningCreate, spec: dict[str, Any]) -> dict[str,
     }
     if create.method_type == "dpo":
         hyperparameters["beta"] = (training.get("dpo") or {}).get("beta", AUTO_BETA)
-    return {"type": create.method_type, create.method_type: {"hyperparameters": hyperparameters}}
+    section: dict[str, Any] = {"hyperparameters": hyperparameters}
+    if create.method_type == "reinforcement":
+        assert create.method is not None and create.method.reinforcement is not None
+        generations = (training.get("grpo") or {}).get("num_generations", BASE_GENERATIONS)
+        hyperparameters.update(
+            compute_multiplier=generations / BASE_GENERATIONS,
+            eval_interval="auto",
+            eval_samples="auto",
+            reasoning_effort="default",
+        )
+        section["grader"] = create.method.reinforcement.grader
+    return {"type": create.method_type, create.method_type: section}
 
 
 def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -188,14 +244,18 @@ def new_seed() -> int:
 def _refuse_unsupported(create: FineTuningCreate, training_format: str | None) -> None:
     if create.integrations:
         raise _bad("integrations", "integrations are not supported; set ferry: {tracking: {wandb: {...}}} instead")
-    if create.method and create.method.type != "supervised" and create.hyperparameters:
-        raise _bad("hyperparameters", "give a dpo job's hyperparameters in method.dpo.hyperparameters")
-    wanted = "preference" if create.method_type == "dpo" else "chat"
+    kind = create.method_type
+    if create.method and kind != "supervised" and create.hyperparameters:
+        raise _bad("hyperparameters", f"give a {kind} job's hyperparameters in method.{kind}.hyperparameters")
+    for other in _FORMATS:
+        if create.method and other != kind and getattr(create.method, other) is not None:
+            raise _bad(f"method.{other}", f"is given for a {kind} job; put the settings in method.{kind}")
+    if create.method and getattr(create.method, kind) is None and kind == "reinforcement":
+        raise _bad("method.reinforcement", "a reinforcement job needs method.reinforcement.grader")
+    wanted = _FORMATS[kind]
     if training_format is not None and training_format != wanted:
         raise _bad(
-            "training_file",
-            f"holds {training_format} rows; a {create.method_type} job trains on {wanted} rows "
-            + ("(input, preferred_output, non_preferred_output)" if wanted == "preference" else "(messages)"),
+            "training_file", f"holds {training_format} rows; a {kind} job trains on {wanted} rows {_ROWS[wanted]}"
         )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service.api.openai.create import BASE_LEARNING_RATE, FineTuningCreate
+from service.api.openai.reinforcement import request_param as reinforcement_param
 from service.errors import ApiError
 
 # The spec's top-level sections (jobs.spec.job.JobSpec): a dotted word starting with one is a spec path.
@@ -46,11 +47,15 @@ def in_request_terms(error: ApiError, create: FineTuningCreate, *, uploads_dir: 
     first problem's field is the answer's ``param`` (``errors.param_of`` reads ``@field``)."""
     fields = request_fields(create)
     uploads = f"{uploads_dir.resolve()}/"
+    grader = create.method.reinforcement.grader if create.method and create.method.reinforcement else None
+
+    def field(path: str) -> str | None:
+        return fields.get(path) or (reinforcement_param(path, grader) if grader is not None else None)
 
     def words(text: str) -> str:
         text = _LINE.sub("", text)
         text = re.sub(re.escape(uploads) + r"(file-[0-9a-f]+)/[^\s;,)']*", r"\1", text)
-        return _SPEC_PATH.sub(lambda m: _field(m.group(1), fields), text)
+        return _SPEC_PATH.sub(lambda m: _field(m.group(1), fields, field(m.group(1))), text)
 
     if not error.problems or all(str(p.get("path") or "").startswith("@") for p in error.problems):
         return ApiError(
@@ -60,7 +65,7 @@ def in_request_terms(error: ApiError, create: FineTuningCreate, *, uploads_dir: 
     problems: list[dict[str, Any]] = []
     for problem in error.problems:
         path = str(problem.get("path") or "")
-        param = fields.get(path) or (f"ferry.{path}" if path else None)
+        param = field(path) or (f"ferry.{path}" if path else None)
         hint = f"; did you mean '{problem['suggestion']}'?" if problem.get("suggestion") else ""
         message = words(str(problem.get("message") or "")) + hint
         text = f"{param}: {message}" if param else message
@@ -77,7 +82,7 @@ def in_request_terms(error: ApiError, create: FineTuningCreate, *, uploads_dir: 
     return ApiError(error.status_code, error.code, "; ".join(said), problems=problems, headers=error.headers)
 
 
-def _field(path: str, fields: dict[str, str]) -> str:
+def _field(path: str, fields: dict[str, str], found: str | None) -> str:
     if path == "training.learning_rate":  # the spec's rate is the multiplier times Ferry's base rate
         return f"the learning rate ({fields[path]} × {BASE_LEARNING_RATE:g})"
-    return fields.get(path) or f"ferry.{path}"
+    return found or f"ferry.{path}"

@@ -51,7 +51,7 @@ class FilePublic(BaseModel):
     status_details: str | None = None
     expires_at: int | None = None
     sha256: str
-    format: str | None = None  # chat | preference, for a fine-tune file
+    format: str | None = None  # chat | preference | prompt (reinforcement rows), for a fine-tune file
     rows: int | None = None
 
     @classmethod
@@ -186,6 +186,11 @@ class EventPublic(BaseModel):
             kind = "metrics"
             message = f"Step {data['step']}/{data['total_steps']}: training loss={_loss(data['loss'])}"
             data = {**data, "train_loss": data["loss"]}  # OpenAI's metrics name, beside Ferry's step figures
+            grpo = data.get("grpo")
+            if isinstance(grpo, dict):  # a reinforcement job: the step's rewards, as the message's headline
+                mean, std = grpo.get("reward_mean"), grpo.get("reward_std")
+                message += f", reward mean={_figure(mean)} std={_figure(std)}"
+                data = {**data, "train_reward_mean": mean, "train_reward_std": std}
         elif event.type == "status":
             status = data["status"]
             error = (data.get("error") or {}).get("message", "")
@@ -230,15 +235,24 @@ class CheckpointPublic(BaseModel):
 
     @classmethod
     def of(
-        cls, request: FineTuningRecord, info: CheckpointInfo, train_loss: float | None, created_at: float
+        cls,
+        request: FineTuningRecord,
+        info: CheckpointInfo,
+        train_loss: float | None,
+        created_at: float,
+        rewards: tuple[float | None, float | None] | None = None,
     ) -> CheckpointPublic:
+        """``rewards``: a reinforcement job's reward mean and std at the checkpoint's step."""
         job_id = request.job_id
+        metrics = {"step": float(info.step), "train_loss": train_loss, "valid_loss": info.eval_loss}
+        if rewards is not None:
+            metrics.update(train_reward_mean=rewards[0], train_reward_std=rewards[1])
         return cls(
             id=checkpoint_id(job_id, info.step),
             created_at=int(created_at),
             fine_tuned_model_checkpoint=fine_tuned_model(request, job_id, info.step),
             fine_tuning_job_id=job_id,
-            metrics={"step": float(info.step), "train_loss": train_loss, "valid_loss": info.eval_loss},
+            metrics=metrics,
             step_number=info.step,
             ferry={"name": info.name, "url": f"/v1/jobs/{job_id}/checkpoints/{info.name}/files"},
         )
@@ -247,6 +261,11 @@ class CheckpointPublic(BaseModel):
 def _loss(value: Any) -> str:
     loss = finite(value)
     return f"{loss:.4f}" if loss is not None else "not finite (the job has diverged: lower the learning rate)"
+
+
+def _figure(value: Any) -> str:
+    number = finite(value)
+    return f"{number:.4f}" if number is not None else "n/a"
 
 
 def _figures(data: Any) -> Any:

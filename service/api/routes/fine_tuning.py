@@ -182,9 +182,16 @@ def list_fine_tuning_checkpoints(
         last = _checkpoint_step(job_id, after)
         found = [info for info in found if info.step < last]
     page, has_more = found[:limit], len(found) > limit
-    losses = fine_tuning.step_losses(job_id, [info.step for info in page])
+    steps = [info.step for info in page]
+    losses, rewards = fine_tuning.step_losses(job_id, steps), fine_tuning.step_rewards(job_id, steps)
     data = [
-        CheckpointPublic.of(request, info, losses.get(info.step), datetime.fromisoformat(info.created).timestamp())
+        CheckpointPublic.of(
+            request,
+            info,
+            losses.get(info.step),
+            datetime.fromisoformat(info.created).timestamp(),
+            rewards.get(info.step),
+        )
         for info in page
     ]
     return ListPage.of(data, has_more)

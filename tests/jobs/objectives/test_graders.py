@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from jobs.errors import JobSpecError
 from jobs.objectives.graders import Graders
+from jobs.paths import PathRoots
 from jobs.spec.llm import GRPOSpec
+from jobs.spec.loading import load_job_spec
+from tests.jobs.llm_helpers import llm_spec, write_jsonl
 
 ROW = {"prompt": "2+2=", "answer": "4"}
 
@@ -53,6 +60,19 @@ def test_multi_is_the_weighted_sum() -> None:
 def test_multi_weights_must_name_graders() -> None:
     with pytest.raises(ValueError, match="weights name no grader"):
         grader(type="multi", graders=[{"type": "string_check", "reference": "x"}], weights={"other": 1.0})
+
+
+def load_grader(root: Path, grader_spec: dict[str, Any]) -> Any:
+    """The grader of a grpo job spec loaded as a submission is (paths under ``root``'s data and model roots)."""
+    for name in ("llama", "tok"):
+        (root / "models" / name).mkdir(parents=True, exist_ok=True)
+    write_jsonl(root / "data" / "prompts.jsonl", [ROW])
+    spec = llm_spec(
+        data={"path": "prompts.jsonl", "format": "prompt"},
+        training={"objective": "grpo", "steps": 1, "grpo": {"num_generations": 2, "grader": grader_spec}},
+    )
+    roots = PathRoots(model_roots=[root / "models"], data_roots=[root / "data"])
+    return load_job_spec(yaml.safe_dump(spec), roots).training.grpo.grader
 
 
 def write(tmp_path: Path, body: str) -> Path:
@@ -101,3 +121,84 @@ def test_a_python_grader_file_without_grade_gives_zero(tmp_path: Path) -> None:
     grade = grader(type="python", file=str(path))
     assert grade(["a", "b"], [ROW, ROW]) == [0.0, 0.0]
     assert any("KeyError" in e for e in grade.errors)
+
+
+def test_templates_read_nested_columns_and_the_completions_json() -> None:
+    grade = grader(type="string_check", input="{{sample.output_json.answer}}", reference="{{item.meta.answer}}")
+    row = {"meta": {"answer": "4"}}
+    assert grade(['{"answer": "4"}', '{"answer": "5"}', "not json"], [row] * 3) == [1.0, 0.0, 0.0]
+    assert any("sample.output_json.answer: not in the sample" in e for e in grade.errors)
+
+
+@pytest.mark.parametrize("template", ["{{answer}}", "{{sample.choices}}", "{{ row.answer }}"])
+def test_a_template_naming_nothing_a_grader_reads_is_refused_at_load(template: str) -> None:
+    with pytest.raises(ValueError, match="names nothing a grader can read"):
+        grader(type="string_check", reference=template)
+
+
+@pytest.mark.parametrize(
+    ("metric", "expected"),
+    [
+        ("rouge_1", 2 * (3 / 4) * (3 / 3) / (3 / 4 + 1)),  # 3 of 4 words match all 3 of the reference's
+        ("rouge_2", 2 * (2 / 3) * 1 / (2 / 3 + 1)),
+        ("rouge_l", 2 * (3 / 4) * 1 / (3 / 4 + 1)),
+        ("gleu", (3 + 2 + 1) / max(4 + 3 + 2 + 1, 3 + 2 + 1)),
+    ],
+)
+def test_text_similarity_rouge_and_gleu(metric: str, expected: float) -> None:
+    grade = grader(type="text_similarity", reference="{{item.answer}}", evaluation_metric=metric)
+    assert grade(["the cat sat down"], [{"answer": "the cat sat"}]) == [pytest.approx(expected)]
+
+
+@pytest.mark.parametrize("metric", ["cosine", "meteor"])
+def test_similarity_metrics_ferry_cannot_compute_are_refused_saying_why(metric: str) -> None:
+    with pytest.raises(ValueError, match=f"{metric} .*; use one of fuzzy_match"):
+        grader(type="text_similarity", reference="x", evaluation_metric=metric)
+
+
+def test_math_answer_compares_answers_mathematically() -> None:
+    pytest.importorskip("math_verify")
+    grade = grader(type="math_answer", reference="{{item.answer}}")
+    row = {"answer": "\\frac{1}{2}"}
+    completions = ["so the answer is $\\boxed{0.5}$", "1/2", "the answer is 0.4", "no idea"]
+    assert grade(completions, [row] * 4) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_multi_calculate_output_is_openais_formula() -> None:
+    grade = grader(
+        type="multi",
+        graders=[
+            {"type": "string_check", "name": "exact", "reference": "{{item.answer}}"},
+            {"type": "text_similarity", "name": "fuzzy", "reference": "{{item.answer}}"},
+        ],
+        calculate_output="max(exact, 0.5 * fuzzy ^ 2) - log(1)",
+    )
+    assert grade(["4", "44", "zz"], [ROW] * 3) == [1.0, pytest.approx(0.5 * (2 / 3) ** 2), 0.0]
+
+
+@pytest.mark.parametrize(
+    ("formula", "message"),
+    [
+        ("exact + other", "names 'other', which is no grader"),
+        ("__import__('os')", "calls something other than"),
+        ("exact if exact else 0", "may hold numbers, grader names"),
+        ("exact +", "is no formula"),
+    ],
+)
+def test_a_formula_that_is_not_arithmetic_over_the_graders_is_refused(
+    tmp_path: Path, formula: str, message: str
+) -> None:
+    multi = {"type": "multi", "graders": [{"type": "string_check", "name": "exact", "reference": "x"}]}
+    with pytest.raises(JobSpecError, match=r"training\.grpo\.grader\.calculate_output.*" + re.escape(message)):
+        load_grader(tmp_path, {**multi, "calculate_output": formula})
+
+
+def test_a_formula_that_fails_on_a_completion_gives_zero_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    grade = grader(
+        type="multi",
+        graders=[{"type": "string_check", "name": "exact", "reference": "4"}],
+        calculate_output="1 / exact",
+    )
+    with caplog.at_level(logging.WARNING):
+        assert grade(["4", "5", "6"], [ROW] * 3) == [1.0, 0.0, 0.0]
+    assert len([r for r in caplog.records if "ZeroDivisionError" in r.getMessage()]) == 1
