@@ -18,7 +18,7 @@ import torch
 
 from jobs.data.formats.examples import Example, RecordError
 from jobs.data.formats.preference import PreferenceBatches, PreferencePair, preference_pair, truncate
-from jobs.data.formats.record import record_example
+from jobs.data.formats.record import record_examples
 from jobs.data.mixing import mix
 from jobs.data.packing import PackingCounts, concatenate, fit_examples, pack
 from jobs.data.padded import PaddedBatches
@@ -174,7 +174,7 @@ def _examples(records: list[Record], spec: Any, tokenizer: Tokenizer) -> list[Ex
     examples = []
     for record in records:
         try:
-            examples.append(record_example(record.fields, spec, tokenizer))
+            examples += record_examples(record.fields, spec, tokenizer)
         except RecordError as error:
             raise ValueError(f"{record.file} row {record.row}: {error} (data.format={spec.format})") from None
     return examples

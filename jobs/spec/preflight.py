@@ -74,7 +74,7 @@ def _checkpoint_problems(spec: JobSpec, check: Callable[[Any], list[tuple[str, s
 
 
 def _data_problems(spec: JobSpec) -> list[SpecProblem]:
-    from jobs.data.formats.record import RecordError, record_example
+    from jobs.data.formats.record import RecordError, record_examples
     from jobs.data.records import iter_records
     from jobs.data.tokenizers import build_tokenizer
 
@@ -100,7 +100,7 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
         try:
             for record in iter_records(Path(path), data.file_type, limit_per_file=ROWS_CHECKED):
                 try:
-                    record_example(record.fields, data, tokenizer)
+                    record_examples(record.fields, data, tokenizer)
                 except RecordError as error:
                     where = f"{Path(record.file).name} row {record.row}"
                     problems.append(SpecProblem(setting, f"{where}: {error} (data.format: {data.format})"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.data.formats.chat import chat_example, check_messages
+from jobs.data.formats.chat import chat_examples, check_messages
 from jobs.data.formats.examples import IGNORE as IGNORE
 from jobs.data.formats.examples import Example as Example
 from jobs.data.formats.examples import RecordError as RecordError
@@ -31,32 +31,47 @@ ALPACA_NO_INPUT = (
 )
 
 
-def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> Example:
-    """The tokens and labels of one record of a ``data`` section (``spec``).
+def record_examples(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> list[Example]:
+    """The tokens and labels of one record of a ``data`` section (``spec``): one example, or for a chat
+    record under a template that renders earlier turns differently from the last (Qwen3's), one per trained
+    assistant turn (turns.py).
 
     Raises:
         RecordError: a field is missing or of the wrong type, or the chat template fails.
     """
     if spec.format == "text":
         ids = tokenizer.encode(_string(fields, spec.text_field, "data.text_field")) + _eos(tokenizer)
-        return Example(ids, list(ids))
+        return [Example(ids, list(ids))]
     if spec.format == "instruction":
         prompt, response = instruction_texts(fields, spec)
-        return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
+        return [_prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)]
     assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
     if spec.format == "preference":  # checked here at submit time; trained as pairs (jobs/data/formats/preference.py)
         from jobs.data.formats.preference import preference_pair
 
         pair = preference_pair(fields, tokenizer)
-        return pair.example(pair.chosen)
+        return [pair.example(pair.chosen)]
     conversation = chat_conversation(fields, spec.messages_field, train_on_prompt=spec.train_on_prompt)
-    return chat_example(
+    return chat_examples(
         conversation.messages,
         tokenizer,
         train_on_prompt=spec.train_on_prompt,
         tools=check_tools(fields.get("tools")),
         places=conversation.places,
     )
+
+
+def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> Example:
+    """The one example of a record that makes one (see `record_examples`).
+
+    Raises:
+        RecordError: as `record_examples`.
+        ValueError: the record makes several examples.
+    """
+    examples = record_examples(fields, spec, tokenizer)
+    if len(examples) != 1:
+        raise ValueError(f"the record makes {len(examples)} examples; read it with record_examples")
+    return examples[0]
 
 
 def chat_conversation(fields: dict[str, Any], messages_field: str, *, train_on_prompt: bool = False) -> Conversation:
