@@ -16,8 +16,8 @@ import pytest
 
 from jobs.data.formats.record import IGNORE, RecordError, record_examples
 from jobs.data.tokenizers import HFTokenizer
-from jobs.spec.job import TextDataSpec
-from tests.jobs.data.test_chat_tools import TEMPLATES, tokenizer_with, tool_record
+from tests.jobs.data.test_chat_tools import TEMPLATES, chat, tokenizer_with, tool_record
+from tests.jobs.data.test_chat_tools import trained_text as trained
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,6 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
 @pytest.fixture(scope="module")
 def qwen3_training(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
     return tokenizer_with(tmp_path_factory.mktemp("qwen3t"), (TEMPLATES / "qwen3_training.jinja").read_text())
-
-
-def chat(tmp_path: Path, **fields: object) -> TextDataSpec:
-    return TextDataSpec(kind="text", path=tmp_path, tokenizer={"kind": "hf", "path": tmp_path}, format="chat", **fields)
 
 
 def two_questions(reasoning: bool) -> list[dict[str, Any]]:
@@ -51,10 +47,6 @@ def two_questions(reasoning: bool) -> list[dict[str, Any]]:
 
 def text(ids: list[int], tokenizer: HFTokenizer) -> str:
     return str(tokenizer.hf.decode(ids))
-
-
-def trained(example: Any, tokenizer: HFTokenizer) -> str:
-    return text([i for i, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE], tokenizer)
 
 
 def emitted(tokenizer: HFTokenizer, messages: list[dict[str, Any]], index: int) -> tuple[str, str]:

@@ -76,55 +76,57 @@ def test_standard_prompt_completion_is_refused_with_the_instruction_settings(
     assert trained_text(example, tokenizer) == " blue.<|im_end|>"
 
 
+IMPLICIT = {"chosen": QUESTION + ANSWER, "rejected": [*QUESTION, {"role": "assistant", "content": "sits"}]}
+
+
 @pytest.mark.parametrize(
-    ("record", "field", "message"),
+    ("format", "record", "field", "message"),
     [
         (
+            "chat",
             {"prompt": QUESTION, "completion": ANSWER, "label": True},
             "label",
             "TRL's unpaired preference layout .* keep only the label-true rows",
         ),
         (
-            {"chosen": QUESTION + ANSWER, "rejected": [*QUESTION, {"role": "assistant", "content": "sits"}]},
+            "chat",
+            IMPLICIT,
             "chosen",
             r"a preference pair \(TRL's implicit-prompt preference layout\), not chat data; train it with "
             "training.objective: dpo",
         ),
         (
+            "chat",
             {"prompt": QUESTION, "chosen": ANSWER, "rejected": ANSWER},
             "chosen",
             r"a preference pair \(TRL's preference layout\)",
         ),
-    ],
-)
-def test_preference_rows_are_refused_as_chat_data(
-    tmp_path: Path, tokenizer: HFTokenizer, record: dict[str, Any], field: str, message: str
-) -> None:
-    with pytest.raises(RecordError, match=message) as error:
-        record_example(record, data_spec(tmp_path, format="chat"), tokenizer)
-    assert error.value.field == field
-
-
-@pytest.mark.parametrize(
-    ("record", "field", "message"),
-    [
         (
-            {"chosen": QUESTION + ANSWER, "rejected": [*QUESTION, {"role": "assistant", "content": "sits"}]},
+            "preference",
+            IMPLICIT,
             "prompt",
             "TRL's implicit-prompt preference layout .* move the turns they share into prompt .*trl.extract_prompt",
         ),
         (
+            "preference",
             {"prompt": QUESTION, "completion": ANSWER, "label": False},
             "label",
             r"TRL's unpaired preference layout \(KTO's\), which Ferry does not train; pair each prompt's",
         ),
     ],
+    ids=[
+        "unpaired-as-chat",
+        "implicit-as-chat",
+        "preference-as-chat",
+        "implicit-as-preference",
+        "unpaired-as-preference",
+    ],
 )
-def test_preference_layouts_ferry_does_not_train_are_refused_by_name(
-    tmp_path: Path, tokenizer: HFTokenizer, record: dict[str, Any], field: str, message: str
+def test_a_layout_the_format_does_not_train_is_refused_by_name(
+    tmp_path: Path, tokenizer: HFTokenizer, format: str, record: dict[str, Any], field: str, message: str
 ) -> None:
     with pytest.raises(RecordError, match=message) as error:
-        record_example(record, data_spec(tmp_path, format="preference"), tokenizer)
+        record_example(record, data_spec(tmp_path, format=format), tokenizer)
     assert error.value.field == field
 
 
