@@ -154,7 +154,7 @@ def _row_problems(spec: JobSpec) -> list[SpecProblem]:
 
     data, training = spec.data, spec.training
     assert isinstance(data, TextDataSpec)  # called for data.kind: text only
-    if spec.task != "train":
+    if spec.task != "train" or data.format == "prompt":  # GRPO's batches are prompts, not packed rows
         return []
     if not training.auto and _source_bytes(spec) > ROWS_COUNTED_BYTES:
         return []

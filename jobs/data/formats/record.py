@@ -17,7 +17,13 @@ from jobs.data.formats.examples import Example as Example
 from jobs.data.formats.examples import RecordError as RecordError
 from jobs.data.formats.sharegpt import is_sharegpt, sharegpt_messages
 from jobs.data.formats.tools import check_tools
-from jobs.data.formats.trl import Conversation, is_prompt_completion, prompt_completion, refuse_preference_in_chat
+from jobs.data.formats.trl import (
+    Conversation,
+    is_prompt_completion,
+    layout_refusal,
+    prompt_completion,
+    refuse_preference_in_chat,
+)
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 ALPACA = (
@@ -40,8 +46,11 @@ def record_examples(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> 
         RecordError: a field is missing or of the wrong type, or the chat template fails.
     """
     if spec.format == "text":
-        ids = tokenizer.encode(_string(fields, spec.text_field, "data.text_field")) + _eos(tokenizer)
+        ids = tokenizer.encode(_string(fields, spec.text_field, "data.text_field", "text")) + _eos(tokenizer)
         return [Example(ids, list(ids))]
+    if spec.format == "prompt":  # GRPO's prompts (jobs/objectives/prompts.py reads them): nothing trains on them
+        ids = tokenizer.encode(_prompt_text(fields, tokenizer))
+        return [Example(ids, [IGNORE] * len(ids))]
     if spec.format == "instruction":
         prompt, response = instruction_texts(fields, spec)
         return [_prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)]
@@ -87,7 +96,27 @@ def chat_conversation(fields: dict[str, Any], messages_field: str, *, train_on_p
     refuse_preference_in_chat(fields, messages_field)
     if is_prompt_completion(fields, messages_field):
         return prompt_completion(fields, train_on_prompt=train_on_prompt)
+    if fields.get(messages_field) is None and (refusal := layout_refusal(fields, "chat", messages_field)):
+        raise refusal
     return _named(check_messages(fields.get(messages_field), messages_field), messages_field)
+
+
+def _prompt_text(fields: dict[str, Any], tokenizer: Tokenizer) -> str:
+    """A prompt-only row's prompt as the model sees it: a string as is, messages through the chat template
+    with the assistant's header (TRL's prompt-only layout, as GRPO reads it)."""
+    prompt = fields.get("prompt")
+    if prompt is None:
+        raise layout_refusal(fields, "prompt", "prompt") or RecordError(
+            "prompt", "is missing; a prompt row needs prompt: a string, or a list of {role, content} messages"
+        )
+    if isinstance(prompt, str):
+        return prompt
+    messages = check_messages(prompt, "prompt", need_assistant=False)
+    if not isinstance(tokenizer, HFTokenizer):
+        raise RecordError("prompt", "is a list of messages, which need a chat template: set data.tokenizer kind hf")
+    from jobs.data.formats.chat import conversation_prompt
+
+    return conversation_prompt([{"role": m["role"], "content": m["content"]} for m in messages], tokenizer)
 
 
 def _named(messages: list[dict[str, Any]], field: str) -> Conversation:
@@ -97,11 +126,13 @@ def _named(messages: list[dict[str, Any]], field: str) -> Conversation:
 def instruction_texts(fields: dict[str, Any], spec: Any) -> tuple[str, str]:
     """(prompt, response) of an instruction record."""
     names = spec.fields
-    instruction = _string(fields, names.instruction, "data.fields.instruction")
+    instruction = _string(fields, names.instruction, "data.fields.instruction", "instruction")
     extra = fields.get(names.input)
     if extra is not None and not isinstance(extra, str):
         raise RecordError(names.input, f"must be a string when present; got {type(extra).__name__}")
-    return instruction_prompt(instruction, extra or "", spec), _string(fields, names.output, "data.fields.output")
+    return instruction_prompt(instruction, extra or "", spec), _string(
+        fields, names.output, "data.fields.output", "instruction"
+    )
 
 
 def instruction_prompt(instruction: str, extra: str, spec: Any) -> str:
@@ -118,9 +149,11 @@ def _prompt_and_response(tokenizer: Tokenizer, prompt: str, response: str, train
     return Example(prompt_ids + response_ids, labels)
 
 
-def _string(fields: dict[str, Any], name: str, setting: str) -> str:
+def _string(fields: dict[str, Any], name: str, setting: str, data_format: str) -> str:
     value = fields.get(name)
     if value is None:
+        if (refusal := layout_refusal(fields, data_format, name)) is not None:
+            raise refusal  # another layout's record: name it, not only the field
         present = ", ".join(sorted(fields)) or "none"
         raise RecordError(name, f"is missing (the record has: {present}); set {setting} to the right field name")
     if not isinstance(value, str):

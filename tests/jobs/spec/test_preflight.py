@@ -306,3 +306,20 @@ def test_an_unknown_architecture_is_one_line(llm_roots: PathRoots) -> None:
         (found,) = problems(llm_roots, model=model)
         assert found.path == "model.path" and "\n" not in found.message and len(found.message) < 300
         assert found.message.startswith("ferret/config.json: model_type 'ferret' is not an architecture this")
+
+
+def test_grpo_prompt_rows_pass_the_submit_check(llm_roots: PathRoots) -> None:
+    from tests.jobs.objectives.test_grpo_spec import GRADER
+
+    rows = [{"prompt": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)]
+    rows.append({"prompt": [{"role": "user", "content": "say hi"}], "answer": "hi"})
+    write_jsonl(llm_roots.data_roots[0] / "prompts.jsonl", rows)
+    grpo = {
+        "data": {"path": "prompts.jsonl", "format": "prompt"},
+        "training": {"objective": "grpo", "steps": 2, "grpo": {"grader": GRADER, "num_generations": 4}},
+    }
+    # Old code: "prompts.jsonl row 1: field 'messages': must be a non-empty list ..." (read as chat rows).
+    assert problems(llm_roots, **grpo) == []
+    write_jsonl(llm_roots.data_roots[0] / "prompts.jsonl", [{"question": "what is 1 plus 1?"}])
+    (found,) = problems(llm_roots, **grpo)
+    assert found.path == "data.path" and "field 'prompt': is missing; a prompt row needs prompt" in found.message
