@@ -47,8 +47,9 @@ def test_a_wrong_format_names_the_missing_field(llm_roots: PathRoots) -> None:
     (found,) = problems(llm_roots, data={"format": "instruction"})
     assert found.path == "data.path"
     assert found.message == (
-        "chat.jsonl row 1: field 'instruction': is missing (the record has: messages); "
-        "set data.fields.instruction to the right field name (data.format: instruction)"
+        "chat.jsonl row 1: field 'instruction': is missing: the record is in TRL's conversational language modeling "
+        "layout (it has messages), which data.format: instruction does not read as set; train it with "
+        "data.format: chat (data.format: instruction)"
     )
 
 
