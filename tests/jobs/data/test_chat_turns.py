@@ -122,3 +122,21 @@ def test_generation_marks_train_the_marked_text(tmp_path: Path, qwen3_training: 
     assert "make four" not in trained(with_prompt, qwen3_training) and "4<|im_end|>" not in trained(
         with_prompt, qwen3_training
     )
+
+
+def test_the_jobs_data_counts_one_example_per_trained_turn(tmp_path: Path) -> None:
+    import json
+
+    from jobs.data.prepare import prepare_text_data
+    from jobs.spec.job import TextDataSpec
+    from tests.jobs.llm_helpers import save_bpe_tokenizer
+
+    save_bpe_tokenizer(tmp_path / "tok", chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    rows = [{"messages": two_questions(reasoning=bool(i % 2))} for i in range(3)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = TextDataSpec(
+        kind="text", path=tmp_path / "chats.jsonl", format="chat", seq_len=256,
+        tokenizer={"kind": "hf", "path": tmp_path / "tok"},
+    )  # fmt: skip
+    data = prepare_text_data(spec, batch_size=1, seed=0, packed_path=False)
+    assert data.counts.examples == 6 and "3 record(s) -> 6 example(s)" in data.summary
