@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("validate", "run"):
         # The data's first rows and the model's module names (validate), and as the service checks at
         # submit: a GPU for device: cuda, the host memory the estimate needs.
-        problems = preflight_problems(spec) if args.command == "validate" else []
+        problems = preflight_problems(spec, _roots(args)) if args.command == "validate" else []
         if not args.no_fit_check:
             problems += machine_problems(spec, text)
         if problems:
@@ -193,12 +193,15 @@ def _export(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> tuple[JobSpec, str]:
     """The spec and its text, its paths confined to the roots given, else to the service's default roots
     (`jobs.paths`) beside the current directory: a shipped config runs here as it submits there."""
-    roots = PathRoots(
+    text = args.file.read_text()
+    return load_job_spec(text, roots=_roots(args)), text
+
+
+def _roots(args: argparse.Namespace) -> PathRoots:
+    return PathRoots(
         model_roots=args.model_root or [Path.cwd(), *default_model_roots()],
         data_roots=args.data_root or [Path.cwd(), *default_data_roots()],
     )
-    text = args.file.read_text()
-    return load_job_spec(text, roots=roots), text
 
 
 def machine_problems(spec: JobSpec, text: str) -> list[SpecProblem]:

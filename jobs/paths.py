@@ -110,6 +110,29 @@ def root_labels(roots: list[Path], kind: str) -> list[str]:
     ]
 
 
+def without_roots(text: str, roots: PathRoots) -> str:
+    """``text`` with the server's layout taken out of the paths in it: a path under a root becomes the path
+    relative to that root (as the spec wrote it), a root itself its label (``data root 1``).
+
+    Messages built from a spec's resolved paths, and those of libraries that name the files they read
+    (transformers, datasets), reach the user through this.
+
+    Example:
+        >>> without_roots("cannot read /srv/data/chats.jsonl", PathRoots(data_roots=["/srv/data"]))
+        'cannot read chats.jsonl'
+    """
+    labelled = [
+        *zip(roots.model_roots, root_labels(roots.model_roots, "model"), strict=True),
+        *zip(roots.data_roots, root_labels(roots.data_roots, "data"), strict=True),
+    ]
+    for root, label in sorted(labelled, key=lambda pair: len(str(pair[0])), reverse=True):  # nested roots first
+        prefix = str(root)
+        if prefix == "/":
+            continue  # a root at / would turn every absolute path relative; its paths are the user's own
+        text = text.replace(prefix + "/", "").replace(prefix, label)
+    return text
+
+
 NEAR_NAMES_SCANNED = 5000  # entries looked at under the roots for near matches: a large root is not walked whole
 
 

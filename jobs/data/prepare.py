@@ -18,7 +18,7 @@ import torch
 
 from jobs.data.formats.examples import Example, RecordError
 from jobs.data.formats.preference import PreferenceBatches, PreferencePair, preference_pair, truncate
-from jobs.data.formats.record import record_example
+from jobs.data.formats.record import record_examples
 from jobs.data.mixing import mix
 from jobs.data.packing import PackingCounts, concatenate, fit_examples, pack
 from jobs.data.padded import PaddedBatches
@@ -103,7 +103,7 @@ def _train_records(spec: Any, split: float | None, seed: int) -> tuple[list[Reco
             records, held = _split(records, split, seed)
             held_out += held
         if not records:
-            raise ValueError(f"{setting}: {path} holds no records; remove it or point it at data")
+            raise ValueError(f"{setting}: '{path}' holds no records; remove it or point it at data")
         groups.append(records)
     if spec.mix is None:
         return groups[0], held_out, ""
@@ -128,7 +128,7 @@ def _preference_data(
             try:
                 found.append(truncate(preference_pair(record.fields, tokenizer), spec.seq_len))
             except RecordError as error:
-                raise ValueError(f"{record.file} row {record.row}: {error} (data.format=preference)") from None
+                raise ValueError(f"'{record.file}' row {record.row}: {error} (data.format=preference)") from None
         return found
 
     train_pairs = pairs(records)
@@ -174,9 +174,9 @@ def _examples(records: list[Record], spec: Any, tokenizer: Tokenizer) -> list[Ex
     examples = []
     for record in records:
         try:
-            examples.append(record_example(record.fields, spec, tokenizer))
+            examples += record_examples(record.fields, spec, tokenizer)
         except RecordError as error:
-            raise ValueError(f"{record.file} row {record.row}: {error} (data.format={spec.format})") from None
+            raise ValueError(f"'{record.file}' row {record.row}: {error} (data.format={spec.format})") from None
     return examples
 
 

@@ -62,12 +62,12 @@ def data_files(path: Path, file_type: str) -> list[tuple[Path, str]]:
     else:
         files = [path]
     if not files:
-        raise ValueError(f"{path} holds no data files ({', '.join(_SUFFIXES)}); set data.path to a file or directory")
+        raise ValueError(f"'{path}' holds no data files ({', '.join(_SUFFIXES)}); set data.path to a file or directory")
     typed = []
     for file in files:
         kind = file_type if file_type != "auto" else _SUFFIXES.get(file.suffix, (None, None))[0]
         if kind is None:
-            raise ValueError(f"cannot tell the type of {file} from its suffix; set data.file_type (e.g. jsonl)")
+            raise ValueError(f"cannot tell the type of '{file}' from its suffix; set data.file_type (e.g. jsonl)")
         typed.append((file, kind))
     return typed
 
@@ -90,7 +90,7 @@ def iter_records(path: Path, file_type: str = "auto", *, limit_per_file: int | N
                 yield Record(str(file), number, fields)
         except Exception as error:  # pyarrow's parse errors and the like: name the file and the row
             raise ValueError(
-                f"cannot read {file} as {kind} after row {number}: {type(error).__name__}: {error}; "
+                f"cannot read '{file}' as {kind} after row {number}: {type(error).__name__}: {error}; "
                 "check the file or set data.file_type"
             ) from None
 
@@ -103,7 +103,7 @@ def _jsonl_records(file: Path, limit: int | None) -> Iterator[Record]:
         for number, fields in itertools.islice(rows, limit):
             yield Record(str(file), number, fields)
     except JsonlError as error:
-        raise ValueError(f"cannot read {file}: {error}") from None
+        raise ValueError(f"cannot read '{file}': {error}") from None
     finally:
         rows.close()  # closes the file at once when the caller stops early
 
@@ -116,7 +116,7 @@ def _rows(file: Path, kind: str) -> Iterator[dict[str, Any]]:
         loaded = datasets.load_from_disk(str(file))
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
-                raise ValueError(f"{file} is a DatasetDict without a 'train' split (it has {list(loaded)})")
+                raise ValueError(f"'{file}' is a DatasetDict without a 'train' split (it has {list(loaded)})")
             loaded = loaded["train"]
         yield from loaded
         return

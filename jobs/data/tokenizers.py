@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -10,6 +11,7 @@ CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' test for an assistant-mask template
 
 
 class Tokenizer(Protocol):
@@ -63,6 +65,24 @@ class HFTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
+
+    @property
+    def marks_generation(self) -> bool:
+        """Whether the chat template marks assistant text with ``{% generation %}`` (transformers' assistant
+        mask; the mask needs a fast tokenizer's offsets)."""
+        template = getattr(self.hf, "chat_template", None)
+        return isinstance(template, str) and bool(GENERATION_MARK.search(template)) and bool(self.hf.is_fast)
+
+    def assistant_mask(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """The conversation's ids through the chat template and transformers' assistant mask (1 on each token
+        of a ``{% generation %}`` block), from ``apply_chat_template(return_assistant_tokens_mask=True)``."""
+        given: Any = tools
+        out: Any = self.hf.apply_chat_template(
+            messages, tools=given, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return list(out["input_ids"]), list(out["assistant_masks"])
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)

@@ -27,6 +27,7 @@ from jobs.spec.values import (
     flatten_annotation,
     foreign_key_hint,
     list_items,
+    other_tools_config,
 )
 from jobs.spec.wording import ferry_message
 from jobs.spec.yaml_guard import ShapeGuard, YamlShapeError
@@ -68,6 +69,9 @@ def load_job_spec(text: str | ParsedSpec, roots: PathRoots | None = None) -> Job
     data, lines = parsed.data, parsed.lines
     if not isinstance(data, dict):
         raise JobSpecError([SpecProblem("", f"a job spec is a YAML mapping; got {type(data).__name__}", 1)])
+    foreign = other_tools_config(data)
+    if foreign is not None:  # forty unknown keys would hide the one thing to do
+        raise JobSpecError([SpecProblem(foreign[0], foreign[1], line_in([foreign[0]], lines))])
     # Checked before pydantic, whose messages echo the input: a lone surrogate in an answer cannot be encoded.
     unreadable = [SpecProblem(".".join(path), message, line_in(path, lines)) for path, message in bad_strings(data)]
     if unreadable:

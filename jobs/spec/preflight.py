@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from jobs.errors import SpecProblem
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
+from jobs.paths import PathRoots, without_roots
 from jobs.spec.job import HFTokenizerSpec, JobSpec, TextDataSpec
 
 log = logging.getLogger(__name__)
@@ -22,13 +24,23 @@ ROWS_CHECKED = 20  # per data file
 ROWS_COUNTED_BYTES = 64 << 20  # data up to this size is read whole at submit to count its rows
 
 
-def preflight_problems(spec: JobSpec) -> list[SpecProblem]:
+def preflight_problems(spec: JobSpec, roots: PathRoots | None = None) -> list[SpecProblem]:
     """Every problem found in the data's first rows and the model's module names (empty when fine).
 
+    Given the ``roots`` the spec was loaded with, the messages name paths as the spec wrote them (relative to
+    their root), never the server's absolute layout, also where a library's error names the file it read.
+
     Example:
-        >>> preflight_problems(load_job_spec(text, roots))
+        >>> preflight_problems(load_job_spec(text, roots), roots)
         [SpecProblem(path='data.path', message="part-0.jsonl row 3: field 'messages[1].role': ...")]
     """
+    problems = _problems(spec)
+    if roots is None:
+        return problems
+    return [replace(p, message=without_roots(p.message, roots)) for p in problems]
+
+
+def _problems(spec: JobSpec) -> list[SpecProblem]:
     from jobs.reporting.tracking import missing_tracking_packages
 
     problems = [SpecProblem(path, message) for path, message in missing_tracking_packages(spec.tracking)]
@@ -74,7 +86,7 @@ def _checkpoint_problems(spec: JobSpec, check: Callable[[Any], list[tuple[str, s
 
 
 def _data_problems(spec: JobSpec) -> list[SpecProblem]:
-    from jobs.data.formats.record import RecordError, record_example
+    from jobs.data.formats.record import RecordError, record_examples
     from jobs.data.records import iter_records
     from jobs.data.tokenizers import build_tokenizer
 
@@ -83,13 +95,13 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
     try:
         tokenizer = build_tokenizer(data.tokenizer, data.chat_template)
     except Exception as error:  # a directory that is not a tokenizer: transformers raises many kinds
-        return [SpecProblem("data.tokenizer.path", f"cannot load the tokenizer: {type(error).__name__}: {error}")]
+        return [SpecProblem("data.tokenizer.path", _tokenizer_problem(data.tokenizer, error))]
     if data.format in ("chat", "preference") and not getattr(tokenizer, "has_chat_template", False):
         return [
             SpecProblem(
                 "data.chat_template",
-                f"the tokenizer at {getattr(data.tokenizer, 'path', 'byte')} has no chat template; set data.chat_template "
-                "(a Jinja template, or 'chatml')",
+                f"the tokenizer at '{getattr(data.tokenizer, 'path', 'byte')}' has no chat template; set "
+                "data.chat_template (a Jinja template, or 'chatml')",
             )
         ]
     sources = [(setting, path) for setting, path, _ in data.sources()]
@@ -100,7 +112,7 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
         try:
             for record in iter_records(Path(path), data.file_type, limit_per_file=ROWS_CHECKED):
                 try:
-                    record_example(record.fields, data, tokenizer)
+                    record_examples(record.fields, data, tokenizer)
                 except RecordError as error:
                     where = f"{Path(record.file).name} row {record.row}"
                     problems.append(SpecProblem(setting, f"{where}: {error} (data.format: {data.format})"))
@@ -108,8 +120,28 @@ def _data_problems(spec: JobSpec) -> list[SpecProblem]:
         except ValueError as error:
             problems.append(SpecProblem(setting, str(error)))
         except Exception as error:  # datasets/pyarrow parse errors: name the file's problem, not a 500
-            problems.append(SpecProblem(setting, f"cannot read {path}: {type(error).__name__}: {error}"))
+            problems.append(SpecProblem(setting, f"cannot read '{path}': {type(error).__name__}: {_first_line(error)}"))
     return problems
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_problem(spec: Any, error: Exception) -> str:
+    """One line for a tokenizer that does not load: the directory holds none, or what transformers said first."""
+    path = Path(spec.path)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return (
+            f"'{path}' holds no tokenizer ({', '.join(TOKENIZER_FILES)}); point data.tokenizer.path at a "
+            "directory written by save_pretrained (the model's own directory usually holds its tokenizer)"
+        )
+    return f"cannot load the tokenizer at '{path}': {type(error).__name__}: {_first_line(error)}"
+
+
+def _first_line(error: BaseException) -> str:
+    """A library's error in one line: its first (some, like transformers', run to a page of advice)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _row_problems(spec: JobSpec) -> list[SpecProblem]:
@@ -122,7 +154,7 @@ def _row_problems(spec: JobSpec) -> list[SpecProblem]:
 
     data, training = spec.data, spec.training
     assert isinstance(data, TextDataSpec)  # called for data.kind: text only
-    if spec.task != "train":
+    if spec.task != "train" or data.format == "prompt":  # GRPO's batches are prompts, not packed rows
         return []
     if not training.auto and _source_bytes(spec) > ROWS_COUNTED_BYTES:
         return []
@@ -223,7 +255,7 @@ def _chat_prompt_problems(spec: JobSpec) -> list[SpecProblem]:
         return [
             SpecProblem(
                 "text_samples.prompts",
-                f"chat messages need a chat template and the tokenizer at {data.tokenizer.path} has none; set "
+                f"chat messages need a chat template and the tokenizer at '{data.tokenizer.path}' has none; set "
                 "data.chat_template (a Jinja template, or 'chatml')",
             )
         ]

@@ -99,6 +99,22 @@ def foreign_key_hint(path: list[str]) -> str | None:
     return None
 
 
+AXOLOTL_KEYS = ("base_model", "datasets", "pretraining_dataset", "micro_batch_size", "sequence_len")
+
+
+def other_tools_config(data: dict[str, Any]) -> tuple[str, str] | None:
+    """(key, problem) when ``data`` is another tool's whole config rather than a Ferry spec (axolotl's: a
+    ``base_model`` and no ``model``), so it is refused once with the conversion instead of key by key."""
+    if "model" in data or "base_model" not in data:
+        return None
+    found = ", ".join(key for key in AXOLOTL_KEYS if key in data)
+    return "base_model", (
+        f"this is an axolotl config ({found}), not a Ferry spec; convert it first: python -m jobs import-axolotl "
+        "FILE prints the spec and what was not converted (the service converts it when posted with "
+        "Content-Type: application/x-axolotl+yaml)"
+    )
+
+
 def bad_strings(value: Any, path: Path_ = ()) -> list[tuple[Path_, str]]:
     """(path, problem) for every key or string holding a lone surrogate or a control character."""
     found = []

@@ -19,6 +19,7 @@ import yaml
 
 from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
 from jobs.data.auto_size import choose_auto
+from jobs.paths import without_roots
 from jobs.spec.preflight import preflight_problems
 from jobs.spec.text import ParsedSpec, parse_spec_text
 from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
@@ -90,11 +91,11 @@ def load_checked_spec(request: CheckRequest) -> tuple[JobSpec, ParsedSpec]:
         parsed = None  # load_job_spec names these (an unreadable number, nesting Python cannot follow)
     try:
         spec = load_job_spec(parsed if parsed is not None else request.text, roots=roots)
-    except JobSpecError as error:
-        raise spec_error([asdict(p) for p in error.problems]) from None
+    except JobSpecError as error:  # messages name paths relative to their roots, as preflight's do
+        raise spec_error([{**asdict(p), "message": without_roots(p.message, roots)} for p in error.problems]) from None
     assert parsed is not None  # the text that failed to parse above failed in load_job_spec too
     # The files the spec names: the data's first rows (format, fields, chat template), LoRA targets.
-    problems = preflight_problems(spec)
+    problems = preflight_problems(spec, roots)
     if problems:
         raise spec_error([{**asdict(p), "line": p.line or parsed.line_of(p.path)} for p in problems])
     if spec.training.auto:  # batch_size/epochs: auto, chosen from the data: the stored spec and the estimate

@@ -130,9 +130,11 @@ class Scheduler:
     def _start(self, job: JobRecord, slots: list[Slot]) -> None:
         # A job of several GPUs: one worker named after its slots, CUDA_VISIBLE_DEVICES listing their GPUs.
         slot = Slot(id="+".join(s.id for s in slots), device=",".join(s.device for s in slots if s.device) or None)
+        # A device: cpu job on a GPU's slot uses no GPU: the job shows what ran it (no GPU index).
+        used = None if job.spec.get("device") == "cpu" else slot.device
         try:
             job = self.store.transition(
-                job.id, JobStatus.RUNNING, reason=f"started on {slot.id}", worker=slot.id, device=slot.device
+                job.id, JobStatus.RUNNING, reason=f"started on {slot.id}", worker=slot.id, device=used
             )
         except (IllegalTransition, JobNotFound):  # cancelled or paused since the queue was read
             return

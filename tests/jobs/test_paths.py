@@ -118,3 +118,12 @@ def test_the_bundled_data_root_is_named_so() -> None:
         "data root 1",
         "data root 2 (the bundled example data)",
     ]
+
+
+def test_without_roots_names_paths_relative_to_the_root_holding_them(tmp_path: Path) -> None:
+    from jobs.paths import without_roots
+
+    outer, inner = tmp_path / "data", tmp_path / "data" / "shared"
+    roots = PathRoots(model_roots=[tmp_path / "models"], data_roots=[outer, inner])
+    text = f"cannot read {inner}/a.jsonl nor {outer}/b/c.csv; {tmp_path / 'models'} is empty"
+    assert without_roots(text, roots) == "cannot read a.jsonl nor b/c.csv; model root 1 is empty"

@@ -296,13 +296,7 @@ def _eval(config: AxolotlConfig, conversion: AxolotlConversion) -> dict[str, Any
     if not size:
         return None
     evaluation: dict[str, Any] = {"split": size}
-    every = config.number("eval_steps", example="100")
-    if every and every >= 1:
-        evaluation["every_steps"] = int(every)
-    elif every:
-        conversion.not_converted.append(
-            ("eval_steps", "a fraction of the run is not a step count; set eval.every_steps")
-        )
+    evaluation |= _every_steps(config, conversion, "eval_steps", "eval.every_steps")
     patience = config.integer("early_stopping_patience", example=3)
     if patience:
         evaluation["early_stopping"] = {"patience": patience}
@@ -310,18 +304,22 @@ def _eval(config: AxolotlConfig, conversion: AxolotlConversion) -> dict[str, Any
 
 
 def _checkpoint(config: AxolotlConfig, conversion: AxolotlConversion) -> dict[str, Any] | None:
-    checkpoint: dict[str, Any] = {}
-    every = config.number("save_steps", example="100")
-    if every and every >= 1:
-        checkpoint["every_steps"] = int(every)
-    elif every:
-        conversion.not_converted.append(
-            ("save_steps", "a fraction of the run is not a step count; set checkpoint.every_steps")
-        )
+    checkpoint = _every_steps(config, conversion, "save_steps", "checkpoint.every_steps")
     keep = config.integer("save_total_limit", example=2)
     if keep:
         checkpoint["keep_last"] = keep
     return checkpoint or None
+
+
+def _every_steps(config: AxolotlConfig, conversion: AxolotlConversion, key: str, setting: str) -> dict[str, Any]:
+    """``{every_steps: n}`` from axolotl's ``key`` (eval_steps, save_steps), which may also be a fraction of the
+    run: that is listed as not converted, since Ferry's ``setting`` counts steps."""
+    every = config.number(key, example="100")
+    if every and every >= 1:
+        return {"every_steps": int(every)}
+    if every:
+        conversion.not_converted.append((key, f"a fraction of the run is not a step count; set {setting}"))
+    return {}
 
 
 def _tracking(config: AxolotlConfig) -> dict[str, Any] | None:

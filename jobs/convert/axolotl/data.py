@@ -14,6 +14,7 @@ from typing import Any
 
 from jobs.convert.axolotl.conversion import AxolotlConversion
 from jobs.convert.axolotl.reader import AxolotlConfig, shown
+from jobs.data.formats.rendering import REASONING_KEYS
 from jobs.data.formats.sharegpt import ROLES as SHAREGPT_ROLES
 
 _BUILDERS = {"json", "csv", "parquet", "text", "arrow"}  # ``path: json`` + ``data_files``: a loader, not a path
@@ -21,8 +22,6 @@ _FILE_TYPES = {"json": "jsonl", "csv": "csv", "parquet": "parquet", "text": "txt
 _DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".arrow", ".zst", ".gz")
 _ENTRY_REASONS = {
     "drop_system_message": "Ferry's chat format trains on the messages as given; remove the system turns from the data",
-    "field_thinking": "Ferry's chat format reads each message's role and content; put the reasoning in the content",
-    "template_thinking_key": "Ferry's chat format reads each message's role and content; put the reasoning in the content",
     "name": "Ferry reads local files, not a Hub dataset's configurations; point path at that configuration's files",
     "revision": "Ferry reads local files; download that revision",
     "shards": "Ferry reads every file whole",
@@ -183,6 +182,7 @@ def _chat(reader: AxolotlConfig, kind: str, source: _Source) -> dict[str, Any]:
         chat["messages_field"] = field_name
     _message_fields(reader, source)
     _roles(reader, source)
+    _thinking(reader, source)
     roles = reader.names("roles_to_train", example="[assistant]")
     if roles not in (None, ["assistant"], ["gpt"]):
         source.not_converted.append(
@@ -218,6 +218,7 @@ def _preference(reader: AxolotlConfig, kind: str, source: _Source) -> dict[str, 
             )
     _message_fields(reader, source)
     _roles(reader, source)
+    _thinking(reader, source)
     if kind not in ("chat_template", "chat_template.default"):
         source.notes.append(
             f"{reader.name('type')}: {kind!r} is read as preference pairs in TRL's layout, through the chat template; "
@@ -246,6 +247,23 @@ def _message_fields(reader: AxolotlConfig, source: _Source) -> None:
                 "'from' and 'value'); rename the fields in the data",
             )
         )
+
+
+def _thinking(reader: AxolotlConfig, source: _Source) -> None:
+    """``field_thinking`` (the data's reasoning key) and ``template_thinking_key`` (the one the template reads)
+    map when each is a key Ferry knows: it reads a message's reasoning under any of them and gives it to the
+    template under the one the template renders (jobs/data/formats/rendering.py)."""
+    known = ", ".join(REASONING_KEYS)
+    for key, fix in (
+        ("field_thinking", f"rename that key in the data's messages to one of {known}"),
+        (
+            "template_thinking_key",
+            f"Ferry gives the template a message's reasoning as one of {known}, whichever it renders",
+        ),
+    ):
+        name = reader.text(key, example="reasoning_content")
+        if name is not None and name not in REASONING_KEYS:
+            source.not_converted.append((reader.name(key), f"Ferry reads reasoning under {known}, not {name!r}; {fix}"))
 
 
 def _roles(reader: AxolotlConfig, source: _Source) -> None:

@@ -1,9 +1,8 @@
 """Chat records: a ``messages`` list rendered with the chat template, loss on assistant turns only.
 
-The template is rendered one turn at a time (``apply_chat_template`` on growing prefixes of the
-conversation, as axolotl and torchtune do), so each piece of text is known to be prompt (system, user,
-the assistant's header) or response (an assistant turn's content and end-of-turn), and each piece is
-tokenized on its own: the labels follow the pieces exactly, whatever the template.
+Which rendered text is an assistant turn is found as transformers and TRL find it where the template marks
+it (``{% generation %}``), else by rendering the conversation one turn at a time (turns.py): the labels
+follow the template's own text exactly, also where it renders earlier turns differently from the last.
 
 Tool use renders as the template writes it: an assistant turn's ``tool_calls`` train as its answer, a
 ``tool`` turn's result is context (masked, as a user turn), and the record's ``tools`` list goes to
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from jobs.data.formats.examples import Example, RecordError
 from jobs.data.formats.rendering import REASONING_KEYS, check_rendered, template_messages
 from jobs.data.formats.tools import check_tool_calls
+from jobs.data.formats.turns import conversation_examples
 
 if TYPE_CHECKING:  # checking messages needs no torch: the API process checks uploaded rows with it
     from jobs.data.tokenizers import HFTokenizer
@@ -130,7 +130,7 @@ _NOT_TEXT = (
 )
 
 
-def chat_example(
+def chat_examples(
     messages: list[dict[str, Any]],
     tokenizer: HFTokenizer,
     *,
@@ -138,47 +138,37 @@ def chat_example(
     tools: list[dict[str, Any]] | None = None,
     places: list[str] | None = None,
     tools_field: str = "tools",
-) -> Example:
+) -> list[Example]:
     """Tokens and labels of a checked conversation (see `check_messages`), ``tools`` given to the template.
 
     Labels are the token ids for assistant turns of weight 1 (tool calls and reasoning included; everything,
     with ``train_on_prompt``, except weight-0 turns) and -100 elsewhere (tool results too, as user turns).
-    ``places`` names each message in errors (default ``messages[i]``).
+    One example, or one per trained assistant turn where the template renders earlier turns differently
+    from the last (Qwen3's: turns.py). ``places`` names each message in errors (default ``messages[i]``).
 
     Raises:
-        RecordError: the template fails, does not render the conversation turn by turn, or leaves out a
-            tool call, tool result, the tools list or reasoning text (rendering.py).
+        RecordError: the template fails, its turns cannot be told apart, or it leaves out a tool call, a
+            tool result, the tools list or reasoning text (rendering.py).
     """
     places = places or [f"messages[{i}]" for i in range(len(messages))]
 
     def render(turns: list[dict[str, Any]], with_tools: list[dict[str, Any]] | None = tools) -> str:
         return _render(tokenizer, turns, generation_prompt=False, tools=with_tools)
 
-    plain = template_messages(messages, places, render)
+    def render_turns(turns: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return _render(tokenizer, turns, generation_prompt=generation_prompt, tools=tools)
+
+    plain = template_messages(messages, places, render, each_turn=not tokenizer.marks_generation)
     check_rendered(plain, places, tools, render, tools_field)
-    pieces: list[tuple[str, bool]] = []  # (text, trains)
-    done = ""
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render(tokenizer, plain[:index], generation_prompt=True, tools=tools) if index else ""
-        full = render(plain[: index + 1])
-        if not prompt.startswith(done) or not full.startswith(prompt):
-            raise RecordError(
-                places[index].split("[")[0],
-                "the chat template does not render the conversation turn by turn (a later turn changes "
-                "earlier text), so responses cannot be told apart; set data.chat_template to one that does",
-            )
-        pieces += [(prompt[len(done) :], train_on_prompt), (full[len(prompt) :], message["weight"] == 1)]
-        done = full
-    pieces.append((render(plain)[len(done) :], train_on_prompt))
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, trains in pieces:
-        piece = tokenizer.encode(text) if text else []
-        ids += piece
-        labels += piece if trains else [-100] * len(piece)
-    return Example(ids, labels)
+    return conversation_examples(
+        plain,
+        [m.get("weight", 1) for m in messages],
+        tokenizer,
+        render_turns,
+        train_on_prompt=train_on_prompt,
+        tools=tools,
+        field=places[0].split("[")[0],
+    )
 
 
 def chat_prompt(prompt: str, tokenizer: HFTokenizer) -> str:

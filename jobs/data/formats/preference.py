@@ -26,7 +26,7 @@ from jobs.data.formats.chat import check_messages
 from jobs.data.formats.examples import IGNORE, Example, RecordError
 from jobs.data.formats.rendering import check_rendered, template_messages
 from jobs.data.formats.tools import check_tools
-from jobs.data.formats.trl import IMPLICIT_PROMPT, UNPAIRED
+from jobs.data.formats.trl import IMPLICIT_PROMPT, layout_refusal
 from jobs.data.padded import pad_examples
 from jobs.data.tokenizers import HFTokenizer
 
@@ -128,8 +128,9 @@ def _conversations(fields: dict[str, Any]) -> tuple[Turns, Turns, Turns]:
         prompt = _messages(source.get("messages"), "input.messages", prompt=True)
         names = ("preferred_output", "non_preferred_output")
     else:
-        if fields.get("chosen") is None and fields.get("completion") is not None:
-            raise RecordError("label" if fields.get("label") is not None else "completion", UNPAIRED)
+        missing = next((name for name in ("chosen", "rejected") if fields.get(name) is None), None)
+        if missing is not None and (refusal := layout_refusal(fields, "preference", missing)) is not None:
+            raise refusal  # unpaired, stepwise, prompt-completion or prompt-only rows: named, with the fix
         if fields.get("prompt") is None and fields.get("chosen") is not None:
             raise RecordError("prompt", IMPLICIT_PROMPT)
         prompt = _messages(fields.get("prompt"), "prompt", prompt=True)

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.data.formats.chat import chat_example, check_messages
+from jobs.data.formats.chat import chat_examples, check_messages
 from jobs.data.formats.examples import IGNORE as IGNORE
 from jobs.data.formats.examples import Example as Example
 from jobs.data.formats.examples import RecordError as RecordError
 from jobs.data.formats.sharegpt import is_sharegpt, sharegpt_messages
 from jobs.data.formats.tools import check_tools
-from jobs.data.formats.trl import Conversation, is_prompt_completion, prompt_completion, refuse_preference_in_chat
+from jobs.data.formats.trl import (
+    Conversation,
+    is_prompt_completion,
+    layout_refusal,
+    prompt_completion,
+    refuse_preference_in_chat,
+)
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 ALPACA = (
@@ -31,36 +37,51 @@ ALPACA_NO_INPUT = (
 )
 
 
-def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> Example:
-    """The tokens and labels of one record of a ``data`` section (``spec``).
+def record_examples(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> list[Example]:
+    """The tokens and labels of one record of a ``data`` section (``spec``): one example, or for a chat
+    record under a template that renders earlier turns differently from the last (Qwen3's), one per trained
+    assistant turn (turns.py).
 
     Raises:
         RecordError: a field is missing or of the wrong type, or the chat template fails.
     """
     if spec.format == "text":
-        ids = tokenizer.encode(_string(fields, spec.text_field, "data.text_field")) + _eos(tokenizer)
-        return Example(ids, list(ids))
+        ids = tokenizer.encode(_string(fields, spec.text_field, "data.text_field", "text")) + _eos(tokenizer)
+        return [Example(ids, list(ids))]
     if spec.format == "instruction":
         prompt, response = instruction_texts(fields, spec)
-        return _prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)
+        return [_prompt_and_response(tokenizer, prompt, response, spec.train_on_prompt)]
     if spec.format == "prompt":  # grpo's prompts: checked here at submit time, sampled from in training
         from jobs.data.formats.prompt import prompt_example
 
-        return prompt_example(fields, tokenizer)
+        return [prompt_example(fields, tokenizer)]
     assert isinstance(tokenizer, HFTokenizer)  # a rule refuses chat data without an HF tokenizer
     if spec.format == "preference":  # checked here at submit time; trained as pairs (jobs/data/formats/preference.py)
         from jobs.data.formats.preference import preference_pair
 
         pair = preference_pair(fields, tokenizer)
-        return pair.example(pair.chosen)
+        return [pair.example(pair.chosen)]
     conversation = chat_conversation(fields, spec.messages_field, train_on_prompt=spec.train_on_prompt)
-    return chat_example(
+    return chat_examples(
         conversation.messages,
         tokenizer,
         train_on_prompt=spec.train_on_prompt,
         tools=check_tools(fields.get("tools")),
         places=conversation.places,
     )
+
+
+def record_example(fields: dict[str, Any], spec: Any, tokenizer: Tokenizer) -> Example:
+    """The one example of a record that makes one (see `record_examples`).
+
+    Raises:
+        RecordError: as `record_examples`.
+        ValueError: the record makes several examples.
+    """
+    examples = record_examples(fields, spec, tokenizer)
+    if len(examples) != 1:
+        raise ValueError(f"the record makes {len(examples)} examples; read it with record_examples")
+    return examples[0]
 
 
 def chat_conversation(fields: dict[str, Any], messages_field: str, *, train_on_prompt: bool = False) -> Conversation:
@@ -76,6 +97,8 @@ def chat_conversation(fields: dict[str, Any], messages_field: str, *, train_on_p
     refuse_preference_in_chat(fields, messages_field)
     if is_prompt_completion(fields, messages_field):
         return prompt_completion(fields, train_on_prompt=train_on_prompt)
+    if fields.get(messages_field) is None and (refusal := layout_refusal(fields, "chat", messages_field)):
+        raise refusal
     return _named(check_messages(fields.get(messages_field), messages_field), messages_field)
 
 
@@ -86,11 +109,13 @@ def _named(messages: list[dict[str, Any]], field: str) -> Conversation:
 def instruction_texts(fields: dict[str, Any], spec: Any) -> tuple[str, str]:
     """(prompt, response) of an instruction record."""
     names = spec.fields
-    instruction = _string(fields, names.instruction, "data.fields.instruction")
+    instruction = _string(fields, names.instruction, "data.fields.instruction", "instruction")
     extra = fields.get(names.input)
     if extra is not None and not isinstance(extra, str):
         raise RecordError(names.input, f"must be a string when present; got {type(extra).__name__}")
-    return instruction_prompt(instruction, extra or "", spec), _string(fields, names.output, "data.fields.output")
+    return instruction_prompt(instruction, extra or "", spec), _string(
+        fields, names.output, "data.fields.output", "instruction"
+    )
 
 
 def instruction_prompt(instruction: str, extra: str, spec: Any) -> str:
@@ -107,9 +132,11 @@ def _prompt_and_response(tokenizer: Tokenizer, prompt: str, response: str, train
     return Example(prompt_ids + response_ids, labels)
 
 
-def _string(fields: dict[str, Any], name: str, setting: str) -> str:
+def _string(fields: dict[str, Any], name: str, setting: str, data_format: str) -> str:
     value = fields.get(name)
     if value is None:
+        if (refusal := layout_refusal(fields, data_format, name)) is not None:
+            raise refusal  # another layout's record: name it, not only the field
         present = ", ".join(sorted(fields)) or "none"
         raise RecordError(name, f"is missing (the record has: {present}); set {setting} to the right field name")
     if not isinstance(value, str):

@@ -35,8 +35,13 @@ def reasoning_of(message: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def template_messages(messages: list[dict[str, Any]], places: list[str], render: Render) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[dict[str, Any]], places: list[str], render: Render, *, each_turn: bool = False
+) -> list[dict[str, Any]]:
     """The checked messages as the template reads them (no ``weight``), reasoning under a key it renders.
+
+    A turn's reasoning must be in the whole conversation's text, or, with ``each_turn`` (each assistant turn
+    trains on the conversation up to it: turns.py), in the text of the conversation up to that turn.
 
     Raises:
         RecordError: no key puts some message's reasoning into the text.
@@ -48,9 +53,10 @@ def template_messages(messages: list[dict[str, Any]], places: list[str], render:
     tried = [own] + [[_reasoning_under(m, key) for m in own] for key in REASONING_KEYS]
     for candidate in tried:
         text = render(candidate)
-        if all(_appears(reasoning_of(candidate[i])[1].strip(), text) for i in thinking):  # type: ignore[index]
+        shown = (lambda i, c=candidate: render(c[: i + 1])) if each_turn else (lambda i, t=text: t)
+        if all(_appears(reasoning_of(candidate[i])[1].strip(), shown(i)) for i in thinking):  # type: ignore[index]
             return candidate
-    raise _reasoning_problem(tried, thinking, places, render)
+    raise _reasoning_problem(tried, thinking, places, render, each_turn)
 
 
 def check_rendered(
@@ -115,12 +121,16 @@ def _reasoning_under(message: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _reasoning_problem(
-    tried: list[list[dict[str, Any]]], thinking: list[int], places: list[str], render: Render
+    tried: list[list[dict[str, Any]]], thinking: list[int], places: list[str], render: Render, each_turn: bool
 ) -> RecordError:
     """The refusal for reasoning no key renders: on an earlier turn only (Qwen3's template keeps reasoning
     after the last user message only), or nowhere (the template has no place for it)."""
     own = tried[0]
-    first = next(i for i in thinking if not _appears(reasoning_of(own[i])[1].strip(), render(own)))  # type: ignore[index]
+    first = next(
+        i
+        for i in thinking
+        if not _appears(reasoning_of(own[i])[1].strip(), render(own[: i + 1] if each_turn else own))  # type: ignore[index]
+    )
     key = reasoning_of(own[first])[0]  # type: ignore[index]
     field = f"{places[first]}.{key}"
     if any(_appears(reasoning_of(c[first])[1].strip(), render(c[: first + 1])) for c in tried):  # type: ignore[index]

@@ -6,9 +6,13 @@
   any chat record). An assistant turn inside the prompt is context too, unless ``train_on_prompt``.
 - Standard prompt-completion (strings) is plain text: refused under ``chat``, with the ``instruction``
   settings that read it as TRL does (prompt, then completion and EOS, no template).
-- Implicit-prompt preference (``chosen`` / ``rejected`` holding whole conversations, no ``prompt``) and
-  unpaired preference (``prompt`` / ``completion`` / ``label``, KTO's) are refused, each naming its layout
-  and what to convert it to. Standard preference strings are read in preference.py.
+- Implicit-prompt preference (``chosen`` / ``rejected`` holding whole conversations, no ``prompt``),
+  unpaired preference (``prompt`` / ``completion`` / ``label``, KTO's) and stepwise supervision
+  (``prompt`` / ``completions`` / ``labels``) are refused, each naming its layout and what to convert it to.
+  Standard preference strings are read in preference.py; prompt-only rows are GRPO's (``data.format:
+  prompt``).
+- A record in a layout the job's ``data.format`` does not read is refused naming its layout and the
+  settings that train it (`layout_refusal`), never read as another layout's fields.
 """
 
 from __future__ import annotations
@@ -31,6 +35,83 @@ UNPAIRED = (
     "training.objective: dpo or orpo, or keep only the label-true rows without the label column to train "
     "them as prompt-completion chat data"
 )
+
+
+STEPWISE = (
+    "prompt, completions and labels are TRL's stepwise supervision layout (a process reward model's steps), "
+    "which Ferry does not train; keep each row's fully correct steps as one completion ({prompt, completion}, "
+    "message lists, under data.format: chat) to train on them"
+)
+# Ferry's settings for each of TRL's layouts, standard (strings) and conversational (message lists).
+_TRAINED_WITH = {
+    ("language modeling", False): "data.format: text (data.text_field: text)",
+    ("language modeling", True): "data.format: chat",
+    ("prompt-only", False): "data.format: prompt with training.objective: grpo (which generates the completions)",
+    ("prompt-only", True): "data.format: prompt with training.objective: grpo (which generates the completions)",
+    ("prompt-completion", False): (
+        "data.format: instruction, data.fields: {instruction: prompt, output: completion} and "
+        "data.prompt_template: '{instruction}'"
+    ),
+    ("prompt-completion", True): "data.format: chat",
+    ("preference", False): "training.objective: dpo (or orpo) and data.format: preference",
+    ("preference", True): "training.objective: dpo (or orpo) and data.format: preference",
+}
+_FORMAT_OF = {  # (standard, conversational): the data.format that reads each layout as it is, if any
+    "language modeling": ("text", "chat"),
+    "prompt-only": ("prompt", "prompt"),
+    "prompt-completion": ("", "chat"),  # strings: instruction, once its fields name prompt and completion
+    "preference": ("preference", "preference"),
+}
+
+
+def trl_layout(fields: dict[str, Any]) -> tuple[str, bool] | None:
+    """(layout, conversational) of a record in one of TRL's dataset layouts, by its columns; None otherwise.
+
+    Example:
+        >>> trl_layout({"prompt": [{"role": "user", "content": "Hi"}]})
+        ('prompt-only', True)
+    """
+    keys = {key for key, value in fields.items() if value is not None}
+    conversational = any(
+        isinstance(fields.get(k), list) and any(isinstance(m, dict) for m in fields[k])
+        for k in ("messages", "prompt", "completion", "chosen", "rejected")
+    )
+    if {"completions", "labels"} <= keys:
+        return "stepwise supervision", conversational
+    if {"completion", "label"} <= keys:
+        return "unpaired preference", conversational
+    if {"chosen", "rejected"} <= keys:
+        return ("preference" if "prompt" in keys else "implicit-prompt preference"), conversational
+    if "prompt" in keys:
+        return ("prompt-completion" if "completion" in keys else "prompt-only"), conversational
+    if keys & {"messages", "text"}:
+        return "language modeling", "messages" in keys
+    return None
+
+
+def layout_refusal(fields: dict[str, Any], data_format: str, field: str) -> RecordError | None:
+    """The refusal for a record in a TRL layout that ``data_format`` does not read, naming the layout and the
+    settings that train it (or what to convert it to); None when the record is in no such layout.
+
+    ``field`` is the field ``data_format`` looked for and did not find."""
+    found = trl_layout(fields)
+    if found is None:
+        return None
+    layout, conversational = found
+    if layout == "stepwise supervision":
+        return RecordError("labels", STEPWISE)
+    if layout == "unpaired preference":
+        return RecordError("label", UNPAIRED)
+    if layout == "implicit-prompt preference":
+        return RecordError("prompt", IMPLICIT_PROMPT)
+    if _FORMAT_OF[layout][conversational] == data_format:
+        return None  # the format's own layout: its reader names what is wrong inside the record
+    kind = "conversational" if conversational else "standard"
+    return RecordError(
+        field,
+        f"is missing: the record is in TRL's {kind} {layout} layout (it has {', '.join(sorted(fields))}), which "
+        f"data.format: {data_format} does not read as set; train it with {_TRAINED_WITH[layout, conversational]}",
+    )
 
 
 @dataclass(frozen=True)

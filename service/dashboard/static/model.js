@@ -275,6 +275,15 @@ export function isCpuJob(job) {
   return job?.spec?.device === "cpu" || (!job?.gpu && String(job?.worker || "").startsWith("cpu"));
 }
 
+/**
+ * What ran (or runs) a job, for the jobs list's GPU column: its GPU index(es), "CPU" for a CPU job (a CPU
+ * worker's, or one whose spec says device: cpu on a GPU worker's slot), or null before a worker took it.
+ */
+export function ranOn(job) {
+  if (!job?.worker) return null;
+  return isCpuJob(job) || !job.gpu ? "CPU" : job.gpu;
+}
+
 /** Whether any step moved bytes between host and GPU (its copy rates or totals above zero). */
 export function bytesMoved(rows) {
   return (rows || []).some((r) => r.h2d > 0 || r.d2h > 0 || r.h2dBytes > 0);

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 from time import sleep
 from typing import Any, Protocol
 
+from jobs.paths import PathRoots, without_roots
 from service.queue.db import is_locked
 from service.workers.executor.base import LaunchRequest
 
@@ -219,6 +220,7 @@ class EventReporter:
 
     def __init__(self, store: EventSink, request: LaunchRequest) -> None:
         self._store, self._request = store, request
+        self._roots = PathRoots(model_roots=request.model_roots, data_roots=request.data_roots)
         self._ended = False
         self._stepped = False  # the attempt's first step goes out at once, however soon after `started`
         self._pending: list[dict[str, Any]] = []
@@ -228,6 +230,8 @@ class EventReporter:
         from jobs.events import event_to_wire
 
         wire = event_to_wire(event)
+        if wire["type"] in ("failed", "log"):  # the user reads these: paths as the spec wrote them
+            wire["message"] = without_roots(wire["message"], self._roots)
         self._log(wire)
         self._pending.append(wire)
         if wire["type"] in ("finished", "failed"):

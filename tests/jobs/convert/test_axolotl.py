@@ -78,6 +78,15 @@ def test_qlora_alpaca_epochs_and_unknown_keys() -> None:
     )
 
 
+def test_eval_and_save_steps_as_counts_or_listed_as_fractions() -> None:
+    base = "base_model: m\ndatasets: [{path: d.jsonl, type: alpaca}]\nval_set_size: 0.1\n"
+    counts = convert_axolotl(base + "eval_steps: 20\nsave_steps: 40\n")
+    assert counts.spec["eval"]["every_steps"] == 20 and counts.spec["checkpoint"]["every_steps"] == 40
+    fractions = dict(convert_axolotl(base + "eval_steps: 0.25\nsave_steps: 0.5\n").not_converted)
+    assert fractions["eval_steps"] == "a fraction of the run is not a step count; set eval.every_steps"
+    assert fractions["save_steps"] == "a fraction of the run is not a step count; set checkpoint.every_steps"
+
+
 def test_sharegpt_reads_conversations_and_a_config_without_datasets_is_refused() -> None:
     spec = convert_axolotl("base_model: m\ndatasets: [{path: s.jsonl, type: sharegpt}]\n").spec
     assert spec["data"]["format"] == "chat" and spec["data"]["messages_field"] == "conversations"

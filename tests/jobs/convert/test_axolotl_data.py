@@ -94,3 +94,50 @@ def test_pretraining_dataset_is_a_text_dataset_and_hub_ids_say_how_to_fetch() ->
         "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir <model root>/meta-llama/Llama-3.2-1B" in w
         for w in model.warnings
     )
+
+
+def test_thinking_keys_map_to_ferrys_reasoning_keys(tmp_path) -> None:
+    """axolotl's gpt-oss example reads reasoning from each message's ``thinking`` and gives it to the template as
+    ``thinking``: both map, and a row in that layout trains its reasoning through gpt-oss's template."""
+    import json
+    from pathlib import Path
+
+    from jobs.data.formats.record import IGNORE, record_examples
+    from jobs.data.tokenizers import HFTokenizer
+    from jobs.spec.job import TextDataSpec
+    from tests.jobs.llm_helpers import save_bpe_tokenizer
+
+    example = Path(__file__).parent / "axolotl_examples" / "gpt-oss" / "gpt-oss-20b-sft-lora-singlegpu.yaml"
+    conversion = convert_axolotl(example.read_text())
+    assert not [key for key, _ in conversion.not_converted if "thinking" in key]
+    template = (Path(__file__).parents[1] / "data" / "templates" / "gptoss.jinja").read_text()
+    tokenizer_dir = save_bpe_tokenizer(tmp_path / "tok", chat_template=template)
+    row = {  # HuggingFaceH4/Multilingual-Thinking's layout
+        "messages": [
+            {"role": "system", "content": "reasoning language: French"},
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4", "thinking": "Deux et deux font quatre."},
+        ]
+    }
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    data = {
+        **conversion.spec["data"],
+        "path": tmp_path / "rows.jsonl",
+        "tokenizer": {"kind": "hf", "path": tokenizer_dir},
+    }
+    tokenizer = HFTokenizer(tokenizer_dir)
+    (trained,) = record_examples(row, TextDataSpec(**data), tokenizer)
+    text = tokenizer.hf.decode(
+        [i for i, label in zip(trained.input_ids, trained.labels, strict=True) if label != IGNORE]
+    )
+    assert (
+        text
+        == "<|channel|>analysis<|message|>Deux et deux font quatre.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>"
+    )
+
+    other = convert(
+        "datasets:\n  - {path: c.jsonl, type: chat_template, field_thinking: thoughts, template_thinking_key: think}\n"
+    )
+    why = listed(other)
+    assert "not 'thoughts'; rename that key in the data's messages" in why["datasets[0].field_thinking"]
+    assert "not 'think'" in why["datasets[0].template_thinking_key"]

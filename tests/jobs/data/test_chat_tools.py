@@ -205,27 +205,6 @@ def test_reasoning_is_refused_where_the_template_has_no_place_for_it(tmp_path: P
     assert error.value.field == "messages[1].thinking"
 
 
-def test_reasoning_an_earlier_turn_would_lose_is_refused(tmp_path: Path, qwen3: HFTokenizer) -> None:
-    # Qwen3's template keeps reasoning after the last user message only.
-    record = {
-        "messages": [
-            {"role": "user", "content": "What is 2 + 2?"},
-            {"role": "assistant", "content": "4", "reasoning_content": "Two and two make four."},
-            {"role": "user", "content": "And 3 + 3?"},
-            {"role": "assistant", "content": "6", "reasoning_content": "Three and three make six."},
-        ]
-    }
-    with pytest.raises(RecordError, match="renders reasoning on the last turns only") as error:
-        record_example(record, chat(tmp_path), qwen3)
-    assert error.value.field == "messages[1].reasoning_content"
-    # The fix the message names: a template that renders every turn alike keeps both turns' reasoning.
-    training = tokenizer_with(tmp_path / "tok", (TEMPLATES / "qwen3_training.jinja").read_text())
-    assert trained_text(record_example(record, chat(tmp_path), training), training) == (
-        "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>\n"
-        "<think>\nThree and three make six.\n</think>\n\n6<|im_end|>\n"
-    )
-
-
 @pytest.mark.parametrize(
     ("message", "field", "error"),
     [

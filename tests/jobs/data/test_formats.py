@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.data.formats.record import IGNORE, RecordError, record_example
+from jobs.data.formats.record import IGNORE, RecordError, record_example, record_examples
 from jobs.data.tokenizers import HFTokenizer
 from jobs.spec.job import TextDataSpec
 from tests.jobs.llm_helpers import save_bpe_tokenizer
@@ -93,7 +93,7 @@ def test_chat_record_errors_name_the_field(
     assert error.value.field == field
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path) -> None:
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_on_its_own(tmp_path: Path) -> None:
     # Shows only the last assistant turn's content: earlier turns change when a new one arrives.
     template = (
         "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[hidden]"
@@ -107,8 +107,24 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path) -> No
         {"role": "user", "content": "c"},
         {"role": "assistant", "content": "d"},
     ]
-    with pytest.raises(RecordError, match="does not render the conversation turn by turn"):
-        record_example({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
+    first, second = record_examples({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
+    assert tokenizer.hf.decode(first.input_ids) == "user: a\nassistant: b\n"
+    assert tokenizer.hf.decode(second.input_ids) == "user: a\n[hidden]user: c\nassistant: d\n"
+    assert [trained_text(e, tokenizer) for e in (first, second)] == ["b\n", "d\n"]
+
+
+def test_a_template_that_writes_a_turn_unlike_its_prompt_is_refused(tmp_path: Path) -> None:
+    # The generation prompt says "assistant: ", the turn is written "assistant> ": no cut tells them apart.
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[hidden]"
+        "{% else %}{{ m['role'] }}> {{ m['content'] }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tokenizer = HFTokenizer(save_bpe_tokenizer(tmp_path / "tok", chat_template=template))
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(RecordError, match="does not render assistant turn 1 after its own prompt") as error:
+        record_examples({"messages": messages}, data_spec(tmp_path, format="chat"), tokenizer)
+    assert error.value.field == "messages"
 
 
 SHAREGPT = {

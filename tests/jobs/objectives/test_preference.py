@@ -47,13 +47,17 @@ def pair_record(index: int) -> dict[str, Any]:
     return {"prompt": [{"role": "user", "content": question}], "chosen": right, "rejected": wrong}  # TRL's
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("pref")
+def preference_files(root: Path) -> Path:
+    """A tiny Llama (``models/llama``), its tokenizer (``models/tok``) and 16 facts pairs (``data/pairs.jsonl``)."""
     save_bpe_tokenizer(root / "models" / "tok")
     save_llama(root / "models" / "llama")
     write_jsonl(root / "data" / "pairs.jsonl", [pair_record(i) for i in range(16)])
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return preference_files(tmp_path_factory.mktemp("pref"))
 
 
 def roots(root: Path) -> PathRoots:

@@ -247,3 +247,22 @@ def test_other_tools_hint_reads_as_the_ferry_path() -> None:
         "invalid job spec (1 problem(s)):\n  - lora_r (line 5): unknown key (valid keys:"
     )
     assert str(caught.value).endswith("; did you mean 'lora.rank'?")
+
+
+def test_an_axolotl_config_is_refused_once_with_the_conversion(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    from jobs.cli import main
+
+    example = Path(__file__).parents[3] / "configs" / "axolotl" / "llama-lora.yml"
+    with pytest.raises(JobSpecError) as error:
+        load_job_spec(example.read_text())
+    # Old code: 40 problems (name, model and data required, each axolotl key unknown).
+    (problem,) = error.value.problems
+    assert problem.path == "base_model" and problem.line == 12
+    assert problem.message.startswith(
+        "this is an axolotl config (base_model, datasets, micro_batch_size, sequence_len)"
+    )
+    assert "python -m jobs import-axolotl FILE" in problem.message
+    assert main(["validate", str(example)]) == 2
+    assert "invalid job spec (1 problem(s))" in capsys.readouterr().err

@@ -25,7 +25,7 @@ def llm_roots(tmp_path: Path) -> PathRoots:
 
 
 def problems(roots: PathRoots, **sections: object) -> list[SpecProblem]:
-    return preflight_problems(load_job_spec(yaml.safe_dump(llm_spec(**sections)), roots))
+    return preflight_problems(load_job_spec(yaml.safe_dump(llm_spec(**sections)), roots), roots)
 
 
 def test_good_chat_data_and_targets_pass(llm_roots: PathRoots) -> None:
@@ -47,14 +47,19 @@ def test_a_wrong_format_names_the_missing_field(llm_roots: PathRoots) -> None:
     (found,) = problems(llm_roots, data={"format": "instruction"})
     assert found.path == "data.path"
     assert found.message == (
-        "chat.jsonl row 1: field 'instruction': is missing (the record has: messages); "
-        "set data.fields.instruction to the right field name (data.format: instruction)"
+        "chat.jsonl row 1: field 'instruction': is missing: the record is in TRL's conversational language modeling "
+        "layout (it has messages), which data.format: instruction does not read as set; train it with "
+        "data.format: chat (data.format: instruction)"
     )
 
 
 def test_a_tokenizer_without_chat_template_needs_one_in_the_spec(llm_roots: PathRoots) -> None:
     (found,) = problems(llm_roots, data={"tokenizer": {"kind": "hf", "path": "tok-plain"}})
-    assert found.path == "data.chat_template" and "has no chat template; set data.chat_template" in found.message
+    # The path as the spec wrote it, never the server's layout (old code: the tokenizer at /tmp/.../models/tok-plain).
+    assert found == SpecProblem(
+        "data.chat_template",
+        "the tokenizer at 'tok-plain' has no chat template; set data.chat_template (a Jinja template, or 'chatml')",
+    )
     assert problems(llm_roots, data={"tokenizer": {"kind": "hf", "path": "tok-plain"}, "chat_template": "chatml"}) == []
 
 
@@ -91,7 +96,29 @@ def test_a_lora_target_peft_cannot_wrap_is_refused_with_the_layers_inside_it(
 def test_unreadable_data_is_a_problem_not_a_crash(llm_roots: PathRoots) -> None:
     (llm_roots.data_roots[0] / "chat.jsonl").write_text('{"messages": [\n')
     (found,) = problems(llm_roots)
-    assert found.path == "data.path" and found.message.startswith("cannot read")
+    assert found.path == "data.path" and found.message.startswith("cannot read 'chat.jsonl': ")
+    assert str(llm_roots.data_roots[0]) not in found.message
+
+
+def test_a_directory_without_a_tokenizer_is_one_line_naming_it(llm_roots: PathRoots) -> None:
+    (llm_roots.model_roots[0] / "empty").mkdir()
+    (found,) = problems(llm_roots, data={"tokenizer": {"kind": "hf", "path": "empty"}})
+    # Old code: transformers' five lines ("Couldn't instantiate the backend tokenizer ..."), no path.
+    assert found == SpecProblem(
+        "data.tokenizer.path",
+        "'empty' holds no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json); point "
+        "data.tokenizer.path at a directory written by save_pretrained (the model's own directory usually holds "
+        "its tokenizer)",
+    )
+
+
+def test_a_librarys_error_naming_a_file_shows_it_relative_to_its_root(llm_roots: PathRoots) -> None:
+    broken = llm_roots.model_roots[0] / "broken"
+    broken.mkdir()
+    (broken / "tokenizer_config.json").write_text("{not json")
+    (found,) = problems(llm_roots, data={"tokenizer": {"kind": "hf", "path": "broken"}})
+    assert found.path == "data.tokenizer.path" and found.message.startswith("cannot load the tokenizer at 'broken': ")
+    assert str(llm_roots.model_roots[0]) not in found.message and "\n" not in found.message
 
 
 def test_validate_command_reports_data_problems(
@@ -172,7 +199,7 @@ def test_chat_sample_prompts_need_a_chat_template(llm_roots: PathRoots) -> None:
     (found,) = problems(llm_roots, data=plain, text_samples={"prompts": [CONVERSATION]})
     assert found == SpecProblem(
         "text_samples.prompts",
-        f"chat messages need a chat template and the tokenizer at {llm_roots.model_roots[0] / 'tok-plain'} has none; "
+        "chat messages need a chat template and the tokenizer at 'tok-plain' has none; "
         "set data.chat_template (a Jinja template, or 'chatml')",
     )
     # A template given in the spec serves the prompts even though the data is plain text.
@@ -280,3 +307,20 @@ def test_an_unknown_architecture_is_one_line(llm_roots: PathRoots) -> None:
         (found,) = problems(llm_roots, model=model)
         assert found.path == "model.path" and "\n" not in found.message and len(found.message) < 300
         assert found.message.startswith("ferret/config.json: model_type 'ferret' is not an architecture this")
+
+
+def test_grpo_prompt_rows_pass_the_submit_check(llm_roots: PathRoots) -> None:
+    from tests.jobs.objectives.test_grpo_spec import GRADER
+
+    rows = [{"prompt": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)]
+    rows.append({"prompt": [{"role": "user", "content": "say hi"}], "answer": "hi"})
+    write_jsonl(llm_roots.data_roots[0] / "prompts.jsonl", rows)
+    grpo = {
+        "data": {"path": "prompts.jsonl", "format": "prompt"},
+        "training": {"objective": "grpo", "steps": 2, "grpo": {"grader": GRADER, "num_generations": 4}},
+    }
+    # Old code: "prompts.jsonl row 1: field 'messages': must be a non-empty list ..." (read as chat rows).
+    assert problems(llm_roots, **grpo) == []
+    write_jsonl(llm_roots.data_roots[0] / "prompts.jsonl", [{"question": "what is 1 plus 1?"}])
+    (found,) = problems(llm_roots, **grpo)
+    assert found.path == "data.path" and "field 'prompt': is missing; a prompt row needs prompt" in found.message

@@ -24,10 +24,11 @@ from jobs.spec.llm import DPOSpec, ORPOSpec
 from jobs.train import reference_logps
 from jobs.train.reference_logps import reference_pass
 from tests.jobs.helpers import assert_same_weights, final_weights
-from tests.jobs.llm_helpers import save_bpe_tokenizer, save_llama, write_jsonl
+from tests.jobs.llm_helpers import write_jsonl
 from tests.jobs.objectives.test_preference import (
     pair_record,
     pref_spec,
+    preference_files,
     roots,
     run,
     steps_of,
@@ -42,11 +43,7 @@ LN2 = torch.tensor(math.log(2)).item()  # ln 2 in float32, as the loss is comput
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """test_preference.py's tiny Llama, tokenizer and 16 facts pairs."""
-    root = tmp_path_factory.mktemp("full-dpo")
-    save_bpe_tokenizer(root / "models" / "tok")
-    save_llama(root / "models" / "llama")
-    write_jsonl(root / "data" / "pairs.jsonl", [pair_record(i) for i in range(16)])
-    return root
+    return preference_files(tmp_path_factory.mktemp("full-dpo"))
 
 
 def test_submit_accepts_dpo_on_a_full_fine_tune(tiny: Path) -> None:

@@ -30,6 +30,21 @@ def test_a_cpu_job_is_known_by_its_spec_or_its_worker() -> None:
 
 
 @node
+def test_the_jobs_list_says_what_ran_a_job() -> None:
+    jobs = [
+        {"worker": "cpu0", "gpu": None},  # a CPU worker's
+        {"worker": "gpu0", "gpu": None, "spec": {"device": "cpu"}},  # device: cpu on a GPU's slot
+        {"worker": "gpu1", "gpu": "1"},
+        {"worker": "gpu0+gpu1", "gpu": "0,1"},
+        {"worker": None, "gpu": None},  # queued
+    ]
+    assert read_with("a.jobs.map(m.ranOn)", jobs=jobs) == ["CPU", "CPU", "1", "0,1", None]
+    page = (STATIC_DIR / "pages" / "jobs.js").read_text()
+    # Old code: the GPU column showed the worker's name ("cpu0") or the slot's GPU for a CPU job.
+    assert 'ranOn(job) === "CPU" ? h("span", { class: "muted" }, "CPU")' in page and "job.worker) : DASH" not in page
+
+
+@node
 def test_transfer_charts_only_where_bytes_moved() -> None:
     cpu_rows = [{"step": 1, "h2d": 0, "d2h": 0, "h2dBytes": 0}, {"step": 2, "h2d": None, "d2h": None}]
     gpu_rows = [*cpu_rows, {"step": 3, "h2d": 12.5, "d2h": 3.1, "h2dBytes": 1 << 30}]

@@ -69,8 +69,8 @@ def make(store: JobStore, tmp_path: Path, slots: list[Slot], **settings: object)
     return Scheduler(store, executor, slots, config), executor
 
 
-def add(store: JobStore, job_id: str) -> str:
-    store.create_job(job_id=job_id, name=job_id, spec_text="", spec={})
+def add(store: JobStore, job_id: str, spec: dict[str, object] | None = None) -> str:
+    store.create_job(job_id=job_id, name=job_id, spec_text="", spec=spec or {})
     return job_id
 
 
@@ -93,6 +93,16 @@ def test_one_job_per_gpu_and_the_queue_feeds_the_first_free_one(store: JobStore,
     assert store.get_job("b").status is JobStatus.SUCCEEDED
     assert (executor.launched[2].request.job_id, executor.launched[2].request.device) == ("c", "1")
     assert store.get_job("c").worker == "gpu1"
+
+
+def test_a_cpu_job_on_a_gpus_slot_records_no_gpu(store: JobStore, tmp_path: Path) -> None:
+    scheduler, _ = make(store, tmp_path, [Slot("gpu0", "0"), Slot("gpu1", "1")])
+    add(store, "cpu-job", {"device": "cpu"})
+    add(store, "gpu-job", {"device": "cuda"})
+    scheduler.tick()
+    # Old code: device '0', which the jobs list showed in its GPU column for a job that trained on the CPU.
+    assert (store.get_job("cpu-job").worker, store.get_job("cpu-job").device) == ("gpu0", None)
+    assert (store.get_job("gpu-job").worker, store.get_job("gpu-job").device) == ("gpu1", "1")
 
 
 def test_a_killed_process_is_interrupted_and_resumed_with_a_new_attempt(store: JobStore, tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 import { api } from "../api.js";
 import { DASH, age, bytes, duration, h, isNum, num, percent, shortId } from "../format.js";
 import { poll } from "../live.js";
-import { STATUSES, jobsPage } from "../model.js";
+import { STATUSES, jobsPage, ranOn } from "../model.js";
 import { failureBanner, progressBar, statusBadge } from "../widgets.js";
 
 const PAGE_SIZE = 100;
@@ -95,8 +95,9 @@ function jobRow(job) {
     h("td", { class: "cell-progress", "data-label": "Progress" }, progressCell(job)),
     h("td", { class: "num", "data-label": "Loss", "data-col": "loss" }, num(job.loss)),
     h("td", { class: "num", "data-label": "Peak GPU mem", "data-col": "peak" },
-      !job.gpu && !job.peak && String(job.worker || "").startsWith("cpu") ? h("span", { class: "muted" }, "CPU") : bytes(job.peak)),
-    h("td", { "data-label": "GPU", "data-col": "gpu" }, job.gpu || (job.worker ? h("span", { class: "muted" }, job.worker) : DASH)),
+      ranOn(job) === "CPU" ? h("span", { class: "muted" }, "CPU") : bytes(job.peak)),
+    h("td", { "data-label": "GPU", "data-col": "gpu", title: job.worker ? `worker ${job.worker}` : "" },
+      ranOn(job) === "CPU" ? h("span", { class: "muted" }, "CPU") : ranOn(job) || DASH),
     h("td", { class: "muted", "data-label": "Age", "data-col": "age", title: job.createdAt || "" }, age(job.createdAt)));
 }
 
