@@ -13,7 +13,7 @@ part of it. Whatever the template leaves out refuses the record (rendering.py): 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobs.data.formats.examples import Example, RecordError
 from jobs.data.formats.rendering import REASONING_KEYS, check_rendered, template_messages
@@ -21,6 +21,14 @@ from jobs.data.formats.tools import check_tool_calls
 
 if TYPE_CHECKING:  # checking messages needs no torch: the API process checks uploaded rows with it
     from jobs.data.tokenizers import HFTokenizer
+
+
+class ChatRenderer(Protocol):
+    """What rendering a conversation needs: an `HFTokenizer`, or a processor's chat template."""
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -150,6 +158,34 @@ def chat_example(
             tool call, tool result, the tools list or reasoning text (rendering.py).
     """
     places = places or [f"messages[{i}]" for i in range(len(messages))]
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trains in chat_pieces(messages, tokenizer, train_on_prompt=train_on_prompt, tools=tools, places=places,
+                                    tools_field=tools_field):
+        piece = tokenizer.encode(text) if text else []
+        ids += piece
+        labels += piece if trains else [-100] * len(piece)
+    return Example(ids, labels)
+
+
+def chat_pieces(
+    messages: list[dict[str, Any]],
+    tokenizer: ChatRenderer,
+    *,
+    train_on_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    places: list[str] | None = None,
+    tools_field: str = "tools",
+) -> list[tuple[str, bool]]:
+    """The conversation's text cut into (piece, trains) pairs: prompt pieces (system, user, tool turns, the
+    assistant's header) and response pieces (an assistant turn's content and end-of-turn), in order. Each
+    piece is tokenized on its own by the caller (`chat_example`; the image-text family expands its images in
+    the pieces that hold them), so labels follow the pieces exactly, whatever the template.
+
+    Raises:
+        RecordError: as `chat_example`.
+    """
+    places = places or [f"messages[{i}]" for i in range(len(messages))]
 
     def render(turns: list[dict[str, Any]], with_tools: list[dict[str, Any]] | None = tools) -> str:
         return _render(tokenizer, turns, generation_prompt=False, tools=with_tools)
@@ -172,13 +208,7 @@ def chat_example(
         pieces += [(prompt[len(done) :], train_on_prompt), (full[len(prompt) :], message["weight"] == 1)]
         done = full
     pieces.append((render(plain)[len(done) :], train_on_prompt))
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, trains in pieces:
-        piece = tokenizer.encode(text) if text else []
-        ids += piece
-        labels += piece if trains else [-100] * len(piece)
-    return Example(ids, labels)
+    return pieces
 
 
 def chat_prompt(prompt: str, tokenizer: HFTokenizer) -> str:
@@ -192,7 +222,7 @@ def conversation_prompt(messages: list[dict[str, str]], tokenizer: HFTokenizer) 
 
 
 def _render(
-    tokenizer: HFTokenizer,
+    tokenizer: ChatRenderer,
     messages: list[dict[str, Any]],
     *,
     generation_prompt: bool,
