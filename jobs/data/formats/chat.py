@@ -133,8 +133,9 @@ _MEDIA = {
     "refusal": "refusal",
 }
 _NOT_TEXT = (
-    "{kind} cannot be trained: Ferry fine-tunes text models, and dropping it would train the row on other "
-    "data than yours; remove it, or write it as text ({{type: text, text}} or a string)"
+    "{kind} cannot be trained: Ferry fine-tunes text models here (data.kind: text), and dropping it would train "
+    "the row on other data than yours; remove it, or write it as text ({{type: text, text}} or a string); for "
+    "images, train a vision-language model: model.kind: hf_image_text_to_text with data.kind: image_chat"
 )
 
 
