@@ -39,8 +39,9 @@ class ImageRow:
     prompt: str  # the last user turn's text, for samples
 
 
-def read_rows(spec: Any, text: ProcessorText) -> tuple[list[ImageRow], list[str]]:
-    """Every row of ``spec.path`` tokenized, and the notes on images resized to ``data.max_image_pixels``.
+def read_rows(spec: Any, text: ProcessorText, *, limit: int | None = None) -> tuple[list[ImageRow], list[str]]:
+    """Every row of ``spec.path`` (the first ``limit`` of each file) tokenized, and the notes on images resized to
+    ``data.max_image_pixels``.
 
     Raises:
         ValueError: ``<file> row <n>: field '<field>': <problem> (data.kind=image_chat)``, for the first bad row.
@@ -48,7 +49,7 @@ def read_rows(spec: Any, text: ProcessorText) -> tuple[list[ImageRow], list[str]
     path = Path(spec.path)
     folder = path if path.is_dir() else path.parent
     rows, notes = [], []
-    for record in iter_records(path, spec.file_type):
+    for record in iter_records(path, spec.file_type, limit_per_file=limit):
         where = f"{record.file} row {record.row}"
         try:
             row, resized = image_row(record.fields, spec, text, folder, where)

@@ -30,6 +30,8 @@ from jobs.models.vlm.spec import HFImageTextToTextSpec, ImageChatDataSpec
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
 
+SUBMIT_ROWS = 2000  # rows of each file checked at submit, images opened: seconds, not the whole data set
+
 
 def build_image_chat(spec: JobSpec, device: torch.device, model: nn.Module) -> Any:
     """The job's batches: rows read and tokenized with the model's processor."""
@@ -59,14 +61,15 @@ def _check_sections(spec: JobSpec) -> list[Problem]:
 
 
 def _check_data(spec: JobSpec) -> list[Problem]:
-    """At submit: the processor loads and every row reads (images opened), each problem naming its row."""
+    """At submit: the processor loads and the first rows read (images opened), a problem naming its row; the job
+    reads every row again when it starts, refusing a bad one the same way."""
     if spec.data.kind != "image_chat":
         return []
     from jobs.models.vlm.batches import read_rows
     from jobs.models.vlm.processor import ProcessorText, load_processor
 
     try:
-        read_rows(spec.data, ProcessorText(load_processor(Path(spec.model.path))))
+        read_rows(spec.data, ProcessorText(load_processor(Path(spec.model.path))), limit=SUBMIT_ROWS)
     except ValueError as error:
         return [("data.path", str(error))]
     return []
