@@ -81,7 +81,7 @@ def test_a_lora_job_trains_offloaded_and_checkpoints_the_adapter_with_the_proces
             "model": {"kind": "hf_image_text_to_text", "path": "qwen", "dtype": "float32"},
             "data": {"kind": "image_chat", "path": "train.jsonl", "seq_len": 128},
             "lora": {"target_modules": ["q_proj", "v_proj"], "rank": 4},
-            "training": {"steps": 2, "batch_size": 2, "learning_rate": 1e-2},
+            "training": {"steps": 2, "batch_size": 2, "learning_rate": 1e-2, "gradient_checkpointing": True},
             "offload": {"enable_model_cpu_offload": True, "granularity": "block"},
         },
         roots,
@@ -124,3 +124,31 @@ def test_a_tiny_model_learns_to_name_the_colour_it_is_shown(models: Path, colour
             guess = text.tokenizer.decode([int(logits[0, answer - 1].argmax())])
             named[text.tokenizer.decode([batch["input_ids"][0, answer]])] = guess
     assert named == {colour: colour for colour in named} and len(named) == len(COLOURS), named
+
+
+def test_a_full_fine_tune_loads_with_the_auto_classes_and_resumes(tmp_path: Path, models: Path, colours: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    roots = PathRoots(model_roots=[models], data_roots=[colours.parent])
+    job = {
+        "name": "vlm-full",
+        "device": "cpu",
+        "model": {"kind": "hf_image_text_to_text", "path": "idefics", "dtype": "float32"},
+        "data": {"kind": "image_chat", "path": "train.jsonl", "seq_len": 128},
+        "training": {"steps": 2, "batch_size": 2, "learning_rate": 1e-3, "gradient_checkpointing": True},
+        "offload": {"enable_model_cpu_offload": True, "enable_optimizer_cpu_offload": True, "granularity": "block"},
+    }
+    first = run_job(spec_from(job, roots), output_dir=tmp_path / "out")
+    checkpoint = Path(first.checkpoint)  # type: ignore[arg-type]
+    loaded = AutoModelForImageTextToText.from_pretrained(str(checkpoint))
+    assert load_processor(checkpoint).image_token == "<image>"
+    base = AutoModelForImageTextToText.from_pretrained(str(models / "idefics"))
+    changed = lambda name: not torch.equal(loaded.state_dict()[name], base.state_dict()[name])  # noqa: E731
+    names = list(base.state_dict())
+    assert any(changed(n) for n in names if "text_model" in n)
+    assert not any(changed(n) for n in names if "vision_model" in n)  # the tower stayed frozen
+    events: list[object] = []
+    resumed = run_job(spec_from({**job, "training": {**job["training"], "steps": 3}}, roots),
+                      output_dir=tmp_path / "out", report=events.append)  # fmt: skip
+    started = next(e for e in events if getattr(e, "type", None) == "started")
+    assert resumed.step == 3 and started.resumed_from_step == 2  # type: ignore[attr-defined]
