@@ -138,8 +138,21 @@ def apply_image_text_lora(model: nn.Module, spec: LoraSpec, *, train_vision_towe
 
 
 def image_text_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's own next-token loss over the labels (-100 on prompts and images)."""
-    return model(**batch).loss
+    """The next-token loss over the labels (-100 on prompts and images): transformers' own, or, where the float32
+    logits of the batch would pass ``CHUNK_ABOVE_BYTES`` (8192 tokens of a 152064-token vocabulary: 5 GB), the
+    decoder's hidden states through the head a chunk of positions at a time (jobs/recompute/chunked_loss.py)."""
+    from jobs.recompute.chunked_loss import CHUNK_ABOVE_BYTES, chunked_nll
+
+    base: Any = model.get_base_model() if is_peft_model(model) else model
+    head = base.get_output_embeddings()
+    decoder = getattr(base, "model", None)
+    vocab = int(getattr(head, "out_features", 0))
+    if not isinstance(decoder, nn.Module) or batch["labels"].numel() * vocab * 4 <= CHUNK_ABOVE_BYTES:
+        return model(**batch).loss
+    inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
+    hidden = decoder(**inputs).last_hidden_state  # peft's adapters sit inside the modules: they run here too
+    nll, counted = chunked_nll(head, hidden, batch["labels"])
+    return nll.sum() / counted.sum().clamp(min=1)
 
 
 def image_text_activation_bytes(spec: JobSpec, model: nn.Module) -> int:

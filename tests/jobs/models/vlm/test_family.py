@@ -152,3 +152,20 @@ def test_a_full_fine_tune_loads_with_the_auto_classes_and_resumes(tmp_path: Path
                       output_dir=tmp_path / "out", report=events.append)  # fmt: skip
     started = next(e for e in events if getattr(e, "type", None) == "started")
     assert resumed.step == 3 and started.resumed_from_step == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_chunked_loss_equals_the_models_own(models: Path, colours: Path, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import jobs.recompute.chunked_loss as chunked_loss
+
+    spec, _, batches = _setup(models / arch, colours, 2)
+    model = FAMILY.build(spec, 0)
+    batch = batches.batch(0)  # type: ignore[attr-defined]
+    whole = model(**batch).loss
+    monkeypatch.setattr(chunked_loss, "CHUNK_ABOVE_BYTES", 0)  # every batch's logits count as large
+    monkeypatch.setattr(chunked_loss, "CHUNK_BYTES", 4 * 300 * 8)  # 8 positions a chunk
+    calls = []
+    real = chunked_loss.chunked_nll
+    monkeypatch.setattr(chunked_loss, "chunked_nll", lambda *a: calls.append(1) or real(*a))
+    torch.testing.assert_close(FAMILY.loss(model, batch), whole)
+    assert calls  # the chunked path ran
