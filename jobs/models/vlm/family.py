@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from jobs.errors import Problem
@@ -25,7 +26,7 @@ from jobs.models.vlm.model import (
     meta_image_text_model,
     vision_tower_name,
 )
-from jobs.models.vlm.spec import HFImageTextToTextSpec, ImageChatDataSpec
+from jobs.models.vlm.spec import HFImageTextToTextSpec, ImageChatDataSpec, ImageSamplesSpec
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -52,9 +53,7 @@ def _check_sections(spec: JobSpec) -> list[Problem]:
     if spec.eval is not None:
         problems.append(("eval", "is not run for model.kind=hf_image_text_to_text yet; remove the section"))
     if spec.text_samples is not None:
-        problems.append(
-            ("text_samples", "samples text-only prompts; an image-text model's samples are not written yet, remove it")
-        )
+        problems.append(("text_samples", "samples text-only prompts; use image_samples: {rows: 2} for this model"))
     if spec.training.objective != "sft":
         problems.append(("training.objective", f"hf_image_text_to_text trains sft; got {spec.training.objective}"))
     return problems
@@ -75,6 +74,19 @@ def _check_data(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def make_sampler(spec: JobSpec, device: torch.device) -> Any:
+    from jobs.models.vlm.samples import make_image_sampler
+
+    return make_image_sampler(spec, device)
+
+
+def _check_image_samples_section(spec: JobSpec, family: ModelFamily[Any]) -> list[Problem]:
+    # Runs for every job (section_rules): only this family writes image samples.
+    if getattr(spec, "image_samples", None) is not None and family.kind != "hf_image_text_to_text":
+        return [("image_samples", f"model.kind={spec.model.kind} does not answer images; remove the section")]
+    return []
+
+
 FAMILY = ModelFamily(
     kind="hf_image_text_to_text",
     spec=HFImageTextToTextSpec,
@@ -92,6 +104,14 @@ FAMILY = ModelFamily(
     build_data=build_image_chat,
     whole_units=lambda model: () if _trains_tower(model) else (vision_tower_name(model),),
     data_specs=(ImageChatDataSpec,),
+    make_sampler=make_sampler,
+    job_sections={
+        "image_samples": (
+            ImageSamplesSpec | None,
+            Field(None, description="image-text models: rows of the data answered with each checkpoint"),
+        )
+    },
+    section_rules=(_check_image_samples_section,),
 )
 
 

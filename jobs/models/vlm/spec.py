@@ -49,3 +49,12 @@ class ImageChatDataSpec(Section):
     huge_images: Literal["resize", "refuse"] = Field(
         "resize", description="above max_image_pixels: resize (noted in the log) or refuse the row"
     )
+
+
+class ImageSamplesSpec(Section):
+    """Samples of an image-text job: the first ``rows`` rows of the data, their images shown with the prompt and
+    the model's greedy answer, with each checkpoint (and so on the dashboard)."""
+
+    rows: int = Field(2, gt=0, le=16, description="the first rows of data.path, each up to its last assistant turn")
+    every_steps: int = Field(100, gt=0, le=1_000_000, description="sample (and checkpoint) every N steps, and at the end")
+    max_new_tokens: int = Field(32, gt=0, le=1024)

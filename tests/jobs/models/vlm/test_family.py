@@ -70,7 +70,7 @@ def test_offload_lora_gradients_equal_the_resident_models(models: Path, colours:
     manager.remove()
 
 
-def test_a_lora_job_trains_offloaded_and_checkpoints_the_adapter_with_the_processor(
+def test_a_lora_job_trains_offloaded_checkpoints_the_adapter_with_the_processor_and_samples_images(
     tmp_path: Path, models: Path, colours: Path
 ) -> None:
     roots = PathRoots(model_roots=[models], data_roots=[colours.parent])
@@ -83,10 +83,16 @@ def test_a_lora_job_trains_offloaded_and_checkpoints_the_adapter_with_the_proces
             "lora": {"target_modules": ["q_proj", "v_proj"], "rank": 4},
             "training": {"steps": 2, "batch_size": 2, "learning_rate": 1e-2, "gradient_checkpointing": True},
             "offload": {"enable_model_cpu_offload": True, "granularity": "block"},
+            "image_samples": {"rows": 2, "every_steps": 2, "max_new_tokens": 3},
         },
         roots,
     )
-    outcome = run_job(spec, output_dir=tmp_path / "out")
+    events: list[object] = []
+    outcome = run_job(spec, output_dir=tmp_path / "out", report=events.append)
+    samples = [e for e in events if getattr(e, "type", None) == "sample"]
+    assert [s.prompt for s in samples] == ["[red.png] what colour is this image", "[green.png] what colour is this image"]  # type: ignore[attr-defined]
+    assert all(isinstance(s.text, str) and s.media_type == "image/png" for s in samples)  # type: ignore[attr-defined]
+    assert all((tmp_path / "out" / s.artifact_path).is_file() for s in samples)  # type: ignore[attr-defined]
     files = {p.name for p in Path(outcome.checkpoint).iterdir()}  # type: ignore[arg-type]
     assert {"adapter_model.safetensors", "preprocessor_config.json", "chat_template.jinja", "tokenizer.json"} <= files
     config = json.loads((Path(outcome.checkpoint) / "adapter_config.json").read_text())  # type: ignore[arg-type]
