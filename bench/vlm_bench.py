@@ -13,6 +13,7 @@ row per mode (median step time after warmup, peak device memory) and the ratio; 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -30,7 +31,7 @@ from provenance import commit  # noqa: E402
 
 from jobs import PathRoots, run_job  # noqa: E402
 from jobs.spec.loading import load_job_spec  # noqa: E402
-from tests.jobs.vlm_helpers import COLOURS, QWEN_IMAGE, _TEMPLATE, _tokenizer, colour_record, solid_png, write_jsonl  # noqa: E402
+from tests.jobs.vlm_helpers import _TEMPLATE, COLOURS, QWEN_IMAGE, _tokenizer, colour_record, solid_png, write_jsonl  # noqa: E402
 
 # Qwen2.5-VL-7B-Instruct's shapes: 8.3B parameters (7.6B language model, 0.7B vision tower).
 QWEN_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -86,10 +87,16 @@ def job(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "model": {"kind": "hf_image_text_to_text", "path": "model", "dtype": "bfloat16", "init": "random"},
         "data": {"kind": "image_chat", "path": "data/train.jsonl", "seq_len": args.seq_len},
-        "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                 "rank": 16},  # fmt: skip
-        "training": {"steps": args.steps, "batch_size": args.batch_size, "learning_rate": 1e-4,
-                     "gradient_checkpointing": True},  # fmt: skip
+        "lora": {
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            "rank": 16,
+        },
+        "training": {
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "learning_rate": 1e-4,
+            "gradient_checkpointing": True,
+        },
         "offload": offload,
         "checkpoint": {"save_final": False},
     }
@@ -109,7 +116,7 @@ def run(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     spec = load_job_spec(json.dumps(job(mode, args)), roots=roots)
     run_job(spec, output_dir=root / f"out-{mode}", report=report, resume=False)
-    steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)][args.warmup - 1 :] or [0.0]
+    steps = [b - a for a, b in itertools.pairwise(stamps)][args.warmup - 1 :] or [0.0]
     peak = max(e.device_peak_bytes for e in events)
     return {"mode": mode, "step_s": statistics.median(steps), "peak_gib": peak / 2**30, "loss": events[-1].loss,
             "steps_timed": len(steps)}  # fmt: skip
@@ -144,9 +151,16 @@ def main() -> None:
     by_mode = {row["mode"]: row for row in rows}
     if {"resident", "offload"} <= set(by_mode) and by_mode["resident"]["step_s"] > 0:
         ratio = by_mode["offload"]["step_s"] / by_mode["resident"]["step_s"]
-        print(f"offload / resident step: {ratio:.2f} x (goal <= 1.10 x), offload peak {by_mode['offload']['peak_gib']:.2f} GiB")
+        print(
+            f"offload / resident step: {ratio:.2f} x (goal <= 1.10 x), offload peak {by_mode['offload']['peak_gib']:.2f} GiB"
+        )
     if args.out is not None:
-        meta = {"device": device, "torch": torch.__version__, "commit": commit(), "args": vars(args) | {"out": str(args.out)}}
+        meta = {
+            "device": device,
+            "torch": torch.__version__,
+            "commit": commit(),
+            "args": vars(args) | {"out": str(args.out)},
+        }
         Path(f"{args.out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

@@ -110,7 +110,12 @@ def save_tiny_idefics3(directory: Path) -> Path:
             pad_token_id=tokenizer.pad_token_id,
         ),
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
         ),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=2,

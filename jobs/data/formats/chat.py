@@ -30,6 +30,7 @@ class ChatRenderer(Protocol):
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
     ) -> str: ...
 
+
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -161,8 +162,9 @@ def chat_example(
     places = places or [f"messages[{i}]" for i in range(len(messages))]
     ids: list[int] = []
     labels: list[int] = []
-    for text, trains in chat_pieces(messages, tokenizer, train_on_prompt=train_on_prompt, tools=tools, places=places,
-                                    tools_field=tools_field):
+    for text, trains in chat_pieces(
+        messages, tokenizer, train_on_prompt=train_on_prompt, tools=tools, places=places, tools_field=tools_field
+    ):
         piece = tokenizer.encode(text) if text else []
         ids += piece
         labels += piece if trains else [-100] * len(piece)

@@ -62,14 +62,18 @@ def read_rows(spec: Any, text: ProcessorText, *, limit: int | None = None) -> tu
     return rows, notes
 
 
-def image_row(fields: dict[str, Any], spec: Any, text: ProcessorText, folder: Path, where: str) -> tuple[ImageRow, list[str]]:
+def image_row(
+    fields: dict[str, Any], spec: Any, text: ProcessorText, folder: Path, where: str
+) -> tuple[ImageRow, list[str]]:
     """One row's ids and labels, its images checked (opened, shrunk when huge); the notes of those shrunk.
 
     Raises:
         RecordError: naming the field (the message, the image part, ``images``).
     """
     conversation, refs = image_conversation(fields, spec, folder)
-    opened = [open_image(ref, max_pixels=spec.max_image_pixels, refuse_huge=spec.huge_images == "refuse") for ref in refs]
+    opened = [
+        open_image(ref, max_pixels=spec.max_image_pixels, refuse_huge=spec.huge_images == "refuse") for ref in refs
+    ]
     images = [image for image, _ in opened]
     pieces = chat_pieces(
         conversation.messages,
@@ -161,7 +165,10 @@ class ImageChatBatches:
             batch["mm_token_type_ids"] = (ids == self.text.image_token_id).long()
         if any(row.images for row in rows):
             refuse = self.spec.huge_images == "refuse"
-            images = [[open_image(r, max_pixels=self.spec.max_image_pixels, refuse_huge=refuse)[0] for r in row.images] for row in rows]
+            images = [
+                [open_image(r, max_pixels=self.spec.max_image_pixels, refuse_huge=refuse)[0] for r in row.images]
+                for row in rows
+            ]
             batch |= {k: v for k, v in self.text.pixels(images).items() if isinstance(v, torch.Tensor)}
         return batch
 

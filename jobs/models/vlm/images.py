@@ -45,7 +45,9 @@ def image_ref(value: Any, field: str, folder: Path) -> ImageRef:
     if value.startswith("data:"):
         return ImageRef(field, data=_data_url_bytes(value, field))
     if value.startswith(("http://", "https://")):
-        raise RecordError(field, "is a web URL; jobs read no network: download the image next to the data and give its path")
+        raise RecordError(
+            field, "is a web URL; jobs read no network: download the image next to the data and give its path"
+        )
     path = Path(value.removeprefix("file://"))
     resolved = (path if path.is_absolute() else folder / path).resolve()
     if not resolved.is_relative_to(folder.resolve()):
@@ -65,7 +67,7 @@ def open_image(ref: ImageRef, *, max_pixels: int, refuse_huge: bool) -> tuple[An
     from PIL import Image
 
     try:
-        source = io.BytesIO(ref.data) if ref.data is not None else ref.path
+        source: Any = io.BytesIO(ref.data) if ref.data is not None else ref.path
         with Image.open(source) as image:  # reads the header only: the size is known before decoding
             width, height = image.size
             if width * height > max_pixels and refuse_huge:

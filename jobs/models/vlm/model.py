@@ -197,7 +197,9 @@ def load_image_text_checkpoint(model: nn.Module, directory: Path) -> None:
         load_adapter(model, directory)
         return
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     state = {k: v for f in files for k, v in load_file(str(directory / f)).items() if k in trainable}
     missing = sorted(trainable - set(state))

@@ -24,32 +24,45 @@ def load_processor(path: Path) -> Any:
 
     try:
         return AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except ImportError as error:
-        if "torchvision" not in str(error).lower():
-            raise
-        log.info("%s: the video processor needs torchvision; loading the processor for images only", path.name)
-        return _image_only(_processor_class(path)).from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as error:
+    except (ImportError, OSError, ValueError) as error:
+        # A video processor that needs torchvision, or whose own config the directory lacks: images need neither.
+        first = error
+    try:
+        processor = _image_only(_processor_class(path)).from_pretrained(str(path), local_files_only=True)
+    except Exception:  # whatever the image-only attempt raises, the first error is the one to show
         raise ValueError(
-            f"model.path {path.name}: no processor loads from it ({type(error).__name__}: {error}); an image-text "
+            f"model.path {path.name}: no processor loads from it ({type(first).__name__}: {first}); an image-text "
             "model's directory holds its processor too (save_pretrained of AutoProcessor: preprocessor_config.json, "
             "tokenizer files, the chat template)"
         ) from None
+    log.info("%s: the processor loads for images only (%s: %s)", path.name, type(first).__name__, first)
+    return processor
 
 
-def _processor_class(path: Path) -> type:
+def _processor_class(path: Path) -> Any:
     from transformers import AutoConfig
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
-    return PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(str(path), local_files_only=True))]
+    found: Any = PROCESSOR_MAPPING[type(AutoConfig.from_pretrained(str(path), local_files_only=True))]
+    return found
 
 
-def _image_only(cls: type) -> type:
+def _image_only(cls: Any) -> Any:
     """``cls`` without its video processor: transformers builds its sub-processors from ``__init__``'s arguments."""
 
-    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any
+    ) -> None:
         kwargs.pop("video_processor", None)
-        cls.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+        initialize: Any = cls.__init__
+        initialize(
+            self,
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+            **kwargs,
+        )
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
 

@@ -69,7 +69,9 @@ def image_conversation(fields: dict[str, Any], spec: Any, folder: Path) -> tuple
                 refs.append(ref)
             message = {**message, "content": content.replace(TEXT_PLACEHOLDER, STAND_IN)}
         if isinstance(message, dict) and message.get("role") == "assistant" and STAND_IN in _text_of(message):
-            raise RecordError(f"{where}.content", "images belong in user turns; an assistant turn is what the model writes")
+            raise RecordError(
+                f"{where}.content", "images belong in user turns; an assistant turn is what the model writes"
+            )
         stood_in.append(message)
     if column is not None and used != len(column):
         raise RecordError(

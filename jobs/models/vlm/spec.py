@@ -37,7 +37,9 @@ class ImageChatDataSpec(Section):
     path: DataPath = Field(description="a JSONL (or JSON, Parquet) file or a directory of them; images beside it")
     file_type: Literal["auto", "jsonl", "json", "parquet", "saved"] = "auto"
     messages_field: str = "messages"
-    images_field: str = Field("images", description="TRL's column of image paths, taken by {type: image} parts in order")
+    images_field: str = Field(
+        "images", description="TRL's column of image paths, taken by {type: image} parts in order"
+    )
     train_on_prompt: bool = False
     seq_len: int = Field(2048, gt=1, description="tokens a row may take, its images' tokens included")
     max_image_pixels: int = Field(
@@ -56,5 +58,7 @@ class ImageSamplesSpec(Section):
     the model's greedy answer, with each checkpoint (and so on the dashboard)."""
 
     rows: int = Field(2, gt=0, le=16, description="the first rows of data.path, each up to its last assistant turn")
-    every_steps: int = Field(100, gt=0, le=1_000_000, description="sample (and checkpoint) every N steps, and at the end")
+    every_steps: int = Field(
+        100, gt=0, le=1_000_000, description="sample (and checkpoint) every N steps, and at the end"
+    )
     max_new_tokens: int = Field(32, gt=0, le=1024)

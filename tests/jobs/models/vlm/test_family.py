@@ -19,7 +19,14 @@ from jobs.models.vlm.spec import HFImageTextToTextSpec, ImageChatDataSpec
 from jobs.spec.job import LoraSpec
 from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import spec_from
-from tests.jobs.vlm_helpers import COLOURS, colour_record, save_tiny_idefics3, save_tiny_qwen2_5_vl, solid_png, write_jsonl
+from tests.jobs.vlm_helpers import (
+    COLOURS,
+    colour_record,
+    save_tiny_idefics3,
+    save_tiny_qwen2_5_vl,
+    solid_png,
+    write_jsonl,
+)
 
 ARCHS = {"qwen": save_tiny_qwen2_5_vl, "idefics": save_tiny_idefics3}
 
@@ -90,7 +97,10 @@ def test_a_lora_job_trains_offloaded_checkpoints_the_adapter_with_the_processor_
     events: list[object] = []
     outcome = run_job(spec, output_dir=tmp_path / "out", report=events.append)
     samples = [e for e in events if getattr(e, "type", None) == "sample"]
-    assert [s.prompt for s in samples] == ["[red.png] what colour is this image", "[green.png] what colour is this image"]  # type: ignore[attr-defined]
+    assert [s.prompt for s in samples] == [
+        "[red.png] what colour is this image",
+        "[green.png] what colour is this image",
+    ]  # type: ignore[attr-defined]
     assert all(isinstance(s.text, str) and s.media_type == "image/png" for s in samples)  # type: ignore[attr-defined]
     assert all((tmp_path / "out" / s.artifact_path).is_file() for s in samples)  # type: ignore[attr-defined]
     files = {p.name for p in Path(outcome.checkpoint).iterdir()}  # type: ignore[arg-type]
@@ -161,7 +171,9 @@ def test_a_full_fine_tune_loads_with_the_auto_classes_and_resumes(tmp_path: Path
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_the_chunked_loss_equals_the_models_own(models: Path, colours: Path, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_chunked_loss_equals_the_models_own(
+    models: Path, colours: Path, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import jobs.recompute.chunked_loss as chunked_loss
 
     spec, _, batches = _setup(models / arch, colours, 2)

@@ -12,10 +12,10 @@ import torch
 
 from jobs import PathRoots
 from jobs.data.formats.examples import IGNORE
+from jobs.errors import JobSpecError as SpecError
 from jobs.models.vlm.batches import build_image_chat_data
 from jobs.models.vlm.processor import ProcessorText, load_processor
 from jobs.models.vlm.spec import ImageChatDataSpec
-from jobs.errors import JobSpecError as SpecError
 from tests.jobs.helpers import spec_from
 from tests.jobs.vlm_helpers import (
     colour_record,
@@ -58,7 +58,9 @@ def test_both_layouts_give_the_same_row_and_train_on_the_answer_only(tmp_path: P
         assert torch.equal(batch["input_ids"], batches[0]["input_ids"])
         assert torch.equal(batch["pixel_values"], batches[0]["pixel_values"])
     tokenizer = data.text.tokenizer
-    trained = [int(i) for i, label in zip(batches[0]["input_ids"][0], batches[0]["labels"][0]) if label != IGNORE]
+    trained = [
+        int(i) for i, label in zip(batches[0]["input_ids"][0], batches[0]["labels"][0], strict=False) if label != IGNORE
+    ]
     assert tokenizer.decode(trained).startswith("red<|im_end|>")  # the answer and its end of turn, nothing else
     images = (batches[0]["input_ids"] == data.text.image_token_id).sum()
     assert images > 0 and all(batches[0]["labels"][batches[0]["input_ids"] == data.text.image_token_id] == IGNORE)
@@ -102,12 +104,21 @@ def _submit(roots: PathRoots, models: Path, rows: list[dict[str, Any]], **data: 
 @pytest.mark.parametrize(
     ("row", "expected"),
     [
-        (colour_record("gone.png", "red"), "row 2: field 'messages[0].content[0].image_url.url': image 'gone.png' not found"),
-        (colour_record("corrupt.png", "red"), "row 2: field 'messages[0].content[0].image_url.url': image corrupt.png cannot be read"),
+        (
+            colour_record("gone.png", "red"),
+            "row 2: field 'messages[0].content[0].image_url.url': image 'gone.png' not found",
+        ),
+        (
+            colour_record("corrupt.png", "red"),
+            "row 2: field 'messages[0].content[0].image_url.url': image corrupt.png cannot be read",
+        ),
         (colour_record("https://example.com/a.png", "red"), "is a web URL; jobs read no network"),
         (colour_record("../outside.png", "red"), "lies outside the data's folder"),
         (colour_record("data:image/png;base64,@@@", "red"), "base64 payload is not valid"),
-        ({**colour_record("red.png", "red"), "images": ["red.png"]}, "row 2: field 'images': holds 1 image(s) but the messages have 0"),
+        (
+            {**colour_record("red.png", "red"), "images": ["red.png"]},
+            "row 2: field 'images': holds 1 image(s) but the messages have 0",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "red"}]},
             "row 2: field 'messages[0].content[0]': is an image part without an image",
