@@ -141,11 +141,16 @@ def test_a_huge_image_is_refused_when_asked(roots: PathRoots, models: Path) -> N
     assert "row 1: field 'messages[0].content[0].image_url.url': image huge.png is 300x300 (90000 pixels)" in message
 
 
-def test_a_text_model_refuses_image_parts_naming_the_image_kind(roots: PathRoots) -> None:
-    from jobs.data.formats.chat import check_messages
-    from jobs.data.formats.examples import RecordError
+def test_a_text_model_refuses_image_parts_at_submit_naming_row_and_the_image_kind(roots: PathRoots) -> None:
+    from jobs.spec.preflight import preflight_problems
+    from tests.jobs.llm_helpers import llm_spec, save_bpe_tokenizer, save_llama
 
-    with pytest.raises(RecordError) as refused:
-        check_messages(colour_record("red.png", "red")["messages"], "messages")
-    assert refused.value.field == "messages[0].content[0].type"
-    assert "cannot be trained" in str(refused.value) and "model.kind: hf_image_text_to_text" in str(refused.value)
+    save_llama(roots.model_roots[0] / "llama")
+    save_bpe_tokenizer(roots.model_roots[0] / "tok")
+    solid_png(roots.data_roots[0] / "red.png", "red")
+    text_row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the fox"}]}
+    write_jsonl(roots.data_roots[0] / "chat.jsonl", [text_row, colour_record("red.png", "red")])
+    problems = preflight_problems(spec_from(llm_spec(), roots))
+    [problem] = [p for p in problems if p.path == "data.path"]
+    assert problem.message.startswith("chat.jsonl row 2: field 'messages[0].content[0].type': image content")
+    assert "cannot be trained" in problem.message and "model.kind: hf_image_text_to_text" in problem.message
