@@ -154,3 +154,16 @@ def test_a_text_model_refuses_image_parts_at_submit_naming_row_and_the_image_kin
     [problem] = [p for p in problems if p.path == "data.path"]
     assert problem.message.startswith("chat.jsonl row 2: field 'messages[0].content[0].type': image content")
     assert "cannot be trained" in problem.message and "model.kind: hf_image_text_to_text" in problem.message
+
+
+@pytest.mark.parametrize("arch", ["qwen", "idefics"])
+def test_a_text_only_row_batches_beside_an_image_row(tmp_path: Path, models: Path, arch: str) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    solid_png(tmp_path / "red.png", "red")
+    text_only = {"messages": [{"role": "user", "content": "no image here"}, {"role": "assistant", "content": "red"}]}
+    data = _rows(write_jsonl(tmp_path / "rows.jsonl", [text_only, colour_record("red.png", "red")]), models / arch)
+    batch = data.collate(data.rows)
+    assert (batch["input_ids"][0] == data.text.image_token_id).sum() == 0
+    model = AutoModelForImageTextToText.from_pretrained(str(models / arch))
+    assert torch.isfinite(model(**batch).loss)
