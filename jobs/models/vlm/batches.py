@@ -50,7 +50,7 @@ def read_rows(spec: Any, text: ProcessorText, *, limit: int | None = None) -> tu
     folder = path if path.is_dir() else path.parent
     rows, notes = [], []
     for record in iter_records(path, spec.file_type, limit_per_file=limit):
-        where = f"{record.file} row {record.row}"
+        where = f"{Path(record.file).name} row {record.row}"  # the file as the user names it, not the server's path
         try:
             row, resized = image_row(record.fields, spec, text, folder, where)
         except RecordError as error:

@@ -51,9 +51,9 @@ def image_ref(value: Any, field: str, folder: Path) -> ImageRef:
     path = Path(value.removeprefix("file://"))
     resolved = (path if path.is_absolute() else folder / path).resolve()
     if not resolved.is_relative_to(folder.resolve()):
-        raise RecordError(field, f"{value!r} lies outside the data's folder {folder}; keep images beside the data")
+        raise RecordError(field, f"{value!r} lies outside the data's folder; keep images beside the data")
     if not resolved.is_file():
-        raise RecordError(field, f"image {value!r} not found (looked for {resolved})")
+        raise RecordError(field, f"image {value!r} not found beside the data (paths are relative to its folder)")
     return ImageRef(field, path=resolved)
 
 
