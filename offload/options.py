@@ -72,6 +72,8 @@ class OffloadOptions:
         activation_host_bytes: the host buffers one step's checkpointed inputs take, in the order they are
             saved (a job plans them from its sequence length); the memory plan sizes their arena from them,
             which grows if a step saves more. Empty: allocated as they come.
+        whole_units: dotted module names each streamed as one unit in one copy, whatever ``granularity`` and
+            the split threshold (a frozen vision tower that runs once a step); empty: none.
     """
 
     prefetch: int = 1
@@ -83,6 +85,7 @@ class OffloadOptions:
     reuse_ring_slots: bool = True
     offload_activations: bool = False
     activation_host_bytes: tuple[int, ...] = ()
+    whole_units: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:

@@ -149,7 +149,8 @@ def plan_memory(
     """
     options = options if options is not None else OffloadOptions()
     threshold = split_threshold_bytes(cpu_offload_split_threshold)
-    units = discover_units(model, threshold, options.granularity if threshold is None else "leaf")
+    granularity = options.granularity if threshold is None else "leaf"
+    units = discover_units(model, threshold, granularity, whole_units=options.whole_units)
     names = {id(t): name for unit in units for name, t in unit.tensors}
 
     def size(tensor: torch.Tensor) -> int:

@@ -109,7 +109,11 @@ def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
 
 
 def discover_units(
-    model: nn.Module, split_threshold_bytes: int | None = None, granularity: str = "leaf"
+    model: nn.Module,
+    split_threshold_bytes: int | None = None,
+    granularity: str = "leaf",
+    *,
+    whole_units: tuple[str, ...] = (),
 ) -> list[UnitPlan]:
     """Cut ``model`` into units.
 
@@ -120,6 +124,7 @@ def discover_units(
     buffers of non-leaf modules ("orphans") form one unit per owner, onloaded around the owner's forward and
     its parent's (a parent may use a child's parameter directly). With ``split_threshold_bytes`` a module at
     or under the threshold is one unit with its whole subtree; larger ones are split into their children.
+    A module named in ``whole_units`` is one unit with its whole subtree, moved in one copy, in any case.
     """
     plans: list[UnitPlan] = []
     visited: set[int] = set()
@@ -129,6 +134,11 @@ def discover_units(
             return
         visited.add(id(module))
         children = list(module.named_children())
+        if prefix.rstrip(".") in whole_units:
+            subtree = _subtree_tensors(module, prefix)
+            if subtree:
+                plans.append(UnitPlan(prefix.rstrip("."), [module], subtree, flat=True))
+            return
         if granularity == "block" and isinstance(parent, nn.ModuleList) and parent is not module:
             subtree = _subtree_tensors(module, prefix)
             if subtree:

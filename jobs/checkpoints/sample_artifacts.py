@@ -18,8 +18,11 @@ SAMPLES_DIR = "samples"
 _SAMPLE_NAME = re.compile(r"^sample-(\d+)(?:-f(\d+))?\.png$")
 
 
-def keep_samples(info: CheckpointInfo, output_dir: Path, prompts: list[str]) -> list[SampleEvent]:
-    """Copy the checkpoint's sample images to the gallery; one ``sample`` event per image."""
+def keep_samples(
+    info: CheckpointInfo, output_dir: Path, prompts: list[str], texts: list[str] | None = None
+) -> list[SampleEvent]:
+    """Copy the checkpoint's sample images to the gallery; one ``sample`` event per image, with ``texts[i]``
+    where the sampler wrote text beside its image (an image-text model's answer to the image)."""
     gallery = Path(output_dir) / SAMPLES_DIR / info.name
     gallery.mkdir(parents=True, exist_ok=True)
     events = []
@@ -33,6 +36,7 @@ def keep_samples(info: CheckpointInfo, output_dir: Path, prompts: list[str]) -> 
             SampleEvent(
                 step=info.step,
                 prompt=prompts[index] if index < len(prompts) else None,
+                text=texts[index] if texts and index < len(texts) else None,
                 artifact_path=f"{SAMPLES_DIR}/{info.name}/{entry['name']}",
                 media_type="image/png",
             )

@@ -340,6 +340,7 @@ def engine_plan(model: nn.Module, spec: JobSpec, *, activation_host_bytes: tuple
     # A quantized base: the stored bytes in the arena and the ring, and rooms for NF4 dequantized on arrival.
     arrival = offload.dequantize_on_arrival
     sizes = planned_sizes(model, quantize, dequantize_on_arrival=arrival) if quantize is not None else {}
+    whole = family_of(spec.model).whole_units  # as the session gives them to the engine (a frozen vision tower)
     return plan_memory(
         model,
         enable_optimizer_cpu_offload=offload.enable_optimizer_cpu_offload,
@@ -350,6 +351,7 @@ def engine_plan(model: nn.Module, spec: JobSpec, *, activation_host_bytes: tuple
             pin_memory=False,
             offload_activations=bool(activation_host_bytes),
             activation_host_bytes=activation_host_bytes,
+            whole_units=whole(model) if whole is not None else (),
         ),
         optimizer_shard=rank_shard(spec),  # the ranks split the CPU optimizer: rank 0's gradient buffers
         **sizes,

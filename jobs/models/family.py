@@ -92,6 +92,8 @@ class ModelFamily(Generic[JobT]):
             checkpointing keeps from forward to backward, one entry per checkpointed call in the order they are
             saved (a decoder's block inputs); ``offload.activations`` plans their pinned host memory from it.
             None: the family's activations are not offloaded.
+        whole_units: ``whole_units(model) -> (module name, ...)``: modules the offload engine streams as one unit
+            each, whatever ``offload.granularity`` (a frozen vision tower, run once a step); None: none.
     """
 
     kind: str
@@ -127,6 +129,7 @@ class ModelFamily(Generic[JobT]):
     task_help: Mapping[str, str] = field(default_factory=dict)
     exports: frozenset[str] = frozenset()
     apply_kernels: Callable[[nn.Module], list[str]] | None = None
+    whole_units: Callable[[nn.Module], tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation

@@ -20,9 +20,16 @@ from pydantic import Field
 from jobs.models import hf_causal_lm, toy_mlp, transformer_lm
 from jobs.models.diffusion import family as diffusion
 from jobs.models.family import ModelFamily
+from jobs.models.vlm import family as vlm
 from jobs.spec.sections import Section
 
-BUILT_IN: tuple[ModelFamily[Any], ...] = (toy_mlp.FAMILY, transformer_lm.FAMILY, hf_causal_lm.FAMILY, diffusion.FAMILY)
+BUILT_IN: tuple[ModelFamily[Any], ...] = (
+    toy_mlp.FAMILY,
+    transformer_lm.FAMILY,
+    hf_causal_lm.FAMILY,
+    diffusion.FAMILY,
+    vlm.FAMILY,
+)
 FAMILIES: dict[str, ModelFamily[Any]] = {family.kind: family for family in BUILT_IN}
 
 

@@ -69,6 +69,15 @@ def _chunked_nll(
         return None
     extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
     hidden = decoder(input_ids=batch["input_ids"], **extra).last_hidden_state
+    return chunked_nll(head, hidden, labels)
+
+
+def chunked_nll(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the negative log-likelihood of ``labels`` (shifted by one, -100 ignored) from the decoder's
+    ``hidden`` states through ``head``, a checkpointed chunk of positions at a time, and the counted tokens;
+    for a model whose decoder takes more than token ids (a vision-language model's images)."""
+    weight: Any = head.weight
+    vocab = int(getattr(head, "out_features", 0) or weight.shape[0])
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts token t + 1
     step = chunk_tokens(vocab)
     total = hidden.new_zeros(labels.shape[0], dtype=torch.float32)

@@ -62,7 +62,8 @@ class CheckpointKeeper:
         files = [FileDigest(**entry) for entry in info.files]
         self.report(CheckpointEvent(step=step, name=info.name, path=info.path, files=files))
         if self.session.sampler is not None:
-            for event in keep_samples(info, self.output_dir, self.session.sampler.prompts):
+            texts = getattr(self.session.sampler, "texts", None)  # an image-text sampler's answers
+            for event in keep_samples(info, self.output_dir, self.session.sampler.prompts, texts):
                 self.report(event)
         self.saved = info
         return info

@@ -293,6 +293,8 @@ def _setup_offload(
     if not spec.offload.enable_model_cpu_offload:
         return None
     saved = _offloaded_activations(spec)
+    family = family_of(spec.model)
+    whole = family.whole_units(model) if family.whole_units is not None else ()  # e.g. a frozen vision tower
     group = current_group()  # data parallelism: the ranks of a machine share one host copy of the frozen weights
     frozen_arena = group.frozen_arena_before_attach() if group else None  # other ranks wait for the first here
     manager = OffloadTrainingManager(
@@ -305,6 +307,7 @@ def _setup_offload(
             gpu_memory_limit=limit,
             offload_activations=spec.offload.activations is True or bool(saved),
             activation_host_bytes=saved,
+            whole_units=whole,
         ),
         initialize=source.fill if source is not None else None,
         frozen_arena=frozen_arena,

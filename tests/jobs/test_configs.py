@@ -24,6 +24,13 @@ def roots_for(data: dict, tmp_path: Path) -> PathRoots:
         from tests.jobs.models.diffusion.pipelines import stand_in_roots  # a tiny pipeline, images, a cache
 
         return stand_in_roots(data, tmp_path)
+    if data.get("model", {}).get("kind") == "hf_image_text_to_text":
+        from tests.jobs.vlm_helpers import colour_record, save_tiny_qwen2_5_vl, solid_png, write_jsonl
+
+        save_tiny_qwen2_5_vl(tmp_path / "models" / data["model"]["path"])  # a tiny stand-in, processor included
+        rows = tmp_path / "data" / data["data"]["path"]
+        write_jsonl(rows, [colour_record(str(solid_png(rows.parent / "red.png", "red").name), "red")] * 4)
+        return PathRoots(model_roots=[tmp_path / "models"], data_roots=[tmp_path / "data"])
     if (REPO / data.get("data", {}).get("path", "/nonexistent")).exists():
         return PathRoots(model_roots=[REPO], data_roots=[REPO])
     models, datasets = tmp_path / "models", tmp_path / "data"

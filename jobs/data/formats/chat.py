@@ -12,7 +12,7 @@ part of it. Whatever the template leaves out refuses the record (rendering.py): 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobs.data.formats.examples import Example, RecordError
 from jobs.data.formats.rendering import REASONING_KEYS, check_rendered, template_messages
@@ -21,6 +21,15 @@ from jobs.data.formats.turns import conversation_examples
 
 if TYPE_CHECKING:  # checking messages needs no torch: the API process checks uploaded rows with it
     from jobs.data.tokenizers import HFTokenizer
+
+
+class ChatRenderer(Protocol):
+    """What rendering a conversation needs: an `HFTokenizer`, or a processor's chat template."""
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
+
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -125,8 +134,9 @@ _MEDIA = {
     "refusal": "refusal",
 }
 _NOT_TEXT = (
-    "{kind} cannot be trained: Ferry fine-tunes text models, and dropping it would train the row on other "
-    "data than yours; remove it, or write it as text ({{type: text, text}} or a string)"
+    "{kind} cannot be trained: Ferry fine-tunes text models here (data.kind: text), and dropping it would train "
+    "the row on other data than yours; remove it, or write it as text ({{type: text, text}} or a string); for "
+    "images, train a vision-language model: model.kind: hf_image_text_to_text with data.kind: image_chat"
 )
 
 
@@ -171,6 +181,49 @@ def chat_examples(
     )
 
 
+def chat_pieces(
+    messages: list[dict[str, Any]],
+    tokenizer: ChatRenderer,
+    *,
+    train_on_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    places: list[str] | None = None,
+    tools_field: str = "tools",
+) -> list[tuple[str, bool]]:
+    """The conversation's text cut into (piece, trains) pairs: prompt pieces (system, user, tool turns, the
+    assistant's header) and response pieces (an assistant turn's content and end-of-turn), in order. Each
+    piece is tokenized on its own by the caller (`chat_examples` does so for text; the image-text family expands its images in
+    the pieces that hold them), so labels follow the pieces exactly, whatever the template.
+
+    Raises:
+        RecordError: as `chat_examples`; also a template that does not render turn by turn.
+    """
+    places = places or [f"messages[{i}]" for i in range(len(messages))]
+
+    def render(turns: list[dict[str, Any]], with_tools: list[dict[str, Any]] | None = tools) -> str:
+        return _render(tokenizer, turns, generation_prompt=False, tools=with_tools)
+
+    plain = template_messages(messages, places, render)
+    check_rendered(plain, places, tools, render, tools_field)
+    pieces: list[tuple[str, bool]] = []  # (text, trains)
+    done = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, plain[:index], generation_prompt=True, tools=tools) if index else ""
+        full = render(plain[: index + 1])
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise RecordError(
+                places[index].split("[")[0],
+                "the chat template does not render the conversation turn by turn (a later turn changes "
+                "earlier text), so responses cannot be told apart; set data.chat_template to one that does",
+            )
+        pieces += [(prompt[len(done) :], train_on_prompt), (full[len(prompt) :], message["weight"] == 1)]
+        done = full
+    pieces.append((render(plain)[len(done) :], train_on_prompt))
+    return pieces
+
+
 def chat_prompt(prompt: str, tokenizer: HFTokenizer) -> str:
     """A sample prompt as the model sees it in chat training: one user turn and the assistant's header."""
     return _render(tokenizer, [{"role": "user", "content": prompt}], generation_prompt=True)
@@ -182,7 +235,7 @@ def conversation_prompt(messages: list[dict[str, str]], tokenizer: HFTokenizer) 
 
 
 def _render(
-    tokenizer: HFTokenizer,
+    tokenizer: ChatRenderer,
     messages: list[dict[str, Any]],
     *,
     generation_prompt: bool,

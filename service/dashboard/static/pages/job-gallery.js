@@ -15,7 +15,9 @@ export function sampleImage(sample) {
   } else {
     img.src = sample.url;
   }
-  return h("figure", { class: "sample-figure" }, link, h("figcaption", { class: "small" }, sample.prompt ?? ""));
+  // An image-text model's sample carries the model's answer to the image beside its prompt.
+  const answer = sample.text != null ? h("div", { class: "sample-answer" }, sample.text) : null;
+  return h("figure", { class: "sample-figure" }, link, h("figcaption", { class: "small" }, sample.prompt ?? ""), answer);
 }
 
 /** The images of one step side by side; the text samples keep their own layout. */

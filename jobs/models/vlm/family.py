@@ -1,0 +1,122 @@
+"""``model.kind: hf_image_text_to_text``: vision-language models trained on ``data.kind: image_chat``.
+
+The registry entry; the pieces live beside it: spec.py (sections), model.py (build, vision tower, LoRA, loss,
+checkpoints), processor.py, records.py and images.py (rows), batches.py (tokens, labels and image tensors).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from jobs.errors import Problem
+from jobs.models.family import ModelFamily
+from jobs.models.hf_names import lora_can_wrap
+from jobs.models.vlm.model import (
+    IMAGE_TEXT_WEIGHTS,
+    apply_image_text_lora,
+    build_image_text_model,
+    enable_image_text_checkpointing,
+    image_text_activation_bytes,
+    image_text_loss,
+    meta_image_text_model,
+    vision_tower_name,
+)
+from jobs.models.vlm.spec import HFImageTextToTextSpec, ImageChatDataSpec, ImageSamplesSpec
+
+if TYPE_CHECKING:
+    from jobs.spec.job import JobSpec
+
+SUBMIT_ROWS = 2000  # rows of each file checked at submit, images opened: seconds, not the whole data set
+
+
+def build_image_chat(spec: JobSpec, device: torch.device, model: nn.Module) -> Any:
+    """The job's batches: rows read and tokenized with the model's processor."""
+    from jobs.models.vlm.batches import build_image_chat_data
+    from jobs.models.vlm.processor import ProcessorText, load_processor
+
+    text = ProcessorText(load_processor(Path(spec.model.path)))
+    return build_image_chat_data(spec.data, spec.training.batch_size, spec.training.seed, text)
+
+
+def module_names(spec: HFImageTextToTextSpec) -> dict[str, bool]:
+    """Every module name of the model (from config.json), with whether LoRA can wrap it."""
+    return {name: lora_can_wrap(module) for name, module in meta_image_text_model(spec).named_modules() if name}
+
+
+def _check_sections(spec: JobSpec) -> list[Problem]:
+    problems: list[Problem] = []
+    if spec.eval is not None:
+        problems.append(("eval", "is not run for model.kind=hf_image_text_to_text yet; remove the section"))
+    if spec.text_samples is not None:
+        problems.append(("text_samples", "samples text-only prompts; use image_samples: {rows: 2} for this model"))
+    if spec.training.objective != "sft":
+        problems.append(("training.objective", f"hf_image_text_to_text trains sft; got {spec.training.objective}"))
+    return problems
+
+
+def _check_data(spec: JobSpec) -> list[Problem]:
+    """At submit: the processor loads and the first rows read (images opened), a problem naming its row; the job
+    reads every row again when it starts, refusing a bad one the same way."""
+    if spec.data.kind != "image_chat":
+        return []
+    from jobs.models.vlm.batches import read_rows
+    from jobs.models.vlm.processor import ProcessorText, load_processor
+
+    try:
+        read_rows(spec.data, ProcessorText(load_processor(Path(spec.model.path))), limit=SUBMIT_ROWS)
+    except ValueError as error:
+        return [("data.path", str(error))]
+    return []
+
+
+def make_sampler(spec: JobSpec, device: torch.device) -> Any:
+    from jobs.models.vlm.samples import make_image_sampler
+
+    return make_image_sampler(spec, device)
+
+
+def _check_image_samples_section(spec: JobSpec, family: ModelFamily[Any]) -> list[Problem]:
+    # Runs for every job (section_rules): only this family writes image samples.
+    if getattr(spec, "image_samples", None) is not None and family.kind != "hf_image_text_to_text":
+        return [("image_samples", f"model.kind={spec.model.kind} does not answer images; remove the section")]
+    return []
+
+
+FAMILY = ModelFamily(
+    kind="hf_image_text_to_text",
+    spec=HFImageTextToTextSpec,
+    build=build_image_text_model,
+    loss=image_text_loss,
+    data_kinds=("image_chat",),
+    meta_model=meta_image_text_model,
+    activation_bytes=image_text_activation_bytes,
+    lora_target_names=lambda spec: None,  # read from config.json at submit (module_names_from_files)
+    module_names_from_files=module_names,
+    enable_gradient_checkpointing=enable_image_text_checkpointing,
+    weights_format=IMAGE_TEXT_WEIGHTS,
+    rules=(_check_sections, _check_data),
+    apply_lora=lambda model, lora: apply_image_text_lora(model, lora, train_vision_tower=_trains_tower(model)),
+    build_data=build_image_chat,
+    whole_units=lambda model: () if _trains_tower(model) else (vision_tower_name(model),),
+    data_specs=(ImageChatDataSpec,),
+    make_sampler=make_sampler,
+    job_sections={
+        "image_samples": (
+            ImageSamplesSpec | None,
+            Field(None, description="image-text models: rows of the data answered with each checkpoint"),
+        )
+    },
+    section_rules=(_check_image_samples_section,),
+)
+
+
+def _trains_tower(model: nn.Module) -> bool:
+    """Whether the build left the tower trainable (``model.train_vision_tower``): what LoRA then keeps training."""
+    from jobs.models.vlm.model import vision_tower
+
+    return any(p.requires_grad for p in vision_tower(model).parameters())
