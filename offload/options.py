@@ -72,6 +72,14 @@ class OffloadOptions:
         activation_host_bytes: the host buffers one step's checkpointed inputs take, in the order they are
             saved (a job plans them from its sequence length); the memory plan sizes their arena from them,
             which grows if a step saves more. Empty: allocated as they come.
+        host_memory_limit: pinned host bytes the engine may hold (``int`` or ``"16GiB"``): its arena (frozen
+            weights kept in RAM, buffers, trainable masters and their gradients), the disk tier's staging ring
+            and the checkpointed inputs' arena. Where the frozen weights would exceed it, units whose weights
+            the manager's ``disk`` locator finds in their checkpoint files are read from there on each use
+            instead (disk.py): small units and ones spread over the step stay in RAM, the rest go to disk.
+            ``None``: every frozen weight in RAM.
+        disk_read_ahead: units the disk tier reads ahead of the one being copied (its staging ring holds one
+            more slot than this, each the size of the largest disk unit).
     """
 
     prefetch: int = 1
@@ -83,6 +91,8 @@ class OffloadOptions:
     reuse_ring_slots: bool = True
     offload_activations: bool = False
     activation_host_bytes: tuple[int, ...] = ()
+    host_memory_limit: int | str | None = None
+    disk_read_ahead: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -102,6 +112,11 @@ class OffloadOptions:
         self.gpu_memory_limit = parse_bytes(self.gpu_memory_limit, name="gpu_memory_limit")
         if self.gpu_memory_limit == 0:
             raise ValueError("gpu_memory_limit must be a positive size such as '24GiB' (or None for the whole device)")
+        self.host_memory_limit = parse_bytes(self.host_memory_limit, name="host_memory_limit")
+        if self.host_memory_limit == 0:
+            raise ValueError("host_memory_limit must be a positive size such as '16GiB' (or None for no limit)")
+        if not isinstance(self.disk_read_ahead, int) or self.disk_read_ahead < 0:
+            raise ValueError(f"disk_read_ahead must be an integer >= 0; got {self.disk_read_ahead!r}")
         budget = self.gpu_memory_budget
         if self.gpu_memory_limit and isinstance(budget, int) and budget and budget >= self.gpu_memory_limit:
             raise ValueError(
