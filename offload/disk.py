@@ -34,14 +34,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from offload.arena import aligned
-
-if TYPE_CHECKING:
-    from offload.units import UnitPlan
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +256,9 @@ class DiskStage:
         for path in files:
             self.files[path].check()
         jobs = [
-            self._readers.submit(self._read_piece, piece.path, view, offset + at, piece.start + at, min(n, piece.nbytes - at))
+            self._readers.submit(
+                self._read_piece, piece.path, view, offset + at, piece.start + at, min(n, piece.nbytes - at)
+            )
             for offset, piece in span.pieces
             for at, n in ((at, READ_CHUNK_BYTES) for at in range(0, piece.nbytes, READ_CHUNK_BYTES))
         ]
@@ -313,33 +311,3 @@ class DiskStage:
 
     def __repr__(self) -> str:
         return f"DiskStage({len(self._slot_events)} slots x {self.stride} bytes, files={len(self.files)})"
-
-
-def on_disk_ranges(
-    units: list[UnitPlan], locate: DiskLocator, hosted: Callable[[torch.Tensor], bool]
-) -> dict[int, dict[int, FileRange]]:
-    """The tensors each unit could read from disk: unit index -> id(tensor) -> its file range.
-
-    Only frozen parameters held on the host in their own form qualify (not buffers, which a forward may
-    update; not quantized weights, whose stored form is not the file's; not trainable masters), each in the
-    first unit that holds it (a tied weight is placed once), and only where ``locate`` finds its exact bytes
-    at an offset its dtype's alignment allows, for a contiguous tensor.
-    """
-    from offload.quant.payload import is_quantized
-
-    found: dict[int, dict[int, FileRange]] = {}
-    seen: set[int] = set()
-    for index, unit in enumerate(units):
-        for name, tensor in unit.tensors:
-            if id(tensor) in seen or not hosted(tensor):
-                continue
-            seen.add(id(tensor))
-            frozen = isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
-            if not frozen or is_quantized(tensor) or not tensor.is_contiguous():
-                continue
-            piece = locate(name, tensor)
-            nbytes = tensor.numel() * tensor.element_size()
-            if piece is None or piece.nbytes != nbytes or piece.start % tensor.element_size():
-                continue
-            found.setdefault(index, {})[id(tensor)] = piece
-    return found

@@ -12,10 +12,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from offload.arena import aligned
-from offload.disk import FileRange
+from offload.disk import DiskLocator, FileRange
+from offload.quant.payload import is_quantized
+from offload.units import UnitPlan
 
 Candidates = dict[int, dict[int, FileRange]]  # unit index -> id(tensor) -> its bytes on disk
+
+
+def on_disk_ranges(units: list[UnitPlan], locate: DiskLocator, hosted: Callable[[torch.Tensor], bool]) -> Candidates:
+    """The tensors each unit could read from disk: unit index -> id(tensor) -> its file range.
+
+    Only frozen parameters held on the host in their own form qualify (not buffers, which a forward may
+    update; not quantized weights, whose stored form is not the file's; not trainable masters), each in the
+    first unit that holds it (a tied weight is placed once), and only where ``locate`` finds its exact bytes
+    at an offset its dtype's alignment allows, for a contiguous tensor.
+    """
+    found: dict[int, dict[int, FileRange]] = {}
+    seen: set[int] = set()
+    for index, unit in enumerate(units):
+        for name, tensor in unit.tensors:
+            if id(tensor) in seen or not hosted(tensor):
+                continue
+            seen.add(id(tensor))
+            frozen = isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
+            if not frozen or is_quantized(tensor) or not tensor.is_contiguous():
+                continue
+            piece = locate(name, tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            if piece is None or piece.nbytes != nbytes or piece.start % tensor.element_size():
+                continue
+            found.setdefault(index, {})[id(tensor)] = piece
+    return found
 
 
 def choose_disk_units(

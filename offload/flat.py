@@ -8,18 +8,14 @@ while a member is held, and a trainable host master updated by the CPU optimizer
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from offload.arena import PinnedArenaPool, aligned
+from offload.disk import DiskSpan, DiskStage, FileRange
 from offload.layout import shaped_like
 from offload.offloaders import BufferOffloader, StaticParamOffloader
 from offload.ring import Placement, copy_into_ring, frozen_fingerprint
 from offload.transfers import CopyEngine, PendingCopy, in_backward
-
-if TYPE_CHECKING:
-    from offload.disk import DiskStage, FileRange
 
 
 class FlatGroup:
@@ -43,10 +39,8 @@ class FlatGroup:
         # On the disk tier (disk.py) the span has no host memory: it is the shape and identity of what the
         # device slot holds, and each copy reads the members' bytes from their file into a staging slot.
         self.disk = disk
-        self.staged = None
+        self.staged: tuple[DiskStage, DiskSpan] | None = None
         if disk is not None:
-            from offload.disk import DiskSpan
-
             self.span = torch.empty((total,), dtype=torch.uint8, device="meta")
             self.staged = (disk[0], DiskSpan(name, list(zip(self.offsets, disk[1], strict=True)), total))
         else:

@@ -16,8 +16,8 @@ from torch.utils.hooks import RemovableHandle
 from offload import auto_budget
 from offload.activations import ActivationOffload
 from offload.arena import PinnedArenaPool, aligned
-from offload.disk import DiskLocator, DiskStage
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
+from offload.disk import DiskLocator, DiskStage
 from offload.flat import FlatGroup
 from offload.layout import shaped_like
 from offload.offloaders import (
@@ -548,30 +548,27 @@ class OffloadTrainingManager:
         reserved, requested = sum(a.reserved_bytes for a in arenas), sum(a.requested_bytes for a in arenas)
         optimizer = self._stepper.state_bytes() if self._stepper is not None else 0
         stage = self.disk_stage
-        disk = (
-            {
-                "disk_weight_bytes": self.plan.disk_bytes,
-                "staging_bytes": stage.nbytes,
-                "disk_read_bytes": stage.read_bytes,
-                "disk_read_seconds": stage.read_seconds,
-                "disk_wait_seconds": stage.wait_seconds,
-            }
-            if stage is not None
-            else {}
-        )
-        reserved += stage.nbytes if stage is not None else 0
-        requested += stage.nbytes if stage is not None else 0
+        if stage is not None:  # the staging ring is pinned host memory too
+            reserved, requested = reserved + stage.nbytes, requested + stage.nbytes
         if self.activations is None:
-            return dataclasses.replace(
-                self._stats.snapshot(reserved, requested), optimizer_host_bytes=optimizer, **disk
+            snapshot = dataclasses.replace(self._stats.snapshot(reserved, requested), optimizer_host_bytes=optimizer)
+        else:
+            saved = self.activations
+            snapshot = dataclasses.replace(
+                self._stats.snapshot(reserved + saved.arena.reserved_bytes, requested + saved.arena.requested_bytes),
+                activation_offloaded_bytes=saved.offloaded_bytes,
+                activation_host_bytes=saved.peak_held_bytes,
+                optimizer_host_bytes=optimizer,
             )
-        saved = self.activations
+        if stage is None:
+            return snapshot
         return dataclasses.replace(
-            self._stats.snapshot(reserved + saved.arena.reserved_bytes, requested + saved.arena.requested_bytes),
-            activation_offloaded_bytes=saved.offloaded_bytes,
-            activation_host_bytes=saved.peak_held_bytes,
-            optimizer_host_bytes=optimizer,
-            **disk,
+            snapshot,
+            disk_weight_bytes=self.plan.disk_bytes,
+            staging_bytes=stage.nbytes,
+            disk_read_bytes=stage.read_bytes,
+            disk_read_seconds=stage.read_seconds,
+            disk_wait_seconds=stage.wait_seconds,
         )
 
     def remove(self, copy: bool = True) -> nn.Module:

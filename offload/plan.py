@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from offload.arena import PinnedArenaPool, aligned
-from offload.disk import DiskLocator, FileRange, on_disk_ranges
-from offload.disk_plan import choose_disk_units
+from offload.disk import DiskLocator, FileRange
+from offload.disk_plan import choose_disk_units, on_disk_ranges
 from offload.options import OffloadOptions
 from offload.quant.payload import is_quantized
 from offload.ring import RingClass
@@ -233,7 +233,9 @@ def plan_memory(
             items = ([sum(aligned(size(t)) for t in span)] if span else []) + [aligned(size(t)) for t in solo]
             rooms = [room(t) if not trainable(t) else 0 for t in solo]  # only frozen weights are dequantized
             disk_ranges = tuple(ranges[id(t)] for t in span) if ranges else ()
-            drafts.append((unit.name, tuple(id(t) for t in span), tuple(id(t) for t in solo), items, rooms, disk_ranges))
+            drafts.append(
+                (unit.name, tuple(id(t) for t in span), tuple(id(t) for t in solo), items, rooms, disk_ranges)
+            )
         return host_sizes, drafts
 
     def pinned(host_sizes: list[int]) -> tuple[int, int]:

@@ -123,7 +123,9 @@ def test_meta_model_on_disk_needs_no_initialize_for_its_disk_weights(tmp_path: P
         assert source is not None
         with path.open("rb") as handle:
             handle.seek(source.start)
-            host.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(handle.read(source.nbytes)), dtype=torch.uint8))
+            host.view(-1).view(torch.uint8).copy_(
+                torch.frombuffer(bytearray(handle.read(source.nbytes)), dtype=torch.uint8)
+            )
 
     options = OffloadOptions(granularity="block", host_memory_limit=ram.stats().pinned_reserved_bytes // 2)
     manager = OffloadTrainingManager(meta, "cpu", options=options, disk=locate, initialize=initialize)
