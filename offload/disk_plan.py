@@ -22,13 +22,19 @@ from offload.units import UnitPlan
 Candidates = dict[int, dict[int, FileRange]]  # unit index -> id(tensor) -> its bytes on disk
 
 
-def on_disk_ranges(units: list[UnitPlan], locate: DiskLocator, hosted: Callable[[torch.Tensor], bool]) -> Candidates:
+def on_disk_ranges(
+    units: list[UnitPlan],
+    locate: DiskLocator,
+    hosted: Callable[[torch.Tensor], bool],
+    size: Callable[[torch.Tensor], int],
+) -> Candidates:
     """The tensors each unit could read from disk: unit index -> id(tensor) -> its file range.
 
     Only frozen parameters held on the host in their own form qualify (not buffers, which a forward may
     update; not quantized weights, whose stored form is not the file's; not trainable masters), each in the
     first unit that holds it (a tied weight is placed once), and only where ``locate`` finds its exact bytes
-    at an offset its dtype's alignment allows, for a contiguous tensor.
+    at an offset its dtype's alignment allows, for a contiguous tensor, and holding as many bytes as the
+    engine streams for it (``size``: a weight the engine holds in another form, e.g. quantized, differs).
     """
     found: dict[int, dict[int, FileRange]] = {}
     seen: set[int] = set()
@@ -42,7 +48,7 @@ def on_disk_ranges(units: list[UnitPlan], locate: DiskLocator, hosted: Callable[
                 continue
             piece = locate(name, tensor)
             nbytes = tensor.numel() * tensor.element_size()
-            if piece is None or piece.nbytes != nbytes or piece.start % tensor.element_size():
+            if piece is None or piece.nbytes != nbytes or size(tensor) != nbytes or piece.start % tensor.element_size():
                 continue
             found.setdefault(index, {})[id(tensor)] = piece
     return found

@@ -27,7 +27,7 @@ from offload.offloaders import (
     TensorOffloader,
 )
 from offload.optimizer_step import StepDuringBackward
-from offload.options import OffloadOptions, parse_bytes
+from offload.options import OffloadOptions, format_bytes, parse_bytes
 from offload.plan import UnitLayout, plan_memory
 from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
 from offload.quant.dequantize_on_arrival import room_bytes as arrival_room_bytes
@@ -195,11 +195,11 @@ class OffloadTrainingManager:
         if not plan.host_fits:
             assert plan.host_memory_limit is not None  # host_fits is True without one
             raise ValueError(
-                f"host_memory_limit is {plan.host_memory_limit / 2**30:.2f} GiB but the engine's pinned host memory "
-                f"needs {plan.host_bytes / 2**30:.2f} GiB with every frozen weight it can read from disk on the disk "
-                f"tier ({plan.disk_bytes / 2**30:.2f} GiB; arena {plan.pinned_reserved_bytes / 2**30:.2f} GiB, "
-                f"staging ring {plan.staging_bytes / 2**30:.2f} GiB); raise the limit, lower disk_read_ahead, or "
-                "load the weights from checkpoint files the disk tier can read (pass disk=)"
+                f"host_memory_limit is {format_bytes(plan.host_memory_limit)} but the engine's pinned host memory "
+                f"needs {format_bytes(plan.host_bytes)} with every frozen weight it can read from disk on the disk "
+                f"tier ({format_bytes(plan.disk_bytes)}; arena {format_bytes(plan.pinned_reserved_bytes)}, staging "
+                f"ring {format_bytes(plan.staging_bytes)}); raise the limit, lower disk_read_ahead, or load the "
+                "weights from checkpoint files the disk tier can read (pass disk=)"
             )
 
     def _wants_host_copy(self, tensor: torch.Tensor) -> bool:

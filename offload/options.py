@@ -40,6 +40,14 @@ def parse_bytes(value: int | str | None, *, name: str = "gpu_memory_budget") -> 
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def format_bytes(n: int) -> str:
+    """A size for messages: ``1.50 GiB``, ``12.0 MiB``, ``3.4 KiB``, ``512 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if scale == 2**30 else f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 @dataclass(kw_only=True)
 class OffloadOptions:
     """How the engine streams weights. The defaults suit most models; see docs for tuning.

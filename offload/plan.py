@@ -250,7 +250,7 @@ def plan_memory(
     for nbytes in saved:
         activations.allocate((nbytes,), torch.uint8)
     limit = options.host_memory_limit if isinstance(options.host_memory_limit, int) else None
-    candidates = on_disk_ranges(units, disk, hosted) if disk is not None and limit is not None else {}
+    candidates = on_disk_ranges(units, disk, hosted, size) if disk is not None and limit is not None else {}
     slots = options.disk_read_ahead + 1
     on_disk = choose_disk_units(
         candidates,

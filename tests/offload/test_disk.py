@@ -160,5 +160,5 @@ def test_a_changed_checkpoint_fails_with_the_file_named(tmp_path: Path, fault: s
 def test_a_limit_below_what_the_disk_can_take_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     model = saved_model(path)
-    with pytest.raises(ValueError, match="host_memory_limit is .* GiB but the engine's pinned host memory needs"):
+    with pytest.raises(ValueError, match="host_memory_limit is 1.0 KiB but the engine's pinned host memory needs"):
         OffloadTrainingManager(model, "cpu", options=OffloadOptions(host_memory_limit=1024), disk=locator(path))
