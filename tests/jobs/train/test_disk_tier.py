@@ -5,6 +5,10 @@ and is refused at submit when neither RAM nor the disk can keep to the limit."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +103,111 @@ def test_a_weights_file_changed_mid_job_fails_it_naming_the_file(tmp_path: Path,
     assert [e["step"] for e in events if e["type"] == "step"] == [1, 2]  # no step on other weights
     failed = events[-1]
     assert failed["type"] == "failed" and str(path) in failed["message"]
+
+
+# Runs one job in a fresh process and prints its peak RSS growth. A 1-step job of a tiny model of the same kind
+# first brings in every import and the allocator's pools (and little memory they would keep); then the kernel's peak-RSS mark is reset (clear_refs 5, Linux) and the
+# resident set measured as the baseline; the job then runs, and its peak over that baseline is the growth.
+MEASURE = textwrap.dedent(
+    """
+    import json, sys
+    import yaml
+    from pathlib import Path
+    from jobs import PathRoots, load_job_spec, run_job
+    from jobs.events import event_to_wire
+
+    data, models, corpus, out = json.loads(sys.argv[1]), *map(Path, sys.argv[2:])
+    roots = PathRoots(model_roots=[models], data_roots=[corpus])
+    tiny = {**data["model"], "hidden_size": 64, "num_layers": 2, "weights": None}
+    warm = {**data, "model": tiny, "training": {**data["training"], "steps": 1}}
+    run_job(load_job_spec(yaml.safe_dump(warm), roots=roots), output_dir=out / "warm", report=lambda e: None)
+
+    def status(key):
+        line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+        return int(line.split()[1]) * 1024
+
+    open("/proc/self/clear_refs", "w").write("5")
+    baseline = status("VmRSS")
+    events = []
+    run_job(load_job_spec(yaml.safe_dump(data), roots=roots), output_dir=out / "job",
+            report=lambda e: events.append(event_to_wire(e)))
+    step = [e for e in events if e["type"] == "step"][-1]
+    print(json.dumps({"growth": status("VmHWM") - baseline, "pinned": step["pinned_bytes"],
+                      "offload": step["offload"], "losses": [e["loss"] for e in events if e["type"] == "step"]}))
+    """
+)
+
+
+def measured(data: dict[str, Any], roots: PathRoots, out: Path) -> dict[str, Any]:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MEASURE,
+            json.dumps(data),
+            str(roots.model_roots[0]),
+            str(roots.data_roots[0]),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS is reset through Linux's /proc")
+def test_peak_rss_stays_under_the_host_limit(tmp_path: Path, roots: PathRoots) -> None:
+    """201 MB of float32 frozen weights (16 blocks of 512 wide) under a 48 MiB limit. What is measured: the job
+    process's peak resident set (VmHWM) above its resident set after a warm-up run of the same job. The all-RAM
+    job's growth holds its weights; the limited job's may hold the limit plus what the all-RAM job holds beside
+    its pinned arena (on the CPU the "device" ring, activations and autograd's tensors are host memory too)."""
+    data = lm_job(hidden=512, layers=16, steps=2)
+    data["checkpoint"] = {"save_final": False}
+    write_weights(data, roots)
+    weights = 16 * 12 * 512 * 512 * 4
+    limit = 48 * MIB
+    in_ram = measured(data, roots, tmp_path / "ram")
+    limited = measured(merged(data, offload={**data["offload"], "host_memory_limit": limit}), roots, tmp_path / "disk")
+
+    assert limited["losses"] == in_ram["losses"]
+    assert in_ram["pinned"] >= weights and in_ram["growth"] >= 0.9 * weights, in_ram  # the check means something
+    assert limited["pinned"] <= limit and limited["offload"]["disk_weight_bytes"] >= weights - limit
+    beside_the_arena = in_ram["growth"] - in_ram["pinned"]
+    assert limited["growth"] <= limit + beside_the_arena + 8 * MIB, (limited, in_ram)
+    assert in_ram["growth"] - limited["growth"] >= 0.8 * (weights - limit), (limited, in_ram)  # saved by the disk
+    print(f"RSS growth: all in RAM {in_ram['growth'] / MIB:.0f} MiB (pinned {in_ram['pinned'] / MIB:.0f} MiB), "
+          f"limited {limited['growth'] / MIB:.0f} MiB (pinned {limited['pinned'] / MIB:.0f} MiB, limit 48 MiB)")  # fmt: skip
+
+
+def test_a_limit_neither_ram_nor_disk_can_keep_is_refused_at_submit_with_its_figures(
+    tmp_path: Path, roots: PathRoots
+) -> None:
+    from service.checking.fit import estimate_fit, refuse_if_beyond_the_host
+    from service.errors import ApiError
+
+    data = lm_job()
+    write_weights(data, roots)
+    tight = merged(data, offload={**data["offload"], "host_memory_limit": "64KiB"})  # below its staging ring
+    spec = spec_from(tight, roots)
+    estimate = estimate_memory(spec)
+    assert not estimate.host_limit_fits and estimate.disk_bytes > 0
+    with pytest.raises(ApiError) as refused:
+        refuse_if_beyond_the_host(spec, estimate_fit(spec, [], []))
+    message = str(refused.value)
+    assert (
+        "offload.host_memory_limit is 64.0 KiB but the offload engine's pinned host memory needs an estimated"
+        in message
+    )
+    assert "of frozen weights read from the checkpoint's files" in message
+    assert refused.value.problems[0]["path"] == "offload.host_memory_limit"
+
+    random = merged(tight, model={**tight["model"], "weights": None})  # no file to read from
+    spec = spec_from(random, roots)
+    with pytest.raises(ApiError, match="none of its frozen weights can be read from a checkpoint file"):
+        refuse_if_beyond_the_host(spec, estimate_fit(spec, [], []))
+
+    roomy = merged(data, offload={**data["offload"], "host_memory_limit": limit_for(data, roots, 0.5)})
+    refuse_if_beyond_the_host(spec_from(roomy, roots), estimate_fit(spec_from(roomy, roots), [], []))  # fits
