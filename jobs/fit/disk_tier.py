@@ -37,6 +37,15 @@ def loads_into_pinned_memory(spec: JobSpec, family: ModelFamily[Any]) -> bool:
     )
 
 
+def with_host_memory_limit(spec: JobSpec, limit: int | None) -> JobSpec:
+    """``spec`` with ``offload.host_memory_limit`` set to ``limit`` (a server's share of its host memory budget)
+    where it sets none and offloads its model; unchanged otherwise."""
+    offload = spec.offload
+    if limit is None or offload.host_memory_limit is not None or not offload.enable_model_cpu_offload:
+        return spec
+    return spec.model_copy(update={"offload": offload.model_copy(update={"host_memory_limit": limit})})
+
+
 def disk_locator(spec: JobSpec) -> DiskLocator | None:
     """Where the job's frozen weights lie in its checkpoint files, by name; None without a host limit or
     where the job cannot stream from its files."""
