@@ -284,6 +284,10 @@ class DiskStage:
                     "that the job streams from it: the file was truncated; restore it and resume the job"
                 )
             done += got
+        # Host memory is short by assumption: the bytes just read are not kept in the page cache, where they
+        # would push out other memory (another job's) and hide the disk's own rate.
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     # ----------------------------------------------------------------- resting views, detach
     def resting_view(self, piece: FileRange, like: torch.Tensor) -> torch.Tensor | None:
