@@ -95,6 +95,19 @@ class _OpenFile:
         os.close(self.fd)
 
 
+def _register(buffer: torch.Tensor) -> bool:
+    """Page-lock ``buffer`` for asynchronous copies; False (with a warning) where that fails."""
+    if not torch.cuda.is_available():
+        return False
+    code = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    if int(code) != 0:
+        log.warning(
+            "cudaHostRegister of the %d-byte staging ring failed (%s); its copies are synchronous", buffer.numel(), code
+        )
+        return False
+    return True
+
+
 def _stat_or_none(path: Path) -> os.stat_result | None:
     try:
         return os.stat(path)
@@ -146,7 +159,10 @@ class DiskStage:
         self.files = {path: _OpenFile(path) for path in dict.fromkeys(files)}
         self.stride = aligned(max(slot_bytes, 1))
         self.nbytes = slots * self.stride
-        self.buffer = torch.empty(max(self.nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        self.buffer = torch.empty(max(self.nbytes, 1), dtype=torch.uint8)
+        # Page-locked in place (cudaHostRegister), not through torch's pinned allocator, which rounds a request
+        # up to a power of two: three 1 GB slots would take 4 GiB of the host limit instead of 3.
+        self._registered = pin and _register(self.buffer)
         self.device = device
         self._slot_events: list[torch.cuda.Event | None] = [None] * slots  # the last copy out of each slot
         self._free: deque[int] = deque(range(slots))
@@ -207,6 +223,8 @@ class DiskStage:
         """A step ended: a step being recorded becomes the cycle the reads follow from now on."""
         if self._recording is None:
             return
+        self._abandon(list(self._queue))  # read ahead in the old order
+        self._queue.clear()
         self._cycle, self._recording = self._recording, None
         self._position = {}
         for index, span in enumerate(self._cycle):
@@ -312,6 +330,9 @@ class DiskStage:
         self._readers.shutdown(wait=True)
         for handle in self.files.values():
             handle.close()
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
 
     def __repr__(self) -> str:
         return f"DiskStage({len(self._slot_events)} slots x {self.stride} bytes, files={len(self.files)})"

@@ -162,3 +162,31 @@ def test_a_limit_below_what_the_disk_can_take_is_refused(tmp_path: Path) -> None
     model = saved_model(path)
     with pytest.raises(ValueError, match="host_memory_limit is 1.0 KiB but the engine's pinned host memory needs"):
         OffloadTrainingManager(model, "cpu", options=OffloadOptions(host_memory_limit=1024), disk=locator(path))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_on_cuda_disk_units_train_as_units_in_ram(tmp_path: Path, prefetch: int) -> None:
+    """The staging ring is page-locked and refilled only after the side-stream copy that read it has run."""
+    path = tmp_path / "model.safetensors"
+
+    def run(limit: int | None) -> tuple[list[float], OffloadTrainingManager, Stack]:
+        model = saved_model(path)
+        options = OffloadOptions(granularity="block", prefetch=prefetch, host_memory_limit=limit)
+        manager = OffloadTrainingManager(model, "cuda", options=options, disk=locator(path) if limit else None)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(6):
+            loss = model(torch.randn(8, 64, generator=generator).cuda()).pow(2).mean()
+            loss.backward()
+            manager.after_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, manager, model
+
+    expected, ram, _ = run(None)
+    losses, manager, model = run(ram.stats().pinned_reserved_bytes // 2)
+    assert losses == expected and manager.stats().disk_read_bytes > 0
+    assert manager.disk_stage is not None and manager.disk_stage._registered
