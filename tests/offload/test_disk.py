@@ -187,6 +187,6 @@ def test_on_cuda_disk_units_train_as_units_in_ram(tmp_path: Path, prefetch: int)
         return losses, manager, model
 
     expected, ram, _ = run(None)
-    losses, manager, model = run(ram.stats().pinned_reserved_bytes // 2)
+    losses, manager, _ = run(ram.stats().pinned_reserved_bytes // 2)
     assert losses == expected and manager.stats().disk_read_bytes > 0
     assert manager.disk_stage is not None and manager.disk_stage._registered
