@@ -10,6 +10,9 @@
     python bench/big_models.py resident70b --out big  # its bf16 resident step, from 20 and 40 identical layers
     python bench/big_models.py long32k --out big    # 32B bf16 LoRA at 32768 tokens under 24GiB with activation
                                                     # offload, beside the resident 32k step and the 4096 one
+    python bench/big_models.py disk32b --out big    # 32B bf16 LoRA with offload.host_memory_limit 16GiB: frozen
+                                                    # weights beyond it read from the safetensors shards on each
+                                                    # use, beside `dd iflag=direct` and the same job all in RAM
     python bench/big_models.py headline --cpu --scale 0.02 --out big   # the same path, tiny, anywhere
     python bench/big_models.py headline --out big --budget 8GiB --prefetch 2   # the 32B gap's candidates: units
                                                     # kept on the device, a third ring slot (copy floor counts
@@ -325,6 +328,7 @@ def run_in_process(spec: dict[str, Any], root: Path, output: str = "out") -> dic
         "offload": last.offload.as_dict() if last.offload else None,
         "losses": [e.loss for e, _ in steps],
         **_messages([e.message for e in events if isinstance(e, LogEvent)]),
+        "step_times": times,
     }
 
 
@@ -367,6 +371,78 @@ def disk_markdown(r: dict[str, Any]) -> str:
         f"{2 * r['weight_bytes'] / (r['h2d_gbps'] * 1e9):.3f} s |",
         f"| peak GPU allocated / reserved (GiB) | {job['device_peak_gib']:.2f} / {job['device_reserved_gib']:.2f} "
         "| limit 16 GiB |",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- the disk tier
+def disk32b(args: argparse.Namespace) -> dict[str, Any]:
+    """A 32B-shape bf16 LoRA whose host memory is limited (``offload.host_memory_limit``, 16 GiB): the frozen weights
+    beyond it are read from the checkpoint's shards on each use. Beside it: the disk's own read rate (``dd
+    iflag=direct``), and the same job with every weight in pinned RAM (its step is the compute-and-link step the
+    disk tier adds to). The goal: the limited step <= 1.15 x max(all-RAM step, disk floor), where the disk floor
+    is what the tier read in a step over the dd rate. Needs about 70 GB of free disk and 80 GiB of RAM (for the
+    all-RAM run) at full scale."""
+    root = args.out / "disk32b"
+    shape = scaled(QWEN_32B, args.scale)
+    if args.scale < 1:  # enough layers that some stay in RAM beside the staging ring's three
+        shape["num_hidden_layers"] = 8
+    checkpoint = write_sharded_checkpoint(root / "models" / "qwen2.5-32b-shape", shape, shard_bytes=4 * 10**9)
+    disk = disk_read_gbps(root / "models" / "qwen2.5-32b-shape" / "model-00001.safetensors")
+    corpus(root / "datasets" / "corpus")
+    tokens = 4096 if args.scale >= 1 else 64
+    weights = weight_bytes(shape)
+    limit = args.host_limit or ("16GiB" if args.scale >= 1 else str(weights // 2))
+    device = "cpu" if args.cpu else "cuda"
+
+    def spec(name: str, host_limit: str | None) -> dict[str, Any]:
+        job = lora_spec(name, "qwen2.5-32b-shape", args.limit or "24GiB", args.steps, tokens, "checkpoint", device,
+                        args.mixed_precision)  # fmt: skip
+        job["offload"]["host_memory_limit"] = host_limit
+        job["checkpoint"] = {"save_final": False}
+        return job
+
+    limited = run_in_process(spec("qwen32b-shape-lora-host-16gib", limit), root, "limited")
+    in_ram = run_in_process(spec("qwen32b-shape-lora-all-ram", None), root, "in-ram") if not args.no_ram else None
+    return {"checkpoint": checkpoint, "disk": disk, "host_limit": limit, "weight_bytes": weights,
+            "h2d_gbps": pinned_h2d_gbps(), "limited": limited, "in_ram": in_ram}  # fmt: skip
+
+
+def _steady(job: dict[str, Any]) -> float | None:
+    """The median step once the disk tier reads ahead (from the third step: the first records the order, the
+    second the reads)."""
+    times = job.get("step_times") or []
+    steady = times[1:] if len(times) > 2 else times
+    return statistics.median(steady) if steady else None
+
+
+def disk32b_markdown(r: dict[str, Any]) -> str:
+    limited, in_ram, disk = r["limited"], r["in_ram"], r["disk"]
+    stats = limited.get("offload") or {}
+    steps = max(limited["steps"], 1)
+    read_per_step = stats.get("disk_read_bytes", 0) / steps
+    disk_floor = read_per_step / (disk["gb_per_s"] * 1e9)
+    copy_floor = 2 * r["weight_bytes"] / (r["h2d_gbps"] * 1e9)
+    step, ram_step = _steady(limited), _steady(in_ram) if in_ram else None
+    goal = 1.15 * max(ram_step or 0.0, disk_floor)
+    rows = [
+        "| figure | value | against |",
+        "|---|---|---|",
+        f"| checkpoint | {r['checkpoint']['shards']} shards, {r['checkpoint']['bytes'] / 1e9:.1f} GB | "
+        f"`{disk['command']}`: {disk['gb_per_s']:.2f} GB/s |",
+        f"| offload.host_memory_limit | {r['host_limit']} | weights {r['weight_bytes'] / GIB:.1f} GiB |",
+        f"| frozen weights on disk / staging ring (GiB) | {stats.get('disk_weight_bytes', 0) / GIB:.1f} / "
+        f"{stats.get('staging_bytes', 0) / GIB:.2f} | pinned in all {limited['pinned_gib']:.2f} GiB "
+        f"(all in RAM: {in_ram['pinned_gib'] if in_ram else float('nan'):.2f}) |",
+        f"| peak host RSS at load (GiB) | {((limited.get('load') or {}).get('peak_host_rss_bytes') or 0) / GIB:.2f} | |",
+        f"| read from disk a step (GB) | {read_per_step / 1e9:.1f} | disk floor {disk_floor:.2f} s at the dd rate; "
+        f"read {stats.get('disk_read_bytes', 0) / max(stats.get('disk_read_seconds') or 1e-9, 1e-9) / 1e9:.2f} GB/s "
+        f"while reading; waited {stats.get('disk_wait_seconds', 0):.1f} s in all |",
+        f"| median step from step 3 (s), limited | {_f(step, '.3f')} | goal <= 1.15 x max(all-RAM step, disk floor) "
+        f"= {goal:.3f} s |",
+        f"| median step from step 3 (s), all in RAM | {_f(ram_step, '.3f')} | copy floor {copy_floor:.3f} s |",
+        f"| status / losses equal | {limited['status']} / "
+        f"{'yes' if in_ram and in_ram['losses'] == limited['losses'] else 'no' if in_ram else '—'} | |",
     ]
     return "\n".join(rows) + "\n"
 
@@ -673,6 +749,7 @@ RUNS = {
     "qlora70b": (qlora70b, qlora_markdown),
     "resident70b": (resident70b, resident70b_markdown),
     "long32k": (long32k, long_markdown),
+    "disk32b": (disk32b, disk32b_markdown),
 }
 
 
@@ -704,6 +781,9 @@ def main() -> None:
     )
     parser.add_argument("--kernels", choices=["liger", "none"], help="training.kernels of every job")
     parser.add_argument("--compile", action="store_true", help="training.compile: true for every job")
+        "--host-limit", help="disk32b: offload.host_memory_limit (default 16GiB; a third of the weights scaled)"
+    )
+    parser.add_argument("--no-ram", action="store_true", help="disk32b: skip the all-RAM run (a box without 80 GiB)")
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
     args = parser.parse_args()
@@ -730,7 +810,8 @@ def main() -> None:
         f"{f' --whole-layers {args.whole_layers}' if args.whole_layers else ''}"
         f"{f' --mixed-precision {args.mixed_precision}' if args.mixed_precision != 'no' else ''}"
         f"{' --profile' if args.profile else ''}{f' --kernels {args.kernels}' if args.kernels else ''}"
-        f"{' --compile' if args.compile else ''}`\n\n"
+        f"{' --compile' if args.compile else ''}"
+        f"{f' --host-limit {args.host_limit}' if args.host_limit else ''}{' --no-ram' if args.no_ram else ''}`\n\n"
     )
     found = profile_lines(record)
     text = header + markdown(record) + ("\n" + "\n".join(found) + "\n" if found else "")

@@ -24,7 +24,7 @@ from jobs.events import (
     StartedEvent,
     StepEvent,
 )
-from jobs.fit.checks import device_problem, host_memory_problem
+from jobs.fit.checks import device_problem, host_limit_problem, host_memory_problem
 from jobs.fit.estimate import estimate_memory
 from jobs.paths import PathRoots, default_data_roots, default_model_roots
 from jobs.spec.job import JobSpec
@@ -214,6 +214,14 @@ def machine_problems(spec: JobSpec, text: str) -> list[SpecProblem]:
     found = [device_problem(spec, has_gpu=has_gpu)]
     if found[0] is None:
         estimate = estimate_memory(spec)
+        found.append(
+            host_limit_problem(
+                host_memory_limit=estimate.host_memory_limit,
+                engine_host_bytes=estimate.engine_host_bytes,
+                disk_bytes=estimate.disk_bytes,
+                fits=estimate.host_limit_fits,
+            )
+        )
         found.append(
             host_memory_problem(
                 peak_device_bytes=estimate.peak_device_bytes,

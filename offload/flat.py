@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from offload.arena import PinnedArenaPool, aligned
+from offload.disk import DiskSpan, DiskStage, FileRange
 from offload.layout import shaped_like
 from offload.offloaders import BufferOffloader, StaticParamOffloader
 from offload.ring import Placement, copy_into_ring, frozen_fingerprint
@@ -20,14 +21,30 @@ from offload.transfers import CopyEngine, PendingCopy, in_backward
 class FlatGroup:
     """Host copies of several tensors in one contiguous span; onload copies the span once."""
 
-    def __init__(self, tensors: list[torch.Tensor], arena: PinnedArenaPool, copies: CopyEngine) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        arena: PinnedArenaPool,
+        copies: CopyEngine,
+        *,
+        name: str = "",
+        disk: tuple[DiskStage, list[FileRange]] | None = None,
+    ) -> None:
         self.copies = copies
         self.offsets: list[int] = []
         total = 0
         for tensor in tensors:
             self.offsets.append(total)
             total += aligned(tensor.numel() * tensor.element_size())
-        self.span = arena.allocate((total,), torch.uint8)
+        # On the disk tier (disk.py) the span has no host memory: it is the shape and identity of what the
+        # device slot holds, and each copy reads the members' bytes from their file into a staging slot.
+        self.disk = disk
+        self.staged: tuple[DiskStage, DiskSpan] | None = None
+        if disk is not None:
+            self.span = torch.empty((total,), dtype=torch.uint8, device="meta")
+            self.staged = (disk[0], DiskSpan(name, list(zip(self.offsets, disk[1], strict=True)), total))
+        else:
+            self.span = arena.allocate((total,), torch.uint8)
         self.members: list[StaticParamOffloader] = []
         # The device copy of the span, held while any member is attached to a view of it. A strong
         # reference: the members' views keep the storage alive but not this Python object, so a weak one
@@ -46,7 +63,12 @@ class FlatGroup:
         self.frozen = True  # every member so far may be reused from its ring slot (add)
 
     def host_view(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """The slot for the ``index``-th tensor inside the span."""
+        """The slot for the ``index``-th tensor inside the span; on the disk tier, its view of its file."""
+        if self.disk is not None:
+            stage, ranges = self.disk
+            view = stage.resting_view(ranges[index], tensor)
+            assert view is not None, "the plan puts on disk only contiguous tensors at aligned offsets"
+            return view
         return shaped_like(_view(self.span, self.offsets[index], (tensor.numel(),), tensor.dtype), tensor)
 
     def add(self, member: StaticParamOffloader) -> None:
@@ -67,7 +89,9 @@ class FlatGroup:
         fresh = self._device_span is None
         if fresh:
             fingerprint = frozen_fingerprint(self.span, [m.tensor for m in self.members]) if self.frozen else None
-            pending, self._in_ring = copy_into_ring(self.copies, self.span, self.placement, 0, prefetch, fingerprint)
+            pending, self._in_ring = copy_into_ring(
+                self.copies, self.span, self.placement, 0, prefetch, fingerprint, self.staged
+            )
             self._device_span, self._event = pending.tensor, pending.event
         if fresh or requester is None:
             views = self._views()

@@ -17,6 +17,7 @@ from offload import auto_budget
 from offload.activations import ActivationOffload
 from offload.arena import PinnedArenaPool, aligned
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
+from offload.disk import DiskLocator, DiskStage
 from offload.flat import FlatGroup
 from offload.layout import shaped_like
 from offload.offloaders import (
@@ -26,7 +27,7 @@ from offload.offloaders import (
     TensorOffloader,
 )
 from offload.optimizer_step import StepDuringBackward
-from offload.options import OffloadOptions, parse_bytes
+from offload.options import OffloadOptions, format_bytes, parse_bytes
 from offload.plan import UnitLayout, plan_memory
 from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
 from offload.quant.dequantize_on_arrival import room_bytes as arrival_room_bytes
@@ -70,6 +71,10 @@ class OffloadTrainingManager:
             (optimizer offload, shards.py): its gradient buffers and optimizer state hold its part of each
             trainable weight. The caller averages the gradients into that part (``register_gradient_hook``)
             and gathers the other parts after each step (``register_step_hook``).
+        disk: where frozen weights lie in their checkpoint files (``(name, tensor) -> FileRange | None``): with
+            ``options.host_memory_limit`` the units the limit leaves no room for are read from there on each
+            use (the disk tier, disk.py) and never held in host memory; meta tensors on disk need no
+            ``initialize``. Between uses such a weight is a view of its file's read-only map.
 
     Example:
         >>> model = ToyModel()                                  # stays on the CPU
@@ -90,6 +95,7 @@ class OffloadTrainingManager:
         initialize: Initializer | None = None,
         frozen_arena: ArenaFactory | None = None,
         optimizer_shard: OptimizerShard | None = None,
+        disk: DiskLocator | None = None,
     ) -> None:
         self.device = resolve_target_device(target_device)
         self.options = options if options is not None else OffloadOptions()
@@ -115,6 +121,7 @@ class OffloadTrainingManager:
             # and, dequantized on arrival, room for its dequantized form beside each ring slot
             room_bytes=arrival_room_bytes if self.options.dequantize_on_arrival else None,
             optimizer_shard=optimizer_shard,
+            disk=disk,
         )
         self._check_plan_fits()
         self._stats = StatsCounter()
@@ -134,6 +141,20 @@ class OffloadTrainingManager:
         # (shared_arena.py: data-parallel ranks stream from one host copy).
         self.frozen_arena = frozen_arena(frozen, pin) if frozen_arena is not None else self.arena
         self.ring = DeviceRing(self.plan.ring_classes, self.device, reuse=self.options.reuse_ring_slots)
+        # The disk tier (disk.py): units the host limit leaves no room for read from their files on each use.
+        disk_files = [r.path for layout in self.plan.layouts for r in layout.disk]
+        self.disk_stage = (
+            DiskStage(
+                disk_files,
+                slots=self.plan.staging_slots,
+                slot_bytes=self.plan.staging_slot_bytes,
+                pin=pin,
+                device=self.device,
+            )
+            if disk_files
+            else None
+        )
+        self._on_disk: set[int] = set()  # ids of the tensors on the disk tier
         # What gradient checkpointing keeps, in pinned host memory till the recompute (activations.py); the
         # model's checkpoint function must be wrapped (``activations.wrap``) by whoever knows where it is.
         self.activations = (
@@ -170,6 +191,16 @@ class OffloadTrainingManager:
                 f"but gpu_memory_limit is {limit / 2**30:.2f} GiB; lower prefetch, use granularity='leaf' or "
                 "cpu_offload_split_threshold for smaller units, or raise the limit"
             )
+        plan = self.plan
+        if not plan.host_fits:
+            assert plan.host_memory_limit is not None  # host_fits is True without one
+            raise ValueError(
+                f"host_memory_limit is {format_bytes(plan.host_memory_limit)} but the engine's pinned host memory "
+                f"needs {format_bytes(plan.host_bytes)} with every frozen weight it can read from disk on the disk "
+                f"tier ({format_bytes(plan.disk_bytes)}; arena {format_bytes(plan.pinned_reserved_bytes)}, staging "
+                f"ring {format_bytes(plan.staging_bytes)}); raise the limit, lower disk_read_ahead, or load the "
+                "weights from checkpoint files the disk tier can read (pass disk=)"
+            )
 
     def _wants_host_copy(self, tensor: torch.Tensor) -> bool:
         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
@@ -183,7 +214,12 @@ class OffloadTrainingManager:
         hosts: dict[int, torch.Tensor] = {}
         if layout.span:
             span = [by_id[i][1] for i in layout.span]
-            group = FlatGroup(span, self.frozen_arena, self._copies)
+            on_disk = None
+            if layout.disk:
+                assert self.disk_stage is not None  # made for every plan with disk units
+                on_disk = (self.disk_stage, list(layout.disk))
+                self._on_disk.update(id(t) for t in span)
+            group = FlatGroup(span, self.frozen_arena, self._copies, name=plan.name, disk=on_disk)
             group.placement = placement
             hosts = {id(t): group.host_view(i, t) for i, t in enumerate(span)}
         ordered = sorted(plan.tensors, key=lambda nt: -nt[1].numel() * nt[1].element_size())
@@ -225,7 +261,10 @@ class OffloadTrainingManager:
         if host is None and self._wants_host_copy(tensor):
             frozen = isinstance(tensor, nn.Parameter) and not tensor.requires_grad
             host = self._host_like(tensor, self.frozen_arena if frozen else self.arena)
-        if host is not None and self.frozen_arena.filled_elsewhere(host):
+        if id(tensor) in self._on_disk:
+            assert host is not None  # its view of its file
+            self._adopt_filled(tensor, host)  # the bytes are the file's: nothing to read or copy now
+        elif host is not None and self.frozen_arena.filled_elsewhere(host):
             self._adopt_filled(tensor, host)  # another process of this machine wrote these bytes
         if tensor.is_meta:
             self._materialize(name, tensor, host)
@@ -239,11 +278,21 @@ class OffloadTrainingManager:
             assert host is not None
             if not tensor.requires_grad:
                 offloader = StaticParamOffloader(name, tensor, self._copies, host)
+                if id(tensor) in self._on_disk:
+                    offloader.restore = self._restorer(tensor, host)
             else:
                 offloader = self._trainable(name, tensor, host)
         offloader.on_backward_use = self._schedule.weight_unpacked
         self._offloaders[id(tensor)] = offloader
         return offloader
+
+    def _restorer(self, tensor: torch.Tensor, host: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """What reads a disk-tier weight into memory of its own when the engine detaches."""
+        stage = self.disk_stage
+        assert stage is not None
+        layout = next(lay for lay in self.plan.layouts if id(tensor) in lay.span and lay.disk)
+        piece = layout.disk[layout.span.index(id(tensor))]
+        return lambda: stage.read_copy(piece, host)
 
     def _trainable(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> TrainableParamOffloader:
         """A host master's offloader with its gradient buffer: the whole gradient, or this rank's part of it."""
@@ -471,6 +520,8 @@ class OffloadTrainingManager:
         # What the trainables kept on the device with their optimizer took of a set budget is spent (plan.py).
         left = None if measured else max((parse_bytes(budget) or 0) - self.plan.device_trainable_bytes, 0)
         self._schedule.end_step(left)
+        if self.disk_stage is not None:
+            self.disk_stage.end_step()  # a recorded step's reads become the order read ahead
         applied = first_step
         if measured and self._schedule.step == auto_budget.MEASURED_AFTER_STEPS:
             # No unit is held between steps: the measured budget is applied as a set one is after step 1.
@@ -488,20 +539,36 @@ class OffloadTrainingManager:
             # A unit the budget holds from forward to backward has left the ring too.
             streaming = [u for u in self._schedule.order if u.streams and u.in_ring]
             self.ring.reassign([self._placements[id(u)] for u in streaming if id(u) in self._placements])
+            if self.disk_stage is not None:
+                self.disk_stage.record_next_step()  # the schedule changed: so do the reads it makes
 
     def stats(self) -> OffloadStats:
         """Bytes moved each way, copies made, pinned memory reserved vs requested, device bytes held."""
         arenas = list({id(a): a for a in (self.arena, self.frozen_arena)}.values())  # a shared one counts too
         reserved, requested = sum(a.reserved_bytes for a in arenas), sum(a.requested_bytes for a in arenas)
         optimizer = self._stepper.state_bytes() if self._stepper is not None else 0
+        stage = self.disk_stage
+        if stage is not None:  # the staging ring is pinned host memory too
+            reserved, requested = reserved + stage.nbytes, requested + stage.nbytes
         if self.activations is None:
-            return dataclasses.replace(self._stats.snapshot(reserved, requested), optimizer_host_bytes=optimizer)
-        saved = self.activations
+            snapshot = dataclasses.replace(self._stats.snapshot(reserved, requested), optimizer_host_bytes=optimizer)
+        else:
+            saved = self.activations
+            snapshot = dataclasses.replace(
+                self._stats.snapshot(reserved + saved.arena.reserved_bytes, requested + saved.arena.requested_bytes),
+                activation_offloaded_bytes=saved.offloaded_bytes,
+                activation_host_bytes=saved.peak_held_bytes,
+                optimizer_host_bytes=optimizer,
+            )
+        if stage is None:
+            return snapshot
         return dataclasses.replace(
-            self._stats.snapshot(reserved + saved.arena.reserved_bytes, requested + saved.arena.requested_bytes),
-            activation_offloaded_bytes=saved.offloaded_bytes,
-            activation_host_bytes=saved.peak_held_bytes,
-            optimizer_host_bytes=optimizer,
+            snapshot,
+            disk_weight_bytes=self.plan.disk_bytes,
+            staging_bytes=stage.nbytes,
+            disk_read_bytes=stage.read_bytes,
+            disk_read_seconds=stage.read_seconds,
+            disk_wait_seconds=stage.wait_seconds,
         )
 
     def remove(self, copy: bool = True) -> nn.Module:
@@ -509,7 +576,8 @@ class OffloadTrainingManager:
 
         ``copy=False`` leaves its frozen tensors as views of the engine's host copies instead of copying each
         into memory of its own: for a model that is dropped next (a job's end), whose weights would otherwise
-        exist twice in host memory at once (a 32B model's 64 GB more)."""
+        exist twice in host memory at once (a 32B model's 64 GB more). Weights on the disk tier are read back
+        from their files with ``copy=True`` and left as views of their files' maps with ``copy=False``."""
         if self._stepper is not None:
             self._stepper.detach()
             for offloader in self._offloaders.values():
@@ -524,6 +592,8 @@ class OffloadTrainingManager:
             offloader.detach(copy)
         self._offloaders.clear()
         self.units = []
+        if self.disk_stage is not None:
+            self.disk_stage.close()  # a weight left as a view of its file's map keeps the map alive
         if self._previous_limit is not None:
             torch.cuda.set_per_process_memory_fraction(self._previous_limit, self.device)
         return self.model

@@ -175,6 +175,9 @@ class StaticParamOffloader(TensorOffloader):
             host.copy_(tensor.data)
         self.host = host
         tensor.data = host
+        # A weight on the disk tier (disk.py): its host is a view of its file's map, and ``detach`` reads the
+        # bytes into memory of the tensor's own with this.
+        self.restore: Callable[[], torch.Tensor] | None = None
 
     def onload(self, prefetch: bool = False) -> None:
         if self.group is not None:
@@ -216,7 +219,7 @@ class StaticParamOffloader(TensorOffloader):
     def detach(self, copy: bool = True) -> None:
         self.offload()  # the tensor reads its host copy
         if copy:
-            self.tensor.data = self.host.clone()
+            self.tensor.data = self.restore() if self.restore is not None else self.host.clone()
 
 
 class BufferOffloader(StaticParamOffloader):

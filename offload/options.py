@@ -40,6 +40,14 @@ def parse_bytes(value: int | str | None, *, name: str = "gpu_memory_budget") -> 
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def format_bytes(n: int) -> str:
+    """A size for messages: ``1.50 GiB``, ``12.0 MiB``, ``3.4 KiB``, ``512 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if scale == 2**30 else f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 @dataclass(kw_only=True)
 class OffloadOptions:
     """How the engine streams weights. The defaults suit most models; see docs for tuning.
@@ -74,6 +82,14 @@ class OffloadOptions:
             which grows if a step saves more. Empty: allocated as they come.
         whole_units: dotted module names each streamed as one unit in one copy, whatever ``granularity`` and
             the split threshold (a frozen vision tower that runs once a step); empty: none.
+        host_memory_limit: pinned host bytes the engine may hold (``int`` or ``"16GiB"``): its arena (frozen
+            weights kept in RAM, buffers, trainable masters and their gradients), the disk tier's staging ring
+            and the checkpointed inputs' arena. Where the frozen weights would exceed it, units whose weights
+            the manager's ``disk`` locator finds in their checkpoint files are read from there on each use
+            instead (disk.py): small units and ones spread over the step stay in RAM, the rest go to disk.
+            ``None``: every frozen weight in RAM.
+        disk_read_ahead: units the disk tier reads ahead of the one being copied (its staging ring holds one
+            more slot than this, each the size of the largest disk unit).
     """
 
     prefetch: int = 1
@@ -86,6 +102,8 @@ class OffloadOptions:
     offload_activations: bool = False
     activation_host_bytes: tuple[int, ...] = ()
     whole_units: tuple[str, ...] = ()
+    host_memory_limit: int | str | None = None
+    disk_read_ahead: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -105,6 +123,11 @@ class OffloadOptions:
         self.gpu_memory_limit = parse_bytes(self.gpu_memory_limit, name="gpu_memory_limit")
         if self.gpu_memory_limit == 0:
             raise ValueError("gpu_memory_limit must be a positive size such as '24GiB' (or None for the whole device)")
+        self.host_memory_limit = parse_bytes(self.host_memory_limit, name="host_memory_limit")
+        if self.host_memory_limit == 0:
+            raise ValueError("host_memory_limit must be a positive size such as '16GiB' (or None for no limit)")
+        if not isinstance(self.disk_read_ahead, int) or self.disk_read_ahead < 0:
+            raise ValueError(f"disk_read_ahead must be an integer >= 0; got {self.disk_read_ahead!r}")
         budget = self.gpu_memory_budget
         if self.gpu_memory_limit and isinstance(budget, int) and budget and budget >= self.gpu_memory_limit:
             raise ValueError(

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from offload.arena import PinnedArenaPool, aligned
+from offload.disk import DiskLocator, FileRange
+from offload.disk_plan import choose_disk_units, on_disk_ranges
 from offload.options import OffloadOptions
 from offload.quant.payload import is_quantized
 from offload.ring import RingClass
@@ -55,6 +57,8 @@ class UnitLayout:
         ring_class: index into ``MemoryPlan.ring_classes`` (``None`` with ``slot_bytes == 0``).
         slot: which slot of its class the unit lands in.
         room_offsets: each weight dequantized on arrival's byte offset in its slot's room (plan_memory).
+        disk: on the disk tier (disk.py): the file range of each tensor of ``span``, in its order; the span
+            then has no host memory (empty: in RAM).
     """
 
     name: str
@@ -65,6 +69,7 @@ class UnitLayout:
     ring_class: int | None
     slot: int
     room_offsets: dict[int, int] = field(default_factory=dict)
+    disk: tuple[FileRange, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,10 @@ class MemoryPlan:
             budget they take (``OPTIMIZER_ON_DEVICE_FACTOR`` times their bytes).
         activation_reserved_bytes / activation_requested_bytes: with ``offload_activations``, what the pinned
             arena for checkpointed inputs (activations.py) reserves / what ``activation_host_bytes`` needs.
+        disk_bytes: frozen weight bytes on the disk tier (``host_memory_limit``; disk_plan.py), read from
+            their files on each use; ``staging_slots`` x ``staging_slot_bytes`` = ``staging_bytes``, its
+            pinned staging ring.
+        host_memory_limit: the limit the plan was made for (``None``: none).
     """
 
     units: list[UnitPlan]
@@ -102,13 +111,37 @@ class MemoryPlan:
     device_trainable_bytes: int = 0
     activation_reserved_bytes: int = 0
     activation_requested_bytes: int = 0
+    disk_bytes: int = 0
+    staging_slots: int = 0
+    staging_slot_bytes: int = 0
+    host_memory_limit: int | None = None
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_slots * aligned(self.staging_slot_bytes) if self.disk_bytes else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """The pinned host memory the engine holds: its arena, the staging ring, the checkpointed inputs' arena."""
+        return self.pinned_reserved_bytes + self.staging_bytes + self.activation_reserved_bytes
+
+    @property
+    def host_fits(self) -> bool:
+        """Whether ``host_bytes`` is within ``host_memory_limit`` (always, without one)."""
+        return self.host_memory_limit is None or self.host_bytes <= self.host_memory_limit
 
     def describe(self) -> str:
         """One line for logs and estimate notes."""
+        disk = (
+            f"; {self.disk_bytes / 2**30:.2f} GiB of frozen weights read from disk through a "
+            f"{self.staging_bytes / 2**30:.2f} GiB staging ring"
+            if self.disk_bytes
+            else ""
+        )
         return (
             f"device ring {self.ring_bytes / 2**30:.2f} GiB in {len(self.ring_classes)} class(es), largest unit "
             f"{self.largest_unit_bytes / 2**30:.2f} GiB; pinned arena {self.pinned_reserved_bytes / 2**30:.2f} GiB "
-            f"for {self.pinned_requested_bytes / 2**30:.2f} GiB of host copies"
+            f"for {self.pinned_requested_bytes / 2**30:.2f} GiB of host copies{disk}"
         )
 
 
@@ -130,6 +163,7 @@ def plan_memory(
     link_bytes: LinkBytes = tensor_bytes,
     room_bytes: LinkBytes | None = None,
     optimizer_shard: OptimizerShard | None = None,
+    disk: DiskLocator | None = None,
 ) -> MemoryPlan:
     """The engine's plan for ``model``: the same arguments as ``OffloadTrainingManager``; nothing is allocated.
 
@@ -138,7 +172,8 @@ def plan_memory(
     as a room beside each of its slots in a second device buffer (the dequantization writes it while the
     payload is read, so the two must not share an allocation: torch.compile refuses writes into an input
     that aliases another). ``optimizer_shard``: each trainable master's gradient buffer holds this rank's part
-    only (shards.py).
+    only (shards.py). ``disk``: where frozen weights lie in their checkpoint files; with
+    ``options.host_memory_limit`` the units that would not fit are planned on the disk tier (disk_plan.py).
 
     Works on a model built on the meta device (shapes only), which is how a job's memory is estimated
     before it is queued.
@@ -169,37 +204,66 @@ def plan_memory(
     def hosted(tensor: torch.Tensor) -> bool:
         return not trainable(tensor) or (enable_optimizer_cpu_offload and id(tensor) not in on_device)
 
-    placed: set[int] = set()
-    host_sizes: list[int] = []
-    drafts = []
-    for unit in units:
-        ordered = [t for _, t in sorted(unit.tensors, key=lambda nt: -size(nt[1]))]
-        new = [t for t in dict.fromkeys(ordered) if id(t) not in placed and hosted(t)]
-        # Spans hold what never changes; a quantized weight is sent as its own payload (quantized.py).
-        frozen = [t for t in new if not trainable(t) and not is_quantized(t)]
-        span = frozen if unit.flat and len(frozen) > 1 else []
-        solo = [t for t in new if not any(t is s for s in span)]
-        if span:
-            host_sizes.append(sum(aligned(size(t)) for t in span))
-        for tensor in solo:
-            host_sizes.append(size(tensor))
-            if trainable(tensor):  # the host gradient buffer (this rank's part of it), right after its master
-                host_sizes.append(gradient_buffer_bytes(tensor, optimizer_shard) if optimizer_shard else size(tensor))
-        placed.update(id(t) for t in new)
-        items = ([sum(aligned(size(t)) for t in span)] if span else []) + [aligned(size(t)) for t in solo]
-        rooms = [room(t) if not trainable(t) else 0 for t in solo]  # only frozen weights are dequantized
-        drafts.append((unit.name, tuple(id(t) for t in span), tuple(id(t) for t in solo), items, rooms))
+    def drafts_with(on_disk: dict[int, dict[int, FileRange]]) -> tuple[list[int], list[_Draft]]:
+        """The arena's allocations and each unit's draft layout, with the units ``on_disk`` (index -> the file
+        range of each of its tensors on the disk tier) holding those tensors in no host memory."""
+        placed: set[int] = set()
+        host_sizes: list[int] = []
+        drafts = []
+        for index, unit in enumerate(units):
+            ordered = [t for _, t in sorted(unit.tensors, key=lambda nt: -size(nt[1]))]
+            new = [t for t in dict.fromkeys(ordered) if id(t) not in placed and hosted(t)]
+            ranges = on_disk.get(index, {})
+            # Spans hold what never changes; a quantized weight is sent as its own payload (quantized.py). A
+            # unit on disk copies its disk tensors as one span (one read, one copy), whatever the granularity.
+            frozen = [t for t in new if not trainable(t) and not is_quantized(t)]
+            if ranges:
+                span = [t for t in frozen if id(t) in ranges]
+            else:
+                span = frozen if unit.flat and len(frozen) > 1 else []
+            solo = [t for t in new if not any(t is s for s in span)]
+            if span and not ranges:
+                host_sizes.append(sum(aligned(size(t)) for t in span))
+            for tensor in solo:
+                host_sizes.append(size(tensor))
+                if trainable(tensor):  # the host gradient buffer (this rank's part of it), right after its master
+                    host_sizes.append(
+                        gradient_buffer_bytes(tensor, optimizer_shard) if optimizer_shard else size(tensor)
+                    )
+            placed.update(id(t) for t in new)
+            items = ([sum(aligned(size(t)) for t in span)] if span else []) + [aligned(size(t)) for t in solo]
+            rooms = [room(t) if not trainable(t) else 0 for t in solo]  # only frozen weights are dequantized
+            disk_ranges = tuple(ranges[id(t)] for t in span) if ranges else ()
+            drafts.append(
+                (unit.name, tuple(id(t) for t in span), tuple(id(t) for t in solo), items, rooms, disk_ranges)
+            )
+        return host_sizes, drafts
 
-    classes, layouts = _ring(drafts, options.prefetch)
-    arena = PinnedArenaPool(sum(aligned(n) for n in host_sizes), pin=False, dry_run=True)
-    for nbytes in host_sizes:
-        arena.allocate((nbytes,), torch.uint8)
-    streamed = sum(n for draft in drafts for n in draft[3])
+    def pinned(host_sizes: list[int]) -> tuple[int, int]:
+        arena = PinnedArenaPool(sum(aligned(n) for n in host_sizes), pin=False, dry_run=True)
+        for nbytes in host_sizes:
+            arena.allocate((nbytes,), torch.uint8)
+        return arena.reserved_bytes, arena.requested_bytes
+
     # The checkpointed inputs' own arena (activations.py), replayed with the sizes the job planned.
     saved = list(options.activation_host_bytes) if options.offload_activations else []
     activations = PinnedArenaPool(sum(aligned(n) for n in saved), pin=False, dry_run=True)
     for nbytes in saved:
         activations.allocate((nbytes,), torch.uint8)
+    limit = options.host_memory_limit if isinstance(options.host_memory_limit, int) else None
+    candidates = on_disk_ranges(units, disk, hosted, size) if disk is not None and limit is not None else {}
+    slots = options.disk_read_ahead + 1
+    on_disk = choose_disk_units(
+        candidates,
+        lambda chosen: pinned(drafts_with(chosen)[0])[0],
+        limit=(limit or 0) - activations.reserved_bytes,
+        slots=slots,
+    )
+    host_sizes, drafts = drafts_with(on_disk)
+    disk_sizes = [sum(aligned(r.nbytes) for r in draft[5]) for draft in drafts if draft[5]]
+    classes, layouts = _ring(drafts, options.prefetch)
+    reserved, requested = pinned(host_sizes)
+    streamed = sum(n for draft in drafts for n in draft[3])
     return MemoryPlan(
         units=units,
         layouts=layouts,
@@ -207,14 +271,18 @@ def plan_memory(
         ring_bytes=sum(c.nbytes + c.room_nbytes for c in classes),
         room_bytes=sum(c.room_nbytes for c in classes),
         host_sizes=host_sizes,
-        pinned_reserved_bytes=arena.reserved_bytes,
-        pinned_requested_bytes=arena.requested_bytes,
+        pinned_reserved_bytes=reserved,
+        pinned_requested_bytes=requested,
         streamed_bytes=streamed,
         largest_unit_bytes=max((c.slot_bytes for c in classes), default=0),
         device_trainables=frozenset(on_device),
         device_trainable_bytes=on_device_bytes,
         activation_reserved_bytes=activations.reserved_bytes,
         activation_requested_bytes=activations.requested_bytes,
+        disk_bytes=sum(disk_sizes),
+        staging_slots=slots if disk_sizes else 0,
+        staging_slot_bytes=max(disk_sizes, default=0),
+        host_memory_limit=limit,
     )
 
 
@@ -258,12 +326,13 @@ def trainables_on_device(
     return chosen, used
 
 
-def _ring(
-    drafts: list[tuple[str, tuple[int, ...], tuple[int, ...], list[int], list[int]]], prefetch: int
-) -> tuple[list[RingClass], list[UnitLayout]]:
+_Draft = tuple[str, tuple[int, ...], tuple[int, ...], list[int], list[int], tuple[FileRange, ...]]
+
+
+def _ring(drafts: list[_Draft], prefetch: int) -> tuple[list[RingClass], list[UnitLayout]]:
     """Group units by layout into ring classes; give each unit its class and slot (round-robin in order)."""
     by_shape: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    for index, (name, _, _, items, rooms) in enumerate(drafts):
+    for index, (name, _, _, items, rooms, _) in enumerate(drafts):
         if items:
             by_shape.setdefault((_place(name), tuple(items), tuple(rooms)), []).append(index)
     classes: list[RingClass] = []
@@ -287,7 +356,7 @@ def _ring(
             class_of[index] = (len(classes), position % depth)
         classes.append(klass)
     layouts = []
-    for index, (name, span, solo, items, rooms) in enumerate(drafts):
+    for index, (name, span, solo, items, rooms, disk) in enumerate(drafts):
         keys = ((0,) if span else ()) + solo
         offsets, at = {}, 0
         for key, nbytes in zip(keys, items, strict=True):
@@ -299,7 +368,7 @@ def _ring(
                 room_offsets[key] = at
                 at += nbytes
         ring_class, slot = class_of.get(index, (None, 0))
-        layouts.append(UnitLayout(name, span, solo, offsets, sum(items), ring_class, slot, room_offsets))
+        layouts.append(UnitLayout(name, span, solo, offsets, sum(items), ring_class, slot, room_offsets, disk))
     return classes, layouts
 
 

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from offload.transfers import CopyEngine, PendingCopy
+
+if TYPE_CHECKING:
+    from offload.disk import DiskSpan, DiskStage
 
 SLOT_ALIGNMENT = 512  # slot starts: generous for vectorized kernels reading the weights in place
 
@@ -216,6 +220,7 @@ def copy_into_ring(
     offset: int,
     prefetch: bool,
     fingerprint: tuple[int, ...] | None = None,
+    staged: tuple[DiskStage, DiskSpan] | None = None,
 ) -> tuple[PendingCopy, Placement | None]:
     """Copy ``host`` to the device: into its planned ring slot when the slot is free for its unit, else into
     allocator memory (counted as a ring overflow). Returns the copy and the placement it holds, if any.
@@ -223,6 +228,8 @@ def copy_into_ring(
     ``fingerprint``: for a frozen tensor, the version counters that change when it is written in place
     (``frozen_fingerprint``). If the slot still holds this copy with that fingerprint, it is not made again
     (ring.py); ``None`` (a tensor that changes between steps, or one whose slot keeps derived data): always copy.
+    ``staged``: a unit on the disk tier (disk.py), whose ``host`` is only its shape and identity: a copy that
+    is made reads the bytes into a staging slot first; one that is not reads nothing.
     """
     if placement is not None and placement.claim():
         out = placement.region(offset, host)
@@ -233,13 +240,30 @@ def copy_into_ring(
             pending = PendingCopy(out, placement.slot.write_event, planned=True)
             copies.stats.reused_bytes += host.numel() * host.element_size()
         else:
-            pending = copies.to_device(host, prefetch=prefetch, out=out, after=placement.free_event)
+            pending = _copy(copies, host, prefetch, out, placement.free_event, staged)
             placement.copied(offset, host, fingerprint)
         placement.hold(pending.event)
         return pending, placement
     if placement is not None:
         copies.stats.ring_overflows += 1
-    return copies.to_device(host, prefetch=prefetch), None
+    return _copy(copies, host, prefetch, None, None, staged), None
+
+
+def _copy(
+    copies: CopyEngine,
+    host: torch.Tensor,
+    prefetch: bool,
+    out: torch.Tensor | None,
+    after: torch.cuda.Event | None,
+    staged: tuple[DiskStage, DiskSpan] | None,
+) -> PendingCopy:
+    if staged is None:
+        return copies.to_device(host, prefetch=prefetch, out=out, after=after)
+    stage, span = staged
+    source = stage.take(span).view(host.dtype).view(host.shape)  # a host wait until the disk read is done
+    pending = copies.to_device(source, prefetch=prefetch, out=out, after=after)
+    stage.copied(pending.event)  # the slot is refilled only after this copy has run
+    return pending
 
 
 def frozen_fingerprint(host: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[int, ...]:

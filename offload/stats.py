@@ -32,6 +32,10 @@ class OffloadStats:
         activation_host_bytes: the most host bytes they held at once.
         optimizer_host_bytes: host bytes of the CPU optimizer's state (``attach_optimizer``) right now: AdamW's
             moments of every host master, or of this process's part of each with ``optimizer_shard``.
+        disk_weight_bytes: frozen weight bytes on the disk tier (read from their files on each use, disk.py).
+        staging_bytes: the disk tier's pinned staging ring (counted in ``pinned_reserved_bytes`` too).
+        disk_read_bytes / disk_read_seconds: bytes the disk tier read, and the seconds its reads took.
+        disk_wait_seconds: time the training loop waited for a disk read to finish (the disk bound the step).
     """
 
     h2d_bytes: int = 0
@@ -54,6 +58,11 @@ class OffloadStats:
     activation_offloaded_bytes: int = 0
     activation_host_bytes: int = 0
     optimizer_host_bytes: int = 0
+    disk_weight_bytes: int = 0
+    staging_bytes: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_wait_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         """JSON-able numbers, for progress reports."""

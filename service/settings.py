@@ -97,6 +97,28 @@ class Settings(BaseSettings):
     # before it is retried (service/queue/db.py); past that a request answers 503 with Retry-After. The job
     # processes inherit it through the environment (FERRY_DB_BUSY_TIMEOUT_S).
     db_busy_timeout_s: float = Field(30.0, gt=0, le=3600)
+    # Host memory the jobs on this machine share for the offload engine's pinned host copies, e.g. "96GiB"
+    # (FERRY_HOST_MEMORY_BUDGET). Each worker slot runs at most one job, so a job that sets no
+    # offload.host_memory_limit gets budget / slots as its limit: the submit-time fit check plans and refuses
+    # with it, and the worker hands it to the job, whose frozen weights beyond it stream from their checkpoint
+    # files. None: no limit but the machine's memory.
+    host_memory_budget: int | str | None = None
+
+    @field_validator("host_memory_budget")
+    @classmethod
+    def _check_host_budget(cls, value: int | str | None) -> int | str | None:
+        from offload.options import parse_bytes  # plain Python: the API process does not import torch
+
+        if value is not None and not parse_bytes(value, name="FERRY_HOST_MEMORY_BUDGET"):
+            raise ValueError(f"FERRY_HOST_MEMORY_BUDGET must be a positive size such as '96GiB'; got {value!r}")
+        return value
+
+    def host_memory_share(self, slots: int) -> int | None:
+        """The ``offload.host_memory_limit`` a job that sets none gets: the budget over the worker slots."""
+        from offload.options import parse_bytes
+
+        budget = parse_bytes(self.host_memory_budget, name="FERRY_HOST_MEMORY_BUDGET")
+        return budget // max(slots, 1) if budget else None
 
     @field_validator("model_roots", "data_roots", mode="before")
     @classmethod

@@ -72,3 +72,35 @@ def host_memory_problem(
             f"has {host_total_bytes / GIB:.1f} GiB of memory"
         )
     return "model", message
+
+
+def host_limit_problem(
+    *, host_memory_limit: int | None, engine_host_bytes: int, disk_bytes: int, fits: bool
+) -> Problem | None:
+    """``offload.host_memory_limit`` that neither RAM nor the disk tier can keep: the engine's pinned host memory
+    (``engine_host_bytes``) exceeds it even with every frozen weight it can read from the checkpoint's files left
+    there (``disk_bytes``). The figures come from `estimate_memory` (``host_limit_fits`` is ``fits``)."""
+    if fits or host_memory_limit is None:
+        return None
+    limit, needed = host_memory_limit, engine_host_bytes
+    if disk_bytes:
+        why = (
+            f"even with {human_bytes(disk_bytes)} of frozen weights read from the checkpoint's files (the "
+            "rest are buffers, trainable weights, the staging ring and weights the job transforms on load: "
+            "quantized, converted or stored in another dtype)"
+        )
+        fix = f"raise it to at least {human_bytes(needed)}, or lower offload.disk_read_ahead"
+    else:
+        why = (
+            "and none of its frozen weights can be read from a checkpoint file (the model is drawn at random or "
+            "seeded, built in memory, or transforms every weight on load)"
+        )
+        fix = (
+            f"raise it to at least {human_bytes(needed)}, or load the model from safetensors (model.weights or "
+            "model.path) with offload.enable_model_cpu_offload and lora or optimizer offload"
+        )
+    return (
+        "offload.host_memory_limit",
+        f"offload.host_memory_limit is {human_bytes(limit)} but the offload engine's pinned host memory needs an "
+        f"estimated {human_bytes(needed)} {why}; {fix}",
+    )

@@ -18,6 +18,7 @@ from torch import nn
 
 from jobs.distributed.optimizer_shards import splits_optimizer
 from jobs.fit.budget import decide_budget, with_budget
+from jobs.fit.disk_tier import disk_locator, disk_notes, disk_read_bytes_per_step
 from jobs.fit.host_memory import (
     OPTIMIZER_STATES,
     RANK_PROCESS_HOST_BYTES,
@@ -51,6 +52,12 @@ class MemoryEstimate:
             the whole state on one rank, about 1/world_size of it per rank when the ranks split it.
         ranks: the job's data-parallel ranks (``distributed.world_size``), all on one machine.
         weight_bytes: the model's weights and buffers (what ``gpu_memory_budget`` could keep resident).
+        host_memory_limit: ``offload.host_memory_limit`` in bytes (None: none).
+        disk_bytes: frozen weight bytes the disk tier reads from the checkpoint's files instead of holding them
+            (counted in ``pinned_host_bytes`` only as its staging ring); ``disk_read_bytes_per_step``: what it
+            reads in a step.
+        engine_host_bytes: the offload engine's pinned host memory, the figure ``host_memory_limit`` bounds
+            (arena, staging ring, checkpointed inputs); ``host_limit_fits``: whether it is within the limit.
     """
 
     peak_device_bytes: int
@@ -60,6 +67,11 @@ class MemoryEstimate:
     optimizer_host_bytes: int = 0
     ranks: int = 1
     weight_bytes: int = 0
+    host_memory_limit: int | None = None
+    disk_bytes: int = 0
+    disk_read_bytes_per_step: int = 0
+    engine_host_bytes: int = 0
+    host_limit_fits: bool = True
 
     @property
     def host_bytes(self) -> int:
@@ -144,6 +156,11 @@ def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:
         optimizer_host_bytes=grow(small.optimizer_host_bytes, large.optimizer_host_bytes),
         ranks=large.ranks,
         weight_bytes=grow(small.weight_bytes, large.weight_bytes),
+        host_memory_limit=large.host_memory_limit,
+        disk_bytes=grow(small.disk_bytes, large.disk_bytes),
+        disk_read_bytes_per_step=grow(small.disk_read_bytes_per_step, large.disk_read_bytes_per_step),
+        engine_host_bytes=(engine := grow(small.engine_host_bytes, large.engine_host_bytes)),
+        host_limit_fits=large.host_memory_limit is None or engine <= large.host_memory_limit,
     )
 
 
@@ -173,6 +190,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         )
 
     ranks, optimizer_host, budget = spec.distributed.world_size, 0, 0
+    plan: MemoryPlan | None = None
     if not offload.enable_model_cpu_offload:
         resident = total + lora + trainable + optimizer_state  # weights (+ adapters), gradients, state
         notes.append("no offload: weights, gradients and optimizer state all on the device")
@@ -208,7 +226,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
                 "gpu_memory_budget 'auto': after two steps, weights fill what the limit leaves above their peak "
                 "(this estimate is the streamed peak; the device then holds up to the limit less a margin)"
             )
-        pinned = plan.pinned_reserved_bytes
+        pinned = plan.pinned_reserved_bytes + plan.staging_bytes
         if spec.lora is not None and offload.enable_optimizer_cpu_offload:
             pinned += 2 * lora  # adapters and their gradients on the host (peft adds them after the base)
         needed = plan.pinned_requested_bytes
@@ -233,8 +251,13 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         # one its prefetch brings back.
         activations -= sum(saved) - 2 * max(saved)
         peak = resident + max(activations, step_temp)
-        arena = engine_plan(model, spec, activation_host_bytes=saved).activation_reserved_bytes
+        with_saved = engine_plan(model, spec, activation_host_bytes=saved)
+        arena = with_saved.activation_reserved_bytes
         pinned += ranks * arena  # each rank's own
+        if plan is not None and with_saved.disk_bytes:  # the host limit, shared with them, moved more to disk
+            pinned += with_saved.pinned_reserved_bytes + with_saved.staging_bytes
+            pinned -= plan.pinned_reserved_bytes + plan.staging_bytes
+            plan = with_saved
         notes.append(
             f"offload.activations: {len(saved)} checkpointed inputs ({_gib(sum(saved))}) in pinned host memory "
             f"({_gib(arena)} reserved), two on the device"
@@ -250,6 +273,9 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
             f"model.quantize {quantize}: the frozen linears are quantized as they load, one at a time, and held "
             "quantized in the pinned arena (the dense model is never in host memory)"
         )
+    limit = parse_bytes(offload.host_memory_limit, name="offload.host_memory_limit")
+    if plan is not None and limit is not None:
+        notes.extend(disk_notes(plan, limit))
     notes.append(
         f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
         f"temporaries {_gib(step_temp)}); excludes the CUDA context"
@@ -262,6 +288,11 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         optimizer_host_bytes=optimizer_host,
         ranks=ranks,
         weight_bytes=total,
+        host_memory_limit=limit,
+        disk_bytes=plan.disk_bytes if plan is not None else 0,
+        disk_read_bytes_per_step=disk_read_bytes_per_step(plan) if plan is not None else 0,
+        engine_host_bytes=plan.host_bytes if plan is not None else 0,
+        host_limit_fits=plan.host_fits if plan is not None else limit is None,
     )
 
 
@@ -354,6 +385,7 @@ def engine_plan(model: nn.Module, spec: JobSpec, *, activation_host_bytes: tuple
             whole_units=whole(model) if whole is not None else (),
         ),
         optimizer_shard=rank_shard(spec),  # the ranks split the CPU optimizer: rank 0's gradient buffers
+        disk=disk_locator(spec),  # offload.host_memory_limit: frozen weights beyond it read from their files
         **sizes,
     )
 

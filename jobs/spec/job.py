@@ -247,6 +247,14 @@ class OffloadSpec(Section):
     gpu_memory_limit: int | str | None = Field(
         None, description="bytes or e.g. '24GiB': the job's process may use no more device memory; null = the GPU"
     )
+    host_memory_limit: int | str | None = Field(
+        None,
+        description="bytes or e.g. '16GiB': the offload engine's pinned host memory (weights kept in RAM, buffers, "
+        "trainable masters and gradients, the disk tier's staging ring); frozen weights beyond it are read from "
+        "the checkpoint's safetensors files on each use; null = every weight in RAM (or the server's "
+        "host_memory_budget shared between its workers)",
+    )
+    disk_read_ahead: int = Field(2, ge=0, le=64, description="units the disk tier reads ahead of the one copied")
     delayed_update: bool = Field(
         False, description="step t's CPU optimizer update runs during step t+1 (gradients one step stale)"
     )
@@ -268,7 +276,7 @@ class OffloadSpec(Section):
         "would not fit in offload.gpu_memory_limit (or the GPU)",
     )
 
-    @field_validator("gpu_memory_budget", "gpu_memory_limit")
+    @field_validator("gpu_memory_budget", "gpu_memory_limit", "host_memory_limit")
     @classmethod
     def _check_size(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
         if value == AUTO_BUDGET and info.field_name == "gpu_memory_budget":
@@ -311,6 +319,19 @@ class OffloadSpec(Section):
         if self.activations is True and not self.enable_model_cpu_offload:
             raise broken_rules(
                 [("activations", "needs offload.enable_model_cpu_offload: true (the engine moves them)")]
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_host_limit_needs_model_offload(self) -> OffloadSpec:
+        if self.host_memory_limit is not None and not self.enable_model_cpu_offload:
+            raise broken_rules(
+                [
+                    (
+                        "host_memory_limit",
+                        "needs offload.enable_model_cpu_offload: true (it bounds the engine's host copies)",
+                    )
+                ]
             )
         return self
 

@@ -134,6 +134,8 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     model.train()
     budget = _decided_budget(spec) if spec.offload.enable_model_cpu_offload else None
     manager = _setup_offload(spec, model, device, limit, source, budget)
+    if manager is not None and spec.offload.host_memory_limit is not None:
+        notices.append(("info", disk_tier_notice(spec, manager)))
     if checkpoint is not None and source is not None:
         # Into the engine's host masters and device adapters, now that the meta tensors are real.
         family.weights_format.load(model, Path(checkpoint.path))
@@ -311,6 +313,8 @@ def _setup_offload(
         ),
         initialize=source.fill if source is not None else None,
         frozen_arena=frozen_arena,
+        # offload.host_memory_limit: frozen weights beyond it are read from the checkpoint's files on each use.
+        disk=source.file_range if source is not None and spec.offload.host_memory_limit is not None else None,
         # The ranks split the CPU optimizer: this rank's gradient buffers and optimizer state hold its parts.
         optimizer_shard=OptimizerShard(group.rank, group.world_size) if group and splits_optimizer(spec) else None,
     )
@@ -319,6 +323,29 @@ def _setup_offload(
     if manager.activations is not None:
         offload_checkpointed_inputs(model, manager.activations)
     return manager
+
+
+def disk_tier_notice(spec: JobSpec, manager: OffloadTrainingManager) -> str:
+    """What ``offload.host_memory_limit`` decided, for the job's events: which frozen weights are read from disk,
+    from which files, and which stay in RAM and why."""
+    plan = manager.plan
+    limit = spec.offload.host_memory_limit
+    gib = 2**30
+    if not plan.disk_bytes:
+        return (
+            f"offload.host_memory_limit {limit}: every frozen weight fits in RAM (pinned host memory "
+            f"{plan.host_bytes / gib:.2f} GiB); nothing is read from disk"
+        )
+    units = [layout for layout in plan.layouts if layout.disk]
+    files = sorted({r.path.name for layout in units for r in layout.disk})
+    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    return (
+        f"offload.host_memory_limit {limit}: {plan.disk_bytes / gib:.2f} GiB of frozen weights in {len(units)} of "
+        f"{len(plan.layouts)} units are read from {shown} on each use, through a {plan.staging_bytes / gib:.2f} GiB "
+        f"pinned staging ring; the pinned arena keeps {plan.pinned_reserved_bytes / gib:.2f} GiB in RAM (small units, "
+        "units spread over the step, buffers, trainable weights, and weights whose stored bytes differ from what "
+        "the engine streams: quantized, converted on load or stored in another dtype, which stay in RAM)"
+    )
 
 
 def _with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
@@ -406,16 +433,10 @@ def _setup_optimizer_offload(
 
 
 def _loads_into_pinned_memory(spec: JobSpec, family: ModelFamily[Any]) -> bool:
-    """Build on meta and fill the pinned arena directly when every weight that is built lives there: model
-    offload with a family that can, and the trainable weights either adapters (materialized apart) or
-    hosted by optimizer offload (full fine-tuning without it keeps every weight on the device)."""
-    offload = spec.offload
-    return (
-        offload.enable_model_cpu_offload
-        and family.build_on_meta is not None
-        and family.apply_lora is None  # a family's own adapters may need the weights
-        and (spec.lora is not None or offload.enable_optimizer_cpu_offload)
-    )
+    """Build on meta and fill the pinned arena directly (jobs/fit/disk_tier.py says when)."""
+    from jobs.fit.disk_tier import loads_into_pinned_memory
+
+    return loads_into_pinned_memory(spec, family)
 
 
 def _load_stats(model: nn.Module, source: WeightSource | None, started: float) -> LoadStats:

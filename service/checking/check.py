@@ -20,6 +20,7 @@ import yaml
 from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
 from jobs.data.auto_size import choose_auto
 from jobs.paths import without_roots
+from jobs.fit.disk_tier import with_host_memory_limit
 from jobs.spec.preflight import preflight_problems
 from jobs.spec.text import ParsedSpec, parse_spec_text
 from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
@@ -61,14 +62,16 @@ def check_spec(request: CheckRequest) -> CheckedSpec:
     if request.fit == "skip":
         return _checked(spec)
     try:
-        fit = estimate_fit(spec, list(request.slots), list(request.gpus))
+        # As the worker will run it: with the server's share of its host budget where the spec sets no limit.
+        limited = with_host_memory_limit(spec, request.host_memory_limit)
+        fit = estimate_fit(limited, list(request.slots), list(request.gpus))
     except Exception as error:
         # Submit queues the job without a fit check; validate says why there is no estimate.
         log.exception("memory estimate failed")
         return _checked(spec, estimate_error=f"the memory estimate failed: {type(error).__name__}: {error}")
     if request.fit == "refuse":
         try:
-            refuse_if_it_cannot_fit(spec, fit, parsed)
+            refuse_if_it_cannot_fit(limited, fit, parsed)
         except ApiError as error:
             return _checked(spec, estimate=fit, refusal=Refusal.of(error))
     return _checked(spec, estimate=fit)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 
 from jobs import JobSpec, estimate_memory, line_of, parse_bytes
-from jobs.fit.checks import device_problem, host_memory_problem
+from jobs.fit.checks import device_problem, host_limit_problem, host_memory_problem
 from jobs.spec.text import ParsedSpec
 from service.checking.fit_shapes import DeviceFit, FitEstimate
 from service.errors import ApiError
@@ -38,7 +38,7 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
         )
     host_fits = estimate.host_bytes <= host_free
     verdicts = [d.fits for d in devices]
-    fits = None if None in verdicts else (all(verdicts) and host_fits)
+    fits = None if None in verdicts else (all(verdicts) and host_fits and estimate.host_limit_fits)
     return FitEstimate(
         peak_device_bytes=estimate.peak_device_bytes,
         pinned_host_bytes=estimate.pinned_host_bytes,
@@ -49,6 +49,11 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
         host_total_bytes=psutil.virtual_memory().total,
         fits=fits,
         devices=devices,
+        host_memory_limit_bytes=estimate.host_memory_limit,
+        engine_host_bytes=estimate.engine_host_bytes,
+        disk_bytes=estimate.disk_bytes,
+        disk_read_bytes_per_step=estimate.disk_read_bytes_per_step,
+        host_limit_fits=estimate.host_limit_fits,
     )
 
 
@@ -104,6 +109,21 @@ def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str | Parse
     A job on a CPU worker holds its whole peak in host memory; pinned (page-locked) copies cannot be
     swapped out either. Such a job would die building its model or arena (or take the host down with it).
     """
+    limited = host_limit_problem(
+        host_memory_limit=fit.host_memory_limit_bytes,
+        engine_host_bytes=fit.engine_host_bytes,
+        disk_bytes=fit.disk_bytes,
+        fits=fit.host_limit_fits,
+    )
+    if limited is not None:
+        path, message = limited
+        raise ApiError(
+            422,
+            "does_not_fit",
+            f"The job cannot keep to its host memory limit: {message}. Submit with ?fit_check=false to queue it "
+            "anyway.",
+            problems=[{"path": path, "message": message, "line": _line_of(text, path), "suggestion": None}],
+        )
     on_host = spec.device == "cpu" or all(d.device is None for d in fit.devices)
     problem = host_memory_problem(
         peak_device_bytes=fit.peak_device_bytes,

@@ -23,3 +23,10 @@ class FitEstimate(BaseModel):
     host_total_bytes: int = 0
     fits: bool | None  # None when the service cannot tell (GPU sizes unknown)
     devices: list[DeviceFit]
+    # offload.host_memory_limit (the spec's, or this server's share of host_memory_budget): the engine's pinned
+    # host memory against it, and the frozen weights the disk tier reads from the checkpoint's files instead.
+    host_memory_limit_bytes: int | None = None
+    engine_host_bytes: int = 0
+    disk_bytes: int = 0
+    disk_read_bytes_per_step: int = 0
+    host_limit_fits: bool = True

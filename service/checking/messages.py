@@ -32,6 +32,7 @@ class CheckRequest:
     gpus: tuple[GpuInfo, ...] = ()
     check_device: bool = True
     fit: Literal["refuse", "report", "skip"] = "refuse"
+    host_memory_limit: int | None = None  # the server's share of host_memory_budget (Settings.host_memory_share)
 
     @classmethod
     def for_service(
@@ -56,6 +57,7 @@ class CheckRequest:
             # A Ray cluster's GPUs are not this machine's, so only a local service refuses for want of one.
             check_device=not queue_anyway and settings.executor == "local",
             fit=fit,
+            host_memory_limit=settings.host_memory_share(len(slots)),
         )
 
 

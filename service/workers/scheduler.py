@@ -171,6 +171,7 @@ class Scheduler:
             model_roots=self.settings.effective_model_roots,
             data_roots=self.settings.effective_data_roots,
             cache_dir=self.settings.storage_dir / "cache",
+            host_memory_limit=self.settings.host_memory_share(len(self.slots)),
         )
 
     def _forward_stop(self, run: Running) -> None:

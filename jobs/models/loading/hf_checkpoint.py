@@ -39,7 +39,9 @@ from jobs.models.loading.weight_sources import (
     WeightSource,
     read_safetensors_header,
     read_stored,
+    stored_range,
 )
+from offload.disk import FileRange
 
 INDEX_NAME = "model.safetensors.index.json"
 logger = logging.getLogger(__name__)
@@ -299,6 +301,13 @@ class PlannedSource(SafetensorsSource):
             return
         host.copy_(self._converted(target, source, host.shape))
         self.bytes += host.numel() * host.element_size()
+
+    def file_range(self, name: str, tensor: torch.Tensor) -> FileRange | None:
+        """A tensor only renamed on load has its bytes in the file; a converted one (fused experts) does not."""
+        found = self.plan.source_of(self._names_of(name, tensor))
+        if found is None or not isinstance(found[1], StoredTensor):
+            return None
+        return stored_range(found[1], tensor)
 
     def dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         found = self.plan.source_of(self.names.get(id(tensor), [name]))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from jobs.models.loading.weight_sources import LoadReport, WeightSource
+from offload.disk import FileRange
 
 
 class QuantizingSource(WeightSource):
@@ -48,6 +49,11 @@ class QuantizingSource(WeightSource):
 
     def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
         self.quantizing(name, tensor, host)
+
+    def file_range(self, name: str, tensor: torch.Tensor) -> FileRange | None:
+        """The unquantized tensors' ranges; a quantized weight's stored form is not the file's bytes (the
+        engine keeps it in RAM)."""
+        return self.source.file_range(name, tensor)
 
     def finish(self) -> LoadReport:
         report = self.source.finish()  # waits for every read, draw and quantization

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from offload.disk import FileRange
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -99,6 +101,15 @@ class WeightSource:
         """Run one tensor's load (``work``) now, or in the source's loader threads (``finish`` waits for it)."""
         work()
 
+    def file_range(self, name: str, tensor: torch.Tensor) -> FileRange | None:
+        """Where ``tensor``'s exact bytes lie in a checkpoint file, for the engine's disk tier (offload/disk.py);
+        None when it has none (drawn at random, converted on load, stored in another dtype). ``tensor`` is
+        looked up as itself, else by ``name`` (a model built apart for an estimate)."""
+        return None
+
+    def _names_of(self, name: str, tensor: torch.Tensor) -> list[str]:
+        return self.names.get(id(tensor), [name])
+
 
 class SafetensorsSource(WeightSource):
     """Tensors from safetensors files (one file, or the shards named by ``model.safetensors.index.json``)."""
@@ -134,6 +145,10 @@ class SafetensorsSource(WeightSource):
 
     def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
         self.read_into(self._entry_of(name, tensor), host)
+
+    def file_range(self, name: str, tensor: torch.Tensor) -> FileRange | None:
+        key = next((n for n in self._names_of(name, tensor) if n in self.entries), None)
+        return stored_range(self.entries[key], tensor) if key is not None else None
 
     def dense(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         entry = self._entry_of(name, tensor)
@@ -261,6 +276,15 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         start, end = entry["data_offsets"]
         entries[key] = StoredTensor(path, key, entry["dtype"], tuple(entry["shape"]), base + start, base + end)
     return entries
+
+
+def stored_range(entry: StoredTensor, tensor: torch.Tensor) -> FileRange | None:
+    """``entry``'s bytes as ``tensor``'s, when they are exactly its bytes (same dtype and shape)."""
+    if entry.dtype_name not in SAFETENSORS_DTYPES or entry.dtype != tensor.dtype:
+        return None
+    if tuple(entry.shape) != tuple(tensor.shape):
+        return None
+    return FileRange(entry.file, entry.start, entry.end)
 
 
 def read_stored(entry: StoredTensor) -> torch.Tensor:

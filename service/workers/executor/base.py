@@ -24,6 +24,8 @@ class LaunchRequest:
     model_roots: list[Path] = field(default_factory=list)
     data_roots: list[Path] = field(default_factory=list)
     cache_dir: Path | None = None  # what jobs with the same inputs share (DPO's reference log-probs)
+    # The server's share of host_memory_budget for this slot: offload.host_memory_limit of a job that sets none.
+    host_memory_limit: int | None = None
 
 
 class RunHandle(Protocol):

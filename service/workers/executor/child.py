@@ -191,9 +191,11 @@ def run_attempt(request: LaunchRequest, sink: EventSink, should_stop: Callable[[
 
 def _run(request: LaunchRequest, reporter: EventReporter, should_stop: Any) -> Any:
     from jobs import PathRoots, load_job_spec, run_job
+    from jobs.fit.disk_tier import with_host_memory_limit
 
     roots = PathRoots(model_roots=request.model_roots, data_roots=request.data_roots)
-    spec = load_job_spec(request.spec_text, roots=roots)
+    # The server's share of its host memory budget, for a job that sets no limit of its own.
+    spec = with_host_memory_limit(load_job_spec(request.spec_text, roots=roots), request.host_memory_limit)
     request.output_dir.mkdir(parents=True, exist_ok=True)
     return run_job(
         spec,
