@@ -781,6 +781,7 @@ def main() -> None:
     )
     parser.add_argument("--kernels", choices=["liger", "none"], help="training.kernels of every job")
     parser.add_argument("--compile", action="store_true", help="training.compile: true for every job")
+    parser.add_argument(
         "--host-limit", help="disk32b: offload.host_memory_limit (default 16GiB; a third of the weights scaled)"
     )
     parser.add_argument("--no-ram", action="store_true", help="disk32b: skip the all-RAM run (a box without 80 GiB)")

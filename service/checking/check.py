@@ -19,8 +19,8 @@ import yaml
 
 from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
 from jobs.data.auto_size import choose_auto
-from jobs.paths import without_roots
 from jobs.fit.disk_tier import with_host_memory_limit
+from jobs.paths import without_roots
 from jobs.spec.preflight import preflight_problems
 from jobs.spec.text import ParsedSpec, parse_spec_text
 from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
