@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory (a LoRA one is merged first)")
     export.add_argument("--format", choices=["gguf"], default="gguf", help="the file format (default: gguf)")
-    export.add_argument("--quant", default="f16", help="f32, f16, bf16 or q8_0 (default: f16)")
+    export.add_argument("--quant", default="f16", help="f32, f16, bf16, q8_0 or q4_k_m (default: f16)")
     export.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-<quant>.gguf")
     export.add_argument("--no-modelfile", action="store_true", help="do not also write an Ollama Modelfile")
     imported = commands.add_parser("import-axolotl", help="print an axolotl config as a Ferry spec (YAML)")

@@ -127,7 +127,7 @@ def download_merged(job_id: str, checkpoint: str, store: StoreDep, settings: Set
 def export_checkpoint_gguf(
     job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep, quant: str = "f16"
 ) -> GgufPublic:
-    """Write the checkpoint as one GGUF file of ``quant`` (f32, f16, bf16, q8_0), a LoRA one merged into its base
+    """Write the checkpoint as one GGUF file of ``quant`` (f32, f16, bf16, q8_0, q4_k_m), a LoRA one merged into its base
     first, with an Ollama ``Modelfile`` beside it; a second call answers with the file already made.
 
     It runs in a process of its own (``python -m jobs export``), which this request waits for."""
