@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint", type=Path, help="a checkpoint directory of a LoRA job")
     merge.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-merged")
     merge.add_argument("--no-archive", action="store_true", help="do not also write <output>.tar")
+    merge.add_argument(
+        "--max-shard-size", default="5GB", help="the largest safetensors file, e.g. 5GB or 200MB (default: 5GB)"
+    )
     export = commands.add_parser(
         "export", help="write a checkpoint in a format other programs load (gguf: llama.cpp, Ollama, LM Studio)"
     )
@@ -168,7 +171,9 @@ def _merge(args: argparse.Namespace) -> int:
     from jobs.checkpoints.export import merge_lora_checkpoint  # peft and transformers: only this command needs them
 
     try:
-        merged = merge_lora_checkpoint(args.checkpoint, args.output, archive=not args.no_archive)
+        merged = merge_lora_checkpoint(
+            args.checkpoint, args.output, archive=not args.no_archive, max_shard_size=args.max_shard_size
+        )
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
