@@ -73,3 +73,112 @@ def test_a_ferry_lora_changes_the_pipelines_transformer_exactly_as_ferrys_model(
     assert wrapped == {n for n, m in ferry.named_modules() if hasattr(m, "lora_A")}  # every adapter placed
     assert not torch.allclose(before, expected, atol=1e-3)  # the adapter matters ...
     torch.testing.assert_close(after, expected, rtol=0, atol=0)  # ... and diffusers applies it as Ferry does
+
+
+# ---- the LoRA file for ComfyUI (python -m jobs export CHECKPOINT --format lora)
+
+
+def comfyui_lora_key_map(model_keys: list[str], family: str, diffusers_to_comfy: dict[str, str]) -> dict[str, str]:
+    """ComfyUI's ``model_lora_keys_unet`` (comfy/lora.py; its ``load_lora`` reads ``<stem>.lora_B.weight`` and
+    ``<stem>.lora_A.weight``, and ``<stem>.alpha`` where present) for these families, re-implemented from its source as
+    the oracle: LoRA key stem -> the model weight it patches. Every model gets the generic
+    ``diffusion_model.<name>`` and ``lora_unet_<name_with_underscores>``; Qwen-Image also ``transformer.<name>``
+    and the bare name; Flux maps diffusers' ``transformer.<name>`` through ``flux_to_diffusers`` (here the
+    diffusers -> ComfyUI names given)."""
+    key_map: dict[str, str] = {}
+    for key in model_keys:
+        if key.startswith("diffusion_model.") and key.endswith(".weight"):
+            stem = key[: -len(".weight")]
+            key_map["lora_unet_" + stem[len("diffusion_model.") :].replace(".", "_")] = key
+            key_map[stem] = key
+            if family == "qwen_image":
+                key_map[stem[len("diffusion_model.") :]] = key
+                key_map["transformer." + stem[len("diffusion_model.") :]] = key
+    if family == "flux1":
+        for diffusers_name, comfy_key in diffusers_to_comfy.items():
+            key_map["transformer." + diffusers_name] = comfy_key
+    return key_map
+
+
+def _comfyui_model_keys(family: str, dit: Any) -> tuple[list[str], dict[str, str]]:
+    """The ComfyUI model's weight names for this DiT: Qwen-Image's are diffusers' own; Wan's the original ones,
+    checked here against diffusers' single-file converter (original -> diffusers) for every Linear."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from jobs.models.diffusion.lora_file import wan_module_name
+
+    linears = sorted(linear_module_names(dit))
+    if family == "wan":
+        for name in linears:
+            converted = convert_wan_transformer_to_diffusers({f"{wan_module_name(name)}.weight": torch.zeros(1)})
+            assert list(converted) == [f"{name}.weight"], name
+        return [f"diffusion_model.{wan_module_name(name)}.weight" for name in linears], {}
+    return [f"diffusion_model.{key}" for key in dit.state_dict()], {}
+
+
+@pytest.mark.parametrize("family", ["qwen", "wan", "flux1"])
+def test_the_lora_file_loads_in_diffusers_and_every_key_maps_in_comfyui(
+    family: str, pipelines: Path, flux_pipelines: Path, tmp_path: Path
+) -> None:
+    import json
+
+    import diffusers
+    from safetensors import safe_open
+
+    from jobs.cli import main
+
+    path = (pipelines if family in ("qwen", "wan") else flux_pipelines) / family
+    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000001"
+    checkpoint.parent.mkdir(parents=True)
+    ferry = _ferry_lora_checkpoint(path, checkpoint)
+    spec = {
+        "name": "dog",
+        "model": {"kind": "diffusers_transformer", "path": str(path)},
+        "data": {"trigger_word": "sks dog"},
+        "training": {"learning_rate": 1e-4, "steps": 1},
+    }
+    (checkpoint / "manifest.json").write_text(json.dumps({"spec": spec, "step": 1, "created": "2026-12-07"}))
+    assert main(["export", str(checkpoint), "--format", "lora"]) == 0
+    written = tmp_path / "out" / "exports" / "step-00000001-lora.safetensors"
+
+    with safe_open(str(written), framework="pt") as handle:
+        meta, keys = handle.metadata(), list(handle.keys())
+    assert meta["modelspec.trigger_phrase"] == "sks dog" and meta["ss_training_comment"] == "trigger word: sks dog"
+    assert meta["ss_network_dim"] == meta["ss_network_alpha"] == "4"  # Ferry's scale (alpha 8 / rank 4) is in lora_B
+    assert meta["ss_base_model_version"] == {"qwen": "qwen_image"}.get(family, family)
+
+    # ComfyUI: every key's module is a weight of ComfyUI's model, and every module has up, down and alpha.
+    pipe = getattr(diffusers, PIPELINES[family]).from_pretrained(str(path))
+    name = {"qwen": "qwen_image"}.get(family, family)
+    model_keys, flux_names = _comfyui_model_keys(name, pipe.transformer)
+    if family == "flux1":  # ComfyUI reads diffusers' Flux names itself (flux_to_diffusers): the names Ferry has
+        flux_names = {n: f"diffusion_model.{n}" for n in linear_module_names(pipe.transformer)}
+    key_map = comfyui_lora_key_map(model_keys, name, flux_names)
+    stems = {k.rsplit(".lora_", 1)[0] for k in keys}
+    assert stems and all(stem in key_map for stem in stems), sorted(stems - set(key_map))[:5]
+    assert keys == sorted(f"{s}.{part}" for s in stems for part in ("lora_A.weight", "lora_B.weight"))
+    assert len(stems) == len(linear_module_names(pipe.transformer))  # every Linear of the DiT has its adapter
+
+    # diffusers: the same file changes the pipeline's transformer exactly as Ferry's adapter does.
+    latents, sigma, cond = _inputs(ferry, family)
+    predict = family_of_model(ferry).predict
+    with torch.no_grad():
+        pipe.load_lora_weights(str(written))
+        torch.testing.assert_close(
+            predict(pipe.transformer, latents, sigma, cond), predict(ferry, latents, sigma, cond), rtol=0, atol=1e-5
+        )
+
+
+def test_the_lora_file_refuses_what_is_not_a_diffusion_lora_checkpoint(tmp_path: Path) -> None:
+    import json
+
+    from jobs.models.diffusion.lora_file import write_lora_file
+
+    with pytest.raises(ValueError, match="still being written"):
+        write_lora_file(tmp_path / ".tmp-step-00000001-abcd")
+    with pytest.raises(ValueError, match="not a Ferry checkpoint"):
+        write_lora_file(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"spec": {"model": {"kind": "hf_causal_lm"}}}))
+    with pytest.raises(ValueError, match="not a LoRA checkpoint of a diffusers_transformer model"):
+        write_lora_file(tmp_path)
+    assert not (tmp_path.parent / "exports").exists()
