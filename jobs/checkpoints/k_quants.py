@@ -21,7 +21,7 @@ import numpy as np
 
 QK_K = 256  # values in a K-quant super-block
 _EPS = 1e-15  # ggml's GROUP_MAX_EPS: a group whose largest magnitude is below this is all zero
-_CHUNK = 1 << 14  # super-blocks quantized at once: bounds the temporaries (~100 MB) for any tensor size
+_CHUNK = 1024  # super-blocks quantized at once: each temporary (1 MB) stays in cache; threads take chunks in turn
 
 
 def quantize_k(data: np.ndarray, qtype: Any) -> np.ndarray:
