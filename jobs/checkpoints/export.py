@@ -136,10 +136,12 @@ def _base_as_trained(base_path: Path, dtype: str, method: str | None) -> nn.Modu
 
     quantize, dequantize = quantizer(method), nf4_dequantize if method == "nf4" else int8_dequantize
     base.requires_grad_(False)  # as under the adapter: every base weight frozen, so quantizable picks the same
-    with torch.no_grad():
-        for module in base.modules():
-            if quantizable(module, method):
-                module.weight.data = dequantize(quantize(module.weight.detach().contiguous()), torch.bfloat16)
+    for module in base.modules():
+        if quantizable(module, method):
+            # A new parameter, as training's quantization made one: a weight tied to the embedding (a tied
+            # lm_head) leaves the embedding unquantized, as it trained.
+            weight = dequantize(quantize(module.weight.detach().contiguous()), torch.bfloat16)
+            module.weight = nn.Parameter(weight, requires_grad=False)
     return base.to(torch.bfloat16)
 
 
