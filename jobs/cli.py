@@ -1,5 +1,5 @@
 """Command line: ``python -m jobs run FILE [--output DIR]``, ``validate FILE``, ``estimate FILE``, ``schema``,
-``merge CHECKPOINT [--output DIR]``, ``export CHECKPOINT --format gguf [--quant Q] [--output FILE]``,
+``merge CHECKPOINT [--output DIR]``, ``export CHECKPOINT --format gguf|lora [--quant Q] [--output FILE]``,
 ``import-axolotl FILE``."""
 
 from __future__ import annotations
@@ -132,12 +132,20 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint", type=Path, help="a checkpoint directory of a LoRA job")
     merge.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-merged")
     merge.add_argument("--no-archive", action="store_true", help="do not also write <output>.tar")
+    merge.add_argument(
+        "--max-shard-size", default="5GB", help="the largest safetensors file, e.g. 5GB or 200MB (default: 5GB)"
+    )
     export = commands.add_parser(
         "export", help="write a checkpoint in a format other programs load (gguf: llama.cpp, Ollama, LM Studio)"
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory (a LoRA one is merged first)")
-    export.add_argument("--format", choices=["gguf"], default="gguf", help="the file format (default: gguf)")
-    export.add_argument("--quant", default="f16", help="f32, f16, bf16 or q8_0 (default: f16)")
+    export.add_argument(
+        "--format",
+        choices=["gguf", "lora"],
+        default="gguf",
+        help="gguf (an LLM) or lora (a diffusion LoRA as one file ComfyUI and diffusers load; default: gguf)",
+    )
+    export.add_argument("--quant", default="f16", help="f32, f16, bf16, q8_0 or q4_k_m (default: f16)")
     export.add_argument("--output", type=Path, help="default: <output_dir>/exports/<checkpoint>-<quant>.gguf")
     export.add_argument("--no-modelfile", action="store_true", help="do not also write an Ollama Modelfile")
     imported = commands.add_parser("import-axolotl", help="print an axolotl config as a Ferry spec (YAML)")
@@ -168,7 +176,9 @@ def _merge(args: argparse.Namespace) -> int:
     from jobs.checkpoints.export import merge_lora_checkpoint  # peft and transformers: only this command needs them
 
     try:
-        merged = merge_lora_checkpoint(args.checkpoint, args.output, archive=not args.no_archive)
+        merged = merge_lora_checkpoint(
+            args.checkpoint, args.output, archive=not args.no_archive, max_shard_size=args.max_shard_size
+        )
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
@@ -177,6 +187,8 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "lora":
+        return _export_lora(args)
     from jobs.checkpoints.gguf_file import export_gguf  # gguf, transformers: only this command needs them
 
     try:
@@ -187,6 +199,18 @@ def _export(args: argparse.Namespace) -> int:
     print(f"wrote {written.path} ({written.architecture}, {written.quant}, {written.size_bytes / 1e6:.1f} MB)")
     if not args.no_modelfile:
         print(f"ollama create NAME -f {written.path.with_suffix('.Modelfile')}")
+    return 0
+
+
+def _export_lora(args: argparse.Namespace) -> int:
+    from jobs.models.diffusion.lora_file import write_lora_file  # safetensors, diffusers: only this format
+
+    try:
+        written = write_lora_file(args.checkpoint, args.output)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"wrote {written} (ComfyUI: models/loras/; diffusers: pipe.load_lora_weights)")
     return 0
 
 

@@ -233,8 +233,9 @@ class ExportEvent(JobEvent):
     type: Literal["export"] = "export"
     checkpoint: str = Field(description="the checkpoint exported, e.g. step-00000100")
     format: Literal["gguf", "merged"]
-    quant: str | None = Field(None, description="of a GGUF file: f32, f16, bf16 or q8_0")
+    quant: str | None = Field(None, description="of a GGUF file: f32, f16, bf16, q8_0 or q4_k_m")
     files: list[FileDigest] = Field(description="names relative to the job's output directory")
+    note: str | None = Field(None, description="what the export changed, e.g. a quantized base merged in bf16")
 
 
 class SampleEvent(JobEvent):

@@ -3,8 +3,13 @@
 A full fine-tune of a Hugging Face model is saved as ``save_pretrained`` writes it (``config.json``,
 ``generation_config.json``, ``model.safetensors``) with the tokenizer beside it, so
 ``AutoModelForCausalLM.from_pretrained(checkpoint_dir)`` loads it. A LoRA checkpoint is merged into its
-base model with peft's ``merge_and_unload`` into a directory of the same shape, and packed into one
-archive for download.
+base model with peft's ``merge_and_unload`` into a directory of the same shape (the weights in shards of
+at most 5 GB with ``model.safetensors.index.json``, as the Hub's models are; ``generation_config.json``
+stopping at the chat template's end-of-turn token too), and packed into one archive for download.
+
+A QLoRA adapter (``model.quantize: nf4`` or ``int8``) was trained against the quantized base, so it is
+merged into that: the base quantized as training quantized it, dequantized into bf16, the adapter added.
+The merged model is bf16 and says so in its ``README.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from jobs.checkpoints.directory import EXPORTS_DIR, is_mergeable
 from jobs.checkpoints.weights import WeightsFormat, is_peft_model, load_trainable
 
 log = logging.getLogger(__name__)
+MAX_SHARD_SIZE = "5GB"  # what the Hub's models use: a shard per download, within any file system's limits
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -65,13 +71,17 @@ def save_tokenizer(tokenizer: Any, directory: Path) -> None:
         hf.save_pretrained(str(directory))
 
 
-def merge_lora_checkpoint(checkpoint: Path, output: Path | None = None, *, archive: bool = True) -> Path:
+def merge_lora_checkpoint(
+    checkpoint: Path, output: Path | None = None, *, archive: bool = True, max_shard_size: str | int = MAX_SHARD_SIZE
+) -> Path:
     """Merge the LoRA adapter of ``checkpoint`` into its base model and save the result as a full model.
 
     Args:
         checkpoint: A checkpoint directory of a LoRA job on an ``hf_causal_lm`` model.
         output: Where the merged model goes; default: ``<output_dir>/exports/<checkpoint>-merged``.
         archive: Also write ``<output>.tar`` (one file to download).
+        max_shard_size: The largest safetensors file (``"5GB"``, or bytes); a larger model is written in
+            shards with ``model.safetensors.index.json``.
 
     Returns:
         The merged model's directory (``AutoModelForCausalLM.from_pretrained`` loads it).
@@ -84,7 +94,6 @@ def merge_lora_checkpoint(checkpoint: Path, output: Path | None = None, *, archi
         PosixPath('out/chat/exports/step-00000100-merged')
     """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     checkpoint = Path(checkpoint)
     spec = _lora_spec(checkpoint)
@@ -93,13 +102,15 @@ def merge_lora_checkpoint(checkpoint: Path, output: Path | None = None, *, archi
     if not (base_path / "config.json").is_file():
         raise ValueError(f"the base model {base_path} of {checkpoint} is gone; it is needed to merge the adapter")
     output = Path(output) if output else checkpoint.parent.parent / EXPORTS_DIR / f"{checkpoint.name}-merged"
-    dtype = getattr(torch, spec["model"].get("dtype", "float32"))
-    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype, local_files_only=True)
+    method = spec["model"].get("quantize")
+    base = _base_as_trained(base_path, spec["model"].get("dtype", "float32"), method)
     merged = PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()
     tmp = output.with_name(f".tmp-{output.name}-{uuid.uuid4().hex[:8]}")
     try:
-        merged.save_pretrained(str(tmp))
+        merged.save_pretrained(str(tmp), max_shard_size=max_shard_size)
         _copy_tokenizer(checkpoint, base_path, spec, tmp)
+        add_stop_tokens(tmp)
+        _write_readme(tmp, output.name, checkpoint, base_path, method)
         if output.exists():
             shutil.rmtree(output)
         tmp.rename(output)
@@ -107,8 +118,86 @@ def merge_lora_checkpoint(checkpoint: Path, output: Path | None = None, *, archi
         shutil.rmtree(tmp, ignore_errors=True)
     if archive:
         archive_directory(output)
-    log.info("merged %s into %s", checkpoint, output)
+    log.info("merged %s into %s%s", checkpoint, output, f" (its {method} base dequantized into bf16)" if method else "")
     return output
+
+
+def _base_as_trained(base_path: Path, dtype: str, method: str | None) -> nn.Module:
+    """The base model as the adapter saw it: in the spec's dtype, or quantized with ``method`` and dequantized
+    into bf16 (the same torchao quantizer training used, on the same weights: the same codes)."""
+    from transformers import AutoModelForCausalLM
+
+    base: Any = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=getattr(torch, dtype), local_files_only=True)
+    if method is None:
+        return base
+    from offload.quant.int8_linear import dequantize as int8_dequantize
+    from offload.quant.nf4_linear import dequantize as nf4_dequantize
+    from offload.quant.quantized import quantizable, quantizer
+
+    quantize, dequantize = quantizer(method), nf4_dequantize if method == "nf4" else int8_dequantize
+    base.requires_grad_(False)  # as under the adapter: every base weight frozen, so quantizable picks the same
+    for module in base.modules():
+        if quantizable(module, method):
+            # A new parameter, as training's quantization made one: a weight tied to the embedding (a tied
+            # lm_head) leaves the embedding unquantized, as it trained.
+            weight = dequantize(quantize(module.weight.detach().contiguous()), torch.bfloat16)
+            module.weight = nn.Parameter(weight, requires_grad=False)
+    return base.to(torch.bfloat16)
+
+
+def add_stop_tokens(model_dir: Path) -> None:
+    """Make ``generation_config.json`` stop where the chat template ends a turn (``<|im_end|>``, ``<|eot_id|>``)
+    as well as at the model's EOS: ``generate`` and vLLM read these ids, so a chat reply ends there.
+
+    Nothing changes without a tokenizer or a chat template Ferry knows (`ollama_modelfile.FORMATS`).
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from jobs.checkpoints.ollama_modelfile import map_chat_template, stop_tokens
+
+    if not (model_dir / "tokenizer_config.json").is_file():
+        return
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir))
+    stops = stop_tokens(tokenizer, model_dir, map_chat_template(tokenizer).format)
+    ids = [i for i in tokenizer.convert_tokens_to_ids(stops) if i is not None and i != tokenizer.unk_token_id]
+    config = GenerationConfig.from_pretrained(str(model_dir))
+    eos = config.eos_token_id
+    known = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    config.eos_token_id = list(dict.fromkeys([*known, *ids]))
+    if config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    config.save_pretrained(str(model_dir))
+
+
+def _write_readme(model_dir: Path, name: str, checkpoint: Path, base_path: Path, method: str | None) -> None:
+    """A model card: what was merged into what, and the precision of the result."""
+    config = json.loads((model_dir / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "the base's dtype"
+    lines = [
+        f"# {checkpoint.name} merged",
+        "",
+        f"The LoRA adapter of Ferry checkpoint `{checkpoint.name}` merged into its base model `{base_path.name}` "
+        f"(peft's `merge_and_unload`); weights in {dtype}.",
+    ]
+    if method is not None:
+        lines += [
+            "",
+            f"The adapter was trained on the base quantized to {method} (QLoRA). It is merged into that base "
+            f"dequantized into bf16: the weights the adapter learned against, not the original {base_path.name} "
+            "weights, so this model computes as the trained one did, within bf16 rounding.",
+        ]
+    lines += ["", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              f'model = AutoModelForCausalLM.from_pretrained("{name}")', f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+              "```", ""]  # fmt: skip
+    (model_dir / "README.md").write_text("\n".join(lines))
+
+
+def merge_note(spec: dict[str, Any]) -> str | None:
+    """What a merged export says of its precision: None, or that a quantized base was dequantized into bf16."""
+    method = spec.get("model", {}).get("quantize")
+    if method is None:
+        return None
+    return f"the adapter was trained on a {method} base: merged into that base dequantized into bf16 (a bf16 model)"
 
 
 def check_finite_weights(checkpoint: Path) -> None:

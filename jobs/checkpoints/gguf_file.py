@@ -5,8 +5,9 @@ tokenizer's ``tokenizer.json``) and writes the GGUF llama.cpp's own ``convert_hf
 Llama family: the same metadata keys (``{arch}.context_length``, ``tokenizer.ggml.*``, the chat template),
 the same tensor names (``gguf.get_tensor_name_map``), Llama's q/k rows reordered for llama.cpp's rotary
 layout, 1-D tensors (norms, biases) kept in f32. The ``gguf`` package (llama.cpp's own Python library) does
-the writing and the ``q8_0`` quantization. K-quants (``q4_k_m`` and kin) are llama.cpp's C++ quantizer's
-work: the error says which ``llama-quantize`` command makes one from the f16 file.
+the writing and the ``q8_0`` quantization; ``q4_k_m`` is llama.cpp's mix of Q4_K and Q6_K tensors, quantized
+by `jobs.checkpoints.k_quants`. Other K-quants are llama.cpp's C++ quantizer's work: the error says which
+``llama-quantize`` command makes one from the f16 file.
 
 The file is written beside its final name and renamed into place: a reader sees no file or a whole one.
 """
@@ -78,7 +79,7 @@ def write_gguf(model_dir: Path, output: Path, quant: str = "f16") -> GgufExport:
         model_dir: A ``save_pretrained`` directory: ``config.json``, ``model.safetensors`` (or shards with
             ``model.safetensors.index.json``), and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``).
         output: The ``.gguf`` file to write (replaced if it exists).
-        quant: ``f32``, ``f16``, ``bf16`` or ``q8_0``.
+        quant: ``f32``, ``f16``, ``bf16``, ``q8_0`` or ``q4_k_m``.
 
     Returns:
         What was written.
@@ -135,7 +136,7 @@ def export_gguf(
             a whole model already), or any Hugging Face model directory.
         output: The ``.gguf`` to write; default ``<output_dir>/exports/<checkpoint>-<quant>.gguf`` for a Ferry
             checkpoint, ``<directory>-<quant>.gguf`` beside any other directory.
-        quant: ``f32``, ``f16``, ``bf16`` or ``q8_0``.
+        quant: ``f32``, ``f16``, ``bf16``, ``q8_0`` or ``q4_k_m``.
         modelfile: Also write ``<output stem>.Modelfile`` (`jobs.checkpoints.ollama_modelfile`).
 
     Raises:
@@ -276,6 +277,7 @@ def _add_hyperparameters(writer: Any, config: dict[str, Any], quant: str, *, nam
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     }
     writer.add_file_type(file_types[quant])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -417,6 +419,10 @@ class _PlannedTensor:
         import gguf
 
         data = self.read().numpy()
+        if self.qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+            from jobs.checkpoints.k_quants import quantize_k  # the gguf package reads these but does not write them
+
+            return quantize_k(data, self.qtype)
         return gguf.quants.quantize(data, self.qtype)
 
 
@@ -425,6 +431,8 @@ def _tensor_plan(
 ) -> Iterator[_PlannedTensor]:
     import gguf
     from safetensors import safe_open
+
+    from jobs.checkpoints.k_quants import q4_k_m_type
 
     name_map = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     heads = config["num_attention_heads"]
@@ -435,6 +443,7 @@ def _tensor_plan(
         "f16": gguf.GGMLQuantizationType.F16,
         "bf16": gguf.GGMLQuantizationType.BF16,
         "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_k_m": gguf.GGMLQuantizationType.Q4_K,  # per tensor: k_quants.q4_k_m_type
     }[quant]
     for path in weight_files:
         with safe_open(str(path), framework="pt") as handle:
@@ -453,6 +462,8 @@ def _tensor_plan(
             qtype = wanted
             if len(shape) <= 1 or name.endswith("_norm.weight"):
                 qtype = gguf.GGMLQuantizationType.F32  # as llama.cpp keeps them: tiny, and precision-bound
+            elif quant == "q4_k_m":
+                qtype = q4_k_m_type(name, shape, config["num_hidden_layers"], has_output=not tied)
             elif qtype == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % 32:
                 qtype = gguf.GGMLQuantizationType.F16  # q8_0 blocks are 32 wide; the converter falls back too
             yield _PlannedTensor(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-# llama.cpp's --outtype spellings of the types the gguf package writes itself.
-QUANTS = ("f32", "f16", "bf16", "q8_0")
+# llama.cpp's spellings of the types this export writes: the gguf package's own (f32 to q8_0), and llama.cpp's
+# Q4_K_M mix of Q4_K and Q6_K tensors (jobs/checkpoints/k_quants.py).
+QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
 # Made by llama.cpp's C++ quantizer from an f16 file (K-quants and kin, importance-weighted block formats
 # the gguf package does not write): the message names the command.
 LLAMA_QUANTIZE_TYPES = (
@@ -14,7 +15,6 @@ LLAMA_QUANTIZE_TYPES = (
     "q4_0",
     "q4_1",
     "q4_k_s",
-    "q4_k_m",
     "q5_0",
     "q5_1",
     "q5_k_s",
@@ -33,8 +33,8 @@ def check_quant(quant: str) -> str:
     """The quant name lower-cased, or a ValueError naming the choices (and the command for K-quants).
 
     Example:
-        >>> check_quant("Q8_0")
-        'q8_0'
+        >>> check_quant("Q4_K_M")
+        'q4_k_m'
     """
     name = quant.strip().lower()
     if name in QUANTS:

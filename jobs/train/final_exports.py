@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from jobs.checkpoints.directory import EXPORTS_DIR, CheckpointInfo, best_checkpoint, file_sha256, list_checkpoints
+from jobs.checkpoints.export import merge_note
 from jobs.events import ExportEvent, FileDigest, LogEvent, Report
 from jobs.spec.job import JobSpec
 
@@ -51,7 +52,8 @@ def write_final_exports(spec: JobSpec, output_dir: Path, report: Report) -> list
             continue
         files = [_digest(path, output_dir) for path in written]
         quant = spec.export.gguf.quant if name == "gguf" and spec.export.gguf is not None else None
-        event = ExportEvent(checkpoint=chosen.name, format=name, quant=quant, files=files)
+        note = merge_note(spec.model_dump()) if name == "merged" else None
+        event = ExportEvent(checkpoint=chosen.name, format=name, quant=quant, files=files, note=note)
         log.info("exported %s as %s: %s", chosen.name, name, ", ".join(f.name for f in files))
         report(event)
         events.append(event)

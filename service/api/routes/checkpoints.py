@@ -127,7 +127,7 @@ def download_merged(job_id: str, checkpoint: str, store: StoreDep, settings: Set
 def export_checkpoint_gguf(
     job_id: str, checkpoint: str, store: StoreDep, settings: SettingsDep, quant: str = "f16"
 ) -> GgufPublic:
-    """Write the checkpoint as one GGUF file of ``quant`` (f32, f16, bf16, q8_0), a LoRA one merged into its base
+    """Write the checkpoint as one GGUF file of ``quant`` (f32, f16, bf16, q8_0, q4_k_m), a LoRA one merged into its base
     first, with an Ollama ``Modelfile`` beside it; a second call answers with the file already made.
 
     It runs in a process of its own (``python -m jobs export``), which this request waits for."""
@@ -341,15 +341,25 @@ def _checkpoint(job_id: str, name: str, settings: Settings) -> CheckpointInfo:
 
 def _merge(checkpoint: Path, output: Path) -> None:
     """``python -m jobs merge``: the merged model in ``output`` and ``output.tar``; 422 when it cannot be."""
-    command = [sys.executable, "-m", "jobs", "merge", str(checkpoint), "--output", str(output)]
+    _run_jobs_command(
+        ["merge", str(checkpoint), "--output", str(output)], "not_mergeable", f"merging {checkpoint.name}"
+    )
+
+
+def _run_jobs_command(arguments: list[str], refused: str, doing: str) -> None:
+    """``python -m jobs ARGUMENTS`` in a process of its own (torch and the model stay out of the server).
+
+    Its own refusal (exit code 2, the problem on its last stderr line) is a 422 of code ``refused`` with that
+    line; any other failure is logged with its stderr and answered as a 500 naming ``doing``."""
+    command = [sys.executable, "-m", "jobs", *arguments]
     done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
     if done.returncode == 0:
         return
     said = [line for line in done.stderr.splitlines() if line.strip()]
-    if done.returncode == 2 and said:  # the command's own refusal: its last line names what is wrong
-        raise ApiError(422, "not_mergeable", said[-1])
-    log.error("python -m jobs merge %s failed (exit code %s): %s", checkpoint, done.returncode, done.stderr[-4000:])
-    raise RuntimeError(f"merging {checkpoint.name} failed (exit code {done.returncode}); see the server log")
+    if done.returncode == 2 and said:
+        raise ApiError(422, refused, said[-1])
+    log.error("python -m jobs %s failed (exit code %s): %s", " ".join(arguments), done.returncode, done.stderr[-4000:])
+    raise RuntimeError(f"{doing} failed (exit code {done.returncode}); see the server log")
 
 
 def _quant(quant: str) -> str:
@@ -376,15 +386,8 @@ def _made_gguf(job_id: str, checkpoint: str, store: StoreDep, settings: Settings
 
 def _run_export(checkpoint: Path, output: Path, quant: str) -> None:
     """``python -m jobs export``: the GGUF at ``output`` and its Modelfile; 422 when it cannot be."""
-    command = [sys.executable, "-m", "jobs", "export", str(checkpoint), "--quant", quant, "--output", str(output)]
-    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False)
-    if done.returncode == 0:
-        return
-    said = [line for line in done.stderr.splitlines() if line.strip()]
-    if done.returncode == 2 and said:  # the command's own refusal: its last line names what is wrong
-        raise ApiError(422, "not_exportable", said[-1])
-    log.error("python -m jobs export %s failed (exit code %s): %s", checkpoint, done.returncode, done.stderr[-4000:])
-    raise RuntimeError(f"exporting {checkpoint.name} failed (exit code {done.returncode}); see the server log")
+    arguments = ["export", str(checkpoint), "--quant", quant, "--output", str(output)]
+    _run_jobs_command(arguments, "not_exportable", f"exporting {checkpoint.name}")
 
 
 def _gguf_path(job_dir: Path, checkpoint: str, quant: str) -> Path:

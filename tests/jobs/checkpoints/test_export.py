@@ -90,6 +90,69 @@ def test_merged_lora_equals_the_adapter_on_its_base(
     } <= members
 
 
+def test_a_merged_model_in_shards_loads_with_from_pretrained_as_the_adapter_on_model(
+    tmp_path: Path, llm_roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    checkpoint, _ = train(
+        llm_spec(lora={"target_modules": ["q_proj", "v_proj", "o_proj"]}), llm_roots, tmp_path / "out", monkeypatch
+    )
+    merged_dir = tmp_path / "merged"
+    # The tiny model is ~250 KB in float32: 100KB shards make it three files, as 5GB ones split a 7B model.
+    assert main(["merge", str(checkpoint), "--output", str(merged_dir), "--max-shard-size", "100KB"]) == 0
+    index = json.loads((merged_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and all((merged_dir / shard).is_file() for shard in shards)
+    assert not (merged_dir / "model.safetensors").exists()
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
+    monkeypatch.chdir(llm_roots.model_roots[0])  # the adapter names its base portably: "llama"
+    adapter = AutoPeftModelForCausalLM.from_pretrained(str(checkpoint)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=IDS).logits, adapter(input_ids=IDS).logits, rtol=0, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(str(merged_dir))
+    stops = GenerationConfig.from_pretrained(str(merged_dir)).eos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stops and tokenizer.eos_token_id in stops
+    assert 'from_pretrained("merged")' in (merged_dir / "README.md").read_text()
+    with tarfile.open(merged_dir.with_name("merged.tar")) as archive:
+        assert {f"merged/{shard}" for shard in shards} | {"merged/model.safetensors.index.json"} <= set(
+            archive.getnames()
+        )
+
+
+def test_a_quantized_base_is_merged_dequantized_into_bf16_as_it_trained(
+    tmp_path: Path, llm_roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter trained on an int8 base (NF4 needs 16384-weight blocks the tiny model lacks) merges into that
+    base dequantized into bf16: the trained model's outputs within bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("torchao")
+    data = llm_spec(model={"quantize": "int8"}, lora={"target_modules": ["q_proj", "v_proj", "o_proj"]})
+    checkpoint, trained = train(data, llm_roots, tmp_path / "out", monkeypatch)
+    merged_dir = merge_lora_checkpoint(checkpoint, tmp_path / "merged", archive=False)
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+    assert "quantized to int8 (QLoRA)" in (merged_dir / "README.md").read_text()
+    with torch.no_grad():
+        expected = trained.eval()(input_ids=IDS).logits
+        error = (merged(input_ids=IDS).logits.float() - expected).abs().max().item()
+    assert error < 0.02 * expected.abs().max().item()  # measured 0.0024 of 0.37: the bf16 rounding of the merge
+    # A linear the adapter leaves alone holds the int8 weights as training computed with them, in bf16.
+    from offload.quant.int8_linear import dequantize
+    from offload.quant.quantized import quantizer
+
+    original = load_file(str(llm_roots.model_roots[0] / "llama" / "model.safetensors"))[
+        "model.layers.0.mlp.up_proj.weight"
+    ]
+    as_trained = dequantize(quantizer("int8")(original), torch.bfloat16)
+    kept = merged.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(kept, as_trained) and not torch.equal(kept, original.bfloat16())
+
+
 def test_merge_refuses_a_checkpoint_that_is_not_lora(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a Ferry checkpoint"):
         merge_lora_checkpoint(tmp_path)
@@ -145,3 +208,12 @@ def test_bf16_mixed_precision_keeps_float32_master_weights(
     name = "model.layers.0.mlp.up_proj.weight"
     assert changed_fraction(mixed, base, name) > 0.9
     assert changed_fraction(pure, base, name) < 0.1
+
+
+def test_a_merged_export_event_says_a_quantized_base_was_dequantized() -> None:
+    from jobs.checkpoints.export import merge_note
+
+    assert merge_note({"model": {"kind": "hf_causal_lm", "quantize": None}}) is None
+    assert merge_note({"model": {"quantize": "nf4"}}) == (
+        "the adapter was trained on a nf4 base: merged into that base dequantized into bf16 (a bf16 model)"
+    )

@@ -163,9 +163,10 @@ def test_a_sentencepiece_style_vocabulary_is_written_as_llama_cpp_llama_tokenize
 
 def test_quant_names() -> None:
     assert check_quant("Q8_0") == "q8_0"
-    with pytest.raises(ValueError, match=re.escape("llama-quantize model-f16.gguf model-q4_k_m.gguf Q4_K_M")):
-        check_quant("q4_k_m")
-    with pytest.raises(ValueError, match="unknown quant 'q9'.*f32, f16, bf16, q8_0"):
+    assert check_quant("Q4_K_M") == "q4_k_m"
+    with pytest.raises(ValueError, match=re.escape("llama-quantize model-f16.gguf model-q5_k_m.gguf Q5_K_M")):
+        check_quant("q5_k_m")
+    with pytest.raises(ValueError, match="unknown quant 'q9'.*f32, f16, bf16, q8_0, q4_k_m"):
         check_quant("q9")
 
 
@@ -283,9 +284,54 @@ def test_a_trained_lora_checkpoint_exports_through_the_cli_and_generates_as_merg
             kwargs: dict[str, Any] = dict(max_new_tokens=8, do_sample=False, pad_token_id=3)
             assert torch.equal(loaded.generate(prompt, **kwargs), merged.generate(prompt, **kwargs))
 
-    assert main(["export", str(checkpoint), "--quant", "q4_k_m"]) == 2
+    assert main(["export", str(checkpoint), "--quant", "q5_k_m"]) == 2
     assert "llama-quantize" in capsys.readouterr().err
     shutil.rmtree(models / "llama")  # the adapter's base is gone: nothing to merge into
     assert main(["export", str(checkpoint), "--quant", "q8_0"]) == 2
     assert "is gone" in capsys.readouterr().err
     assert not any(p.name.endswith("q8_0.gguf") or p.name.startswith(".tmp") for p in exports.iterdir())
+
+
+def test_a_trained_model_as_q4_k_m_generates_as_its_f16_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Q4_K_M through transformers' GGUF loader: llama.cpp's mix of tensor types, a third of the f16 file, and
+    on the prompts the model was trained on the same greedy tokens as the f16 export (measured: 64 of 64)."""
+    from transformers import AutoTokenizer
+
+    models, data = tmp_path / "models", tmp_path / "data"
+    save_bpe_tokenizer(models / "tok")
+    # Rows 256 wide (hidden) and 512 (ffn_down's input): Q4_K's super-blocks, no fallback types.
+    save_llama(models / "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    records = [chat_record(i) for i in range(8)]
+    write_jsonl(data / "chat.jsonl", records)
+    roots = PathRoots(model_roots=[models], data_roots=[data])
+    training = {"steps": 30, "batch_size": 4, "learning_rate": 3e-3}  # a full fine-tune that learns its chats
+    checkpoint, _ = train(llm_spec(lora=None, training=training), roots, tmp_path / "out", monkeypatch)
+
+    for quant in ("f16", "q4_k_m"):
+        assert main(["export", str(checkpoint), "--quant", quant, "--output", str(tmp_path / f"{quant}.gguf")]) == 0
+    assert "(llama, q4_k_m," in capsys.readouterr().out
+    meta = fields(tmp_path / "q4_k_m.gguf")
+    assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "q4_k_m.gguf")).tensors}
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert [types[f"blk.{i}.attn_v.weight"] for i in (0, 1)] == ["Q4_K", "Q6_K"]  # use_more_bits(i, 2)
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in (0, 1)] == ["Q4_K", "Q6_K"]
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up.weight"] == "Q4_K"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    assert (tmp_path / "q4_k_m.gguf").stat().st_size < 0.35 * (tmp_path / "f16.gguf").stat().st_size
+
+    f16, q4 = load_gguf(tmp_path / "f16.gguf"), load_gguf(tmp_path / "q4_k_m.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(str(models / "tok"))
+    agree = total = 0
+    with torch.no_grad():
+        for record in records:
+            prompt = tokenizer.apply_chat_template(record["messages"][:2], add_generation_prompt=True)
+            prompt = torch.tensor([prompt["input_ids"] if hasattr(prompt, "keys") else prompt])
+            kwargs: dict[str, Any] = dict(max_new_tokens=8, do_sample=False, pad_token_id=3)
+            expected = f16.generate(prompt, **kwargs)[0, prompt.shape[1] :]
+            got = q4.generate(prompt, **kwargs)[0, prompt.shape[1] :]
+            agree += next((i for i in range(len(expected)) if got[i] != expected[i]), len(expected))
+            total += len(expected)
+    assert agree >= 0.9 * total, f"{agree} of {total} greedy tokens as the f16 export's before the first difference"

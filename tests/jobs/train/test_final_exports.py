@@ -112,10 +112,10 @@ def test_a_lora_job_ends_with_its_exports_reported_and_listed(tmp_path: Path, ll
 
 
 def test_bad_export_sections_are_refused_at_submit_naming_the_field(llm_roots: PathRoots) -> None:
-    problems = _problems(llm_spec(export={"gguf": {"quant": "q4_k_m"}}), llm_roots)
+    problems = _problems(llm_spec(export={"gguf": {"quant": "q5_k_m"}}), llm_roots)
     assert "llama-quantize" in problems["export.gguf.quant"]
     problems = _problems(llm_spec(export={"gguf": {"quant": "q9"}}), llm_roots)
-    assert problems["export.gguf.quant"].endswith("unknown quant 'q9': choose one of f32, f16, bf16, q8_0")
+    assert problems["export.gguf.quant"].endswith("unknown quant 'q9': choose one of f32, f16, bf16, q8_0, q4_k_m")
     problems = _problems(llm_spec(lora=None, export={"merged": True}), llm_roots)
     assert problems["export.merged"].startswith("a full fine-tune's checkpoint is already a whole model")
     problems = _problems(llm_spec(export={"gguf": {}}, checkpoint={"save_final": False}), llm_roots)

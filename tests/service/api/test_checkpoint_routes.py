@@ -201,7 +201,7 @@ def test_a_checkpoint_exports_to_gguf_with_its_modelfile(client: TestClient, set
 
 def test_gguf_export_refusals_are_4xx_naming_the_fix(client: TestClient, settings: Settings) -> None:
     url = f"{BASE}/step-00000003/gguf"
-    for answer in (client.post(url, params={"quant": "q4_k_m"}), client.get(url, params={"quant": "q4_k_m"})):
+    for answer in (client.post(url, params={"quant": "q5_k_m"}), client.get(url, params={"quant": "q5_k_m"})):
         status, code, message = error(answer)
         assert (status, code) == (422, "bad_quant") and "llama-quantize model-f16.gguf" in message
     assert error(client.post(url, params={"quant": "../x"}))[:2] == (422, "bad_quant")

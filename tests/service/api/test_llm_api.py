@@ -103,7 +103,7 @@ def test_prometheus_shows_the_latest_eval_loss_of_a_running_job(tmp_path: Path) 
 def test_a_bad_export_section_is_a_422_naming_the_field_and_nothing_is_queued(tmp_path: Path, make_server) -> None:
     server = make_server(**roots(tmp_path))
     bad = [
-        (llm_spec(export={"gguf": {"quant": "q4_k_m"}}), "export.gguf.quant", "llama-quantize model-f16.gguf"),
+        (llm_spec(export={"gguf": {"quant": "q5_k_m"}}), "export.gguf.quant", "llama-quantize model-f16.gguf"),
         (llm_spec(export={"gguf": {"quant": "int3"}}), "export.gguf.quant", "unknown quant 'int3'"),
         (llm_spec(lora=None, export={"merged": True}), "export.merged", "already a whole model"),
         (llm_spec(export={"gguf": "q8_0"}), "export.gguf", ""),

@@ -60,7 +60,7 @@ export function checkpointsCard(jobId, ctx) {
   /** Write the checkpoint as an f16 GGUF file with its Modelfile on the server, then list it. */
   function ggufButton(name) {
     const button = h("button", { class: "btn small", type: "button", "data-gguf": name,
-      title: "Write a GGUF file (f16) with an Ollama Modelfile; q8_0 through the API or the spec's export:",
+      title: "Write a GGUF file (f16) with an Ollama Modelfile; q8_0 or q4_k_m through the API or the spec's export:",
       onclick: async () => {
         button.disabled = true;
         button.textContent = "Exporting…";
