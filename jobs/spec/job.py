@@ -370,7 +370,9 @@ class CheckpointSpec(Section):
 class GgufExportSpec(Section):
     """The final checkpoint written as one GGUF file (llama.cpp, Ollama, LM Studio) with an Ollama Modelfile."""
 
-    quant: str = Field("f16", description="f32, f16, bf16, q8_0 or q4_k_m (other K-quants: llama-quantize the f16 file)")
+    quant: str = Field(
+        "f16", description="f32, f16, bf16, q8_0 or q4_k_m (other K-quants: llama-quantize the f16 file)"
+    )
 
     @field_validator("quant")
     @classmethod

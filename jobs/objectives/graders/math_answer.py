@@ -18,7 +18,7 @@ INSTALL = "the math_answer grader needs math-verify: pip install 'ferry[rl]' (or
 def math_answer(spec: Any, completion: str, row: dict[str, Any]) -> float:
     """1.0 when the rendered input's answer equals the rendered reference, else 0.0."""
     try:
-        from math_verify import parse, verify  # type: ignore[import-not-found]
+        from math_verify import parse, verify
     except ImportError as error:
         raise ValueError(INSTALL) from error
     # math-verify bounds its SymPy work with signal.alarm, which only the main thread may set (a test server runs
