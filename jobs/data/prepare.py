@@ -128,7 +128,7 @@ def _preference_data(
             try:
                 found.append(truncate(preference_pair(record.fields, tokenizer), spec.seq_len))
             except RecordError as error:
-                raise ValueError(f"'{record.file}' row {record.row}: {error} (data.format=preference)") from None
+                raise ValueError(f"{record.file} row {record.row}: {error} (data.format=preference)") from None
         return found
 
     train_pairs = pairs(records)
@@ -176,7 +176,7 @@ def _examples(records: list[Record], spec: Any, tokenizer: Tokenizer) -> list[Ex
         try:
             examples += record_examples(record.fields, spec, tokenizer)
         except RecordError as error:
-            raise ValueError(f"'{record.file}' row {record.row}: {error} (data.format={spec.format})") from None
+            raise ValueError(f"{record.file} row {record.row}: {error} (data.format={spec.format})") from None
     return examples
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from jobs.data.formats.chat import check_messages, conversation_prompt
 from jobs.data.formats.examples import IGNORE, Example, RecordError
+from jobs.data.formats.trl import layout_refusal
 from jobs.data.tokenizers import HFTokenizer, Tokenizer
 
 
@@ -27,13 +28,16 @@ def prompt_ids(fields: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         if not prompt:
             raise RecordError(field, "is empty; a prompt row needs the text to complete")
         return tokenizer.encode(prompt)
-    if prompt is None:
-        raise RecordError(
+    if prompt is None:  # another TRL layout (language modeling, preference, ...) is named with what trains it
+        raise layout_refusal(fields, "prompt", "prompt") or RecordError(
             "prompt", 'is missing; a prompt row is {"prompt": text or messages} or OpenAI\'s {"messages": [...]}'
         )
     messages = check_messages(prompt, field, need_assistant=False)
     if messages[-1]["role"] == "assistant":
-        raise RecordError(f"{field}[{len(messages) - 1}]", "is the assistant's; a prompt ends before the reply")
+        place, why = f"{field}[{len(messages) - 1}]", "is the assistant's; a prompt ends before the reply"
+        layout = layout_refusal(fields, "prompt", "prompt") if field == "messages" else None
+        # TRL's conversational language modeling: named too, with the setting that trains it
+        raise RecordError(place, f"{why}; {layout.message}" if layout else why)
     if not isinstance(tokenizer, HFTokenizer):
         raise RecordError(field, "conversational prompts need data.tokenizer kind hf (a chat template)")
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -317,10 +317,10 @@ def test_grpo_prompt_rows_pass_the_submit_check(llm_roots: PathRoots) -> None:
     write_jsonl(llm_roots.data_roots[0] / "prompts.jsonl", rows)
     grpo = {
         "data": {"path": "prompts.jsonl", "format": "prompt"},
-        "training": {"objective": "grpo", "steps": 2, "grpo": {"grader": GRADER, "num_generations": 4}},
+        "training": {"objective": "grpo", "steps": 2, "grpo": {"grader": GRADER, "num_generations": 4, "max_new_tokens": 16}},
     }
     # Old code: "prompts.jsonl row 1: field 'messages': must be a non-empty list ..." (read as chat rows).
     assert problems(llm_roots, **grpo) == []
     write_jsonl(llm_roots.data_roots[0] / "prompts.jsonl", [{"question": "what is 1 plus 1?"}])
     (found,) = problems(llm_roots, **grpo)
-    assert found.path == "data.path" and "field 'prompt': is missing; a prompt row needs prompt" in found.message
+    assert found.path == "data.path" and "field 'prompt': is missing; a prompt row is" in found.message
