@@ -317,7 +317,11 @@ def test_grpo_prompt_rows_pass_the_submit_check(llm_roots: PathRoots) -> None:
     write_jsonl(llm_roots.data_roots[0] / "prompts.jsonl", rows)
     grpo = {
         "data": {"path": "prompts.jsonl", "format": "prompt"},
-        "training": {"objective": "grpo", "steps": 2, "grpo": {"grader": GRADER, "num_generations": 4, "max_new_tokens": 16}},
+        "training": {
+            "objective": "grpo",
+            "steps": 2,
+            "grpo": {"grader": GRADER, "num_generations": 4, "max_new_tokens": 16},
+        },
     }
     # Old code: "prompts.jsonl row 1: field 'messages': must be a non-empty list ..." (read as chat rows).
     assert problems(llm_roots, **grpo) == []
