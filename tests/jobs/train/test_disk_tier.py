@@ -91,10 +91,10 @@ def test_a_weights_file_changed_mid_job_fails_it_naming_the_file(tmp_path: Path,
         if fault == "truncated":
             with path.open("r+b") as handle:
                 handle.truncate(path.stat().st_size - 4096)
-        else:  # the same size, other bytes: another save over it
-            data = bytearray(path.read_bytes())
-            data[-4096:] = bytes(4096)
-            path.write_bytes(bytes(data))
+        else:  # the same size, other bytes: written in place, so the read-ahead never sees a shorter file
+            with path.open("r+b") as handle:
+                handle.seek(path.stat().st_size - 4096)
+                handle.write(bytes(4096))
 
     events: list[dict[str, Any]] = []
     with pytest.raises(Exception, match=f"model weights file {path} changed on disk"):
