@@ -136,6 +136,7 @@ class ImageChatBatches:
     """
 
     tokens_per_sample = None  # rows differ in length: the step's token count is not batch x a length
+    notices: list[str] = []  # what the job's events say about the data (images resized)
 
     def __init__(self, rows: list[ImageRow], batch_size: int, seed: int, text: ProcessorText, spec: Any) -> None:
         if len(rows) < batch_size:
@@ -176,10 +177,12 @@ class ImageChatBatches:
 def build_image_chat_data(spec: Any, batch_size: int, seed: int, text: ProcessorText) -> ImageChatBatches:
     """The training batches of an ``image_chat`` data section, notes on resized images in the job's log."""
     rows, notes = read_rows(spec, text)
-    if notes:
-        shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
-        log.warning("data: %d image(s) above data.max_image_pixels resized: %s", len(notes), shown)
     images = sum(len(row.images) for row in rows)
     log.info("data: %d row(s) with %d image(s), %d to %d tokens a row", len(rows), images,
              min(len(r.input_ids) for r in rows), max(len(r.input_ids) for r in rows))  # fmt: skip
-    return ImageChatBatches(rows, batch_size, seed, text, spec)
+    batches = ImageChatBatches(rows, batch_size, seed, text, spec)
+    if notes:  # in the job's events (session notices) as well as its log
+        shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
+        batches.notices = [f"data: {len(notes)} image(s) above data.max_image_pixels resized: {shown}"]
+        log.warning("%s", batches.notices[0])
+    return batches
