@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -57,8 +57,8 @@ def count_rows(spec: JobSpec) -> DataRows:
     from jobs.data.prepare import model_keeps_documents_apart, prepare_text_data
     from jobs.models.registry import family_of
 
-    data = spec.data
-    assert data.kind in AUTO_DATA_KINDS  # callers check
+    data: Any = spec.data  # text or image_chat (callers check)
+    assert data.kind in AUTO_DATA_KINDS
     if data.kind == "image_chat":
         return _image_chat_rows(spec)
     if data.format == "prompt":
@@ -76,7 +76,8 @@ def _image_chat_rows(spec: JobSpec) -> DataRows:
 
     from jobs.data.records import iter_records
 
-    count = sum(1 for _ in iter_records(Path(spec.data.path), spec.data.file_type))
+    data: Any = spec.data  # image_chat (count_rows checked)
+    count = sum(1 for _ in iter_records(Path(data.path), data.file_type))
     return DataRows(rows=count, examples=count, layout="padded")
 
 
@@ -138,7 +139,8 @@ def choose_auto(spec: JobSpec) -> tuple[JobSpec, list[str]]:
     if spec.data.kind not in AUTO_DATA_KINDS:
         raise ValueError(f"training.{training.auto[0]}: {AUTO_ONLY_ON}; give a number")
     rows = count_rows(spec)
-    where = rows.described(spec.data.seq_len)
+    data: Any = spec.data  # text or image_chat: both have seq_len
+    where = rows.described(data.seq_len)
     chosen: dict[str, object] = {"auto": []}
     notes = []
     if "batch_size" in training.auto:

@@ -180,9 +180,9 @@ def _parts_problems(parts: list[Any], where: str) -> list[tuple[str, str]]:
         if kind == "text" and set(part) == {"type", "text"} and isinstance(part["text"], str):
             continue
         url = part.get("image_url") if isinstance(part, dict) else None
-        if kind == "image_url" and set(part) == {"type", "image_url"} and isinstance(url, dict):
-            if isinstance(url.get("url"), str) and set(url) <= {"url", "detail"}:
-                continue
+        plain_url = isinstance(url, dict) and isinstance(url.get("url"), str) and set(url) <= {"url", "detail"}
+        if kind == "image_url" and set(part) == {"type", "image_url"} and plain_url:
+            continue
         return [
             (
                 f"{where}.{number}",

@@ -259,9 +259,9 @@ def _chat_prompt_problems(spec: JobSpec) -> list[SpecProblem]:
             )
         ]
     for index, prompt in enumerate(samples.prompts):
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and not any(m.has_parts() for m in prompt):  # parts: a rule refuses them here
             try:
-                conversation_prompt([{"role": m.role, "content": m.content} for m in prompt], tokenizer)
+                conversation_prompt([{"role": m.role, "content": str(m.content)} for m in prompt], tokenizer)
             except RecordError as error:
                 return [
                     SpecProblem(

@@ -96,7 +96,9 @@ def _check_part(part: dict[str, Any], where: str) -> None:
         raise UploadImageError(f"{where}.image_url.{extra[0]}", "is not a field of image_url (url and detail are)")
     detail = image_url.get("detail")
     if detail is not None and detail not in DETAILS:
-        raise UploadImageError(f"{where}.image_url.detail", f"must be one of {', '.join(DETAILS)}; got {_shown(detail)}")
+        raise UploadImageError(
+            f"{where}.image_url.detail", f"must be one of {', '.join(DETAILS)}; got {_shown(detail)}"
+        )
     _check_url(image_url["url"], f"{where}.image_url.url")
 
 

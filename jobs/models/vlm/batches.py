@@ -136,14 +136,14 @@ class ImageChatBatches:
     """
 
     tokens_per_sample = None  # rows differ in length: the step's token count is not batch x a length
-    notices: list[str] = []  # what the job's events say about the data (images resized)
-    eval: ImageChatBatches | None = None  # the rows ``eval`` holds out (eval.split or eval.path)
 
     def __init__(self, rows: list[ImageRow], batch_size: int, seed: int, text: ProcessorText, spec: Any) -> None:
         if len(rows) < batch_size:
             raise ValueError(f"data holds {len(rows)} row(s), fewer than training.batch_size={batch_size}; add rows")
         self.rows, self.batch_size, self.seed, self.text, self.spec = rows, batch_size, seed, text, spec
         self.batches_per_epoch = -(-len(rows) // batch_size)
+        self.notices: list[str] = []  # what the job's events say about the data (images resized)
+        self.eval: ImageChatBatches | None = None  # the rows ``eval`` holds out (eval.split or eval.path)
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         """The ``index``-th micro-batch (CPU tensors), counting across epochs."""

@@ -160,7 +160,9 @@ def test_a_vision_file_on_a_vision_model_does_not_take_dpo(ferry: openai.OpenAI)
     with pytest.raises(openai.BadRequestError) as refused:
         ferry.fine_tuning.jobs.create(model="qwen", training_file=uploaded.id, method={"type": "dpo"})
     assert refused.value.body["param"] == "training_file"
-    assert "holds chat rows with images, which train supervised jobs; this is a dpo job" in refused.value.body["message"]
+    assert (
+        "holds chat rows with images, which train supervised jobs; this is a dpo job" in refused.value.body["message"]
+    )
 
 
 def follow(client: openai.OpenAI, job_id: str, status: str, timeout: float = 180) -> list[Any]:
@@ -185,9 +187,13 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
         file=("train.jsonl", "".join(json.dumps(r) + "\n" for r in [*colour_rows(), huge]).encode()),
         purpose="fine-tune",
     )
+    held_out = client.files.create(
+        file=("valid.jsonl", "".join(json.dumps(r) + "\n" for r in colour_rows()[:2]).encode()), purpose="fine-tune"
+    )
     job = client.fine_tuning.jobs.create(
         model="qwen",
         training_file=uploaded.id,
+        validation_file=held_out.id,
         hyperparameters={"n_epochs": 1, "batch_size": 5},
         extra_body={"ferry": {**TINY, "checkpoint": {"every_steps": 1}}},
     )
@@ -196,7 +202,17 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
     assert (spec["model"]["kind"], spec["data"]["kind"]) == ("hf_image_text_to_text", "image_chat")
     assert [e.data["step"] for e in events if e.type == "metrics"] == [1]
     notes = [e.message for e in events if "resized" in e.message]
-    assert notes and "train.jsonl row 5: data: URL 1400x1000 resized to 1185x846 (data.max_image_pixels=1003520)" in notes[0], [
-        e.message for e in events
-    ]
+    assert (
+        notes
+        and "train.jsonl row 5: data: URL 1400x1000 resized to 1185x846 (data.max_image_pixels=1003520)" in notes[0]
+    ), [e.message for e in events]
     assert [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id).data] == [1]
+    validation = [e.message for e in events if "validation loss" in e.message]
+    assert [m.split(":")[0] for m in validation] == ["Step 1", "Step 0"], validation  # newest first
+
+
+def test_auto_hyperparameters_are_chosen_from_the_image_rows(ferry: openai.OpenAI) -> None:
+    uploaded = upload(ferry, colour_rows())
+    job = ferry.fine_tuning.jobs.create(model="qwen", training_file=uploaded.id, extra_body={"ferry": TINY})
+    # old code: "auto is chosen from text data (data.kind: text)"; OpenAI's rules on 4 rows: batch 1, 25 epochs
+    assert (job.hyperparameters.batch_size, job.hyperparameters.n_epochs) == (1, 25)
