@@ -26,6 +26,20 @@ from tests.jobs.vlm_helpers import COLOURS, colour_record, data_url, save_tiny_q
 from tests.service.checking.test_one_parse import IdleExecutor
 from tests.service.conftest import TOKEN
 
+SAMPLES = {  # an image prompt in OpenAI's content parts, answered through the processor at the end
+    "prompts": [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url("red")}},
+                    {"type": "text", "text": "what colour is this image"},
+                ],
+            }
+        ]
+    ],
+    "max_new_tokens": 2,
+}
 TINY = {"device": "cpu", "model": {"dtype": "float32"}, "lora": {"rank": 4}, "data": {"seq_len": 128}}
 
 
@@ -195,7 +209,7 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
         training_file=uploaded.id,
         validation_file=held_out.id,
         hyperparameters={"n_epochs": 1, "batch_size": 5},
-        extra_body={"ferry": {**TINY, "checkpoint": {"every_steps": 1}}},
+        extra_body={"ferry": {**TINY, "checkpoint": {"every_steps": 1}, "text_samples": SAMPLES}},
     )
     events = follow(client, job.id, "succeeded")
     spec = httpx.get(f"{server.url}/v1/jobs/{job.id}", headers={"Authorization": f"Bearer {TOKEN}"}).json()["spec"]
@@ -209,6 +223,10 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
     assert [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id).data] == [1]
     validation = [e.message for e in events if "validation loss" in e.message]
     assert [m.split(":")[0] for m in validation] == ["Step 1", "Step 0"], validation  # newest first
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    samples = httpx.get(f"{server.url}/v1/jobs/{job.id}/samples", headers=headers).json()["data"]
+    assert [s["prompt"] for s in samples] == ["[data: URL] what colour is this image"], samples
+    assert isinstance(samples[0]["text"], str) and samples[0]["step"] == 1
 
 
 def test_auto_hyperparameters_are_chosen_from_the_image_rows(ferry: openai.OpenAI) -> None:
@@ -216,3 +234,19 @@ def test_auto_hyperparameters_are_chosen_from_the_image_rows(ferry: openai.OpenA
     job = ferry.fine_tuning.jobs.create(model="qwen", training_file=uploaded.id, extra_body={"ferry": TINY})
     # old code: "auto is chosen from text data (data.kind: text)"; OpenAI's rules on 4 rows: batch 1, 25 epochs
     assert (job.hyperparameters.batch_size, job.hyperparameters.n_epochs) == (1, 25)
+
+
+def test_an_image_past_pillows_decompression_bomb_limit_is_refused_before_it_is_decoded(
+    ferry: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500_000)  # Pillow refuses above twice this: 1500x1000 is past it
+    uploaded = upload(ferry, [*colour_rows(), with_url(as_url(png_bytes((1500, 1000))))])
+    with pytest.raises(openai.BadRequestError) as refused:
+        ferry.fine_tuning.jobs.create(
+            model="qwen", training_file=uploaded.id, hyperparameters={"batch_size": 2}, extra_body={"ferry": TINY}
+        )
+    message = refused.value.body["message"]
+    assert message.startswith("training_file: train.jsonl row 5: field 'messages[0].content[0].image_url.url': ")
+    assert "image data: URL is too large to open safely" in message, message
