@@ -47,11 +47,9 @@ def job(**sections: Any) -> dict[str, Any]:
     }
 
 
-def test_after_learning_the_colours_the_samples_name_them_and_the_eval_loss_falls(
-    tmp_path: Path, roots: PathRoots
-) -> None:
+def learns_and_names_the_colours(tmp_path: Path, roots: PathRoots, **sections: Any) -> None:
     samples = {"prompts": [image_prompt(f"{c}.png") for c in COLOURS], "max_new_tokens": 3}
-    spec = spec_from(job(text_samples=samples, eval={"path": "held_out.jsonl"}), roots)  # old code: refused
+    spec = spec_from(job(text_samples=samples, eval={"path": "held_out.jsonl"}, **sections), roots)
     events: list[Any] = []
     run_job(spec, output_dir=tmp_path / "out", report=events.append)
     answers = {e.prompt: e.text for e in events if e.type == "sample"}
@@ -61,11 +59,27 @@ def test_after_learning_the_colours_the_samples_name_them_and_the_eval_loss_fall
     assert [step for step, _ in losses] == [0, 40] and losses[1][1] < losses[0][1] / 4, losses
 
 
-def test_text_samples_every_steps_and_a_data_url_and_a_string_prompt(tmp_path: Path, roots: PathRoots) -> None:
+def test_after_learning_the_colours_the_samples_name_them_and_the_eval_loss_falls(
+    tmp_path: Path, roots: PathRoots
+) -> None:
+    learns_and_names_the_colours(tmp_path, roots)  # old code: text_samples and eval refused for this kind
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_model_offload_the_samples_name_the_colours(tmp_path: Path, roots: PathRoots) -> None:
+    offload = {"enable_model_cpu_offload": True, "granularity": "block"}
+    learns_and_names_the_colours(tmp_path, roots, device="cuda", offload=offload)
+
+
+def test_offloaded_text_samples_every_steps_a_data_url_a_string_prompt_and_an_eval_split(
+    tmp_path: Path, roots: PathRoots
+) -> None:
     from tests.jobs.vlm_helpers import data_url
 
     samples = {"prompts": [image_prompt(data_url("blue")), "hello"], "every_steps": 1, "max_new_tokens": 2}
-    spec = spec_from(job(training={"steps": 2, "batch_size": 2}, text_samples=samples, eval={"split": 0.25}), roots)
+    offload = {"enable_model_cpu_offload": True, "granularity": "block"}  # samples and eval through the engine
+    sections = {"text_samples": samples, "eval": {"split": 0.25}, "offload": offload}
+    spec = spec_from(job(training={"steps": 2, "batch_size": 2}, **sections), roots)
     events: list[Any] = []
     run_job(spec, output_dir=tmp_path / "out", report=events.append)
     shown = [(e.step, e.prompt) for e in events if e.type == "sample"]
