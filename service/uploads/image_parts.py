@@ -4,7 +4,8 @@ its text parts.
 
 Checked at upload without decoding anything (the API process reads JSON, no Pillow, no torch): the part's shape,
 ``detail``, that the URL is a ``data:`` URL of a PNG, JPEG, WEBP or GIF whose base64 decodes and whose first bytes
-are that format's signature. OpenAI's format also allows ``https://`` URLs, but a Ferry job reads no network, and
+are that format's signature. ``detail`` is checked but not acted on: the model's own processor sizes each image
+(within ``data.max_image_pixels``), as it does for every image Ferry trains on. OpenAI's format also allows ``https://`` URLs, but a Ferry job reads no network, and
 an uploaded file has no folder beside it for local paths: both are refused, naming the row's field and the fix.
 What needs the image decoded (a corrupt body, a huge image) is found when the job is created, by the
 ``image_chat`` data check of the vision-language base model, again naming the row.
