@@ -32,7 +32,8 @@ class EvalAndSamples:
         if state:
             self.history.load_state_dict(state)
         # Text data holds its eval set; a family reading its own data may hold one out too (holds_out_eval).
-        self.eval_source = session.text.eval if session.text is not None else getattr(session.data, "eval", None)
+        own = getattr(session.data, "eval", None) if session.family.holds_out_eval else None
+        self.eval_source = session.text.eval if session.text is not None else own
         self.text_samples: Any = None  # the family's own text_samples answerer (make_text_samples), made once
 
     def state_dict(self) -> dict[str, Any]:
