@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jobs.spec.job import JobSpec
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 BATCH_FRACTION, MAX_AUTO_BATCH = 0.002, 256
 TARGET_EPOCHS, MIN_TARGET_EXAMPLES, MAX_TARGET_EXAMPLES = 3, 100, 25_000
 MIN_AUTO_EPOCHS, MAX_AUTO_EPOCHS = 1, 25
+AUTO_DATA_KINDS = ("text", "image_chat")  # the data whose rows are counted
+AUTO_ONLY_ON = "auto is chosen from text or image chat data (data.kind: text or image_chat)"
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,28 @@ def count_rows(spec: JobSpec) -> DataRows:
     from jobs.data.prepare import model_keeps_documents_apart, prepare_text_data
     from jobs.models.registry import family_of
 
-    data = spec.data
-    assert data.kind == "text"  # callers check
+    data: Any = spec.data  # text or image_chat (callers check)
+    assert data.kind in AUTO_DATA_KINDS
+    if data.kind == "image_chat":
+        return _image_chat_rows(spec)
     if data.format == "prompt":
         return _prompt_rows(spec)
     family = family_of(spec.model)
     packed_path = family.keeps_packed_documents_apart and model_keeps_documents_apart()
     text = prepare_text_data(data, batch_size=1, seed=spec.training.seed, packed_path=packed_path, eval_spec=spec.eval)
     return DataRows(rows=len(text.train), examples=text.counts.examples, layout=text.layout)
+
+
+def _image_chat_rows(spec: JobSpec) -> DataRows:
+    """An image chat's rows: one padded row each, as its batches take them (jobs/models/vlm/batches.py); counted
+    without opening an image (the data check opens them)."""
+    from pathlib import Path
+
+    from jobs.data.records import iter_records
+
+    data: Any = spec.data  # image_chat (count_rows checked)
+    count = sum(1 for _ in iter_records(Path(data.path), data.file_type))
+    return DataRows(rows=count, examples=count, layout="padded")
 
 
 def _prompt_rows(spec: JobSpec) -> DataRows:
@@ -120,10 +136,11 @@ def choose_auto(spec: JobSpec) -> tuple[JobSpec, list[str]]:
     training = spec.training
     if not training.auto:
         return spec, []
-    if spec.data.kind != "text":
-        raise ValueError(f"training.{training.auto[0]}: auto is chosen from text data (data.kind: text); give a number")
+    if spec.data.kind not in AUTO_DATA_KINDS:
+        raise ValueError(f"training.{training.auto[0]}: {AUTO_ONLY_ON}; give a number")
     rows = count_rows(spec)
-    where = rows.described(spec.data.seq_len)
+    data: Any = spec.data  # text or image_chat: both have seq_len
+    where = rows.described(data.seq_len)
     chosen: dict[str, object] = {"auto": []}
     notes = []
     if "batch_size" in training.auto:

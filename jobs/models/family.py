@@ -94,6 +94,12 @@ class ModelFamily(Generic[JobT]):
             None: the family's activations are not offloaded.
         whole_units: ``whole_units(model) -> (module name, ...)``: modules the offload engine streams as one unit
             each, whatever ``offload.granularity`` (a frozen vision tower, run once a step); None: none.
+        make_text_samples: ``make_text_samples(job_spec, device)``: what answers ``text_samples.prompts`` for data
+            only this family reads, ``.generate(model) -> [{prompt, completion}]``; None: the text data's
+            tokenizer does (jobs/evaluate/text_samples.py).
+        holds_out_eval: ``build_data`` holds out the ``eval`` section's rows itself (``eval.split`` or
+            ``eval.path``), as the ``eval`` attribute of the batches it returns (``batches_per_epoch``,
+            ``in_order(i)``); False: only text data is evaluated.
     """
 
     kind: str
@@ -130,6 +136,8 @@ class ModelFamily(Generic[JobT]):
     exports: frozenset[str] = frozenset()
     apply_kernels: Callable[[nn.Module], list[str]] | None = None
     whole_units: Callable[[nn.Module], tuple[str, ...]] | None = None
+    make_text_samples: Callable[[JobT, torch.device], Any] | None = None
+    holds_out_eval: bool = False
 
     def __post_init__(self) -> None:
         declared = self.spec.model_fields["kind"].annotation

@@ -103,10 +103,15 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class SampleMessage(Section):
-    """One turn of a chat prompt for text samples."""
+    """One turn of a chat prompt for text samples: its text, or (image-text models) OpenAI's content parts,
+    ``[{type: image_url, image_url: {url: red.png}}, {type: text, text: ...}]``, an image's url a path beside the
+    data or a ``data:`` URL."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict[str, Any]]
+
+    def has_parts(self) -> bool:
+        return isinstance(self.content, list)
 
 
 class TextSamplesSpec(Section):
@@ -152,6 +157,8 @@ def _conversation_problems(messages: list[Any]) -> list[tuple[str, str]]:
             problems.append((str(index), f"must be a {{role, content}} message; got {message!r:.60}"))
         elif message["role"] not in CHAT_ROLES:
             problems.append((f"{index}.role", f"must be one of {', '.join(CHAT_ROLES)}; got {message['role']!r:.40}"))
+        elif isinstance(message["content"], list):
+            problems += _parts_problems(message["content"], f"{index}.content")
         elif not isinstance(message["content"], str) or not message["content"].strip():
             problems.append((f"{index}.content", "must be non-empty text"))
     if not problems and messages[-1]["role"] == "assistant":
@@ -162,6 +169,28 @@ def _conversation_problems(messages: list[Any]) -> list[tuple[str, str]]:
             )
         )
     return problems
+
+
+def _parts_problems(parts: list[Any], where: str) -> list[tuple[str, str]]:
+    """A sample prompt's content parts: OpenAI's ``{type: text, text}`` and ``{type: image_url, image_url: {url}}``."""
+    if not parts:
+        return [(where, "must be non-empty text or a non-empty list of content parts")]
+    for number, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and set(part) == {"type", "text"} and isinstance(part["text"], str):
+            continue
+        url = part.get("image_url") if isinstance(part, dict) else None
+        plain_url = isinstance(url, dict) and isinstance(url.get("url"), str) and set(url) <= {"url", "detail"}
+        if kind == "image_url" and set(part) == {"type", "image_url"} and plain_url:
+            continue
+        return [
+            (
+                f"{where}.{number}",
+                "must be {type: text, text} or {type: image_url, image_url: {url: <a path beside the data or a data: "
+                f"URL>}}; got {part!r:.60}",
+            )
+        ]
+    return []
 
 
 class MlflowSpec(Section):

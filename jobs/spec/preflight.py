@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from jobs.data.auto_size import AUTO_DATA_KINDS, AUTO_ONLY_ON
 from jobs.errors import SpecProblem
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
@@ -49,11 +50,9 @@ def _problems(spec: JobSpec) -> list[SpecProblem]:
         problems += data_problems + _chat_prompt_problems(spec)
         if not data_problems:  # rows are counted from data whose first rows read
             problems += _prompt_problems(spec) if spec.data.format == "prompt" else _row_problems(spec)
-    elif spec.training.auto:
+    elif spec.training.auto and spec.data.kind not in AUTO_DATA_KINDS:
         field = spec.training.auto[0]
-        problems.append(
-            SpecProblem(f"training.{field}", "auto is chosen from text data (data.kind: text); give a number")
-        )
+        problems.append(SpecProblem(f"training.{field}", f"{AUTO_ONLY_ON}; give a number"))
     family = family_of(spec.model)
     model_problems = []
     if family.checkpoint_problems is not None:
@@ -260,9 +259,9 @@ def _chat_prompt_problems(spec: JobSpec) -> list[SpecProblem]:
             )
         ]
     for index, prompt in enumerate(samples.prompts):
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and not any(m.has_parts() for m in prompt):  # parts: a rule refuses them here
             try:
-                conversation_prompt([{"role": m.role, "content": m.content} for m in prompt], tokenizer)
+                conversation_prompt([{"role": m.role, "content": str(m.content)} for m in prompt], tokenizer)
             except RecordError as error:
                 return [
                     SpecProblem(

@@ -31,7 +31,10 @@ class EvalAndSamples:
         self.history = EvalHistory(early.min_delta if early else 0.0)
         if state:
             self.history.load_state_dict(state)
-        self.eval_source = session.text.eval if session.text is not None else None
+        # Text data holds its eval set; a family reading its own data may hold one out too (holds_out_eval).
+        own = getattr(session.data, "eval", None) if session.family.holds_out_eval else None
+        self.eval_source = session.text.eval if session.text is not None else own
+        self.text_samples: Any = None  # the family's own text_samples answerer (make_text_samples), made once
 
     def state_dict(self) -> dict[str, Any]:
         return self.history.state_dict()
@@ -105,13 +108,19 @@ class EvalAndSamples:
         from jobs.evaluate.text_samples import generate_samples
 
         session = self.session
-        samples = generate_samples(
-            session.forward_model,
-            self.spec,
-            session.text.tokenizer,
-            device=session.device,
-            accelerator=session.accelerator,
-        )
+        own = session.family.make_text_samples
+        if own is not None and session.text is None:  # the family's data (images): its processor answers
+            if self.text_samples is None:
+                self.text_samples = own(self.spec, session.device)
+            samples = self.text_samples.generate(session.forward_model)
+        else:
+            samples = generate_samples(
+                session.forward_model,
+                self.spec,
+                session.text.tokenizer,
+                device=session.device,
+                accelerator=session.accelerator,
+            )
         for sample in samples:  # one event per prompt, as the event contract has it
             self.report(SampleEvent(step=step, prompt=sample["prompt"], text=sample["completion"]))
 

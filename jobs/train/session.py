@@ -128,6 +128,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
             notices.append(("warning", f"grpo: {getattr(data, 'summary', '')}"))
     else:
         data, text = _setup_data(group.union_spec(spec) if group else spec, family, device, model)
+        notices += [("warning", note) for note in getattr(data, "notices", ())]  # e.g. images resized to fit
         data = group.shard(data) if group else data
     sampler = family.make_sampler(spec, device) if family.make_sampler is not None else None
     _check_vocab_fits(model, text.tokenizer.vocab_size if text else None)

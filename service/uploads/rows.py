@@ -1,6 +1,8 @@
 """The row check of a fine-tuning upload: every JSONL row a chat conversation, every row a preference pair, or every
 row a prompt (OpenAI's reinforcement rows: ``messages`` that end before the assistant's reply, and the columns its
-graders read, ``{"messages": [...], "answer": "4"}``).
+graders read, ``{"messages": [...], "answer": "4"}``). Chat rows may hold images in OpenAI's vision fine-tuning
+format (``image_parts.py``): the file's format is then ``image_chat``, which trains a vision-language base model
+and is refused, naming its first image row, for a text-only one.
 
 It runs in the API process, so it reads JSON and nothing else (no tokenizer, no torch). The lines are read by the
 job's own JSONL reader (``jobs/data/jsonl.py``: one parse, one refusal of a duplicate key or a row nested too deep)
@@ -22,11 +24,12 @@ from jobs.data.formats.chat import check_messages
 from jobs.data.formats.examples import RecordError
 from jobs.data.jsonl import JsonlError, LineTooLong, read_jsonl
 from jobs.fit.sizes import human_bytes
+from service.uploads.image_parts import UploadImageError, check_image_parts, image_fields
 
 OPENAI_PAIR = ("input", "preferred_output", "non_preferred_output")  # OpenAI's DPO layout
 TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
 
-Format = Literal["chat", "preference", "prompt"]
+Format = Literal["chat", "image_chat", "preference", "prompt"]
 DEFAULT_MAX_LINE_BYTES = 4 << 20  # Settings.max_upload_line_bytes (FERRY_MAX_UPLOAD_LINE_BYTES)
 
 
@@ -58,6 +61,7 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
     """
     layout: Format | None = None
     count = 0
+    images = False  # a chat row with an image part: the file is image_chat
     rows = read_jsonl(path, max_line_bytes=max_line_bytes)
     try:
         for number, record in rows:
@@ -71,7 +75,11 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
                 if kind == "preference":
                     _check_pair(record)
                 else:  # a chat trains on its assistant turns; a prompt's reply is sampled and graded
-                    _messages(record.get("messages"), "messages", need_assistant=kind == "chat")
+                    messages = record.get("messages")
+                    if image_fields(messages, "messages"):
+                        messages = _image_messages(messages, kind)
+                        images = True
+                    _messages(messages, "messages", need_assistant=kind == "chat")
             except _FieldError as error:
                 raise RowProblem(number, error.field, error.message) from None
             count += 1
@@ -83,7 +91,31 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
         rows.close()
     if layout is None:
         raise RowProblem(1, "", "the file holds no rows; upload one JSON object per line")
-    return FileRows(layout, count)
+    return FileRows("image_chat" if images else layout, count)
+
+
+def first_image_row(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> tuple[int, str] | None:
+    """The first row of an uploaded file with an image part, and the part's field; None when there is none."""
+    rows = read_jsonl(path, max_line_bytes=max_line_bytes)
+    try:
+        for number, record in rows:
+            found = image_fields(record.get("messages"), "messages")
+            if found:
+                return number, found[0]
+    finally:
+        rows.close()
+    return None
+
+
+def _image_messages(messages: list[Any], kind: Format) -> list[Any]:
+    """A chat row's messages with their image parts checked and left out, for the text check that follows."""
+    if kind != "chat":
+        field = image_fields(messages, "messages")[0]
+        raise _FieldError(f"{field}.type", "images train in supervised chat rows, which end with the assistant's reply")
+    try:
+        return check_image_parts(messages, "messages")
+    except UploadImageError as error:
+        raise _FieldError(error.field, error.message) from None
 
 
 # How a chat row and a prompt row differ, where a file mixes them.

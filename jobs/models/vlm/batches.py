@@ -142,6 +142,8 @@ class ImageChatBatches:
             raise ValueError(f"data holds {len(rows)} row(s), fewer than training.batch_size={batch_size}; add rows")
         self.rows, self.batch_size, self.seed, self.text, self.spec = rows, batch_size, seed, text, spec
         self.batches_per_epoch = -(-len(rows) // batch_size)
+        self.notices: list[str] = []  # what the job's events say about the data (images resized)
+        self.eval: ImageChatBatches | None = None  # the rows ``eval`` holds out (eval.split or eval.path)
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         """The ``index``-th micro-batch (CPU tensors), counting across epochs."""
@@ -149,6 +151,10 @@ class ImageChatBatches:
         order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
         chosen = [self.rows[i] for i in order[within * self.batch_size : (within + 1) * self.batch_size].tolist()]
         return self.collate(chosen)
+
+    def in_order(self, index: int) -> dict[str, torch.Tensor]:
+        """The ``index``-th batch of the rows unshuffled: what an evaluation walks through."""
+        return self.collate(self.rows[index * self.batch_size : (index + 1) * self.batch_size])
 
     def collate(self, rows: list[ImageRow]) -> dict[str, torch.Tensor]:
         """Right-padded ids, labels and attention mask, and the image processor's tensors for the rows' images."""
@@ -173,13 +179,39 @@ class ImageChatBatches:
         return batch
 
 
-def build_image_chat_data(spec: Any, batch_size: int, seed: int, text: ProcessorText) -> ImageChatBatches:
-    """The training batches of an ``image_chat`` data section, notes on resized images in the job's log."""
+def build_image_chat_data(
+    spec: Any, batch_size: int, seed: int, text: ProcessorText, eval_spec: Any = None
+) -> ImageChatBatches:
+    """The training batches of an ``image_chat`` data section, notes on resized images in the job's log and
+    events; with ``eval_spec`` (the job's ``eval``), its held-out rows as the batches' ``eval``."""
     rows, notes = read_rows(spec, text)
-    if notes:
-        shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
-        log.warning("data: %d image(s) above data.max_image_pixels resized: %s", len(notes), shown)
+    held_out: list[ImageRow] = []
+    if eval_spec is not None and eval_spec.path is not None:
+        held_out, eval_notes = read_rows(spec.model_copy(update={"path": eval_spec.path}), text)
+        notes += eval_notes
+    elif eval_spec is not None:
+        rows, held_out = _split(rows, eval_spec.split, seed)
     images = sum(len(row.images) for row in rows)
     log.info("data: %d row(s) with %d image(s), %d to %d tokens a row", len(rows), images,
              min(len(r.input_ids) for r in rows), max(len(r.input_ids) for r in rows))  # fmt: skip
-    return ImageChatBatches(rows, batch_size, seed, text, spec)
+    batches = ImageChatBatches(rows, batch_size, seed, text, spec)
+    if held_out:
+        batches.eval = ImageChatBatches(held_out, min(batch_size, len(held_out)), seed, text, spec)
+    if notes:  # in the job's events (session notices) as well as its log
+        shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
+        batches.notices = [f"data: {len(notes)} image(s) above data.max_image_pixels resized: {shown}"]
+        log.warning("%s", batches.notices[0])
+    return batches
+
+
+def _split(rows: list[ImageRow], fraction: float, seed: int) -> tuple[list[ImageRow], list[ImageRow]]:
+    """``eval.split``: the rows chosen by the seed held out (at least one), the rest trained on."""
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    count = max(1, round(fraction * len(rows)))
+    if count >= len(rows):
+        raise ValueError(
+            f"eval.split={fraction} holds out all {len(rows)} row(s), leaving none to train on; lower eval.split "
+            "or give eval.path"
+        )
+    held = set(order[:count])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]

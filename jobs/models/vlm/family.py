@@ -40,7 +40,7 @@ def build_image_chat(spec: JobSpec, device: torch.device, model: nn.Module) -> A
     from jobs.models.vlm.processor import ProcessorText, load_processor
 
     text = ProcessorText(load_processor(Path(spec.model.path)))
-    return build_image_chat_data(spec.data, spec.training.batch_size, spec.training.seed, text)
+    return build_image_chat_data(spec.data, spec.training.batch_size, spec.training.seed, text, spec.eval)
 
 
 def module_names(spec: HFImageTextToTextSpec) -> dict[str, bool]:
@@ -50,10 +50,6 @@ def module_names(spec: HFImageTextToTextSpec) -> dict[str, bool]:
 
 def _check_sections(spec: JobSpec) -> list[Problem]:
     problems: list[Problem] = []
-    if spec.eval is not None:
-        problems.append(("eval", "is not run for model.kind=hf_image_text_to_text yet; remove the section"))
-    if spec.text_samples is not None:
-        problems.append(("text_samples", "samples text-only prompts; use image_samples: {rows: 2} for this model"))
     if spec.training.objective != "sft":
         problems.append(("training.objective", f"hf_image_text_to_text trains sft; got {spec.training.objective}"))
     return problems
@@ -68,10 +64,25 @@ def _check_data(spec: JobSpec) -> list[Problem]:
     from jobs.models.vlm.processor import ProcessorText, load_processor
 
     try:
-        read_rows(spec.data, ProcessorText(load_processor(Path(spec.model.path))), limit=SUBMIT_ROWS)
+        text = ProcessorText(load_processor(Path(spec.model.path)))
+        read_rows(spec.data, text, limit=SUBMIT_ROWS)
     except ValueError as error:
         return [("data.path", str(error))]
-    return []
+    problems: list[Problem] = []
+    if spec.eval is not None and spec.eval.path is not None:
+        try:
+            read_rows(spec.data.model_copy(update={"path": spec.eval.path}), text, limit=SUBMIT_ROWS)
+        except ValueError as error:
+            problems.append(("eval.path", str(error)))
+    if spec.text_samples is not None:
+        from jobs.data.formats.examples import RecordError
+        from jobs.models.vlm.samples import make_text_samples
+
+        try:
+            make_text_samples(spec, torch.device("cpu")).close()  # each prompt's images opened, as the job will
+        except RecordError as error:
+            problems.append(("text_samples.prompts", f"{error} (images are read beside data.path)"))
+    return problems
 
 
 def make_sampler(spec: JobSpec, device: torch.device) -> Any:
@@ -80,11 +91,30 @@ def make_sampler(spec: JobSpec, device: torch.device) -> Any:
     return make_image_sampler(spec, device)
 
 
+def make_text_samples(spec: JobSpec, device: torch.device) -> Any:
+    from jobs.models.vlm.samples import make_text_samples
+
+    return make_text_samples(spec, device)
+
+
 def _check_image_samples_section(spec: JobSpec, family: ModelFamily[Any]) -> list[Problem]:
-    # Runs for every job (section_rules): only this family writes image samples.
-    if getattr(spec, "image_samples", None) is not None and family.kind != "hf_image_text_to_text":
-        return [("image_samples", f"model.kind={spec.model.kind} does not answer images; remove the section")]
-    return []
+    # Runs for every job (section_rules): only this family writes image samples or reads content parts.
+    if family.kind == "hf_image_text_to_text":
+        return []
+    problems: list[Problem] = []
+    if getattr(spec, "image_samples", None) is not None:
+        problems.append(("image_samples", f"model.kind={spec.model.kind} does not answer images; remove the section"))
+    for index, prompt in enumerate(spec.text_samples.prompts if spec.text_samples is not None else []):
+        for number, message in enumerate(prompt if isinstance(prompt, list) else []):
+            if message.has_parts():
+                problems.append(
+                    (
+                        f"text_samples.prompts.{index}.{number}.content",
+                        f"content parts (images) are for model.kind=hf_image_text_to_text; {spec.model.kind} reads "
+                        "text: write the content as a string",
+                    )
+                )
+    return problems
 
 
 FAMILY = ModelFamily(
@@ -105,6 +135,8 @@ FAMILY = ModelFamily(
     whole_units=lambda model: () if _trains_tower(model) else (vision_tower_name(model),),
     data_specs=(ImageChatDataSpec,),
     make_sampler=make_sampler,
+    make_text_samples=make_text_samples,
+    holds_out_eval=True,
     job_sections={
         "image_samples": (
             ImageSamplesSpec | None,

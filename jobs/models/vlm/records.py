@@ -28,13 +28,16 @@ IMAGE_PARTS = ("image_url", "input_image", "image")
 TEXT_PLACEHOLDER = "<image>"  # LLaVA's and axolotl's placeholder in string contents, with an images column
 
 
-def image_conversation(fields: dict[str, Any], spec: Any, folder: Path) -> tuple[Conversation, list[ImageRef]]:
+def image_conversation(
+    fields: dict[str, Any], spec: Any, folder: Path, *, need_assistant: bool = True
+) -> tuple[Conversation, list[ImageRef]]:
     """The row's checked messages (image parts as ``{type: image}``) and its images in the order they appear.
 
     Args:
         fields: The row.
         spec: The ``image_chat`` data section (``messages_field``, ``images_field``).
         folder: The data's folder: relative image paths are read from it, and no image from outside it.
+        need_assistant: False for a prompt, which ends before the assistant's reply.
 
     Raises:
         RecordError: naming the field: a malformed message, a missing or unreadable image reference, images
@@ -79,7 +82,7 @@ def image_conversation(fields: dict[str, Any], spec: Any, folder: Path) -> tuple
             f"holds {len(column)} image(s) but the messages have {used} image part(s) that take them "
             "({type: image} parts or <image> placeholders, one per image, in order)",
         )
-    checked = check_messages(stood_in, field)
+    checked = check_messages(stood_in, field, need_assistant=need_assistant)
     return Conversation([_with_image_parts(m) for m in checked], [f"{field}[{i}]" for i in range(len(checked))]), refs
 
 

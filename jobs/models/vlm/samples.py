@@ -1,4 +1,5 @@
-"""Samples of an image-text job: fixed rows of the data answered greedily by the current (offloaded) model.
+"""Samples of an image-text job: fixed rows of the data (``image_samples``) or the ``text_samples`` prompts, images
+included, answered greedily by the current (offloaded) model.
 
 Each sample is a row's conversation up to its last assistant turn, rendered with the generation prompt; the model
 answers greedily (no cache: each new token runs the whole prompt again, images included, which a few dozen
@@ -22,16 +23,23 @@ from jobs.models.vlm.records import image_conversation
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<end_of_utterance>", "<|eot_id|>")
 
 
-class ImageSampler:
-    """Answers the ``image_samples`` rows with the model; ``texts`` holds the last answers, in order."""
+class _Answers:
+    """Fixed conversations answered greedily by the model: the processor, the prompts' model inputs, the stops.
 
-    def __init__(self, spec: Any, device: torch.device) -> None:
-        self.section, self.device = spec.image_samples, device
-        self.every_steps: int = self.section.every_steps
+    Args:
+        spec: The job spec (the model's processor, the data section's image settings and folder).
+        device: Where the model runs.
+        conversations: Each prompt's row fields (``{messages: [...]}``, as the data reads them).
+        max_new_tokens: The longest answer.
+    """
+
+    def __init__(
+        self, spec: Any, device: torch.device, conversations: list[dict[str, Any]], max_new_tokens: int
+    ) -> None:
+        self.device, self.max_new_tokens = device, max_new_tokens
         self.text = ProcessorText(load_processor(Path(spec.model.path)))
-        self.rows = [self._prompt(record.fields, spec.data) for record in _first(spec.data, self.section.rows)]
+        self.rows = [self._prompt(fields, spec.data) for fields in conversations]
         self.prompts: list[str] = [label for label, _, _ in self.rows]
-        self.texts: list[str] = []
         tokenizer = self.text.tokenizer
         ids = [tokenizer.convert_tokens_to_ids(t) for t in END_OF_TURN if t in tokenizer.get_vocab()]
         self.stops = frozenset(i for i in [tokenizer.eos_token_id, *ids] if i is not None)
@@ -39,7 +47,8 @@ class ImageSampler:
     def _prompt(self, fields: dict[str, Any], data: Any) -> tuple[str, list[Any], dict[str, torch.Tensor]]:
         """(label, images, model inputs) of one row: its turns before the last assistant one, the header after."""
         path = Path(data.path)
-        conversation, refs = image_conversation(fields, data, path if path.is_dir() else path.parent)
+        folder = path if path.is_dir() else path.parent
+        conversation, refs = image_conversation(fields, data, folder, need_assistant=False)
         messages = conversation.messages
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
         prompt = self.text.render_chat(messages[:last], add_generation_prompt=True)
@@ -56,16 +65,6 @@ class ImageSampler:
         names = ", ".join(r.label for r in refs[:count])
         return (f"[{names}] {words}" if names else words), images, inputs
 
-    def write(self, model: nn.Module, directory: Path) -> list[str]:
-        """Answer every row; write each row's first image as ``sample-<i>.png``; return the files written."""
-        self.texts = [self.answer(model, inputs) for _, _, inputs in self.rows]
-        written = []
-        for index, (_, images, _) in enumerate(self.rows):
-            if images:
-                images[0].save(directory / f"sample-{index}.png")
-                written.append(f"sample-{index}.png")
-        return written
-
     @torch.no_grad()
     def answer(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> str:
         """The greedy answer to one prompt, up to an end of turn or ``max_new_tokens``; ``model`` left as found."""
@@ -74,7 +73,7 @@ class ImageSampler:
         try:
             batch = {name: tensor.to(self.device) for name, tensor in inputs.items()}
             new: list[int] = []
-            for _ in range(self.section.max_new_tokens):
+            for _ in range(self.max_new_tokens):
                 if getattr(self.text.processor, "return_mm_token_type_ids", False):
                     batch["mm_token_type_ids"] = (batch["input_ids"] == self.text.image_token_id).long()
                 token = int(model(**batch).logits[0, -1].argmax())  # a CPU-GPU sync per token: samples only
@@ -92,6 +91,48 @@ class ImageSampler:
         self.rows = []
 
 
+class ImageSampler(_Answers):
+    """Answers the ``image_samples`` rows with the model; ``texts`` holds the last answers, in order."""
+
+    def __init__(self, spec: Any, device: torch.device) -> None:
+        section = spec.image_samples
+        rows = [record.fields for record in _first(spec.data, section.rows)]
+        super().__init__(spec, device, rows, section.max_new_tokens)
+        self.every_steps: int = section.every_steps
+        self.texts: list[str] = []
+
+    def write(self, model: nn.Module, directory: Path) -> list[str]:
+        """Answer every row; write each row's first image as ``sample-<i>.png``; return the files written."""
+        self.texts = [self.answer(model, inputs) for _, _, inputs in self.rows]
+        written = []
+        for index, (_, images, _) in enumerate(self.rows):
+            if images:
+                images[0].save(directory / f"sample-{index}.png")
+                written.append(f"sample-{index}.png")
+        return written
+
+
+class TextSamplePrompts(_Answers):
+    """``text_samples.prompts`` of an image-text job answered through the processor: a string is one user turn,
+    a list of messages is the conversation, its content parts' images (OpenAI's ``image_url`` parts, a path beside
+    the data or a ``data:`` URL) shown to the model; each sample's prompt names its images (``[red.png] ...``)."""
+
+    def __init__(self, spec: Any, device: torch.device) -> None:
+        field = spec.data.messages_field
+        conversations = [{field: _messages(prompt)} for prompt in spec.text_samples.prompts]
+        super().__init__(spec, device, conversations, spec.text_samples.max_new_tokens)
+
+    def generate(self, model: nn.Module) -> list[dict[str, str]]:
+        """``{prompt, completion}`` for each prompt, greedy (the same weights give the same text)."""
+        return [{"prompt": label, "completion": self.answer(model, inputs)} for label, _, inputs in self.rows]
+
+
+def _messages(prompt: Any) -> list[dict[str, Any]]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": message.role, "content": message.content} for message in prompt]
+
+
 def _first(data: Any, count: int) -> list[Any]:
     records = []
     for record in iter_records(Path(data.path), data.file_type):
@@ -104,3 +145,12 @@ def _first(data: Any, count: int) -> list[Any]:
 def make_image_sampler(spec: Any, device: torch.device) -> ImageSampler | None:
     """The ``image_samples`` section's sampler, or None without one."""
     return ImageSampler(spec, device) if getattr(spec, "image_samples", None) is not None else None
+
+
+def make_text_samples(spec: Any, device: torch.device) -> TextSamplePrompts:
+    """What answers the ``text_samples`` section's prompts.
+
+    Raises:
+        RecordError: a prompt's image cannot be read (missing, corrupt, outside the data's folder), naming it.
+    """
+    return TextSamplePrompts(spec, device)

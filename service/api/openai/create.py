@@ -3,9 +3,12 @@
 What OpenAI's request names maps onto the spec; what it leaves to the server takes Ferry's defaults:
 
 - ``model``: a Hugging Face model directory under a model root (``model: {kind: hf_causal_lm, path}``), its
-  tokenizer read from the same directory;
+  tokenizer read from the same directory; a vision-language model (its config.json has a ``vision_config``:
+  base_model.py) is ``model: {kind: hf_image_text_to_text, path}``, its processor read from the directory;
 - ``training_file`` / ``validation_file``: uploaded files (``data.path`` / ``eval.path`` name them by id);
-  a chat file trains ``data.format: chat``, a preference file ``data.format: preference``;
+  a chat file trains ``data.format: chat``, a preference file ``data.format: preference``; for a
+  vision-language model a chat file, with images in OpenAI's vision format or without, trains
+  ``data.kind: image_chat``, and a file with images is refused for a text model;
 - ``hyperparameters`` (or ``method.<type>.hyperparameters``): ``n_epochs`` → ``training.epochs`` and ``batch_size``
   → ``training.batch_size`` (auto: ``auto``, which the checker chooses from the data by OpenAI's rules, see
   jobs/data/auto_size.py, and the job's events say why), ``learning_rate_multiplier`` → ``training.learning_rate``
@@ -148,8 +151,11 @@ def request_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: int) -> dict[str, Any]:
-    """The Ferry spec for ``create`` (see the module docstring), ``ferry`` merged over it."""
+def build_spec(
+    create: FineTuningCreate, *, training_format: str | None, seed: int, image_text: bool = False
+) -> dict[str, Any]:
+    """The Ferry spec for ``create`` (see the module docstring), ``ferry`` merged over it; ``image_text``: the
+    base model is a vision-language model."""
     _refuse_unsupported(create, training_format)
     chosen = create.chosen_hyperparameters()
     training: dict[str, Any] = {
@@ -172,9 +178,14 @@ def build_spec(create: FineTuningCreate, *, training_format: str | None, seed: i
             "format": _FORMATS[create.method_type],
             "tokenizer": {"kind": "hf", "path": create.model},
         },
-        "lora": {"target_modules": list(LORA_TARGETS)},
+        "lora": {"target_modules": list(LORA_TARGETS)},  # on a vision-language model: its language model's
         "training": training,
     }
+    if image_text:
+        if create.method_type != "supervised":
+            raise _bad("method.type", f"a vision-language model fine-tunes supervised here; got {create.method_type}")
+        spec["model"]["kind"] = "hf_image_text_to_text"
+        spec["data"] = {"kind": "image_chat", "path": create.training_file}
     if create.validation_file:
         spec["eval"] = {"path": create.validation_file}
     return merge(spec, create.ferry or {})
@@ -253,7 +264,9 @@ def _refuse_unsupported(create: FineTuningCreate, training_format: str | None) -
     if create.method and getattr(create.method, kind) is None and kind == "reinforcement":
         raise _bad("method.reinforcement", "a reinforcement job needs method.reinforcement.grader")
     wanted = _FORMATS[kind]
-    if training_format is not None and training_format != wanted:
+    if training_format == "image_chat" and kind != "supervised":
+        raise _bad("training_file", f"holds chat rows with images, which train supervised jobs; this is a {kind} job")
+    if training_format is not None and training_format not in (wanted, "image_chat"):
         raise _bad(
             "training_file", f"holds {training_format} rows; a {kind} job trains on {wanted} rows {_ROWS[wanted]}"
         )

@@ -51,7 +51,7 @@ class FilePublic(BaseModel):
     status_details: str | None = None
     expires_at: int | None = None
     sha256: str
-    format: str | None = None  # chat | preference | prompt (reinforcement rows), for a fine-tune file
+    format: str | None = None  # chat | image_chat (chats with images) | preference | prompt (reinforcement rows)
     rows: int | None = None
 
     @classmethod

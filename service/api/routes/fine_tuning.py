@@ -25,6 +25,7 @@ from service.api.deps import (
     StoreDep,
 )
 from service.api.errors import ApiError
+from service.api.openai.base_model import is_image_text_model
 from service.api.openai.create import build_spec, new_seed, parse_create, request_error, resolved_method
 from service.api.openai.errors import OpenAIErrorBody, OpenAIRoute
 from service.api.openai.problems import in_request_terms
@@ -36,6 +37,8 @@ from service.queue.disk import refuse_if_disk_low
 from service.queue.files import FileNotFound, FileStore
 from service.queue.fine_tuning import FineTuningRecord
 from service.queue.store import IdempotencyConflict
+from service.settings import Settings
+from service.uploads.rows import first_image_row
 
 router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning (OpenAI-compatible)"], route_class=OpenAIRoute)
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -61,10 +64,15 @@ def create_fine_tuning_job(
     """Create a fine-tuning job from uploaded files; it is checked as ``POST /v1/jobs`` checks a spec, then queued."""
     create = parse_create(body)
     training = _uploaded(files, create.training_file, "training_file")
+    uploads = [("training_file", training)]
     if create.validation_file:
-        _uploaded(files, create.validation_file, "validation_file")
+        uploads.append(("validation_file", _uploaded(files, create.validation_file, "validation_file")))
+    image_text = is_image_text_model(create.model, settings.effective_model_roots)
+    if not image_text:
+        for param, record in uploads:
+            _refuse_images_for_a_text_model(create.model, param, record, settings)
     seed = create.seed if create.seed is not None else new_seed()
-    spec = build_spec(create, training_format=training.format, seed=seed)
+    spec = build_spec(create, training_format=training.format, seed=seed, image_text=image_text)
     text = yaml.safe_dump(spec, sort_keys=False)
     try:
         checked = checker.check(
@@ -204,6 +212,20 @@ def _checkpoint_step(job_id: str, after: str) -> int:
     if not after.startswith(prefix) or not step.isdigit() or len(step) > 18:
         raise request_error("after", f"after: {after!r} is no checkpoint id of {job_id} (they read {prefix}<step>).")
     return int(step)
+
+
+def _refuse_images_for_a_text_model(model: str, param: str, record: Any, settings: Settings) -> None:
+    """A 400 naming the first row with an image, when a text-only base model would be given an image file."""
+    if record.format != "image_chat":
+        return
+    found = first_image_row(settings.uploads_dir / record.path, max_line_bytes=settings.max_upload_line_bytes)
+    row, field = found if found is not None else (1, "messages")
+    raise request_error(
+        param,
+        f"{param}: {record.id} row {row}: field '{field}' is an image, and model {model!r} is a text-only model "
+        "(its config.json has no vision_config); fine-tune a vision-language model (one AutoModelForImageTextToText "
+        "loads, with its processor, e.g. Qwen2.5-VL or SmolVLM) on this file, or upload it without image parts.",
+    )
 
 
 def _uploaded(files: FileStore, file_id: str, param: str) -> Any:

@@ -1,6 +1,7 @@
-"""OpenAI's content parts in a fine-tuning file: text parts train as their text; an image, audio or file part
-is refused at upload naming the row and the field (the old check said only "must be a string", and a message's
-``audio`` was accepted and trained as the text beside it). Driven by OpenAI's client in process."""
+"""OpenAI's content parts in a fine-tuning file: text parts train as their text; an audio or file part is refused
+at upload naming the row and the field (the old check said only "must be a string", and a message's ``audio`` was
+accepted and trained as the text beside it); image parts are OpenAI's vision format (test_openai_vision.py), whose
+web URLs no job can read. Driven by OpenAI's client in process."""
 
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ def upload(ferry: openai.OpenAI, rows: list[dict[str, Any]]) -> Any:
 @pytest.mark.parametrize(
     ("row", "field", "kind"),
     [
-        (chat([{"type": "text", "text": "what is this?"}, IMAGE]), "messages[0].content[1].type", "image"),
         (chat([AUDIO]), "messages[0].content[0].type", "audio"),
         (chat("hi", {"role": "assistant", "content": "ok", "audio": {"id": "audio_1"}}), "messages[1].audio", "audio"),
     ],
@@ -57,6 +57,14 @@ def test_media_content_is_refused_naming_row_and_field(
     message = refused.value.body["message"]  # Ferry's envelope: /v1/files is Ferry's route family
     assert f"row 2: field '{field}'" in message
     assert f"{kind}" in message and "cannot be trained" in message and "Ferry fine-tunes text models" in message
+
+
+def test_an_image_at_a_web_url_is_refused_naming_row_and_field(ferry: openai.OpenAI) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [chat("fine"), chat([{"type": "text", "text": "what is this?"}, IMAGE])])
+    message = refused.value.body["message"]
+    assert "row 2: field 'messages[0].content[1].image_url.url': is a web URL" in message
+    assert "Ferry's jobs read no network" in message
 
 
 def test_text_parts_train_as_their_text(ferry: openai.OpenAI) -> None:

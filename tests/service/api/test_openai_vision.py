@@ -1,0 +1,252 @@
+"""OpenAI's vision fine-tuning files (chat rows whose user turns hold ``image_url`` parts with ``data:`` URLs) on
+Ferry's OpenAI route, driven by OpenAI's client: a vision-language base model trains them as ``image_chat``; a text
+model refuses them naming the row; a web URL, a path, corrupt base64, bytes of no image format, a corrupt image
+and a huge one are each refused (or resized, with a note in the job's events) naming the row."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from service.api.app import create_app
+from service.checking.check import InlineSpecChecker
+from service.settings import Settings
+from tests.jobs.llm_helpers import chat_record, save_bpe_tokenizer, save_llama
+from tests.jobs.vlm_helpers import COLOURS, colour_record, data_url, save_tiny_qwen2_5_vl
+from tests.service.checking.test_one_parse import IdleExecutor
+from tests.service.conftest import TOKEN
+
+SAMPLES = {  # an image prompt in OpenAI's content parts, answered through the processor at the end
+    "prompts": [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url("red")}},
+                    {"type": "text", "text": "what colour is this image"},
+                ],
+            }
+        ]
+    ],
+    "max_new_tokens": 2,
+}
+TINY = {"device": "cpu", "model": {"dtype": "float32"}, "lora": {"rank": 4}, "data": {"seq_len": 128}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    save_tiny_qwen2_5_vl(root / "qwen")
+    save_llama(root / "llama")
+    save_bpe_tokenizer(root / "llama")
+    return root
+
+
+@pytest.fixture
+def ferry(tmp_path: Path, models: Path) -> Iterator[openai.OpenAI]:
+    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None, model_roots=[models])
+    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+
+
+def colour_rows() -> list[dict[str, Any]]:
+    return [colour_record(data_url(colour), colour) for colour in COLOURS]
+
+
+def with_url(url: str, detail: str | None = None) -> dict[str, Any]:
+    row = colour_record(url, "red")
+    if detail is not None:
+        row["messages"][0]["content"][0]["image_url"]["detail"] = detail
+    return row
+
+
+def upload(ferry: openai.OpenAI, rows: list[dict[str, Any]]) -> Any:
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    return ferry.files.create(file=("train.jsonl", body), purpose="fine-tune")
+
+
+def png_bytes(size: tuple[int, int], colour: str = "red") -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, COLOURS[colour]).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def as_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def test_a_vision_file_uploads_as_image_chat_with_openais_detail(ferry: openai.OpenAI) -> None:
+    rows = [with_url(data_url("red"), "low"), with_url(data_url("blue"), "high"), chat_record(0)]
+    uploaded = upload(ferry, rows)  # old code: 422 "image content ('image_url') cannot be trained"
+    assert (uploaded.format, uploaded.rows) == ("image_chat", 3)  # type: ignore[attr-defined]
+    assert upload(ferry, [chat_record(1)]).format == "chat"  # type: ignore[attr-defined]
+
+
+FIELD = "messages[0].content[0]"
+
+
+@pytest.mark.parametrize(
+    ("url", "detail", "field", "words"),
+    [
+        ("https://example.com/cat.png", None, f"{FIELD}.image_url.url", "is a web URL"),
+        ("cat.png", None, f"{FIELD}.image_url.url", "not a data URL; an uploaded file carries its images inside it"),
+        ("data:image/png;base64,iVBOR!!!", None, f"{FIELD}.image_url.url", "base64 payload does not decode"),
+        (as_url(b"not an image at all"), None, f"{FIELD}.image_url.url", "says image/png but its bytes are no PNG"),
+        ("data:image/tiff;base64,AAAA", None, f"{FIELD}.image_url.url", "must read data:image/<png|jpeg|webp|gif>"),
+        (data_url("red"), "medium", f"{FIELD}.image_url.detail", "must be one of auto, low, high"),
+    ],
+)
+def test_an_image_no_job_can_read_is_refused_at_upload_naming_the_row(
+    ferry: openai.OpenAI, url: str, detail: str | None, field: str, words: str
+) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [with_url(data_url("red")), with_url(url, detail)])
+    message = refused.value.body["message"]  # Ferry's envelope: /v1/files is Ferry's route family
+    assert message.startswith(f"train.jsonl row 2: field '{field}': ") and words in message, message
+
+
+def test_an_image_in_the_assistants_turn_is_refused_at_upload(ferry: openai.OpenAI) -> None:
+    row = colour_record(data_url("red"), "red")
+    row["messages"][1]["content"] = [{"type": "image_url", "image_url": {"url": data_url("red")}}]
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [row])
+    assert "row 1: field 'messages[1].content[0]': images belong in user messages" in refused.value.body["message"]
+
+
+def test_a_text_model_refuses_an_image_file_naming_the_row_and_the_fix(ferry: openai.OpenAI) -> None:
+    uploaded = upload(ferry, [chat_record(0), chat_record(1), with_url(data_url("red"))])
+    with pytest.raises(openai.BadRequestError) as refused:
+        ferry.fine_tuning.jobs.create(model="llama", training_file=uploaded.id, extra_body={"ferry": TINY})
+    body = refused.value.body
+    assert body["param"] == "training_file"
+    assert body["message"] == (
+        f"training_file: {uploaded.id} row 3: field 'messages[0].content[0]' is an image, and model 'llama' is a "
+        "text-only model (its config.json has no vision_config); fine-tune a vision-language model (one "
+        "AutoModelForImageTextToText loads, with its processor, e.g. Qwen2.5-VL or SmolVLM) on this file, or upload "
+        "it without image parts."
+    )
+
+
+def test_a_corrupt_image_is_refused_when_the_job_is_created_naming_the_row(ferry: openai.OpenAI) -> None:
+    broken = as_url(png_bytes((28, 28))[:40])  # a PNG's signature and header, its pixels cut off
+    uploaded = upload(ferry, [*colour_rows(), with_url(broken)])  # the upload reads no pixels
+    with pytest.raises(openai.BadRequestError) as refused:
+        ferry.fine_tuning.jobs.create(
+            model="qwen", training_file=uploaded.id, hyperparameters={"batch_size": 2}, extra_body={"ferry": TINY}
+        )
+    body = refused.value.body
+    assert body["param"] == "training_file" and body["code"] == "invalid_spec"
+    assert body["message"].startswith(
+        "training_file: train.jsonl row 5: field 'messages[0].content[0].image_url.url': image data: URL cannot be "
+        "read: "
+    ), body["message"]
+
+
+def test_a_huge_image_is_refused_when_the_request_asks_so_naming_the_row(ferry: openai.OpenAI) -> None:
+    uploaded = upload(ferry, [*colour_rows(), with_url(as_url(png_bytes((3000, 2000))))])
+    with pytest.raises(openai.BadRequestError) as refused:
+        ferry.fine_tuning.jobs.create(
+            model="qwen",
+            training_file=uploaded.id,
+            hyperparameters={"batch_size": 2},
+            extra_body={"ferry": {**TINY, "data": {"seq_len": 128, "huge_images": "refuse"}}},
+        )
+    message = refused.value.body["message"]
+    assert message.startswith("training_file: train.jsonl row 5: field 'messages[0].content[0].image_url.url': ")
+    assert "is 3000x2000 (6000000 pixels), above ferry.data.max_image_pixels=1003520" in message, message
+
+
+def test_a_vision_file_on_a_vision_model_does_not_take_dpo(ferry: openai.OpenAI) -> None:
+    uploaded = upload(ferry, colour_rows())
+    with pytest.raises(openai.BadRequestError) as refused:
+        ferry.fine_tuning.jobs.create(model="qwen", training_file=uploaded.id, method={"type": "dpo"})
+    assert refused.value.body["param"] == "training_file"
+    assert (
+        "holds chat rows with images, which train supervised jobs; this is a dpo job" in refused.value.body["message"]
+    )
+
+
+def follow(client: openai.OpenAI, job_id: str, status: str, timeout: float = 180) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = list(client.fine_tuning.jobs.list_events(job_id, limit=100))
+        if any(e.data and e.data.get("type") == "status" and e.data["status"] == status for e in events):
+            return events
+        if any(e.data and e.data.get("type") == "status" and e.data["status"] == "failed" for e in events):
+            raise AssertionError(f"{job_id} failed: {client.fine_tuning.jobs.retrieve(job_id).error}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{job_id} did not reach {status}: {client.fine_tuning.jobs.retrieve(job_id)}")
+
+
+def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
+    tmp_path: Path, models: Path, make_server: Any
+) -> None:
+    server = make_server(FERRY_MODEL_ROOTS=str(models))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0)
+    huge = with_url(as_url(png_bytes((1400, 1000), "green")))  # 1.4M pixels: resized to data.max_image_pixels
+    uploaded = client.files.create(
+        file=("train.jsonl", "".join(json.dumps(r) + "\n" for r in [*colour_rows(), huge]).encode()),
+        purpose="fine-tune",
+    )
+    held_out = client.files.create(
+        file=("valid.jsonl", "".join(json.dumps(r) + "\n" for r in colour_rows()[:2]).encode()), purpose="fine-tune"
+    )
+    job = client.fine_tuning.jobs.create(
+        model="qwen",
+        training_file=uploaded.id,
+        validation_file=held_out.id,
+        hyperparameters={"n_epochs": 1, "batch_size": 5},
+        extra_body={"ferry": {**TINY, "checkpoint": {"every_steps": 1}, "text_samples": SAMPLES}},
+    )
+    events = follow(client, job.id, "succeeded")
+    spec = httpx.get(f"{server.url}/v1/jobs/{job.id}", headers={"Authorization": f"Bearer {TOKEN}"}).json()["spec"]
+    assert (spec["model"]["kind"], spec["data"]["kind"]) == ("hf_image_text_to_text", "image_chat")
+    assert [e.data["step"] for e in events if e.type == "metrics"] == [1]
+    notes = [e.message for e in events if "resized" in e.message]
+    assert (
+        notes
+        and "train.jsonl row 5: data: URL 1400x1000 resized to 1185x846 (data.max_image_pixels=1003520)" in notes[0]
+    ), [e.message for e in events]
+    assert [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id).data] == [1]
+    validation = [e.message for e in events if "validation loss" in e.message]
+    assert [m.split(":")[0] for m in validation] == ["Step 1", "Step 0"], validation  # newest first
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    samples = httpx.get(f"{server.url}/v1/jobs/{job.id}/samples", headers=headers).json()["data"]
+    assert [s["prompt"] for s in samples] == ["[data: URL] what colour is this image"], samples
+    assert isinstance(samples[0]["text"], str) and samples[0]["step"] == 1
+
+
+def test_auto_hyperparameters_are_chosen_from_the_image_rows(ferry: openai.OpenAI) -> None:
+    uploaded = upload(ferry, colour_rows())
+    job = ferry.fine_tuning.jobs.create(model="qwen", training_file=uploaded.id, extra_body={"ferry": TINY})
+    # old code: "auto is chosen from text data (data.kind: text)"; OpenAI's rules on 4 rows: batch 1, 25 epochs
+    assert (job.hyperparameters.batch_size, job.hyperparameters.n_epochs) == (1, 25)
+
+
+def test_an_image_past_pillows_decompression_bomb_limit_is_refused_before_it_is_decoded(
+    ferry: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500_000)  # Pillow refuses above twice this: 1500x1000 is past it
+    uploaded = upload(ferry, [*colour_rows(), with_url(as_url(png_bytes((1500, 1000))))])
+    with pytest.raises(openai.BadRequestError) as refused:
+        ferry.fine_tuning.jobs.create(
+            model="qwen", training_file=uploaded.id, hyperparameters={"batch_size": 2}, extra_body={"ferry": TINY}
+        )
+    message = refused.value.body["message"]
+    assert message.startswith("training_file: train.jsonl row 5: field 'messages[0].content[0].image_url.url': ")
+    assert "image data: URL is too large to open safely" in message, message
