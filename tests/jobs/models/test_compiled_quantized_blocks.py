@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _tiny_qlora_llama(layers: int, checkpointing: bool, quantize: str) -> nn.Module:
+def _tiny_qlora_llama(layers: int, checkpointing: bool, quantize: str, patch: Any = None) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,6 +45,8 @@ def _tiny_qlora_llama(layers: int, checkpointing: bool, quantize: str) -> nn.Mod
         num_key_value_heads=2, use_cache=False,
     )  # fmt: skip
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if patch is not None:  # as training.kernels does: before checkpointing, adapters and quantization
+        patch(model)
     if checkpointing:
         enable_hf_gradient_checkpointing(model)
         apply_activation_checkpointing(model)
@@ -54,22 +56,32 @@ def _tiny_qlora_llama(layers: int, checkpointing: bool, quantize: str) -> nn.Mod
 
 
 def _train(
-    layers: int, *, compiled: bool, quantize: str, checkpointing: bool, steps: int = 2, **options: Any
+    layers: int,
+    *,
+    compiled: bool,
+    quantize: str,
+    checkpointing: bool,
+    steps: int = 2,
+    patch: Any = None,
+    device: str = "cpu",
+    backend: str = "aot_eager",
+    **options: Any,
 ) -> tuple[list[float], list[dict[str, torch.Tensor]], int]:
-    """Losses and LoRA gradients of each step with every block streamed on the CPU target; the graphs compiled."""
+    """Losses and LoRA gradients of each step with every block streamed (to the CPU target unless ``device``
+    says otherwise); the graphs compiled. ``patch``: applied to the plain model first (fused kernels)."""
     torch._dynamo.reset()
-    model = _tiny_qlora_llama(layers, checkpointing, quantize)
-    blocks = compile_repeated_blocks(model, backend="aot_eager") if compiled else None
+    model = _tiny_qlora_llama(layers, checkpointing, quantize, patch)
+    blocks = compile_repeated_blocks(model, backend=backend) if compiled else None
     offload = OffloadOptions(granularity="block", gpu_memory_budget=None, **options)
-    manager = OffloadTrainingManager(model, "cpu", options=offload)
+    manager = OffloadTrainingManager(model, device, options=offload)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
     losses, grads = [], []
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         manager.after_backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        grads.append({n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -135,3 +147,82 @@ def test_a_qlora_job_with_compiled_blocks_trains_as_eager(
     assert summary.startswith(
         "training.compile: 2 LlamaDecoderLayer blocks share one compiled forward (aot_eager): 2 graphs"
     )
+
+
+class _FusedSwiGLU(nn.Module):
+    """Stands in for Liger's ``LigerSwiGLUMLP.forward`` (its Triton kernel needs CUDA): the same calls of the
+    MLP's projections around one fused activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_silu_mul(self.gate_proj(x), self.up_proj(x)))  # type: ignore[operator]
+
+
+def _silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(a) * b
+
+
+class _FusedRMSNorm(nn.Module):
+    """Stands in for ``LigerRMSNorm.forward``: the norm's own weight, read directly."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        variance = h.float().pow(2).mean(-1, keepdim=True)
+        normed = h.float() * torch.rsqrt(variance + self.variance_epsilon)  # type: ignore[operator]
+        return (self.weight.float() * normed).to(h.dtype)  # type: ignore[operator]
+
+
+def _liger_style_patch(model: nn.Module) -> None:
+    """What ``_apply_liger_kernel_to_instance`` does to a Llama instance: a forward bound on each layer's MLP and
+    norms (``_bind_method_to_module``: ``module.__dict__["forward"] = function.__get__(module)``)."""
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        layer.mlp.__dict__["forward"] = _FusedSwiGLU.forward.__get__(layer.mlp, type(layer.mlp))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.__dict__["forward"] = _FusedRMSNorm.forward.__get__(norm, type(norm))
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "whole"])
+def test_kernels_bound_on_each_layers_modules_compile_once_over_an_nf4_base(checkpointing: bool) -> None:
+    # Each layer's MLP and norms carry a forward bound to themselves, as Liger's kernels patch an instance: the
+    # guards must not tell the layers apart by those bound methods.
+    eager = _train(4, compiled=False, quantize="nf4", checkpointing=checkpointing, patch=_liger_style_patch)
+    compiled = _train(4, compiled=True, quantize="nf4", checkpointing=checkpointing, patch=_liger_style_patch)
+    assert compiled[0] == eager[0]
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(compiled[1], eager[1], strict=True) for n in a)
+    assert compiled[2] == 2
+    shallow = _train(2, compiled=True, quantize="nf4", checkpointing=checkpointing, steps=1, patch=_liger_style_patch)
+    assert shallow[2] == 2
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_liger_and_inductor_over_a_streamed_nf4_base_train_as_the_plain_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("liger_kernel")
+    from transformers.models.llama import modeling_llama
+
+    from jobs.models.fused_kernels import apply_liger_kernels
+
+    # Liger also patches transformers' Llama module (RoPE, the classes): restored after the test.
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+    plain = _train(4, compiled=False, quantize="nf4", checkpointing=True, device="cuda")
+    applied: list[str] = []
+
+    def liger(model: nn.Module) -> None:
+        applied.extend(apply_liger_kernels(model))
+
+    fused = _train(4, compiled=True, quantize="nf4", checkpointing=True, device="cuda", backend="inductor", patch=liger)
+    assert {"rope", "rms_norm", "swiglu"} <= set(applied)
+    # bf16 throughout: the fused kernels and inductor's fusions round differently; within 2 % of the plain path
+    assert fused[0] == pytest.approx(plain[0], rel=2e-2)
+    for step, reference in zip(fused[1], plain[1], strict=True):
+        assert all(_relative_error(step[n], reference[n]) < 5e-2 for n in step), step.keys()
+    # Liger's autograd functions may break the block into a few graphs; their number does not grow with depth
+    shallow = _train(2, compiled=True, quantize="nf4", checkpointing=True, steps=1, device="cuda", backend="inductor",
+                     patch=liger)  # fmt: skip
+    assert shallow[2] == fused[2]
