@@ -120,18 +120,19 @@ def test_compiled_streamed_quantized_lora_trains_as_eager_with_graphs_independen
     assert shallow[2] == graphs
 
 
-def test_a_qlora_job_with_compiled_blocks_trains_as_eager(
-    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_a_quantized_base_job_with_compiled_blocks_trains_as_eager(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch, quantize: str
 ) -> None:
-    # NF4 quantized as it loads into the pinned arena (a meta model: hf_causal_lm's build on meta), streamed
-    # block units, checkpointed: bench/big_models.py's qlora70b row, tiny.
+    # Quantized as it loads into the pinned arena (a meta model: hf_causal_lm's build on meta), streamed block
+    # units, checkpointed: with NF4, bench/big_models.py's qlora70b row, tiny.
     from jobs import run_job
     from tests.jobs.models.test_quantize_on_load import llama_job, save_tiny_llama
 
     monkeypatch.setattr(compiled_blocks, "BACKEND", "aot_eager")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     save_tiny_llama(roots.model_roots[0] / "llama", weights=False)
-    data = merged(llama_job(roots, "random", "nf4"), offload={"gpu_memory_budget": None})
+    data = merged(llama_job(roots, "random", quantize), offload={"gpu_memory_budget": None})
 
     def job(spec: dict[str, Any], output: str) -> tuple[list[float], list[str]]:
         events: list[dict[str, Any]] = []
