@@ -8,6 +8,14 @@ copy can be dropped after forward. When the backward node unpacks the token, the
 in-place ops on outputs work), fires exactly when a weight is needed (a module called twice, a shared
 weight, gradient checkpointing in both modes), and never fires for a forward without backward.
 
+A node may drop its saved tensors before its work is done: a ``torch.compile``d region's backward
+(AOTAutograd's ``CompiledFunction``) unpacks them all, then clears them to free activations early, and only
+then runs its graph. Releasing the weight at that point would offload it mid-node: its ring slot freed before
+the node's kernels are queued (the next copy into the slot could overtake them), and a quantized weight's
+parameter object, which the node still holds, swapped back to its host contents. So an unpacked weight is
+also held by the node that unpacked it, and let go once that node has run (a post-hook), as it would be after
+an eager node.
+
 Other saved tensors pass through unchanged: to an outer hook if one is active (checkpointing installs one)
 or kept as a detached alias with autograd's usual in-place modification check.
 """
@@ -34,9 +42,13 @@ class SavedWeight:
 
     def unpack(self) -> torch.Tensor:
         """Onload before backward: the device copy (re-made if it was dropped after forward)."""
-        weight = self.offloader.ensure_resident()
-        if self.offloader.on_backward_use is not None:
-            self.offloader.on_backward_use(self.offloader)
+        offloader = self.offloader
+        weight = offloader.ensure_resident()
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            _hold_while_running(node, offloader)
+        if offloader.on_backward_use is not None:
+            offloader.on_backward_use(offloader)
         if self.view is None:
             return weight
         size, stride, offset = self.view
@@ -45,6 +57,28 @@ class SavedWeight:
     def __del__(self) -> None:
         # Offload after backward: autograd frees saved tensors once the node that needed them has run.
         self.offloader.token_released()
+
+
+def _hold_while_running(node: Any, offloader: TensorOffloader) -> None:
+    """Keep ``offloader``'s weight on the device until the compiled region's backward ``node`` unpacking it has
+    run, although the node drops its saved tensors first (module docstring): the release then comes after the
+    node's work is queued. Other nodes release their saved tensors only after they ran: nothing to do (and no
+    per-tensor host work added to them)."""
+    forward_class = getattr(node, "_forward_cls", None)  # a Python autograd.Function's node: its Function
+    if getattr(forward_class, "_aot_id", None) is None:  # not AOTAutograd's CompiledFunction
+        return
+    held: list[TensorOffloader] | None = getattr(node, "ferry_held", None)
+    if held is None:
+        held = node.ferry_held = []
+
+        def release(grad_inputs: Any, grad_outputs: Any) -> None:
+            for each in held:
+                each.release()  # offloads now unless a token or another hold still needs the weight
+            held.clear()
+
+        node.register_hook(release)
+    offloader.holds += 1
+    held.append(offloader)
 
 
 class SavedActivation:

@@ -14,7 +14,12 @@ What it has to live with:
   the block module itself with ``offload.granularity: block``, outside the compiled ``forward`` (only ``forward`` is
   compiled, not ``__call__``); leaf units would put hooks inside the compiled region, so a rule refuses that pairing.
 - The engine's saved-tensor hooks are active around a block's forward: the compiled graph's saved tensors (the
-  frozen weights among them) pass through them as any autograd node's do, so backward re-onloads streamed weights.
+  frozen weights among them) pass through them as any autograd node's do, so backward re-onloads streamed weights;
+  the compiled backward drops its saved tensors before it runs its graph, and the engine then holds the weights it
+  unpacked until the node has run (offload/saved_tensors.py).
+- Quantized frozen weights (``model.quantize``): an NF4 weight dequantized on arrival is a plain tensor in the
+  graph; torchao's ``NF4Tensor`` and ``Int8Tensor`` are traced as tensor subclasses, guarded by shape and dtype like
+  any parameter. Either way every layer shares the graphs.
 - Ferry's reentrant checkpoint (jobs/recompute/checkpoint.py) runs a layer under ``no_grad`` and again with grad in
   the recompute: grad mode is guarded, so a checkpointed stack compiles two forward graphs (and one backward), for
   any number of layers. Without checkpointing, the first layer's input needs no gradient and the others' do: two

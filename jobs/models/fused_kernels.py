@@ -2,8 +2,16 @@
 
 RMSNorm, RoPE and the SwiGLU/GeGLU MLP are swapped for Liger-Kernel's fused versions on the model instance
 (``liger_kernel.transformers._apply_liger_kernel_to_instance``, which knows each architecture by its
-``config.model_type``). Its fused linear + cross-entropy is left off: Ferry computes the loss from the logits
-itself (chunked where the family does), and Liger's version only runs inside the model's own loss path.
+``config.model_type``). Its fused linear + cross-entropy (and its cross-entropy) are always left off, whatever
+Liger's defaults for the architecture: Ferry computes the loss from the logits itself (chunked where the family
+does), and Liger's version only runs inside the model's own loss path, reading ``lm_head.weight`` in its own
+kernel, past the head's ``forward``: past the offload engine's hooks that bring a streamed head to the device,
+and past the dequantization of a quantized one (QLoRA quantizes the frozen head with the other linears).
+
+The fused modules still call the layer's own projections (peft's LoRA layers over NF4 or int8 weights) and
+read the norms' weights as parameters, so they compose with quantized, streamed frozen weights and with
+``training.compile`` (jobs/models/compiled_blocks.py: the forwards Liger binds on each layer's modules are one
+function, which the compiled block's guards see alike in every layer).
 
 A family opts in through ``ModelFamily.apply_kernels``. The kernels are Triton, so they run only on CUDA and
 only where ``liger-kernel`` imports (``pip install 'ferry[kernels]'``); anywhere else the plain path runs and

@@ -4,6 +4,7 @@ with a warning event everywhere else, and the same loss and gradients as the pla
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,44 @@ def test_the_notice_says_why_the_plain_path_runs(monkeypatch: pytest.MonkeyPatch
     )
     none_here = fused_kernels_notice("liger", "hf_causal_lm", lambda m: [], model, CUDA)
     assert none_here is not None and none_here[0] == "warning"
+
+
+def _fake_liger(monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]]) -> None:
+    """liger_kernel's table of apply functions, with one for llama that records its arguments (Liger's own
+    defaults: its fused linear + cross-entropy on)."""
+    import types
+
+    def apply_liger_kernel_to_llama(
+        rope: bool = True,
+        cross_entropy: bool = False,
+        fused_linear_cross_entropy: bool = True,
+        rms_norm: bool = True,
+        swiglu: bool = True,
+        model: Any = None,
+    ) -> None:
+        calls.append({"rope": rope, "cross_entropy": cross_entropy, "rms_norm": rms_norm, "swiglu": swiglu,
+                      "fused_linear_cross_entropy": fused_linear_cross_entropy, "model": model})  # fmt: skip
+
+    patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    patch.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": apply_liger_kernel_to_llama}  # type: ignore[attr-defined]
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", patch)
+
+
+def test_liger_never_fuses_the_head_with_the_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its fused linear + cross-entropy reads lm_head.weight inside its own kernel, past the head's forward: past
+    # the engine's hooks that bring a streamed head to the device and the NF4 layer's dequantization (QLoRA
+    # quantizes the frozen head too). Ferry's loss takes the logits the head's own forward computes.
+    calls: list[dict[str, Any]] = []
+    _fake_liger(monkeypatch, calls)
+    model = nn.Linear(2, 2)
+    model.config = type("Config", (), {"model_type": "llama"})()  # type: ignore[assignment]
+    assert apply_liger_kernels(model) == ["rope", "rms_norm", "swiglu"]
+    assert calls == [{"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": False, "rms_norm": True,
+                      "swiglu": True, "model": model}]  # fmt: skip
+    model.config.model_type = "toy"  # type: ignore[union-attr]
+    assert apply_liger_kernels(model) == [] and len(calls) == 1  # no kernels for it: the plain path
 
 
 @pytest.mark.gpu
