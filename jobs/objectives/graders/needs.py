@@ -1,13 +1,14 @@
 """What a grader needs installed on the machine that runs it, checked when the spec is submitted.
 
-text_similarity's metrics come from optional libraries (the ``rl`` extra) and meteor from WordNet's data as well;
-a spec naming one that is missing is refused at submit, naming the grader's path and what to install, instead of
+text_similarity's metrics come from optional libraries (the ``rl`` extra), meteor from WordNet's data as well and
+cosine from an encoder directory; a spec naming one that is missing is refused at submit, naming the grader's path and what to install, instead of
 scoring every completion 0 for the length of a job.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from jobs.objectives.graders.wordnet import wordnet_problem
@@ -36,4 +37,12 @@ def grader_problems(grader: Any) -> list[tuple[str, str]]:
             )
         elif metric == "meteor" and (problem := wordnet_problem()) is not None:
             problems.append((f"{path}.evaluation_metric", problem))
+        elif metric == "cosine" and not (Path(each.embedding_model) / "config.json").is_file():
+            problems.append(
+                (
+                    f"{path}.embedding_model",
+                    "holds no config.json: point it at a sentence-transformers or transformers encoder directory "
+                    "(as save_pretrained or SentenceTransformer.save writes it)",
+                )
+            )
     return problems

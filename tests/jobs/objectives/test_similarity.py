@@ -171,6 +171,9 @@ def test_cosine_is_sentence_transformers_mean_pooled_cosine(tmp_path: Path) -> N
 
 
 def test_cosine_with_an_encoder_that_does_not_load_gives_zero_logged_once(tmp_path: Path) -> None:
-    grade = Graders(similarity_grader("cosine", embedding_model=str(tmp_path)).grader)
+    spec = similarity_grader("cosine", embedding_model=str(tmp_path)).grader
+    ((path, message),) = grader_problems(spec)  # refused at submit: no encoder there
+    assert path == "training.grpo.grader.embedding_model" and message.startswith("holds no config.json")
+    grade = Graders(spec)  # and where it comes to run all the same (the folder emptied since), rewards are 0
     assert grade(["a", "b"], [{"answer": "a"}] * 2) == [0.0, 0.0]
     assert len(grade.errors) == 1 and "(text_similarity)" in grade.errors[0]
