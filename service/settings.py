@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     # with it, and the worker hands it to the job, whose frozen weights beyond it stream from their checkpoint
     # files. None: no limit but the machine's memory.
     host_memory_budget: int | str | None = None
+    # A grpo job's python grader runs the submitter's code on this machine, in a subprocess held to a time and
+    # memory limit and guarded by an audit hook (jobs/objectives/graders/sandbox.py): a guard against mistakes,
+    # not a security boundary. A server shared by people who do not trust each other's code sets this false: a
+    # spec with a python grader (a multi's too) is then refused at submit (422, or 400 on the OpenAI route).
+    allow_python_graders: bool = True
 
     @field_validator("host_memory_budget")
     @classmethod

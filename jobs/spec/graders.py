@@ -12,6 +12,7 @@ What each grader computes lives in jobs/objectives/graders/; this module is only
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -22,11 +23,10 @@ from jobs.spec.sections import DataPath, ModelPath, Section, broken_rules
 # {{ scope.path }}: the only placeholders a grader's template may hold (OpenAI's templating).
 TEMPLATE = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 _PLACEHOLDER = re.compile(r"^(item(\.[A-Za-z0-9_-]+)+|sample\.output_text|sample\.output_json(\.[A-Za-z0-9_-]+)*)$")
-SIMILARITY_METRICS = ("fuzzy_match", "bleu", "gleu", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l")
-_UNSUPPORTED_METRICS = {
-    "cosine": "cosine compares embeddings from an embedding model, which Ferry does not run",
-    "meteor": "meteor needs WordNet's synonyms, which Ferry does not ship",
-}
+# OpenAI's text_similarity metrics, as its grader reference lists them.
+SimilarityMetric = Literal[
+    "fuzzy_match", "bleu", "gleu", "meteor", "cosine", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l"
+]
 
 
 def template_problem(text: str) -> str | None:
@@ -61,25 +61,37 @@ class StringCheckGrader(Section):
 
 
 class TextSimilarityGrader(Section):
-    """OpenAI's ``text_similarity``, 0 to 1: fuzzy_match (difflib's ratio), bleu (sacrebleu, when installed), gleu,
-    rouge_1 to rouge_5 and rouge_l (F1 over whitespace tokens)."""
+    """OpenAI's ``text_similarity``: fuzzy_match (rapidfuzz), bleu, gleu and meteor (nltk), rouge_1 to rouge_5 and
+    rouge_l (rouge-score's F-measure), 0 to 1; cosine (-1 to 1) of the two texts' embeddings by the local encoder
+    ``embedding_model`` (jobs/objectives/graders/similarity.py says how each is computed)."""
 
     type: Literal["text_similarity"]
     name: str = "text_similarity"
     input: str = "{{sample.output_text}}"
     reference: str
-    evaluation_metric: Literal[
-        "fuzzy_match", "bleu", "gleu", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l"
-    ] = "fuzzy_match"
+    evaluation_metric: SimilarityMetric = "fuzzy_match"
+    embedding_model: ModelPath | None = Field(
+        None, description="cosine: a sentence-transformers or transformers encoder directory under a model root"
+    )
 
     _templates = field_validator("input", "reference")(_checked_template)
 
-    @field_validator("evaluation_metric", mode="before")
-    @classmethod
-    def _a_metric_ferry_computes(cls, value: Any) -> Any:
-        if isinstance(value, str) and value in _UNSUPPORTED_METRICS:
-            raise ValueError(f"{_UNSUPPORTED_METRICS[value]}; use one of {', '.join(SIMILARITY_METRICS)}")
-        return value
+    @model_validator(mode="after")
+    def _check_embedding_model(self) -> TextSimilarityGrader:
+        if self.evaluation_metric == "cosine" and self.embedding_model is None:
+            raise broken_rules(
+                [
+                    (
+                        "embedding_model",
+                        "cosine compares embeddings, and Ferry embeds locally: give embedding_model, a "
+                        "sentence-transformers (or transformers encoder) directory under a model root; or use "
+                        "another evaluation_metric",
+                    )
+                ]
+            )
+        if self.evaluation_metric != "cosine" and self.embedding_model is not None:
+            raise broken_rules([("embedding_model", f"only cosine reads it; remove it for {self.evaluation_metric}")])
+        return self
 
 
 class MathAnswerGrader(Section):
@@ -192,3 +204,11 @@ Grader = Annotated[
     StringCheckGrader | TextSimilarityGrader | MathAnswerGrader | PythonGrader | ScoreModelGrader | MultiGrader,
     Field(discriminator="type"),
 ]
+
+
+def each_grader(grader: Any, path: str = "training.grpo.grader") -> Iterator[tuple[str, Any]]:
+    """Every grader of the tree ``grader`` (a multi's own and its graders') with its spec path."""
+    yield path, grader
+    if getattr(grader, "type", None) == "multi":
+        for index, inner in enumerate(grader.graders):
+            yield from each_grader(inner, f"{path}.graders.{index}")

@@ -45,6 +45,10 @@ def _problems(spec: JobSpec) -> list[SpecProblem]:
     from jobs.reporting.tracking import missing_tracking_packages
 
     problems = [SpecProblem(path, message) for path, message in missing_tracking_packages(spec.tracking)]
+    if spec.training.grpo.grader is not None:
+        from jobs.objectives.graders.needs import grader_problems
+
+        problems += [SpecProblem(path, message) for path, message in grader_problems(spec.training.grpo.grader)]
     if spec.data.kind == "text":
         data_problems = _data_problems(spec)
         problems += data_problems + _chat_prompt_problems(spec)

@@ -21,6 +21,7 @@ from jobs import JobSpec, JobSpecError, PathRoots, load_job_spec
 from jobs.data.auto_size import choose_auto
 from jobs.fit.disk_tier import with_host_memory_limit
 from jobs.paths import without_roots
+from jobs.spec.graders import each_grader
 from jobs.spec.preflight import preflight_problems
 from jobs.spec.text import ParsedSpec, parse_spec_text
 from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
@@ -29,6 +30,10 @@ from service.checking.yaml_guard import ShapeGuard, YamlShapeError, shape_error
 from service.errors import ApiError, spec_error
 
 log = logging.getLogger("ferry.spec_check")
+PYTHON_GRADERS_OFF = (
+    "this server runs no python graders (FERRY_ALLOW_PYTHON_GRADERS=false); grade with string_check, "
+    "text_similarity, math_answer, score_model or a multi of them, or ask its operator to allow python graders"
+)
 
 
 class InlineSpecChecker:
@@ -97,6 +102,10 @@ def load_checked_spec(request: CheckRequest) -> tuple[JobSpec, ParsedSpec]:
     except JobSpecError as error:  # messages name paths relative to their roots, as preflight's do
         raise spec_error([{**asdict(p), "message": without_roots(p.message, roots)} for p in error.problems]) from None
     assert parsed is not None  # the text that failed to parse above failed in load_job_spec too
+    if not request.allow_python_graders:
+        refused = python_grader_problems(spec)
+        if refused:
+            raise spec_error([{**p, "line": parsed.line_of(str(p["path"]))} for p in refused])
     # The files the spec names: the data's first rows (format, fields, chat template), LoRA targets.
     problems = preflight_problems(spec, roots)
     if problems:
@@ -104,6 +113,17 @@ def load_checked_spec(request: CheckRequest) -> tuple[JobSpec, ParsedSpec]:
     if spec.training.auto:  # batch_size/epochs: auto, chosen from the data: the stored spec and the estimate
         spec, _ = choose_auto(spec)  # the worker chooses the same from the same data and logs why
     return spec, parsed
+
+
+def python_grader_problems(spec: JobSpec) -> list[dict[str, object]]:
+    """A problem for each python grader of the spec (a multi's too): this server runs none of them."""
+    if spec.training.grpo.grader is None:
+        return []
+    return [
+        {"path": path, "message": PYTHON_GRADERS_OFF, "suggestion": None}
+        for path, grader in each_grader(spec.training.grpo.grader)
+        if grader.type == "python"
+    ]
 
 
 def _checked(spec: JobSpec, **answer: object) -> CheckedSpec:

@@ -33,6 +33,7 @@ class CheckRequest:
     check_device: bool = True
     fit: Literal["refuse", "report", "skip"] = "refuse"
     host_memory_limit: int | None = None  # the server's share of host_memory_budget (Settings.host_memory_share)
+    allow_python_graders: bool = True  # false: a spec with a python grader is refused (Settings.allow_python_graders)
 
     @classmethod
     def for_service(
@@ -58,6 +59,7 @@ class CheckRequest:
             check_device=not queue_anyway and settings.executor == "local",
             fit=fit,
             host_memory_limit=settings.host_memory_share(len(slots)),
+            allow_python_graders=settings.allow_python_graders,
         )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from jobs.objectives.graders.math_answer import math_answer
 from jobs.objectives.graders.sandbox import run_python_grader
-from jobs.objectives.graders.templates import sample_of
+from jobs.objectives.graders.templates import render, sample_of
 from jobs.objectives.graders.text import string_check, text_similarity
 from jobs.spec.formula import evaluate_formula
 
@@ -45,6 +45,7 @@ class Graders:
         self._sources: dict[int, Path] = {}  # a python grader's source, written once to a folder of its own
         self._folders: list[tempfile.TemporaryDirectory[str]] = []
         self._judges: dict[int, Any] = {}  # a score_model grader's loaded model, by the spec's id
+        self._embedders: dict[int, Any] = {}  # a cosine text_similarity grader's encoder, by the spec's id
 
     def __call__(self, completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
         """One finite reward per completion (0 where its grader failed)."""
@@ -59,6 +60,8 @@ class Graders:
             return [self._finite(spec, value) for value in values]
         if spec.type == "score_model":
             return [self._finite(spec, value) for value in self._judge(spec).score(completions, rows)]
+        if spec.type == "text_similarity" and spec.evaluation_metric == "cosine":
+            return self._cosine(spec, completions, rows)
         one = _ONE[spec.type]
         rewards = []
         for completion, row in zip(completions, rows, strict=True):
@@ -84,6 +87,20 @@ class Graders:
                 value = error
             combined.append(self._finite(spec, value))
         return combined
+
+    def _cosine(self, spec: Any, completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
+        try:
+            pairs = [
+                (render(spec.input, c, r), render(spec.reference, c, r)) for c, r in zip(completions, rows, strict=True)
+            ]
+            if id(spec) not in self._embedders:
+                from jobs.objectives.graders.embeddings import Embedder
+
+                self._embedders[id(spec)] = Embedder(spec.embedding_model)
+            scores: list[Any] = self._embedders[id(spec)].cosine([g for g, _ in pairs], [r for _, r in pairs])
+        except Exception as error:  # a missing column, an encoder that does not load: the whole batch scores 0
+            scores = [error] * len(completions)
+        return [self._finite(spec, value) for value in scores]
 
     def _python_file(self, spec: Any) -> Path:
         if spec.file is not None:

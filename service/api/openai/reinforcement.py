@@ -4,7 +4,8 @@ The grader objects map one to one onto Ferry's (jobs/spec/graders.py), templates
 ``{{sample.output_text}}`` read the same in both); what Ferry cannot do is refused with the request's own path
 (``method.reinforcement.grader.image_tag``), never dropped:
 
-- ``string_check``, ``text_similarity`` (every metric but cosine and meteor), ``multi`` (``graders`` by name,
+- ``string_check``, ``text_similarity`` (every metric; cosine also takes ``embedding_model``, a local encoder
+  directory under a model root, where OpenAI embeds with its hosted model), ``multi`` (``graders`` by name,
   ``calculate_output``) as OpenAI defines them;
 - ``python``: ``source`` runs in Ferry's sandboxed subprocess; ``image_tag`` is refused (no images here);
 - ``score_model``: ``model`` is a model directory under a model root (the judge runs locally), text messages only;
@@ -29,7 +30,8 @@ METHOD = "method.reinforcement"
 _TYPES = ("string_check", "text_similarity", "python", "score_model", "multi")
 _KEYS = {
     "string_check": {"type", "name", "input", "reference", "operation"},
-    "text_similarity": {"type", "name", "input", "reference", "evaluation_metric"},
+    # embedding_model: Ferry's own, the local encoder a cosine grader embeds with (OpenAI embeds with its own model).
+    "text_similarity": {"type", "name", "input", "reference", "evaluation_metric", "embedding_model"},
     "python": {"type", "name", "source", "image_tag"},
     "score_model": {"type", "name", "model", "input", "range", "sampling_params"},
     "multi": {"type", "name", "graders", "calculate_output"},

@@ -136,26 +136,6 @@ def test_a_template_naming_nothing_a_grader_reads_is_refused_at_load(template: s
         grader(type="string_check", reference=template)
 
 
-@pytest.mark.parametrize(
-    ("metric", "expected"),
-    [
-        ("rouge_1", 2 * (3 / 4) * (3 / 3) / (3 / 4 + 1)),  # 3 of 4 words match all 3 of the reference's
-        ("rouge_2", 2 * (2 / 3) * 1 / (2 / 3 + 1)),
-        ("rouge_l", 2 * (3 / 4) * 1 / (3 / 4 + 1)),
-        ("gleu", (3 + 2 + 1) / max(4 + 3 + 2 + 1, 3 + 2 + 1)),
-    ],
-)
-def test_text_similarity_rouge_and_gleu(metric: str, expected: float) -> None:
-    grade = grader(type="text_similarity", reference="{{item.answer}}", evaluation_metric=metric)
-    assert grade(["the cat sat down"], [{"answer": "the cat sat"}]) == [pytest.approx(expected)]
-
-
-@pytest.mark.parametrize("metric", ["cosine", "meteor"])
-def test_similarity_metrics_ferry_cannot_compute_are_refused_saying_why(metric: str) -> None:
-    with pytest.raises(ValueError, match=f"{metric} .*; use one of fuzzy_match"):
-        grader(type="text_similarity", reference="x", evaluation_metric=metric)
-
-
 def test_math_answer_compares_answers_mathematically() -> None:
     pytest.importorskip("math_verify")
     grade = grader(type="math_answer", reference="{{item.answer}}")

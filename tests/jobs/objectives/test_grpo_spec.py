@@ -68,6 +68,14 @@ def test_broken_grpo_setups_are_refused_naming_the_field(root: Path, change: dic
         load(data, root)
 
 
+def test_a_python_grader_file_that_is_not_there_is_refused_at_load(root: Path) -> None:
+    missing = {"type": "python", "file": "graders/missing.py"}
+    with pytest.raises(JobSpecError) as refused:
+        load(grpo_spec({"grader": missing}), root)
+    (problem,) = refused.value.problems
+    assert problem.path == "training.grpo.grader.file" and "missing.py" in problem.message
+
+
 def test_eval_and_text_samples_are_refused_for_grpo(root: Path) -> None:
     data = grpo_spec({})
     data["text_samples"] = {"prompts": ["hi"], "every_steps": 1}

@@ -4,6 +4,7 @@ rewards are all equal trains on advantage 0 (logged, no division by zero)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ def test_prompts_longer_than_the_context_are_refused_when_none_fits(roots: PathR
 
 
 def test_equal_rewards_train_on_advantage_zero_and_long_prompts_and_grader_errors_are_said(
-    roots: PathRoots, tmp_path: Path
+    roots: PathRoots, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A grader that raises on every completion: each reward is 0, so every group's rewards are equal, every
     advantage is 0 and the loss is 0 (not NaN), and the error is said once in the events; the prompt too long for
@@ -93,6 +94,7 @@ def test_equal_rewards_train_on_advantage_zero_and_long_prompts_and_grader_error
     never = {"type": "python", "source": "def grade(sample, item):\n    raise ValueError('bad grader')\n"}
     long = {"prompt": "a long prompt, longer than the context " * 8, "answer": "x"}
     events: list[dict[str, Any]] = []
+    caplog.set_level(logging.INFO, logger="jobs.objectives.grpo")
     run_job(
         grpo_job(roots, [*sums(4), long], grader=never),
         output_dir=tmp_path,
@@ -107,6 +109,8 @@ def test_equal_rewards_train_on_advantage_zero_and_long_prompts_and_grader_error
     assert [n for n in notes if "bad grader" in n] == [
         "grader 'python' (python): RuntimeError: ValueError: bad grader; reward 0"
     ]
+    equal = "grpo: a group's rewards are all equal; its advantages are 0 (no update from it)"
+    assert [r.getMessage() for r in caplog.records].count(equal) == 1  # said once, not once per step
 
 
 def test_auto_batch_and_epochs_count_the_prompts_that_fit(roots: PathRoots) -> None:

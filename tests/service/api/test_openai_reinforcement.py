@@ -113,8 +113,8 @@ REFUSED = [
             if k != "operation"
         },
         {},
-        "method.reinforcement.grader.evaluation_metric",
-        "cosine compares embeddings",
+        "method.reinforcement.grader.embedding_model",
+        "cosine compares embeddings, and Ferry embeds locally: give embedding_model",
     ),
     (
         {**GRADER, "input": "{{ sample.choices }}"},
