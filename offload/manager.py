@@ -6,8 +6,8 @@ import dataclasses
 import functools
 import logging
 from collections import OrderedDict
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch

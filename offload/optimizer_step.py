@@ -419,8 +419,9 @@ class StepDuringBackward:
             self._cond.notify()
         self._worker.join()
         if self.swap is not None:
-            self.swap.flush()
-            if copy:
+            if self.swap.failed is None:  # a failed swap was raised already: its state is not read back
+                self.swap.flush()
+            if copy and self.swap.failed is None:
                 for offloader in self._offloaders:
                     self.swap.take_in_memory(self.optimizer.state[offloader.tensor], id(offloader.tensor))
             self.swap.close()

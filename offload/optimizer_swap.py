@@ -139,6 +139,8 @@ class OptimizerSwap:
             raise ValueError(f"the optimizer swap ring needs at least one slot; got {slots}")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob("*.swap"):  # an earlier attempt's: the state now comes from its checkpoint
+            stale.unlink()
         self.slots = slots
         self.files: dict[int, _SwapFile] = {}
         self._stride = 0  # the ring's slot size: the largest file when the ring was made
@@ -147,7 +149,7 @@ class OptimizerSwap:
         self._ahead: dict[int, _Read] = {}  # read ahead, not yet taken (insertion order: issue order)
         self._taken: dict[int, tuple[_Read | None, torch.Tensor]] = {}  # being updated: its read, its buffer
         self._writes: deque[Future[None]] = deque()
-        self._failed: BaseException | None = None  # the first failed write
+        self.failed: BaseException | None = None  # the first failed read or write
         self._made = 0  # files made: each one's number in its name
         self._cycle: list[int] = []  # the keys of the last full round of updates, in order
         self._round: list[int] = []
@@ -186,9 +188,9 @@ class OptimizerSwap:
         assert key not in self._taken, "a parameter's state is swapped in twice without its update between"
         read = self._ahead.pop(key, None)
         buffer: torch.Tensor
-        if swap_file.nbytes > self._stride:  # larger than the ring: its own buffer (the ring grows when idle)
-            if not self._taken and not self._ahead:
-                self._grow(max(f.nbytes for f in self.files.values()))
+        # Larger than the ring's slots: the ring grows when idle, else this one gets a buffer of its own.
+        if read is None and swap_file.nbytes > self._stride and not self._taken and not self._ahead:
+            self._grow(max(f.nbytes for f in self.files.values()))
         if read is not None:
             buffer = self._slot(read.slot)
         elif swap_file.nbytes > self._stride:
@@ -200,7 +202,11 @@ class OptimizerSwap:
             buffer = self._slot(slot)
             read = _Read(key, slot, self._sequencer.submit(self._read, swap_file, buffer))
         started = time.perf_counter()
-        read.future.result()  # raises SwapFileDamaged, naming the file
+        try:
+            read.future.result()  # raises SwapFileDamaged, naming the file
+        except BaseException as error:
+            self.failed = error  # every later swap raises it: none steps from state the job cannot vouch for
+            raise
         self.wait_seconds += time.perf_counter() - started
         self._taken[key] = (read if read.slot >= 0 else None, buffer)
         state.update(swap_file.views(buffer))
@@ -217,7 +223,7 @@ class OptimizerSwap:
             if taken is not None and taken[0] is not None:
                 self._free.append(taken[0].slot)
             swap_file = self._make_file(key, name, tensors)
-            self._sequencer.submit(self._write_tensors, swap_file, tensors).result()  # before they are dropped
+            self._settle(self._sequencer.submit(self._write_tensors, swap_file, tensors))  # before they are dropped
             state.update(swap_file.resting())
             del tensors
             _return_freed_memory()
@@ -242,7 +248,15 @@ class OptimizerSwap:
         self._sequencer.submit(lambda: None).result()  # the I/O issued so far is done
         self._raise_write_errors()
         for swap_file in self.files.values():
-            swap_file.check()
+            self._settle(swap_file.check)
+
+    def _settle(self, work: Future[None] | Callable[[], None]) -> None:
+        """Wait for ``work`` (or run it); a failure becomes the swap's (`_raise_write_errors`)."""
+        try:
+            work.result() if isinstance(work, Future) else work()
+        except BaseException as error:
+            self.failed = error
+            raise
 
     def take_in_memory(self, state: dict[str, Any], key: int) -> None:
         """``key``'s swapped state copied into memory of its own (detaching the engine with ``copy=True``)."""
@@ -326,13 +340,13 @@ class OptimizerSwap:
             self._ahead[key] = _Read(key, slot, self._sequencer.submit(self._read, swap_file, self._slot(slot)))
 
     def _raise_write_errors(self) -> None:
-        """A failed write fails every later swap: the file no longer holds the state the optimizer made."""
-        if self._failed is not None:
-            raise self._failed
+        """A failed read or write fails every later swap: the file no longer holds the state the optimizer made."""
+        if self.failed is not None:
+            raise self.failed
         while self._writes and self._writes[0].done():
             error = self._writes.popleft().exception()
             if error is not None:  # SwapWriteFailed or SwapFileDamaged, naming the file
-                self._failed = error
+                self.failed = error
                 raise error
 
     # ----------------------------------------------------------------- I/O (the sequencer thread)
@@ -357,7 +371,11 @@ class OptimizerSwap:
         self.written_bytes += swap_file.nbytes
 
     def _chunked(
-        self, swap_file: _SwapFile, piece: Callable[[_SwapFile, memoryview, int, int, int], None], view: memoryview, n: int
+        self,
+        swap_file: _SwapFile,
+        piece: Callable[[_SwapFile, memoryview, int, int, int], None],
+        view: memoryview,
+        n: int,
     ) -> None:
         jobs = [
             self._pool.submit(piece, swap_file, view, at, at, min(IO_CHUNK_BYTES, n - at))
@@ -422,6 +440,4 @@ def _return_freed_memory() -> None:
 
 def _swappable(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The state entries kept on disk: every non-scalar CPU tensor (moments, momentum), in the state's order."""
-    return {
-        k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() > 0
-    }
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() > 0}
