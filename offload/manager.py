@@ -7,6 +7,7 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from offload.offloaders import (
     TensorOffloader,
 )
 from offload.optimizer_step import StepDuringBackward
+from offload.optimizer_swap import OptimizerSwap
 from offload.options import OffloadOptions, format_bytes, parse_bytes
 from offload.plan import UnitLayout, plan_memory
 from offload.quant.dequantize_on_arrival import ArrivalBatch, DequantizedParamOffloader, dequantizes_on_arrival
@@ -396,6 +398,8 @@ class OffloadTrainingManager:
         delayed_update: bool = False,
         warmup_steps: int = 10,
         cpu_threads: int | None = None,
+        swap_folder: str | Path | None = None,
+        swap_read_ahead: int = 2,
     ) -> None:
         """Step ``optimizer`` per parameter in the background, overlapped with the GPU (optimizer offload).
 
@@ -412,12 +416,26 @@ class OffloadTrainingManager:
         ``cpu_threads``: the updates' intra-op threads (default: all but one, left to the training loop).
         With ``optimizer_shard`` each update steps this process's part, and ``optimizer.step()`` waits for every
         update, then runs the step hooks (``register_step_hook``).
+
+        ``swap_folder``: keep the optimizer's state (every non-scalar state tensor, AdamW's two moments) in one
+        file per parameter there instead of in memory, read before each update into a ring of
+        ``swap_read_ahead + 1`` slots of the largest parameter's state and written back after it, the next
+        parameters' reads running ahead on a thread (optimizer_swap.py). Between updates the state is views of
+        those files' maps; ``remove()`` deletes the files (``copy=True`` first reads the state back into memory).
         """
         if not self.enable_optimizer_cpu_offload:
             raise ValueError(
                 "attach_optimizer needs enable_optimizer_cpu_offload=True: the optimizer must run "
                 "on the CPU for its steps to overlap with the GPU's backward"
             )
+        if swap_folder is not None and delayed_update:
+            raise ValueError(
+                "swap_folder cannot be combined with delayed_update: a delayed update runs while the next step "
+                "reads the weights, and its state's reads would compete with the forward's; use exact updates"
+            )
+        if not isinstance(swap_read_ahead, int) or swap_read_ahead < 0:
+            raise ValueError(f"swap_read_ahead must be an integer >= 0; got {swap_read_ahead!r}")
+        swap = OptimizerSwap(Path(swap_folder), slots=swap_read_ahead + 1) if swap_folder is not None else None
         trainable = {k: o for k, o in self._offloaders.items() if isinstance(o, TrainableParamOffloader)}
 
         def priority(offloader: TrainableParamOffloader) -> int | None:
@@ -434,13 +452,15 @@ class OffloadTrainingManager:
             cpu_threads=cpu_threads,
             on_device=self.plan.device_trainables,
             after_step=self._run_step_hooks if self.optimizer_shard is not None else None,
+            swap=swap,
         )
         for offloader in trainable.values():
             offloader.before_read = self._stepper.before_read
         # Reading the weights or the optimizer state (a checkpoint) first finishes the background updates.
         stepper = self._stepper
+        # With the state on disk, its writes finish too: the state dict reads it through the files' maps.
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args: stepper.wait()))
-        self._handles.append(optimizer.register_state_dict_pre_hook(lambda *args: stepper.wait()))
+        self._handles.append(optimizer.register_state_dict_pre_hook(lambda *args: stepper.wait_for_swap()))
 
     def host_gradient_params(self) -> list[torch.Tensor]:
         """The parameters whose gradients this engine sends to the host as backward makes them final
@@ -478,10 +498,10 @@ class OffloadTrainingManager:
         ]
 
     def wait_for_optimizer(self) -> None:
-        """Finish the background optimizer updates (``attach_optimizer``) before reading the weights directly;
-        ``state_dict()`` of the model or the optimizer does this itself."""
+        """Finish the background optimizer updates (``attach_optimizer``) before reading the weights directly, and
+        with ``swap_folder`` their state's writes; ``state_dict()`` of the model or the optimizer does this itself."""
         if self._stepper is not None:
-            self._stepper.wait()
+            self._stepper.wait_for_swap()
 
     def after_backward(self) -> None:
         """Call between ``backward()`` and ``optimizer.step()``: waits for gradient copies, makes sure no
@@ -560,6 +580,15 @@ class OffloadTrainingManager:
                 activation_host_bytes=saved.peak_held_bytes,
                 optimizer_host_bytes=optimizer,
             )
+        swap = self._stepper.swap if self._stepper is not None else None
+        if swap is not None:
+            snapshot = dataclasses.replace(
+                snapshot,
+                optimizer_swap_bytes=swap.swapped_bytes,
+                optimizer_swap_read_bytes=swap.read_bytes,
+                optimizer_swap_written_bytes=swap.written_bytes,
+                optimizer_swap_wait_seconds=swap.wait_seconds,
+            )
         if stage is None:
             return snapshot
         return dataclasses.replace(
@@ -579,7 +608,7 @@ class OffloadTrainingManager:
         exist twice in host memory at once (a 32B model's 64 GB more). Weights on the disk tier are read back
         from their files with ``copy=True`` and left as views of their files' maps with ``copy=False``."""
         if self._stepper is not None:
-            self._stepper.detach()
+            self._stepper.detach(copy)
             for offloader in self._offloaders.values():
                 if isinstance(offloader, TrainableParamOffloader):
                     offloader.before_read = None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offload.optimizer_swap import OptimizerSwap
 from offload.pending_update import PendingUpdate, one_parameter_view, start_worker
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class StepDuringBackward:
         cpu_threads: int | None = None,
         on_device: frozenset[int] = frozenset(),
         after_step: Callable[[], None] | None = None,
+        swap: OptimizerSwap | None = None,
     ) -> None:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1; got {accumulation_steps}")
@@ -97,6 +99,8 @@ class StepDuringBackward:
                 "of each weight would have to be gathered across the ranks too; use exact updates"
             )
         self.optimizer = optimizer
+        # The optimizer's state on disk (optimizer_swap.py): read before each update, written back after it.
+        self.swap = swap
         # Run in optimizer.step() once every update of the step has finished (an optimizer shard's gather).
         self.after_step = after_step
         self.accumulation_steps = accumulation_steps
@@ -144,6 +148,10 @@ class StepDuringBackward:
         self.cpu_copies = 0
         self.optimizer_calls = 0  # calls of the optimizer's step (one per batch of a unit's updates)
         self.cpu_threads = cpu_threads if cpu_threads is not None else max(1, torch.get_num_threads() - 1)
+        if swap is not None:  # a state already in memory (a checkpoint's, loaded before attaching) goes to disk now
+            for offloader in self._offloaders:
+                if self.optimizer.state.get(offloader.tensor):
+                    swap.swap_out(id(offloader.tensor), offloader.name, self.optimizer.state[offloader.tensor])
         self._worker = start_worker(self._work, self.cpu_threads)
         self._wrap_optimizer()
 
@@ -281,7 +289,7 @@ class StepDuringBackward:
             self.wait_seconds += time.perf_counter() - start
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError("the CPU optimizer step failed on its worker thread") from error
+            raise RuntimeError(f"the CPU optimizer step failed on its worker thread: {error}") from error
 
     def _next(self) -> list[PendingUpdate]:
         """The landed gradient whose parameter the next forward reads first (else the oldest, whose copy lands
@@ -312,6 +320,8 @@ class StepDuringBackward:
                     and self._group_of[id(u.offloader.tensor)] is group
                     and same_hyperparameters(u.hyper, choice.hyper)
                 ]
+            if self.swap is not None:  # each parameter updated holds a slot of the swap ring meanwhile
+                batch = batch[: self.swap.batch_limit]
             for update in batch:
                 self._queue.remove(update)
             return batch
@@ -337,7 +347,8 @@ class StepDuringBackward:
                 self.compute_seconds += time.perf_counter() - computing
             except BaseException as error:  # re-raised on the main thread by the next wait
                 log.exception("CPU optimizer step failed")
-                self._error = error
+                if self._error is None:  # the first failure is the cause; later ones follow from it
+                    self._error = error
             finally:
                 self.busy_seconds += time.perf_counter() - start
                 self.optimizer_calls += 1
@@ -363,30 +374,57 @@ class StepDuringBackward:
         single.state = state  # type: ignore[assignment]
         single.param_groups[0].update(batch[0].hyper)
         single.param_groups[0]["params"] = standins
+        swap = self.swap
+        if swap is not None:  # the state's entries point into the swap ring for the update
+            for update in batch:
+                swap.swap_in(id(update.offloader.tensor), self.optimizer.state[update.offloader.tensor])
         try:
             single.step()
         finally:
             single.param_groups[0]["params"] = own
             for standin in standins:
                 standin.grad = None
+        if swap is not None:  # written back; the entries point at the files again
+            for update in batch:
+                param = update.offloader.tensor
+                swap.swap_out(id(param), update.offloader.name, self.optimizer.state[param])
 
     def state_bytes(self) -> int:
-        """Host bytes of the optimizer's state for the parameters updated here (AdamW's moments and steps)."""
-        total = 0
+        """Host bytes of the optimizer's state for the parameters updated here (AdamW's moments and steps);
+        with the state on disk, its swap ring and the scalars kept in memory."""
+        total = 0 if self.swap is None else self.swap.ring_bytes
+        swapped = set() if self.swap is None else {id(o.tensor) for o in self._offloaders} & self.swap.files.keys()
         for offloader in self._offloaders:
             state = self.optimizer.state.get(offloader.tensor)  # .get: the state is a defaultdict
             # list(): one C-level copy, safe while the worker thread adds a first step's entries
             for value in list(state.values()) if state else ():
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                on_disk = id(offloader.tensor) in swapped and value.dim() > 0
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not on_disk:
                     total += value.numel() * value.element_size()
         return total
 
-    def detach(self) -> None:
-        """Finish and publish every update, stop the worker, give the optimizer its own methods back."""
+    def wait_for_swap(self) -> None:
+        """Every update finished and its state written to its swap file (before the state is read directly)."""
+        self.wait()
+        if self.swap is not None:
+            self.swap.flush()
+
+    def detach(self, copy: bool = True) -> None:
+        """Finish and publish every update, stop the worker, give the optimizer its own methods back. With the
+        state on disk: ``copy`` reads it back into memory of its own; otherwise it stays views of its files' maps
+        (whose files are removed: the maps keep them readable)."""
         self.wait()
         with self._cond:
             self._closing = True
             self._cond.notify()
         self._worker.join()
+        if self.swap is not None:
+            if self.swap.failed is None:  # a failed swap was raised already: its state is not read back
+                self.swap.flush()
+            if copy and self.swap.failed is None:
+                for offloader in self._offloaders:
+                    self.swap.take_in_memory(self.optimizer.state[offloader.tensor], id(offloader.tensor))
+            self.swap.close()
+            self.swap.remove_files()
         self.optimizer.step = self._original_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._original_zero_grad  # type: ignore[method-assign]

@@ -36,6 +36,10 @@ class OffloadStats:
         staging_bytes: the disk tier's pinned staging ring (counted in ``pinned_reserved_bytes`` too).
         disk_read_bytes / disk_read_seconds: bytes the disk tier read, and the seconds its reads took.
         disk_wait_seconds: time the training loop waited for a disk read to finish (the disk bound the step).
+        optimizer_swap_bytes: the CPU optimizer's state kept in swap files (``attach_optimizer(swap_folder=)``);
+            ``optimizer_host_bytes`` then counts its swap ring and the scalars kept in memory.
+        optimizer_swap_read_bytes / optimizer_swap_written_bytes: state bytes read from and written to them.
+        optimizer_swap_wait_seconds: time the optimizer's worker waited for a state read to finish.
     """
 
     h2d_bytes: int = 0
@@ -63,6 +67,10 @@ class OffloadStats:
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_wait_seconds: float = 0.0
+    optimizer_swap_bytes: int = 0
+    optimizer_swap_read_bytes: int = 0
+    optimizer_swap_written_bytes: int = 0
+    optimizer_swap_wait_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, int | float]:
         """JSON-able numbers, for progress reports."""

@@ -23,9 +23,11 @@ from jobs.fit.host_memory import (
     OPTIMIZER_STATES,
     RANK_PROCESS_HOST_BYTES,
     host_optimizer_bytes,
+    hosted_state_tensors,
     own_host_bytes,
     rank_shard,
 )
+from jobs.fit.optimizer_swap import decide_optimizer_swap
 from jobs.fit.sizes import human_bytes
 from jobs.models.names import lora_target_matches
 from jobs.models.registry import family_of
@@ -57,7 +59,10 @@ class MemoryEstimate:
             (counted in ``pinned_host_bytes`` only as its staging ring); ``disk_read_bytes_per_step``: what it
             reads in a step.
         engine_host_bytes: the offload engine's pinned host memory, the figure ``host_memory_limit`` bounds
-            (arena, staging ring, checkpointed inputs); ``host_limit_fits``: whether it is within the limit.
+            (arena, staging ring, checkpointed inputs; a full fine-tune's CPU optimizer state too);
+            ``host_limit_fits``: whether it is within the limit.
+        optimizer_swap_bytes: a full fine-tune's CPU optimizer state kept in swap files because the limit has
+            no room for it (jobs/fit/optimizer_swap.py); ``optimizer_host_bytes`` is then its swap ring.
     """
 
     peak_device_bytes: int
@@ -72,6 +77,7 @@ class MemoryEstimate:
     disk_read_bytes_per_step: int = 0
     engine_host_bytes: int = 0
     host_limit_fits: bool = True
+    optimizer_swap_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -161,6 +167,7 @@ def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:
         disk_read_bytes_per_step=grow(small.disk_read_bytes_per_step, large.disk_read_bytes_per_step),
         engine_host_bytes=(engine := grow(small.engine_host_bytes, large.engine_host_bytes)),
         host_limit_fits=large.host_memory_limit is None or engine <= large.host_memory_limit,
+        optimizer_swap_bytes=grow(small.optimizer_swap_bytes, large.optimizer_swap_bytes),
     )
 
 
@@ -274,8 +281,16 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
             "quantized in the pinned arena (the dense model is never in host memory)"
         )
     limit = parse_bytes(offload.host_memory_limit, name="offload.host_memory_limit")
+    engine_host = plan.host_bytes if plan is not None else 0
+    host_fits = plan.host_fits if plan is not None else limit is None
+    swap = decide_optimizer_swap(spec, plan, hosted_state_tensors(model, spec, plan)) if plan is not None else None
     if plan is not None and limit is not None:
         notes.extend(disk_notes(plan, limit))
+    if swap is not None:  # a full fine-tune's limit bounds its optimizer state too: in memory or its swap ring
+        notes.append(swap.message)
+        engine_host += swap.host_bytes
+        host_fits = host_fits and limit is not None and engine_host <= limit
+        optimizer_host = swap.host_bytes if swap.swap else optimizer_host
     notes.append(
         f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
         f"temporaries {_gib(step_temp)}); excludes the CUDA context"
@@ -291,8 +306,9 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         host_memory_limit=limit,
         disk_bytes=plan.disk_bytes if plan is not None else 0,
         disk_read_bytes_per_step=disk_read_bytes_per_step(plan) if plan is not None else 0,
-        engine_host_bytes=plan.host_bytes if plan is not None else 0,
-        host_limit_fits=plan.host_fits if plan is not None else limit is None,
+        engine_host_bytes=engine_host,
+        host_limit_fits=host_fits,
+        optimizer_swap_bytes=swap.state_bytes if swap is not None and swap.swap else 0,
     )
 
 

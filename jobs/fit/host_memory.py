@@ -4,6 +4,7 @@ each rank holds for itself beside the frozen weights' copy the machine's ranks s
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from jobs.distributed.optimizer_shards import splits_optimizer
@@ -47,6 +48,15 @@ def host_optimizer_bytes(model: nn.Module, spec: JobSpec, plan: MemoryPlan, lora
         (shard.part(p.numel()).numel if shard else p.numel()) * p.element_size()
         for p in hosted_trainables(model, spec, plan)
     )
+
+
+def hosted_state_tensors(model: nn.Module, spec: JobSpec, plan: MemoryPlan) -> list[torch.Tensor]:
+    """Shape-only stand-ins of what one rank's CPU optimizer steps: each hosted trainable weight, or its part."""
+    shard = rank_shard(spec)
+    return [
+        torch.empty(shard.part(p.numel()).numel if shard else p.numel(), dtype=p.dtype, device="meta")
+        for p in hosted_trainables(model, spec, plan)
+    ]
 
 
 def own_host_bytes(model: nn.Module, spec: JobSpec, plan: MemoryPlan, lora: int) -> int:

@@ -20,6 +20,7 @@ from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_a
 from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
+from jobs.fit.optimizer_swap import SWAP_FOLDER, SwapDecision, decide_optimizer_swap
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.models.compiled_blocks import CompiledBlocks, compile_repeated_blocks, use_inductor_cache
 from jobs.models.fused_kernels import Notice, fused_kernels_notice
@@ -137,6 +138,9 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     manager = _setup_offload(spec, model, device, limit, source, budget)
     if manager is not None and spec.offload.host_memory_limit is not None:
         notices.append(("info", disk_tier_notice(spec, manager)))
+    swap = _decided_optimizer_swap(spec, manager)
+    if swap is not None:
+        notices.append(("warning" if swap.blocked else "info", swap.message))
     if checkpoint is not None and source is not None:
         # Into the engine's host masters and device adapters, now that the meta tensors are real.
         family.weights_format.load(model, Path(checkpoint.path))
@@ -150,9 +154,11 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     # Data parallelism with optimizer offload: each rank steps its part of every weight (ZeRO-1).
     split = manager is not None and manager.optimizer_shard is not None
     shards = OptimizerShards(manager, raw_optimizer) if manager is not None and split else None
-    start_step, extra = _resume(checkpoint, raw_optimizer, scheduler, shards)
+    # With the state swapped to disk the checkpoint's is mapped, not read: it goes to the swap files from there.
+    swapped = swap is not None and swap.swap
+    start_step, extra = _resume(checkpoint, raw_optimizer, scheduler, shards, mmap=swapped)
     if manager is not None:
-        _setup_optimizer_offload(spec, manager, raw_optimizer)
+        _setup_optimizer_offload(spec, manager, raw_optimizer, output_dir / SWAP_FOLDER if swapped else None)
     return TrainingSession(
         accelerator=accelerator,
         device=device,
@@ -399,6 +405,8 @@ def _resume(
     raw_optimizer: torch.optim.Optimizer,
     scheduler: Any,
     shards: OptimizerShards | None = None,
+    *,
+    mmap: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     """The step to start from and the runner's saved state: the checkpoint's, with the optimizer, schedule and
     random state restored from it; (0, {}) for a fresh run. With ``shards`` the optimizer takes this rank's
@@ -406,7 +414,7 @@ def _resume(
     if checkpoint is None:
         return 0, {}
     # A split optimizer maps the file and copies out its parts: no rank holds the whole state, even at load.
-    state = load_training_state(Path(checkpoint.path), mmap=shards is not None)
+    state = load_training_state(Path(checkpoint.path), mmap=mmap or shards is not None)
     optimizer_state = shards.own_state_dict(state["optimizer"]) if shards is not None else state["optimizer"]
     # Into the raw optimizer: torch puts each state tensor on its parameter's device (the CPU under
     # optimizer offload), where accelerate's wrapper would first move everything to the accelerator.
@@ -417,10 +425,20 @@ def _resume(
     return state["step"], state.get("extra", {})
 
 
+def _decided_optimizer_swap(spec: JobSpec, manager: OffloadTrainingManager | None) -> SwapDecision | None:
+    """``offload.host_memory_limit`` on a full fine-tune: whether the CPU optimizer's state goes to swap files, as
+    the fit check decides it (jobs/fit/optimizer_swap.py), over the weights this engine hosts."""
+    if manager is None:
+        return None
+    hosted = [torch.empty(h.part.numel, dtype=h.master.dtype, device="meta") for h in manager.hosted_parts()]
+    return decide_optimizer_swap(spec, manager.plan, hosted)
+
+
 def _setup_optimizer_offload(
-    spec: JobSpec, manager: OffloadTrainingManager, raw_optimizer: torch.optim.Optimizer
+    spec: JobSpec, manager: OffloadTrainingManager, raw_optimizer: torch.optim.Optimizer, swap_folder: Path | None
 ) -> None:
-    """Optimizer offload: each parameter's CPU update runs while the GPU's backward continues."""
+    """Optimizer offload: each parameter's CPU update runs while the GPU's backward continues; with
+    ``swap_folder`` its state lives in files there (offload.host_memory_limit on a full fine-tune)."""
     training = spec.training
     if spec.offload.enable_optimizer_cpu_offload and training.max_grad_norm is None:
         # Not with clipping: a global norm needs every gradient first. After load_state_dict, which
@@ -430,6 +448,8 @@ def _setup_optimizer_offload(
             accumulation_steps=training.gradient_accumulation_steps,
             delayed_update=spec.offload.delayed_update,
             warmup_steps=spec.offload.delayed_update_warmup_steps,
+            swap_folder=swap_folder,
+            swap_read_ahead=spec.offload.disk_read_ahead,
         )
 
 
