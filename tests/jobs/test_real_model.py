@@ -201,22 +201,29 @@ def test_smollm2_exported_to_gguf_reads_back_in_transformers_and_llama_cpp_terms
 
 
 def test_smollm2_gguf_runs_in_llama_cpp(tmp_path: Path, smollm2: Path) -> None:
-    """llama.cpp itself (llama-cpp-python) loads the export and continues a prompt as transformers does."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    """llama.cpp itself (llama-cpp-py-sync's build) loads the real model's f16 export: its tokenizer gives the
+    Hugging Face ids, its chat templating renders the stored ChatML template as transformers does, and its
+    greedy tokens are the safetensors model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from jobs.checkpoints.gguf_file import write_gguf
+    from tests.jobs.checkpoints.llama_cpp import LlamaCpp, load_llama_cpp
 
-    written = write_gguf(smollm2, tmp_path / "smollm2-f32.gguf", "f32")
-    llm = llama_cpp.Llama(model_path=str(written.path), n_ctx=256, verbose=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": GGUF_PROMPTS[0]}], tokenize=False, add_generation_prompt=True
-    )
-    ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
-    reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = reference.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    got = llm(prompt, max_tokens=8, temperature=0.0)["choices"][0]["text"]
-    assert got.strip() and tokenizer.decode(expected[0, len(ids) :]).startswith(got[:8])
+    package = load_llama_cpp(tmp_path)
+    written = write_gguf(smollm2, tmp_path / "smollm2-f16.gguf", "f16")
+    model = LlamaCpp(package, written.path, n_ctx=256)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+        reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+        for text in ("Ferry streams 1234 weights to the GPU.", "  Zürich\tand\n\nnew lines", *GGUF_PROMPTS):
+            assert model.tokenize(text) == tokenizer(text).input_ids, text
+        for text in GGUF_PROMPTS[:2]:
+            chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+            prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            assert model.apply_chat_template(chat) == prompt
+            ids = tokenizer(prompt, add_special_tokens=False).input_ids
+            with torch.no_grad():
+                out = reference.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+            assert model.greedy(ids, 8) == out[0, len(ids) :].tolist(), text
+    finally:
+        model.close()
