@@ -1,6 +1,6 @@
 """What a grader needs installed on the machine that runs it, checked when the spec is submitted.
 
-text_similarity's metrics come from optional libraries (the ``rl`` extra), meteor from WordNet's data as well and
+math_answer needs math-verify and text_similarity's metrics come from optional libraries (the ``rl`` extra), meteor from WordNet's data as well and
 cosine from an encoder directory; a spec naming one that is missing is refused at submit, naming the grader's path and what to install, instead of
 scoring every completion 0 for the length of a job.
 """
@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from jobs.objectives.graders.math_answer import INSTALL as MATH_VERIFY_INSTALL
 from jobs.objectives.graders.wordnet import wordnet_problem
 from jobs.spec.graders import each_grader
 
@@ -23,6 +24,8 @@ def grader_problems(grader: Any) -> list[tuple[str, str]]:
     """(spec path, message) for each grader of the tree ``grader`` this machine cannot run."""
     problems = []
     for path, each in each_grader(grader):
+        if each.type == "math_answer" and importlib.util.find_spec("math_verify") is None:
+            problems.append((f"{path}.type", MATH_VERIFY_INSTALL))
         if each.type != "text_similarity":
             continue
         metric = each.evaluation_metric

@@ -121,6 +121,20 @@ def test_a_metric_whose_library_is_missing_is_refused_naming_the_package(monkeyp
     )
 
 
+def test_math_answer_without_math_verify_is_refused_at_submit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from jobs.objectives.graders.math_answer import INSTALL
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    spec = GRPOSpec.model_validate({"grader": {"type": "multi", "graders": [
+        {"type": "string_check", "name": "exact", "reference": "{{item.answer}}"},
+        {"type": "math_answer", "reference": "{{item.answer}}"}]}})  # fmt: skip
+    assert grader_problems(spec.grader) == [("training.grpo.grader.graders.1.type", INSTALL)]
+    assert "pip install 'ferry[rl]'" in INSTALL
+
+
 def test_cosine_without_an_embedding_model_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="1 rule") as refused:
         similarity_grader("cosine")
