@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from offload.arena import aligned
+from offload.direct_io import align_up
 from offload.disk import DiskLocator, FileRange
 from offload.quant.payload import is_quantized
 from offload.units import UnitPlan
@@ -66,7 +67,7 @@ def choose_disk_units(
 
     def total(kept: set[int]) -> int:
         chosen = {i: r for i, r in candidates.items() if i not in kept}
-        staging = slots * aligned(max((size[i] for i in chosen), default=0)) if chosen else 0
+        staging = slots * align_up(max((size[i] for i in chosen), default=0)) if chosen else 0
         return reserved_with(chosen) + staging
 
     order = sorted(candidates)

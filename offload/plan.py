@@ -29,6 +29,7 @@ from torch import nn
 
 from offload.arena import PinnedArenaPool, aligned
 from offload.disk import DiskLocator, FileRange
+from offload.direct_io import align_up
 from offload.disk_plan import choose_disk_units, on_disk_ranges
 from offload.options import OffloadOptions
 from offload.quant.payload import is_quantized
@@ -118,7 +119,8 @@ class MemoryPlan:
 
     @property
     def staging_bytes(self) -> int:
-        return self.staging_slots * aligned(self.staging_slot_bytes) if self.disk_bytes else 0
+        # Slots on O_DIRECT's 4096-byte boundaries, as the stage lays them out (disk.py).
+        return self.staging_slots * align_up(self.staging_slot_bytes) if self.disk_bytes else 0
 
     @property
     def host_bytes(self) -> int:
