@@ -43,9 +43,24 @@ from offload.direct_io import ALIGNMENT, align_up, aligned_empty, open_weights, 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 16 << 20  # one preadv; a unit's reads are split so that several threads share a large one
-# One O_DIRECT read: each reader thread holds a bounce buffer of this size (plus two blocks), host memory
-# beside the staging ring, so it is kept small; 4 MB reads still keep an NVMe drive's queue full.
-DIRECT_CHUNK_BYTES = 4 << 20
+# One O_DIRECT read: each reader thread holds a bounce buffer of this size (plus two blocks), host memory the
+# plan counts with the staging ring (`bounce_bytes`), so it is kept small; the threads keep several in flight.
+DIRECT_CHUNK_BYTES = 1 << 20
+READ_THREADS = 4  # parallel reads within one unit
+
+
+def direct_chunk_bytes(slot_bytes: int, threads: int = READ_THREADS) -> int:
+    """One O_DIRECT read of a stage whose slots hold ``slot_bytes``: a slot's share of a reader thread at most,
+    so that the bounce buffers of a small model's stage do not outweigh its ring."""
+    return min(DIRECT_CHUNK_BYTES, align_up(-(-max(slot_bytes, 1) // threads)))
+
+
+def bounce_bytes(disk_io: str, slot_bytes: int, threads: int = READ_THREADS) -> int:
+    """The host memory O_DIRECT reads take beside the staging ring: one aligned bounce buffer per reader thread
+    (and one for the caller's ``read_copy``); none for buffered reads."""
+    if disk_io == "buffered" or not slot_bytes:
+        return 0
+    return (threads + 1) * (direct_chunk_bytes(slot_bytes, threads) + 2 * ALIGNMENT)
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,7 @@ class DiskStage:
         slot_bytes: int,
         pin: bool,
         device: torch.device,
-        threads: int = 4,
+        threads: int = READ_THREADS,
         disk_io: str = "auto",
     ) -> None:
         self.files: dict[Path, _OpenFile] = {}
@@ -187,8 +202,10 @@ class DiskStage:
         self._bounces = threading.local()  # each reader thread's aligned buffer for O_DIRECT reads
         # Slots on O_DIRECT's block boundaries (torch's allocator promises 64 bytes, hence aligned_empty).
         self.stride = align_up(max(slot_bytes, 1))
-        self.nbytes = slots * self.stride
-        self.buffer = aligned_empty(max(self.nbytes, 1))
+        direct = any(handle.direct for handle in self.files.values())
+        self._chunk = direct_chunk_bytes(slot_bytes, max(1, threads))
+        self.nbytes = slots * self.stride + (bounce_bytes("direct", slot_bytes, max(1, threads)) if direct else 0)
+        self.buffer = aligned_empty(max(slots * self.stride, 1))
         # Page-locked in place (cudaHostRegister), not through torch's pinned allocator, which rounds a request
         # up to a power of two: three 1 GB slots would take 4 GiB of the host limit instead of 3.
         self._registered = pin and _register(self.buffer)
@@ -302,7 +319,7 @@ class DiskStage:
         files = {piece.path for _, piece in span.pieces}
         for path in files:
             self.files[path].check()
-        chunk = DIRECT_CHUNK_BYTES if any(self.files[path].direct for path in files) else READ_CHUNK_BYTES
+        chunk = self._chunk if any(self.files[path].direct for path in files) else READ_CHUNK_BYTES
         jobs = [
             self._readers.submit(
                 self._read_piece, piece.path, view, offset + at, piece.start + at, min(n, piece.nbytes - at)
@@ -343,10 +360,10 @@ class DiskStage:
     def _read_piece_direct(self, path: Path, view: memoryview, at: int, offset: int, nbytes: int) -> None:
         bounce = getattr(self._bounces, "buffer", None)
         if bounce is None:  # this thread's first direct read
-            bounce = self._bounces.buffer = memoryview(aligned_empty(DIRECT_CHUNK_BYTES + 2 * ALIGNMENT).numpy())  # type: ignore[arg-type]
+            bounce = self._bounces.buffer = memoryview(aligned_empty(self._chunk + 2 * ALIGNMENT).numpy())  # type: ignore[arg-type]
         fd = self.files[path].fd
-        for done in range(0, nbytes, DIRECT_CHUNK_BYTES):
-            n = min(DIRECT_CHUNK_BYTES, nbytes - done)
+        for done in range(0, nbytes, self._chunk):
+            n = min(self._chunk, nbytes - done)
             if read_direct(fd, view[at + done : at + done + n], offset + done, bounce) < n:
                 raise CheckpointChanged(
                     f"model weights file {path} ends before byte {offset + done + n}, within the {nbytes} bytes at "

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from offload import OffloadOptions, OffloadTrainingManager
-from offload import direct_io
+from offload import OffloadOptions, OffloadTrainingManager, direct_io
 from offload.direct_io import ALIGNMENT, DirectIOUnsupported, open_weights
 from offload.disk import CheckpointChanged, DiskSpan, DiskStage, FileRange
-from tests.offload.test_disk import locator, saved_model, train
+from tests.offload.test_disk import Stack, locator
 
 CPU = torch.device("cpu")
 
@@ -52,6 +52,20 @@ def refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(direct_io.os, "open", open_without_direct)
 
 
+def train(model: Stack, manager: OffloadTrainingManager, steps: int, width: int) -> list[float]:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(8, width, generator=generator)).pow(2).mean()
+        loss.backward()
+        manager.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def weights_file(folder: Path, nbytes: int) -> tuple[Path, bytes]:
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     path = folder / "weights.bin"
@@ -83,7 +97,11 @@ def test_direct_reads_give_the_bytes_at_any_offset_up_to_the_last_partial_block(
 
 def test_a_staged_unit_read_direct_lands_at_its_offsets_in_an_aligned_slot(folder: Path) -> None:
     path, data = weights_file(folder, SIZE)
-    pieces = [(0, FileRange(path, 3, 1003)), (1024, FileRange(path, SIZE - 1500, SIZE)), (2560, FileRange(path, 4090, 8200))]
+    pieces = [
+        (0, FileRange(path, 3, 1003)),
+        (1024, FileRange(path, SIZE - 1500, SIZE)),
+        (2560, FileRange(path, 4090, 8200)),
+    ]
     span = DiskSpan("unit", pieces, 2560 + 4110)
     stage = DiskStage([path], slots=2, slot_bytes=span.nbytes, pin=False, device=CPU, disk_io="direct")
     assert stage.buffer.data_ptr() % ALIGNMENT == 0 and stage.stride % ALIGNMENT == 0
@@ -136,15 +154,35 @@ def test_disk_io_other_than_the_three_modes_is_refused() -> None:
 
 def test_direct_and_buffered_disk_units_train_bitwise_the_same(folder: Path) -> None:
     path = folder / "model.safetensors"
+    torch.manual_seed(0)
     results = {}
     for mode in ("direct", "buffered"):
-        model = saved_model(path)
-        full = OffloadTrainingManager(saved_model(path), "cpu").stats().pinned_reserved_bytes
+        torch.manual_seed(0)
+        model = Stack(width=256, depth=12)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith(("head", "inp")))
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
         options = OffloadOptions(granularity="block", host_memory_limit=full // 2, disk_io=mode)
         manager = OffloadTrainingManager(model, "cpu", options=options, disk=locator(path))
         assert manager.disk_stage is not None and manager.plan.disk_bytes > 0
         assert all(handle.direct == (mode == "direct") for handle in manager.disk_stage.files.values())
-        results[mode] = (train(model, manager, 4), manager.remove().state_dict())
+        results[mode] = (train(model, manager, 3, width=256), manager.remove().state_dict())
     assert results["direct"][0] == results["buffered"][0]  # losses, bitwise
     for name, tensor in results["direct"][1].items():
         assert torch.equal(tensor, results["buffered"][1][name]), name
+
+
+def test_auto_reads_buffered_where_only_the_bounce_buffers_would_not_fit_the_limit(folder: Path) -> None:
+    from tests.offload.test_disk import saved_model
+
+    path = folder / "model.safetensors"  # units of a few KB: O_DIRECT's bounce buffers would outweigh the ring
+    full = OffloadTrainingManager(saved_model(path), "cpu").stats().pinned_reserved_bytes
+    options = OffloadOptions(granularity="block", host_memory_limit=full // 2, disk_io="auto")
+    manager = OffloadTrainingManager(saved_model(path), "cpu", options=options, disk=locator(path))
+    assert manager.plan.disk_io == "buffered" and manager.plan.host_fits and manager.plan.disk_bytes > 0
+    assert manager.disk_stage is not None and not any(h.direct for h in manager.disk_stage.files.values())
+    with pytest.raises(ValueError, match="host_memory_limit"):  # direct has no such way out
+        OffloadTrainingManager(
+            saved_model(path), "cpu", options=OffloadOptions(granularity="block", host_memory_limit=full // 2,
+            disk_io="direct"), disk=locator(path))  # fmt: skip
