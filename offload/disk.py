@@ -2,7 +2,8 @@
 
 When host memory cannot hold every frozen weight (a 70B bf16 model is 131 GiB), the units the plan puts on
 disk (plan.py, ``OffloadOptions.host_memory_limit``) have no host copy. Their bytes stay where they already
-are, in the checkpoint's own files, and each visit reads them with plain ``os.preadv`` calls into a small
+are, in the checkpoint's own files, and each visit reads them with plain ``os.preadv`` calls (``O_DIRECT``
+where the filesystem allows, past the page cache: direct_io.py, ``OffloadOptions.disk_io``) into a small
 pinned *staging ring* (a few slots of the largest disk unit), from which the ordinary host-to-device copy
 into the device ring runs. Host memory then holds the staging ring plus the units kept in RAM.
 
@@ -37,11 +38,29 @@ from pathlib import Path
 
 import torch
 
-from offload.arena import aligned
+from offload.direct_io import ALIGNMENT, align_up, aligned_empty, open_weights, read_direct
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 16 << 20  # one preadv; a unit's reads are split so that several threads share a large one
+# One O_DIRECT read: each reader thread holds a bounce buffer of this size (plus two blocks), host memory the
+# plan counts with the staging ring (`bounce_bytes`), so it is kept small; the threads keep several in flight.
+DIRECT_CHUNK_BYTES = 1 << 20
+READ_THREADS = 4  # parallel reads within one unit
+
+
+def direct_chunk_bytes(slot_bytes: int, threads: int = READ_THREADS) -> int:
+    """One O_DIRECT read of a stage whose slots hold ``slot_bytes``: a slot's share of a reader thread at most,
+    so that the bounce buffers of a small model's stage do not outweigh its ring."""
+    return min(DIRECT_CHUNK_BYTES, align_up(-(-max(slot_bytes, 1) // threads)))
+
+
+def bounce_bytes(disk_io: str, slot_bytes: int, threads: int = READ_THREADS) -> int:
+    """The host memory O_DIRECT reads take beside the staging ring: one aligned bounce buffer per reader thread
+    (and one for the caller's ``read_copy``); none for buffered reads."""
+    if disk_io == "buffered" or not slot_bytes:
+        return 0
+    return (threads + 1) * (direct_chunk_bytes(slot_bytes, threads) + 2 * ALIGNMENT)
 
 
 @dataclass(frozen=True)
@@ -66,11 +85,13 @@ class CheckpointChanged(RuntimeError):
 
 
 class _OpenFile:
-    """One checkpoint file, opened once, with what it looked like then (size, mtime, inode)."""
+    """One checkpoint file, opened once (``O_DIRECT`` where ``disk_io`` asks and the filesystem allows), with
+    what it looked like then (size, mtime, inode)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, disk_io: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd, self.fallback = open_weights(path, disk_io)  # fallback: why auto reads through the page cache
+        self.direct = disk_io != "buffered" and self.fallback is None
         self.identity = _identity(os.fstat(self.fd))
         self._map: torch.Tensor | None = None
 
@@ -151,15 +172,40 @@ class DiskStage:
         pin: page-lock the staging ring (asynchronous host-to-device copies from it).
         device: the target device (on CUDA a slot is reused only after the copy that read it has run).
         threads: parallel reads within one unit.
+        disk_io: ``auto`` (``O_DIRECT`` where the filesystem allows, else through the page cache), ``direct``
+            (``O_DIRECT`` or `DirectIOUnsupported`) or ``buffered`` (through the page cache).
     """
 
     def __init__(
-        self, files: list[Path], *, slots: int, slot_bytes: int, pin: bool, device: torch.device, threads: int = 4
+        self,
+        files: list[Path],
+        *,
+        slots: int,
+        slot_bytes: int,
+        pin: bool,
+        device: torch.device,
+        threads: int = READ_THREADS,
+        disk_io: str = "auto",
     ) -> None:
-        self.files = {path: _OpenFile(path) for path in dict.fromkeys(files)}
-        self.stride = aligned(max(slot_bytes, 1))
-        self.nbytes = slots * self.stride
-        self.buffer = torch.empty(max(self.nbytes, 1), dtype=torch.uint8)
+        self.files: dict[Path, _OpenFile] = {}
+        try:
+            for path in dict.fromkeys(files):
+                self.files[path] = _OpenFile(path, disk_io)
+        except BaseException:
+            for handle in self.files.values():
+                handle.close()
+            raise
+        # Why disk_io: auto reads through the page cache (said once, in the job's events), None where it need not.
+        self.fallback = next((h.fallback for h in self.files.values() if h.fallback), None)
+        if self.fallback:
+            log.info("offload.disk_io auto: %s; the disk tier reads through the page cache", self.fallback)
+        self._bounces = threading.local()  # each reader thread's aligned buffer for O_DIRECT reads
+        # Slots on O_DIRECT's block boundaries (torch's allocator promises 64 bytes, hence aligned_empty).
+        self.stride = align_up(max(slot_bytes, 1))
+        direct = any(handle.direct for handle in self.files.values())
+        self._chunk = direct_chunk_bytes(slot_bytes, max(1, threads))
+        self.nbytes = slots * self.stride + (bounce_bytes("direct", slot_bytes, max(1, threads)) if direct else 0)
+        self.buffer = aligned_empty(max(slots * self.stride, 1))
         # Page-locked in place (cudaHostRegister), not through torch's pinned allocator, which rounds a request
         # up to a power of two: three 1 GB slots would take 4 GiB of the host limit instead of 3.
         self._registered = pin and _register(self.buffer)
@@ -273,12 +319,13 @@ class DiskStage:
         files = {piece.path for _, piece in span.pieces}
         for path in files:
             self.files[path].check()
+        chunk = self._chunk if any(self.files[path].direct for path in files) else READ_CHUNK_BYTES
         jobs = [
             self._readers.submit(
                 self._read_piece, piece.path, view, offset + at, piece.start + at, min(n, piece.nbytes - at)
             )
             for offset, piece in span.pieces
-            for at, n in ((at, READ_CHUNK_BYTES) for at in range(0, piece.nbytes, READ_CHUNK_BYTES))
+            for at, n in ((at, chunk) for at in range(0, piece.nbytes, chunk))
         ]
         for job in jobs:
             job.result()
@@ -294,6 +341,9 @@ class DiskStage:
 
     def _read_piece(self, path: Path, view: memoryview, at: int, offset: int, nbytes: int) -> None:
         done, fd = 0, self.files[path].fd
+        if self.files[path].direct:
+            self._read_piece_direct(path, view, at, offset, nbytes)
+            return
         while done < nbytes:
             got = os.preadv(fd, [view[at + done : at + nbytes]], offset + done)
             if got <= 0:
@@ -306,6 +356,19 @@ class DiskStage:
         # would push out other memory (another job's) and hide the disk's own rate.
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+    def _read_piece_direct(self, path: Path, view: memoryview, at: int, offset: int, nbytes: int) -> None:
+        bounce = getattr(self._bounces, "buffer", None)
+        if bounce is None:  # this thread's first direct read
+            bounce = self._bounces.buffer = memoryview(aligned_empty(self._chunk + 2 * ALIGNMENT).numpy())  # type: ignore[arg-type]
+        fd = self.files[path].fd
+        for done in range(0, nbytes, self._chunk):
+            n = min(self._chunk, nbytes - done)
+            if read_direct(fd, view[at + done : at + done + n], offset + done, bounce) < n:
+                raise CheckpointChanged(
+                    f"model weights file {path} ends before byte {offset + done + n}, within the {nbytes} bytes at "
+                    f"{offset} that the job streams from it: the file was truncated; restore it and resume the job"
+                )
 
     # ----------------------------------------------------------------- resting views, detach
     def resting_view(self, piece: FileRange, like: torch.Tensor) -> torch.Tensor | None:

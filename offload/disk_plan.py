@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from offload.arena import aligned
+from offload.direct_io import align_up
 from offload.disk import DiskLocator, FileRange
 from offload.quant.payload import is_quantized
 from offload.units import UnitPlan
@@ -55,10 +56,16 @@ def on_disk_ranges(
 
 
 def choose_disk_units(
-    candidates: Candidates, reserved_with: Callable[[Candidates], int], *, limit: int, slots: int
+    candidates: Candidates,
+    reserved_with: Callable[[Candidates], int],
+    *,
+    limit: int,
+    slots: int,
+    bounce: Callable[[int], int] = lambda largest: 0,
 ) -> Candidates:
     """The candidates to put on disk so that the arena (``reserved_with(chosen)``, its bytes with ``chosen`` on
-    disk) plus the staging ring (``slots`` x the largest chosen unit) fits ``limit``; every candidate when even
+    disk) plus the staging ring (``slots`` x the largest chosen unit, and ``bounce(its bytes)`` for O_DIRECT reads) fits
+    ``limit``; every candidate when even
     that does not fit (the plan then says so: ``MemoryPlan.host_fits``), none when all fits in RAM."""
     if not candidates or reserved_with({}) <= limit:
         return {}
@@ -66,7 +73,8 @@ def choose_disk_units(
 
     def total(kept: set[int]) -> int:
         chosen = {i: r for i, r in candidates.items() if i not in kept}
-        staging = slots * aligned(max((size[i] for i in chosen), default=0)) if chosen else 0
+        largest = max((size[i] for i in chosen), default=0)
+        staging = slots * align_up(largest) + bounce(largest) if chosen else 0
         return reserved_with(chosen) + staging
 
     order = sorted(candidates)

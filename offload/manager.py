@@ -152,6 +152,7 @@ class OffloadTrainingManager:
                 slot_bytes=self.plan.staging_slot_bytes,
                 pin=pin,
                 device=self.device,
+                disk_io=self.plan.disk_io,
             )
             if disk_files
             else None

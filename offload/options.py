@@ -90,6 +90,10 @@ class OffloadOptions:
             ``None``: every frozen weight in RAM.
         disk_read_ahead: units the disk tier reads ahead of the one being copied (its staging ring holds one
             more slot than this, each the size of the largest disk unit).
+        disk_io: how the disk tier reads its files (direct_io.py): ``"direct"`` with ``O_DIRECT``, past the page
+            cache, whose copies would count against the host's memory and push out other jobs' pages (a
+            filesystem that refuses it fails the manager's construction); ``"buffered"`` through the page cache;
+            ``"auto"`` direct where the filesystem allows, else buffered (the stage's ``fallback`` says why).
     """
 
     prefetch: int = 1
@@ -104,6 +108,7 @@ class OffloadOptions:
     whole_units: tuple[str, ...] = ()
     host_memory_limit: int | str | None = None
     disk_read_ahead: int = 2
+    disk_io: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -128,6 +133,8 @@ class OffloadOptions:
             raise ValueError("host_memory_limit must be a positive size such as '16GiB' (or None for no limit)")
         if not isinstance(self.disk_read_ahead, int) or self.disk_read_ahead < 0:
             raise ValueError(f"disk_read_ahead must be an integer >= 0; got {self.disk_read_ahead!r}")
+        if self.disk_io not in ("auto", "direct", "buffered"):
+            raise ValueError(f"disk_io must be 'auto', 'direct' or 'buffered'; got {self.disk_io!r}")
         budget = self.gpu_memory_budget
         if self.gpu_memory_limit and isinstance(budget, int) and budget and budget >= self.gpu_memory_limit:
             raise ValueError(

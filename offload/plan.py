@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from offload.arena import PinnedArenaPool, aligned
-from offload.disk import DiskLocator, FileRange
+from offload.direct_io import align_up
+from offload.disk import DiskLocator, FileRange, bounce_bytes
 from offload.disk_plan import choose_disk_units, on_disk_ranges
 from offload.options import OffloadOptions
 from offload.quant.payload import is_quantized
@@ -92,8 +93,10 @@ class MemoryPlan:
         activation_reserved_bytes / activation_requested_bytes: with ``offload_activations``, what the pinned
             arena for checkpointed inputs (activations.py) reserves / what ``activation_host_bytes`` needs.
         disk_bytes: frozen weight bytes on the disk tier (``host_memory_limit``; disk_plan.py), read from
-            their files on each use; ``staging_slots`` x ``staging_slot_bytes`` = ``staging_bytes``, its
-            pinned staging ring.
+            their files on each use; ``staging_slots`` x ``staging_slot_bytes`` (4096-aligned), its pinned
+            staging ring, plus ``staging_bounce_bytes`` for O_DIRECT reads = ``staging_bytes``.
+        disk_io: how the disk tier reads: ``OffloadOptions.disk_io``, but ``buffered`` where ``auto``'s bounce
+            buffers are what would not fit ``host_memory_limit`` (a model of small units).
         host_memory_limit: the limit the plan was made for (``None``: none).
     """
 
@@ -114,11 +117,15 @@ class MemoryPlan:
     disk_bytes: int = 0
     staging_slots: int = 0
     staging_slot_bytes: int = 0
+    staging_bounce_bytes: int = 0
+    disk_io: str = "auto"
     host_memory_limit: int | None = None
 
     @property
     def staging_bytes(self) -> int:
-        return self.staging_slots * aligned(self.staging_slot_bytes) if self.disk_bytes else 0
+        # Slots on O_DIRECT's 4096-byte boundaries, as the stage lays them out (disk.py).
+        ring = self.staging_slots * align_up(self.staging_slot_bytes)
+        return ring + self.staging_bounce_bytes if self.disk_bytes else 0
 
     @property
     def host_bytes(self) -> int:
@@ -253,12 +260,27 @@ def plan_memory(
     limit = options.host_memory_limit if isinstance(options.host_memory_limit, int) else None
     candidates = on_disk_ranges(units, disk, hosted, size) if disk is not None and limit is not None else {}
     slots = options.disk_read_ahead + 1
-    on_disk = choose_disk_units(
-        candidates,
-        lambda chosen: pinned(drafts_with(chosen)[0])[0],
-        limit=(limit or 0) - activations.reserved_bytes,
-        slots=slots,
-    )
+    host_room = (limit or 0) - activations.reserved_bytes
+
+    def disk_units(disk_io: str) -> tuple[dict[int, dict[int, FileRange]], bool]:
+        """The units on disk reading as ``disk_io``, and whether the arena and staging then fit ``host_room``."""
+        chosen = choose_disk_units(
+            candidates,
+            lambda chosen: pinned(drafts_with(chosen)[0])[0],
+            limit=host_room,
+            slots=slots,
+            bounce=lambda largest: bounce_bytes(disk_io, largest),
+        )
+        largest = max((sum(aligned(r.nbytes) for r in ranges.values()) for ranges in chosen.values()), default=0)
+        staging = slots * align_up(largest) + bounce_bytes(disk_io, largest) if chosen else 0
+        return chosen, pinned(drafts_with(chosen)[0])[0] + staging <= host_room
+
+    disk_io = options.disk_io
+    on_disk, fits = disk_units(disk_io)
+    if on_disk and not fits and disk_io == "auto":  # O_DIRECT's bounce buffers are what does not fit: read buffered
+        buffered, buffered_fits = disk_units("buffered")
+        if buffered_fits:
+            on_disk, disk_io = buffered, "buffered"
     host_sizes, drafts = drafts_with(on_disk)
     disk_sizes = [sum(aligned(r.nbytes) for r in draft[5]) for draft in drafts if draft[5]]
     classes, layouts = _ring(drafts, options.prefetch)
@@ -282,6 +304,8 @@ def plan_memory(
         disk_bytes=sum(disk_sizes),
         staging_slots=slots if disk_sizes else 0,
         staging_slot_bytes=max(disk_sizes, default=0),
+        staging_bounce_bytes=bounce_bytes(disk_io, max(disk_sizes, default=0)),
+        disk_io=disk_io,
         host_memory_limit=limit,
     )
 

@@ -138,6 +138,10 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     manager = _setup_offload(spec, model, device, limit, source, budget)
     if manager is not None and spec.offload.host_memory_limit is not None:
         notices.append(("info", disk_tier_notice(spec, manager)))
+        if manager.disk_stage is not None and manager.disk_stage.fallback:
+            notices.append(
+                ("info", f"offload.disk_io auto: {manager.disk_stage.fallback}; reading through the page cache")
+            )
     swap = _decided_optimizer_swap(spec, manager)
     if swap is not None:
         notices.append(("warning" if swap.blocked else "info", swap.message))

@@ -211,3 +211,62 @@ def test_a_limit_neither_ram_nor_disk_can_keep_is_refused_at_submit_with_its_fig
 
     roomy = merged(data, offload={**data["offload"], "host_memory_limit": limit_for(data, roots, 0.5)})
     refuse_if_beyond_the_host(spec_from(roomy, roots), estimate_fit(spec_from(roomy, roots), [], []))  # fits
+
+
+def test_direct_and_buffered_disk_io_train_the_same_job_bitwise(tmp_path: Path, roots: PathRoots) -> None:
+    from tests.offload.test_direct_io import direct_reads_work
+
+    if not direct_reads_work(roots.model_roots[0]):
+        pytest.skip(f"the filesystem of {roots.model_roots[0]} refuses O_DIRECT reads")
+    data = lm_job(steps=3)
+    write_weights(data, roots)
+    limit = limit_for(data, roots, 0.5)
+    events = {}
+    for mode in ("direct", "buffered"):
+        limited = merged(data, offload={**data["offload"], "host_memory_limit": limit, "disk_io": mode})
+        events[mode] = run(limited, roots, tmp_path / mode)
+    losses = [e["loss"] for e in events["buffered"] if e["type"] == "step"]
+    assert losses and [e["loss"] for e in events["direct"] if e["type"] == "step"] == losses
+    assert_same_weights(final_weights(tmp_path / "direct"), final_weights(tmp_path / "buffered"))
+    assert [e for e in events["direct"] if e["type"] == "step"][-1]["offload"]["disk_read_bytes"] > 0
+    assert not any("disk_io" in e.get("message", "") for e in events["direct"])  # no fallback said
+
+
+def test_disk_io_auto_where_o_direct_is_refused_reads_buffered_saying_so_once(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.offload.test_direct_io import refuse_o_direct
+
+    data = lm_job(steps=2)
+    write_weights(data, roots)
+    limited = merged(data, offload={**data["offload"], "host_memory_limit": limit_for(data, roots, 0.5)})
+    refuse_o_direct(monkeypatch)
+    events = run(limited, roots, tmp_path / "out")
+    said = [e for e in events if e["type"] == "log" and "offload.disk_io" in e["message"]]
+    assert len(said) == 1 and said[0]["level"] == "info" and "refuses O_DIRECT" in said[0]["message"]
+    assert [e for e in events if e["type"] == "step"][-1]["offload"]["disk_read_bytes"] > 0
+
+
+def test_disk_io_direct_where_o_direct_is_refused_fails_the_job_at_start_naming_the_fix(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.offload.test_direct_io import refuse_o_direct
+
+    data = lm_job(steps=2)
+    write_weights(data, roots)
+    offload = {**data["offload"], "host_memory_limit": limit_for(data, roots, 0.5), "disk_io": "direct"}
+    refuse_o_direct(monkeypatch)
+    events: list[dict[str, Any]] = []
+    with pytest.raises(Exception, match="offload.disk_io is 'direct'"):
+        run_job(spec_from(merged(data, offload=offload), roots), output_dir=tmp_path / "out",
+                report=lambda e: events.append(event_to_wire(e)))  # fmt: skip
+    assert not [e for e in events if e["type"] == "step"]
+    assert events[-1]["type"] == "failed" and "set offload.disk_io to 'auto'" in events[-1]["message"]
+
+
+def test_disk_io_outside_its_modes_is_refused_naming_the_field(roots: PathRoots) -> None:
+    data = lm_job()
+    with pytest.raises(
+        Exception, match=r"offload.disk_io \(line \d+\): must be one of auto, direct, buffered; got 'fast'"
+    ):
+        spec_from(merged(data, offload={**data["offload"], "disk_io": "fast"}), roots)
