@@ -46,16 +46,10 @@ def _tiny_lora_llama(layers: int, checkpointing: bool) -> nn.Module:
     return get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)).train()
 
 
-def _train(
-    layers: int, *, backend: str | None, checkpointing: bool = True, steps: int = 3, device: str = "cpu"
-) -> tuple[list[float], list[dict[str, torch.Tensor]], int, int]:
-    """Losses and LoRA gradients of each step, streamed on the CPU target with block units; the graphs compiled
-    (0 eager) and the bytes the engine copied to the device."""
-    torch._dynamo.reset()
-    model = _tiny_lora_llama(layers, checkpointing)
-    compiled = compile_repeated_blocks(model, backend=backend) if backend else None
-    options = OffloadOptions(granularity="block", gpu_memory_budget=None)  # every block streams through the ring
-    manager = OffloadTrainingManager(model, device, options=options)
+def train_streamed(
+    model: torch.nn.Module, manager: OffloadTrainingManager, steps: int, device: str
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """``steps`` SGD steps on one fixed batch through ``manager``: each step's loss and LoRA gradients."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
     losses, grads = [], []
@@ -67,6 +61,20 @@ def _train(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    return losses, grads
+
+
+def _train(
+    layers: int, *, backend: str | None, checkpointing: bool = True, steps: int = 3, device: str = "cpu"
+) -> tuple[list[float], list[dict[str, torch.Tensor]], int, int]:
+    """Losses and LoRA gradients of each step, streamed on the CPU target with block units; the graphs compiled
+    (0 eager) and the bytes the engine copied to the device."""
+    torch._dynamo.reset()
+    model = _tiny_lora_llama(layers, checkpointing)
+    compiled = compile_repeated_blocks(model, backend=backend) if backend else None
+    options = OffloadOptions(granularity="block", gpu_memory_budget=None)  # every block streams through the ring
+    manager = OffloadTrainingManager(model, device, options=options)
+    losses, grads = train_streamed(model, manager, steps, device)
     stats = manager.stats()
     assert stats.ring_overflows == 0
     manager.remove()

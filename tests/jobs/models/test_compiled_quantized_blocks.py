@@ -26,6 +26,7 @@ from jobs.recompute import apply_activation_checkpointing
 from offload import OffloadOptions, OffloadTrainingManager
 from offload.quant.payload import is_quantized
 from tests.jobs.helpers import merged, spec_from
+from tests.jobs.models.test_compiled_blocks import train_streamed
 
 pytest.importorskip("torchao")
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -74,17 +75,7 @@ def _train(
     blocks = compile_repeated_blocks(model, backend=backend) if compiled else None
     offload = OffloadOptions(granularity="block", gpu_memory_budget=None, **options)
     manager = OffloadTrainingManager(model, device, options=offload)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
-    losses, grads = [], []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        manager.after_backward()
-        grads.append({n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad})
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses, grads = train_streamed(model, manager, steps, device)
     assert manager.stats().ring_overflows == 0
     manager.remove()
     assert any(is_quantized(p) for p in model.parameters())  # the base stayed quantized throughout
