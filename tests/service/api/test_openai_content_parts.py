@@ -12,14 +12,10 @@ from typing import Any
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from jobs.data.formats.chat import check_messages
 from jobs.data.formats.examples import RecordError
-from service.api.app import create_app
-from service.checking.check import InlineSpecChecker
-from service.settings import Settings
-from tests.service.checking.test_one_parse import IdleExecutor
+from tests.service.api.openai_client import idle_ferry_client
 
 IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
@@ -27,10 +23,8 @@ AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "w
 
 @pytest.fixture
 def ferry(tmp_path: Path) -> Iterator[openai.OpenAI]:
-    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
-    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    with idle_ferry_client(tmp_path) as client:
+        yield client
 
 
 def chat(user: Any, assistant: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -12,13 +12,9 @@ from typing import Any
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
-from service.api.app import create_app
-from service.checking.check import InlineSpecChecker
-from service.settings import Settings
 from tests.jobs.llm_helpers import chat_record, save_bpe_tokenizer, save_llama
-from tests.service.checking.test_one_parse import IdleExecutor
+from tests.service.api.openai_client import idle_ferry_client
 
 TINY = {"device": "cpu", "model": {"dtype": "float32"}, "data": {"seq_len": 64}, "lora": {"rank": 4}}
 SPEC_WORDS = re.compile(r"(?<![\w.])(training|model|data|eval|lora)\.\w|\(line \d+\)|ferry\.training\.batch_size")
@@ -34,10 +30,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def ferry(tmp_path: Path, models: Path) -> Iterator[openai.OpenAI]:
-    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None, model_roots=[models])
-    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    with idle_ferry_client(tmp_path, model_roots=[models]) as client:
+        yield client
 
 
 def two_chats(ferry: openai.OpenAI) -> str:

@@ -14,15 +14,14 @@ from fastapi.testclient import TestClient
 from service.api.app import create_app
 from service.checking.check import InlineSpecChecker
 from service.settings import Settings
+from tests.service.api.openai_client import idle_ferry_client
 from tests.service.checking.test_one_parse import IdleExecutor
 
 
 @pytest.fixture
 def ferry(tmp_path: Path) -> Iterator[openai.OpenAI]:
-    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None)
-    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    with idle_ferry_client(tmp_path) as client:
+        yield client
 
 
 @pytest.mark.parametrize("name", ["n_epochs", "batch_size", "learning_rate_multiplier"])

@@ -16,14 +16,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
-from service.api.app import create_app
-from service.checking.check import InlineSpecChecker
-from service.settings import Settings
 from tests.jobs.llm_helpers import chat_record, save_bpe_tokenizer, save_llama
 from tests.jobs.vlm_helpers import COLOURS, colour_record, data_url, save_tiny_qwen2_5_vl
-from tests.service.checking.test_one_parse import IdleExecutor
+from tests.service.api.openai_client import idle_ferry_client
 from tests.service.conftest import TOKEN
 
 SAMPLES = {  # an image prompt in OpenAI's content parts, answered through the processor at the end
@@ -54,10 +50,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def ferry(tmp_path: Path, models: Path) -> Iterator[openai.OpenAI]:
-    settings = Settings(data_dir=tmp_path, devices="cpu", _env_file=None, model_roots=[models])
-    app = create_app(settings, executor=IdleExecutor(), spec_checker=InlineSpecChecker())
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    with idle_ferry_client(tmp_path, model_roots=[models]) as client:
+        yield client
 
 
 def colour_rows() -> list[dict[str, Any]]:
