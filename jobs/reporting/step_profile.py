@@ -23,6 +23,7 @@ CPU) only the achieved rate is reported.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -197,6 +198,7 @@ class StepProfiler:
         seconds = time.perf_counter() - self._started
         profile, self._profile = self._profile, None
         profile.__exit__(None, None, None)
+        _write_tables(profile, self.device, f"steps{self.first}-{self.last}")
         # The engine counts a step's copy wait when the next step ends: the window's count is one step late.
         waited = (self.copy_wait() if self.copy_wait is not None else 0.0) - self._wait_before
         steps = list(range(self.first, self.last + 1))
@@ -232,6 +234,28 @@ def _timed_events(profile: torch.profiler.profile, device: torch.device) -> Iter
             continue
         micros = row.self_device_time_total if device.type == "cuda" else row.self_cpu_time_total
         yield row.key, micros / 1e6
+
+
+def _write_tables(profile: torch.profiler.profile, device: torch.device, name: str) -> None:
+    """With ``FERRY_PROFILE_DIR`` set (a bench's or a developer's switch, not a spec field): the profiler's own
+    tables of the window, by device time and by host time, and the number of kernels launched, so a share of
+    ``other`` can be traced to the operators and to the host's launch rate."""
+    folder = os.environ.get("FERRY_PROFILE_DIR")
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    averages = profile.key_averages()
+    kernels = sum(row.count for row in averages if row.device_type == torch.autograd.DeviceType.CUDA)
+    by_device = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    text = (
+        f"kernels launched: {kernels}\n\n"
+        + averages.table(sort_by=by_device, row_limit=40)
+        + "\n\n"
+        + averages.table(sort_by="self_cpu_time_total", row_limit=25)
+    )
+    path = os.path.join(folder, f"profile-{os.getpid()}-{name}.txt")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
 
 
 def _synchronize(device: torch.device) -> None:
