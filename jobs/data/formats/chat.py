@@ -131,6 +131,9 @@ _MEDIA = {
     "audio": "audio",
     "file": "file",
     "input_file": "file",
+    "video": "video",
+    "video_url": "video",
+    "input_video": "video",
     "refusal": "refusal",
 }
 _NOT_TEXT = (

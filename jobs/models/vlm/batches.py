@@ -11,7 +11,7 @@ images, so each image takes the tokens its size gives it. Images are opened agai
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from jobs.data.formats.chat import chat_pieces
 from jobs.data.formats.examples import IGNORE, RecordError
 from jobs.data.formats.tools import check_tools
 from jobs.data.records import iter_records
-from jobs.models.vlm.images import ImageRef, open_image
+from jobs.models.vlm.images import LOW_DETAIL_SIDE, ImageRef, OpenedImage, open_image
 from jobs.models.vlm.processor import ProcessorText
 from jobs.models.vlm.records import image_conversation
 
@@ -39,33 +39,67 @@ class ImageRow:
     prompt: str  # the last user turn's text, for samples
 
 
-def read_rows(spec: Any, text: ProcessorText, *, limit: int | None = None) -> tuple[list[ImageRow], list[str]]:
-    """Every row of ``spec.path`` (the first ``limit`` of each file) tokenized, and the notes on images resized to
-    ``data.max_image_pixels``.
+def read_rows(spec: Any, text: ProcessorText, *, limit: int | None = None) -> tuple[list[ImageRow], ImageNotes]:
+    """Every row of ``spec.path`` (the first ``limit`` of each file) tokenized, and the notes on images changed
+    before the processor saw them (`ImageNotes`).
 
     Raises:
         ValueError: ``<file> row <n>: field '<field>': <problem> (data.kind=image_chat)``, for the first bad row.
     """
     path = Path(spec.path)
     folder = path if path.is_dir() else path.parent
-    rows, notes = [], []
+    rows, notes = [], ImageNotes()
     for record in iter_records(path, spec.file_type, limit_per_file=limit):
         where = f"{Path(record.file).name} row {record.row}"  # the file as the user names it, not the server's path
         try:
-            row, resized = image_row(record.fields, spec, text, folder, where)
+            row, opened = image_row(record.fields, spec, text, folder, where)
         except RecordError as error:
             raise ValueError(f"{where}: {error} (data.kind=image_chat)") from None
         rows.append(row)
-        notes += [f"{where}: {note}" for note in resized]
+        notes.add(where, opened)
     if not rows:
         raise ValueError(f"data.path: {path} holds no rows; point it at a JSONL file of chat rows with images")
     return rows, notes
 
 
+@dataclass
+class ImageNotes:
+    """What was done to the data's images before the processor saw them, each note naming its row."""
+
+    resized: list[str] = field(default_factory=list)  # above data.max_image_pixels
+    low_detail: list[str] = field(default_factory=list)  # image_url.detail=low: within 512x512
+
+    def add(self, where: str, opened: list[OpenedImage]) -> None:
+        self.resized += [f"{where}: {o.resized}" for o in opened if o.resized]
+        self.low_detail += [f"{where}: {o.low_detail}" for o in opened if o.low_detail]
+
+    def extend(self, other: ImageNotes) -> None:
+        self.resized += other.resized
+        self.low_detail += other.low_detail
+
+    def notices(self) -> list[str]:
+        """One line for the job's events per kind of change, the first few rows named."""
+        found = []
+        if self.resized:
+            found.append(
+                f"data: {len(self.resized)} image(s) above data.max_image_pixels resized: {_few(self.resized)}"
+            )
+        if self.low_detail:
+            found.append(
+                f"data: {len(self.low_detail)} image(s) with image_url.detail=low shown to the model at most "
+                f"{LOW_DETAIL_SIDE}x{LOW_DETAIL_SIDE} (OpenAI's low detail): {_few(self.low_detail)}"
+            )
+        return found
+
+
+def _few(notes: list[str]) -> str:
+    return "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
+
+
 def image_row(
     fields: dict[str, Any], spec: Any, text: ProcessorText, folder: Path, where: str
-) -> tuple[ImageRow, list[str]]:
-    """One row's ids and labels, its images checked (opened, shrunk when huge); the notes of those shrunk.
+) -> tuple[ImageRow, list[OpenedImage]]:
+    """One row's ids and labels, its images checked (opened, shrunk when huge or of low detail), as opened.
 
     Raises:
         RecordError: naming the field (the message, the image part, ``images``).
@@ -74,7 +108,7 @@ def image_row(
     opened = [
         open_image(ref, max_pixels=spec.max_image_pixels, refuse_huge=spec.huge_images == "refuse") for ref in refs
     ]
-    images = [image for image, _ in opened]
+    images = [o.image for o in opened]
     pieces = chat_pieces(
         conversation.messages,
         text,
@@ -98,7 +132,7 @@ def image_row(
             "image(s); use the model's own processor and chat template",
         )
     ids, labels = _fit(ids, labels, spec, text.image_token_id)
-    return ImageRow(ids, labels, refs, where, _last_user_text(conversation.messages)), [n for _, n in opened if n]
+    return ImageRow(ids, labels, refs, where, _last_user_text(conversation.messages)), opened
 
 
 def _fit(ids: list[int], labels: list[int], spec: Any, image_token_id: int) -> tuple[list[int], list[int]]:
@@ -172,7 +206,7 @@ class ImageChatBatches:
         if any(row.images for row in rows):
             refuse = self.spec.huge_images == "refuse"
             images = [
-                [open_image(r, max_pixels=self.spec.max_image_pixels, refuse_huge=refuse)[0] for r in row.images]
+                [open_image(r, max_pixels=self.spec.max_image_pixels, refuse_huge=refuse).image for r in row.images]
                 for row in rows
             ]
             batch |= {k: v for k, v in self.text.pixels(images).items() if isinstance(v, torch.Tensor)}
@@ -188,7 +222,7 @@ def build_image_chat_data(
     held_out: list[ImageRow] = []
     if eval_spec is not None and eval_spec.path is not None:
         held_out, eval_notes = read_rows(spec.model_copy(update={"path": eval_spec.path}), text)
-        notes += eval_notes
+        notes.extend(eval_notes)
     elif eval_spec is not None:
         rows, held_out = _split(rows, eval_spec.split, seed)
     images = sum(len(row.images) for row in rows)
@@ -197,10 +231,9 @@ def build_image_chat_data(
     batches = ImageChatBatches(rows, batch_size, seed, text, spec)
     if held_out:
         batches.eval = ImageChatBatches(held_out, min(batch_size, len(held_out)), seed, text, spec)
-    if notes:  # in the job's events (session notices) as well as its log
-        shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3 else "")
-        batches.notices = [f"data: {len(notes)} image(s) above data.max_image_pixels resized: {shown}"]
-        log.warning("%s", batches.notices[0])
+    batches.notices = notes.notices()  # in the job's events (session notices) as well as its log
+    for notice in batches.notices:
+        log.warning("%s", notice)
     return batches
 
 

@@ -4,6 +4,11 @@ An image is decoded once when the data is prepared (a missing or corrupt file re
 and again when its batch is built; neither time does a huge image reach the processor at full size. Above
 ``data.max_image_pixels`` it is resized down (aspect kept) with a note in the job's log, or refused with
 ``data.huge_images: refuse``; above Pillow's decompression-bomb limit it is refused before it is decoded.
+
+OpenAI's ``image_url.detail`` is acted on as OpenAI documents it for vision fine-tuning: ``low`` shows the model a
+low-resolution version of the image, at most 512x512 (aspect kept here, as the model's processor then sizes it);
+``high`` and ``auto`` (OpenAI's default, which picks by the image's size) the image at full resolution, within
+``data.max_image_pixels`` and the processor's own limits.
 """
 
 from __future__ import annotations
@@ -18,14 +23,19 @@ from typing import Any
 
 from jobs.data.formats.examples import RecordError
 
+DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail
+LOW_DETAIL_SIDE = 512  # OpenAI's low detail: the model sees a 512x512 version of the image
+
 
 @dataclass(frozen=True)
 class ImageRef:
-    """Where one image of a row comes from: a resolved file, or the bytes of a ``data:`` URL."""
+    """Where one image of a row comes from: a resolved file, or the bytes of a ``data:`` URL; and the
+    ``image_url.detail`` it was given (None when the row names none)."""
 
     field: str  # the row's field that named it, for errors: messages[0].content[0].image_url.url
     path: Path | None = None
     data: bytes | None = None
+    detail: str | None = None
 
     @property
     def label(self) -> str:
@@ -33,17 +43,29 @@ class ImageRef:
         return self.path.name if self.path is not None else "data: URL"
 
 
-def image_ref(value: Any, field: str, folder: Path) -> ImageRef:
+@dataclass(frozen=True)
+class OpenedImage:
+    """An image as the processor gets it (RGB), and what was done to it, for the job's events."""
+
+    image: Any
+    resized: str | None = None  # shrunk to data.max_image_pixels
+    low_detail: str | None = None  # shown at most 512x512 for image_url.detail=low
+
+
+def image_ref(value: Any, field: str, folder: Path, detail: Any = None, detail_field: str = "") -> ImageRef:
     """The image a row names at ``field``: a path (relative to ``folder``, the data's folder, and inside it) or a
-    ``data:image/...;base64,`` URL.
+    ``data:image/...;base64,`` URL; ``detail`` is its ``image_url.detail`` (at ``detail_field``), if any.
 
     Raises:
-        RecordError: not a string, a remote URL, a path outside ``folder``, a missing file or a bad data URL.
+        RecordError: not a string, a remote URL, a path outside ``folder``, a missing file, a bad data URL or a
+            ``detail`` OpenAI does not name.
     """
+    if detail is not None and detail not in DETAILS:
+        raise RecordError(detail_field, f"must be one of {', '.join(DETAILS)} (OpenAI's detail); got {_shown(detail)}")
     if not isinstance(value, str) or not value.strip():
         raise RecordError(field, f"must be a local image path or a data: URL; got {_shown(value)}")
     if value.startswith("data:"):
-        return ImageRef(field, data=_data_url_bytes(value, field))
+        return ImageRef(field, data=_data_url_bytes(value, field), detail=detail)
     if value.startswith(("http://", "https://")):
         raise RecordError(
             field, "is a web URL; jobs read no network: download the image next to the data and give its path"
@@ -54,11 +76,12 @@ def image_ref(value: Any, field: str, folder: Path) -> ImageRef:
         raise RecordError(field, f"{value!r} lies outside the data's folder; keep images beside the data")
     if not resolved.is_file():
         raise RecordError(field, f"image {value!r} not found beside the data (paths are relative to its folder)")
-    return ImageRef(field, path=resolved)
+    return ImageRef(field, path=resolved, detail=detail)
 
 
-def open_image(ref: ImageRef, *, max_pixels: int, refuse_huge: bool) -> tuple[Any, str | None]:
-    """The image as RGB, at most ``max_pixels`` pixels, and a note when it was shrunk (None otherwise).
+def open_image(ref: ImageRef, *, max_pixels: int, refuse_huge: bool) -> OpenedImage:
+    """The image as RGB, at most ``max_pixels`` pixels (and within 512x512 for ``detail: low``), with a note on
+    each change made to it.
 
     Raises:
         RecordError: the file is no image Pillow reads (corrupt, truncated, another format), or too large
@@ -86,11 +109,17 @@ def open_image(ref: ImageRef, *, max_pixels: int, refuse_huge: bool) -> tuple[An
         raise RecordError(ref.field, f"image {ref.label} is too large to open safely ({error})") from None
     except Exception as error:  # PIL's UnidentifiedImageError, a truncated file's OSError, ...
         raise RecordError(ref.field, f"image {ref.label} cannot be read: {type(error).__name__}: {error}") from None
-    if scale >= 1.0:
-        return rgb, None
-    size = (max(1, int(width * scale)), max(1, int(height * scale)))
-    note = f"{ref.label} {width}x{height} resized to {size[0]}x{size[1]} (data.max_image_pixels={max_pixels})"
-    return rgb.resize(size, Image.Resampling.BICUBIC), note
+    resized = None
+    if scale < 1.0:
+        size = (max(1, int(width * scale)), max(1, int(height * scale)))
+        resized = f"{ref.label} {width}x{height} resized to {size[0]}x{size[1]} (data.max_image_pixels={max_pixels})"
+        rgb = rgb.resize(size, Image.Resampling.BICUBIC)
+    if ref.detail != "low" or max(rgb.size) <= LOW_DETAIL_SIDE:
+        return OpenedImage(rgb, resized)
+    low = rgb.copy()
+    low.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE), Image.Resampling.BICUBIC)  # aspect kept, within the square
+    note = f"{ref.label} {width}x{height} shown at {low.size[0]}x{low.size[1]}"
+    return OpenedImage(low, resized, note)
 
 
 def _data_url_bytes(url: str, field: str) -> bytes:

@@ -8,6 +8,12 @@ Two layouts, as the trainers users come from write them:
 - TRL's and axolotl's ``messages`` + ``images``: ``{type: image}`` parts (or ``<image>`` in string contents) stand
   for the row's ``images`` column in order; an ``image`` part may also carry its own ``image``, ``url`` or ``path``.
 
+An image part's ``detail`` (OpenAI's ``image_url.detail``, or ``detail`` beside an ``input_image``'s URL) goes with
+its image (images.py acts on ``low``). Videos are refused, naming the row's field: a ``{type: video}`` part (or
+``video_url``, ``input_video``) or a ``videos`` column, which TRL and axolotl rows of video models carry. Ferry
+trains on images; decoding video frames needs a video reader (PyAV, decord, torchvision) and each model's own
+frame sampling, and none of it is here, so a video row is never trained as if it were text.
+
 Each image part stands in the text as one private-use character while the text chat checks run (roles,
 weights, tool calls, reasoning: jobs/data/formats/chat.py), then becomes the ``{type: image}`` part chat
 templates render as the processor's placeholder.
@@ -26,6 +32,12 @@ from jobs.models.vlm.images import ImageRef, image_ref
 STAND_IN = "\ue000"  # a private-use character: an image's place in the text while the text checks run
 IMAGE_PARTS = ("image_url", "input_image", "image")
 TEXT_PLACEHOLDER = "<image>"  # LLaVA's and axolotl's placeholder in string contents, with an images column
+VIDEO_PARTS = ("video", "video_url", "input_video")
+VIDEOS_FIELD = "videos"  # TRL's and axolotl's column of a video model's rows
+NO_VIDEO = (
+    "Ferry trains on images, not videos; give the frames you want trained as images (image parts, or the images "
+    "column) or leave the video out"
+)
 
 
 def image_conversation(
@@ -41,10 +53,12 @@ def image_conversation(
 
     Raises:
         RecordError: naming the field: a malformed message, a missing or unreadable image reference, images
-            in an assistant turn, or an ``images`` column that does not match the image parts.
+            in an assistant turn, an ``images`` column that does not match the image parts, or a video.
     """
     field = spec.messages_field
     messages = fields.get(field)
+    if fields.get(VIDEOS_FIELD) not in (None, []):
+        raise RecordError(VIDEOS_FIELD, f"holds video(s): {NO_VIDEO}")
     column = _column(fields.get(spec.images_field), spec.images_field, folder)
     if not isinstance(messages, list) or not messages:
         raise RecordError(field, f"must be a non-empty list of {{role, content}} objects; got {_shown(messages)}")
@@ -59,6 +73,8 @@ def image_conversation(
             parts = []
             for number, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
+                if kind in VIDEO_PARTS:
+                    raise RecordError(f"{where}.content[{number}].type", f"is a {kind!r} part: {NO_VIDEO}")
                 if kind in IMAGE_PARTS:
                     ref, used = _part_image(part, f"{where}.content[{number}]", column, used, spec.images_field, folder)
                     refs.append(ref)
@@ -110,10 +126,13 @@ def _part_image(
     if kind == "image_url":
         url = part.get("image_url")
         if isinstance(url, dict):
-            return image_ref(url.get("url"), f"{where}.image_url.url", folder), used
+            detail, detail_field = url.get("detail"), f"{where}.image_url.detail"
+            return image_ref(url.get("url"), f"{where}.image_url.url", folder, detail, detail_field), used
         return image_ref(url, f"{where}.image_url", folder), used
-    if kind == "input_image":
-        return image_ref(part.get("image_url"), f"{where}.image_url", folder), used
+    if kind == "input_image":  # the Responses API's part: its detail beside the URL
+        return image_ref(
+            part.get("image_url"), f"{where}.image_url", folder, part.get("detail"), f"{where}.detail"
+        ), used
     for key in ("image", "url", "path"):
         if isinstance(part.get(key), str):
             return image_ref(part[key], f"{where}.{key}", folder), used

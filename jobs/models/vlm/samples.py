@@ -54,7 +54,7 @@ class _Answers:
         prompt = self.text.render_chat(messages[:last], add_generation_prompt=True)
         count = prompt.count(self.text.placeholder)
         refuse = data.huge_images == "refuse"
-        images = [open_image(r, max_pixels=data.max_image_pixels, refuse_huge=refuse)[0] for r in refs[:count]]
+        images = [open_image(r, max_pixels=data.max_image_pixels, refuse_huge=refuse).image for r in refs[:count]]
         ids = torch.tensor([self.text.encode(prompt, images)])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if images:

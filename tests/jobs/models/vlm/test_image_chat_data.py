@@ -36,7 +36,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rows(path: Path, model: Path, **data: Any) -> Any:
-    spec = ImageChatDataSpec(kind="image_chat", path=path, seq_len=256, **data)
+    spec = ImageChatDataSpec(kind="image_chat", path=path, **{"seq_len": 256, **data})
     return build_image_chat_data(spec, 1, 0, ProcessorText(load_processor(model)))
 
 
@@ -167,3 +167,81 @@ def test_a_text_only_row_batches_beside_an_image_row(tmp_path: Path, models: Pat
     assert (batch["input_ids"][0] == data.text.image_token_id).sum() == 0
     model = AutoModelForImageTextToText.from_pretrained(str(models / arch))
     assert torch.isfinite(model(**batch).loss)
+
+
+def _with_detail(image: str, detail: str) -> dict[str, Any]:
+    row = colour_record(image, "red")
+    row["messages"][0]["content"][0]["image_url"]["detail"] = detail
+    return row
+
+
+def test_openais_low_detail_shows_the_processor_the_image_within_512x512_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from PIL import Image
+
+    model = save_tiny_qwen2_5_vl(tmp_path / "qwen", max_pixels=1600 * 1600)  # the processor keeps large images large
+    solid_png(tmp_path / "big.png", "red", (1200, 600))
+    rows = [_with_detail("big.png", "low"), _with_detail("big.png", "high"), _with_detail("big.png", "auto")]
+    with caplog.at_level(logging.WARNING):
+        data = _rows(write_jsonl(tmp_path / "rows.jsonl", rows), model, seq_len=4096)
+    grids = [data.collate([row])["image_grid_thw"].tolist() for row in data.rows]
+    text = data.text  # the oracle: the processor's own grid for the image at each size
+    low = text.pixels([[Image.new("RGB", (512, 256), (220, 30, 30))]])["image_grid_thw"].tolist()
+    full = text.pixels([[Image.new("RGB", (1200, 600), (220, 30, 30))]])["image_grid_thw"].tolist()
+    assert low != full  # old code: every row's grid is the full image's
+    assert grids == [low, full, full]
+    tokens = [row.input_ids.count(text.image_token_id) for row in data.rows]
+    assert tokens[0] < tokens[1] == tokens[2]
+    assert data.notices == [
+        "data: 1 image(s) with image_url.detail=low shown to the model at most 512x512 (OpenAI's low detail): "
+        "rows.jsonl row 1: big.png 1200x600 shown at 512x256"
+    ]
+    assert data.notices[0] in caplog.text
+
+
+def test_low_detail_leaves_an_image_within_512x512_as_it_is(tmp_path: Path, models: Path) -> None:
+    solid_png(tmp_path / "small.png", "red", (84, 56))
+    data = _rows(write_jsonl(tmp_path / "rows.jsonl", [_with_detail("small.png", "low")]), models / "qwen")
+    assert data.notices == []
+    from PIL import Image
+
+    unchanged = data.text.pixels([[Image.new("RGB", (84, 56))]])["image_grid_thw"].tolist()
+    assert data.collate(data.rows)["image_grid_thw"].tolist() == unchanged
+
+
+VIDEO_ROWS = [
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens"}]},
+                {"role": "assistant", "content": "red"},
+            ],
+            "videos": ["clip.mp4"],
+        },
+        "row 2: field 'videos': holds video(s): Ferry trains on images, not videos",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "hm"}]},
+                {"role": "assistant", "content": "red"},
+            ]
+        },
+        "row 2: field 'messages[0].content[0].type': is a 'video' part: Ferry trains on images, not videos",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "<video> what"}, {"role": "assistant", "content": "red"}],
+         "videos": [{"path": "clip.mp4"}]},  # fmt: skip
+        "row 2: field 'videos': holds video(s)",
+    ),
+    (_with_detail("red.png", "medium"), "row 2: field 'messages[0].content[0].image_url.detail': must be one of"),
+]
+
+
+@pytest.mark.parametrize(("row", "expected"), VIDEO_ROWS)
+def test_a_video_row_or_an_unknown_detail_is_refused_at_submit_naming_the_row(
+    roots: PathRoots, models: Path, row: dict[str, Any], expected: str
+) -> None:
+    solid_png(roots.data_roots[0] / "vlm" / "red.png", "red")
+    assert expected in _submit(roots, models, [colour_record("red.png", "red"), row])
