@@ -231,8 +231,10 @@ VIDEO_ROWS = [
         "row 2: field 'messages[0].content[0].type': is a 'video' part: Ferry trains on images, not videos",
     ),
     (
-        {"messages": [{"role": "user", "content": "<video> what"}, {"role": "assistant", "content": "red"}],
-         "videos": [{"path": "clip.mp4"}]},  # fmt: skip
+        {
+            "messages": [{"role": "user", "content": "<video> what"}, {"role": "assistant", "content": "red"}],
+            "videos": [{"path": "clip.mp4"}],
+        },
         "row 2: field 'videos': holds video(s)",
     ),
     (_with_detail("red.png", "medium"), "row 2: field 'messages[0].content[0].image_url.detail': must be one of"),
