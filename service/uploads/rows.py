@@ -24,13 +24,14 @@ from jobs.data.formats.chat import check_messages
 from jobs.data.formats.examples import RecordError
 from jobs.data.jsonl import JsonlError, LineTooLong, read_jsonl
 from jobs.fit.sizes import human_bytes
-from service.uploads.image_parts import UploadImageError, check_image_parts, image_fields
+from service.uploads.image_parts import VIDEO_PART_TYPES, UploadImageError, check_image_parts, image_fields
 
 OPENAI_PAIR = ("input", "preferred_output", "non_preferred_output")  # OpenAI's DPO layout
 TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
 
 Format = Literal["chat", "image_chat", "preference", "prompt"]
 DEFAULT_MAX_LINE_BYTES = 4 << 20  # Settings.max_upload_line_bytes (FERRY_MAX_UPLOAD_LINE_BYTES)
+MAX_IMAGE_EXAMPLES = 50_000  # OpenAI's vision fine-tuning: examples with images a file (text rows not counted)
 
 
 class RowProblem(ValueError):
@@ -61,7 +62,7 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
     """
     layout: Format | None = None
     count = 0
-    images = False  # a chat row with an image part: the file is image_chat
+    image_rows = 0  # chat rows with an image part: the file is image_chat
     rows = read_jsonl(path, max_line_bytes=max_line_bytes)
     try:
         for number, record in rows:
@@ -76,9 +77,12 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
                     _check_pair(record)
                 else:  # a chat trains on its assistant turns; a prompt's reply is sampled and graded
                     messages = record.get("messages")
-                    if image_fields(messages, "messages"):
+                    found = image_fields(messages, "messages")
+                    if found or image_fields(messages, "messages", VIDEO_PART_TYPES):
                         messages = _image_messages(messages, kind)
-                        images = True
+                    if found:
+                        image_rows += 1
+                        _count_image_rows(image_rows, found[0])
                     _messages(messages, "messages", need_assistant=kind == "chat")
             except _FieldError as error:
                 raise RowProblem(number, error.field, error.message) from None
@@ -91,7 +95,7 @@ def check_fine_tuning_rows(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE
         rows.close()
     if layout is None:
         raise RowProblem(1, "", "the file holds no rows; upload one JSON object per line")
-    return FileRows("image_chat" if images else layout, count)
+    return FileRows("image_chat" if image_rows else layout, count)
 
 
 def first_image_row(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> tuple[int, str] | None:
@@ -107,9 +111,18 @@ def first_image_row(path: Path, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES)
     return None
 
 
+def _count_image_rows(image_rows: int, field: str) -> None:
+    if image_rows > MAX_IMAGE_EXAMPLES:
+        raise _FieldError(
+            field,
+            f"is in the file's example {image_rows} with images; OpenAI's vision fine-tuning takes at most "
+            f"{MAX_IMAGE_EXAMPLES:,} examples with images a file (text rows not counted): split the file",
+        )
+
+
 def _image_messages(messages: list[Any], kind: Format) -> list[Any]:
-    """A chat row's messages with their image parts checked and left out, for the text check that follows."""
-    if kind != "chat":
+    """A chat row's messages with their image (and video) parts checked and left out, for the text check."""
+    if kind != "chat" and image_fields(messages, "messages"):
         field = image_fields(messages, "messages")[0]
         raise _FieldError(f"{field}.type", "images train in supervised chat rows, which end with the assistant's reply")
     try:

@@ -53,7 +53,8 @@ def image_conversation(
 
     Raises:
         RecordError: naming the field: a malformed message, a missing or unreadable image reference, images
-            in an assistant turn, an ``images`` column that does not match the image parts, or a video.
+            in an assistant turn, an ``images`` column that does not match the image parts, more images than
+            ``max_images_per_row``, or a video.
     """
     field = spec.messages_field
     messages = fields.get(field)
@@ -92,6 +93,12 @@ def image_conversation(
                 f"{where}.content", "images belong in user turns; an assistant turn is what the model writes"
             )
         stood_in.append(message)
+    if len(refs) > spec.max_images_per_row:
+        raise RecordError(
+            refs[spec.max_images_per_row].field,
+            f"is the row's image {spec.max_images_per_row + 1}, above data.max_images_per_row="
+            f"{spec.max_images_per_row}; raise it for multi-image rows, or split the row",
+        )
     if column is not None and used != len(column):
         raise RecordError(
             spec.images_field,

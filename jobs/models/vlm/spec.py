@@ -51,6 +51,13 @@ class ImageChatDataSpec(Section):
     huge_images: Literal["resize", "refuse"] = Field(
         "resize", description="above max_image_pixels: resize (noted in the log) or refuse the row"
     )
+    max_images_per_row: int = Field(
+        10,
+        gt=0,
+        le=1024,
+        description="a row with more images is refused, naming it (OpenAI's limit for vision fine-tuning); raise it "
+        "for multi-image rows, whose images' tokens must fit seq_len too",
+    )
 
 
 class ImageSamplesSpec(Section):

@@ -99,7 +99,8 @@ FIELD = "messages[0].content[0]"
         ("cat.png", None, f"{FIELD}.image_url.url", "not a data URL; an uploaded file carries its images inside it"),
         ("data:image/png;base64,iVBOR!!!", None, f"{FIELD}.image_url.url", "base64 payload does not decode"),
         (as_url(b"not an image at all"), None, f"{FIELD}.image_url.url", "says image/png but its bytes are no PNG"),
-        ("data:image/tiff;base64,AAAA", None, f"{FIELD}.image_url.url", "must read data:image/<png|jpeg|webp|gif>"),
+        ("data:image/tiff;base64,AAAA", None, f"{FIELD}.image_url.url", "is image/tiff; OpenAI's vision fine-tuning"),
+        ("data:text/plain;base64,AAAA", None, f"{FIELD}.image_url.url", "must read data:image/<png|jpeg|webp>"),
         (data_url("red"), "medium", f"{FIELD}.image_url.detail", "must be one of auto, low, high"),
     ],
 )
@@ -191,8 +192,9 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
     server = make_server(FERRY_MODEL_ROOTS=str(models))
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0)
     huge = with_url(as_url(png_bytes((1400, 1000), "green")))  # 1.4M pixels: resized to data.max_image_pixels
+    low = with_url(as_url(png_bytes((800, 600), "blue")), "low")  # OpenAI's low detail: within 512x512
     uploaded = client.files.create(
-        file=("train.jsonl", "".join(json.dumps(r) + "\n" for r in [*colour_rows(), huge]).encode()),
+        file=("train.jsonl", "".join(json.dumps(r) + "\n" for r in [*colour_rows(), huge, low]).encode()),
         purpose="fine-tune",
     )
     held_out = client.files.create(
@@ -202,7 +204,7 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
         model="qwen",
         training_file=uploaded.id,
         validation_file=held_out.id,
-        hyperparameters={"n_epochs": 1, "batch_size": 5},
+        hyperparameters={"n_epochs": 1, "batch_size": 6},
         extra_body={"ferry": {**TINY, "checkpoint": {"every_steps": 1}, "text_samples": SAMPLES}},
     )
     events = follow(client, job.id, "succeeded")
@@ -214,6 +216,8 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
         notes
         and "train.jsonl row 5: data: URL 1400x1000 resized to 1185x846 (data.max_image_pixels=1003520)" in notes[0]
     ), [e.message for e in events]
+    [low_note] = [e.message for e in events if "detail=low" in e.message]  # said once
+    assert "train.jsonl row 6: data: URL 800x600 shown at 512x384" in low_note, low_note
     assert [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id).data] == [1]
     validation = [e.message for e in events if "validation loss" in e.message]
     assert [m.split(":")[0] for m in validation] == ["Step 1", "Step 0"], validation  # newest first
@@ -244,3 +248,111 @@ def test_an_image_past_pillows_decompression_bomb_limit_is_refused_before_it_is_
     message = refused.value.body["message"]
     assert message.startswith("training_file: train.jsonl row 5: field 'messages[0].content[0].image_url.url': ")
     assert "image data: URL is too large to open safely" in message, message
+
+
+def image_bytes(mode: str, kind: str = "PNG", size: tuple[int, int] = (28, 28)) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new(mode, size).save(buffer, format=kind)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [
+        (image_bytes("L"), "png"),
+        (image_bytes("P"), "png"),
+        (image_bytes("LA"), "png"),
+        (image_bytes("L", "JPEG"), "jpeg"),
+        (image_bytes("CMYK", "JPEG"), "jpeg"),
+    ],
+)
+def test_an_image_not_in_rgb_or_rgba_is_refused_at_upload_naming_pillows_mode(
+    ferry: openai.OpenAI, data: bytes, kind: str
+) -> None:
+    from PIL import Image
+
+    mode = Image.open(io.BytesIO(data)).mode  # the oracle: the mode Pillow opens the file in
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [with_url(data_url("red")), with_url(as_url(data, kind))])
+    assert refused.value.body["message"] == (
+        f"train.jsonl row 2: field '{FIELD}.image_url.url': is a {kind.upper()} in mode {mode}; OpenAI's vision "
+        "fine-tuning takes RGB or RGBA images: convert it (Pillow: image.convert('RGB'))"
+    )
+
+
+def test_rgb_and_rgba_pngs_jpegs_and_webps_upload(ferry: openai.OpenAI) -> None:
+    rows = [
+        with_url(as_url(image_bytes("RGBA"))),
+        with_url(as_url(image_bytes("RGB", "JPEG"), "jpeg")),
+        with_url(as_url(image_bytes("RGB", "JPEG"), "jpg")),
+        with_url(as_url(image_bytes("RGBA", "WEBP"), "webp")),
+    ]
+    assert upload(ferry, rows).rows == 4  # type: ignore[attr-defined]
+
+
+def test_a_gif_is_refused_at_upload_as_openais_vision_fine_tuning_does(ferry: openai.OpenAI) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [with_url(as_url(image_bytes("P", "GIF"), "gif"))])
+    assert refused.value.body["message"] == (
+        f"train.jsonl row 1: field '{FIELD}.image_url.url': is image/gif; OpenAI's vision fine-tuning takes JPEG, "
+        "PNG and WEBP images: convert it (e.g. to PNG) and write data:image/png;base64,<data>"
+    )
+
+
+def test_more_than_ten_images_in_an_example_are_refused_at_upload_naming_the_eleventh(
+    ferry: openai.OpenAI, tmp_path: Path
+) -> None:
+    row = colour_record(data_url("red"), "red")
+    part = row["messages"][0]["content"][0]
+    row["messages"][0]["content"] = [part] * 11 + [{"type": "text", "text": "what colours"}]
+    ten = colour_record(data_url("red"), "red")
+    ten["messages"][0]["content"] = [part] * 10
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [ten, row])
+    assert refused.value.body["message"] == (
+        "train.jsonl row 2: field 'messages[0].content[10]': is the row's image 11; OpenAI's vision fine-tuning "
+        "takes at most 10 images an example: split the row or leave images out"
+    )
+    assert ferry.files.list().data == []  # nothing stored: no record, no bytes
+    assert [p for p in tmp_path.rglob("uploads/*") if p.is_file() or any(p.iterdir())] == []
+
+
+def test_an_image_over_10_mb_is_refused_at_upload(tmp_path: Path, models: Path) -> None:
+    big = png_bytes((28, 28)) + bytes(11 << 20)  # a PNG's header, then 11 MiB: the upload reads no pixels
+    with idle_ferry_client(tmp_path, model_roots=[models], max_upload_line_bytes=32 << 20) as client:
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            upload(client, [with_url(as_url(big))])
+        assert client.files.list().data == []
+    assert refused.value.body["message"] == (
+        f"train.jsonl row 1: field '{FIELD}.image_url.url': is a 11.0 MiB image; OpenAI's vision fine-tuning takes "
+        "images of at most 10.0 MiB: shrink or recompress it"
+    )
+
+
+def test_examples_with_images_past_openais_count_a_file_are_refused_naming_the_row(
+    ferry: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import service.uploads.rows
+
+    monkeypatch.setattr(service.uploads.rows, "MAX_IMAGE_EXAMPLES", 2)  # OpenAI's is 50,000: too many to upload
+    rows = [with_url(data_url("red")), chat_record(0), with_url(data_url("red")), chat_record(1)]
+    assert upload(ferry, rows).rows == 4  # type: ignore[attr-defined]  # text rows do not count
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [*rows, with_url(data_url("blue"))])
+    assert refused.value.body["message"] == (
+        "train.jsonl row 5: field 'messages[0].content[0]': is in the file's example 3 with images; OpenAI's vision "
+        "fine-tuning takes at most 2 examples with images a file (text rows not counted): split the file"
+    )
+
+
+def test_a_video_part_is_refused_at_upload_naming_the_row(ferry: openai.OpenAI) -> None:
+    row = colour_record(data_url("red"), "red")
+    row["messages"][0]["content"][0] = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        upload(ferry, [with_url(data_url("red")), row])
+    assert refused.value.body["message"].startswith(
+        "train.jsonl row 2: field 'messages[0].content[0].type': is a 'video_url' part; OpenAI's fine-tuning files "
+        "hold text and images, and Ferry trains on images, not videos"
+    ), refused.value.body["message"]

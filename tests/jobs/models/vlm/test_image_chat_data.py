@@ -247,3 +247,27 @@ def test_a_video_row_or_an_unknown_detail_is_refused_at_submit_naming_the_row(
 ) -> None:
     solid_png(roots.data_roots[0] / "vlm" / "red.png", "red")
     assert expected in _submit(roots, models, [colour_record("red.png", "red"), row])
+
+
+def test_more_images_in_a_row_than_data_max_images_per_row_are_refused_naming_the_image(
+    roots: PathRoots, models: Path
+) -> None:
+    solid_png(roots.data_roots[0] / "vlm" / "red.png", "red")
+    row = colour_record("red.png", "red")
+    row["messages"][0]["content"] = [row["messages"][0]["content"][0]] * 11 + [{"type": "text", "text": "colours"}]
+    trl = {"messages": [{"role": "user", "content": "<image>" * 11}, {"role": "assistant", "content": "red"}],
+           "images": ["red.png"] * 11}  # fmt: skip
+    assert (
+        "row 1: field 'messages[0].content[10].image_url.url': is the row's image 11, above "
+        "data.max_images_per_row=10; raise it for multi-image rows, or split the row"
+    ) in _submit(roots, models, [row])
+    assert "row 1: field 'images[10]': is the row's image 11" in _submit(roots, models, [trl])
+    write_jsonl(roots.data_roots[0] / "vlm" / "rows.jsonl", [row, trl])
+    spec = {
+        "name": "vlm",
+        "device": "cpu",
+        "model": {"kind": "hf_image_text_to_text", "path": str(models / "qwen"), "dtype": "float32"},
+        "data": {"kind": "image_chat", "path": "vlm/rows.jsonl", "max_images_per_row": 11},
+        "training": {"steps": 1},
+    }
+    spec_from(spec, PathRoots(model_roots=[models], data_roots=roots.data_roots))  # raised, the rows pass
