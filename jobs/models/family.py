@@ -95,8 +95,9 @@ class ModelFamily(Generic[JobT]):
         whole_units: ``whole_units(model) -> (module name, ...)``: modules the offload engine streams as one unit
             each, whatever ``offload.granularity`` (a frozen vision tower, run once a step); None: none.
         make_text_samples: ``make_text_samples(job_spec, device)``: what answers ``text_samples.prompts`` for data
-            only this family reads, ``.generate(model) -> [{prompt, completion}]``; None: the text data's
-            tokenizer does (jobs/evaluate/text_samples.py).
+            only this family reads, ``.generate(model) -> [{prompt, completion}]`` (and, where prompts show
+            images, ``.thumbnails(directory) -> [file name or None]``, one per prompt, named by its sample
+            events); None: the text data's tokenizer does (jobs/evaluate/text_samples.py).
         holds_out_eval: ``build_data`` holds out the ``eval`` section's rows itself (``eval.split`` or
             ``eval.path``), as the ``eval`` attribute of the batches it returns (``batches_per_epoch``,
             ``in_order(i)``); False: only text data is evaluated.

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
+from jobs.checkpoints.sample_artifacts import SAMPLES_DIR
 from jobs.evaluate.held_out import EvalHistory, evaluate
 from jobs.evaluate.pairs import evaluate_pairs
 from jobs.events import EvalEvent, LogEvent, PreferenceMetrics, Report, SampleEvent
@@ -23,10 +25,18 @@ class EvalAndSamples:
         spec: The job spec.
         report: Receives ``eval`` and ``sample`` events.
         state: What a resumed checkpoint saved from `state_dict`.
+        output_dir: The job's output directory: where the text samples' images go (``samples/prompts/``).
     """
 
-    def __init__(self, session: Any, spec: JobSpec, report: Report, state: dict[str, Any] | None = None) -> None:
-        self.session, self.spec, self.report = session, spec, report
+    def __init__(
+        self,
+        session: Any,
+        spec: JobSpec,
+        report: Report,
+        state: dict[str, Any] | None = None,
+        output_dir: Path | None = None,
+    ) -> None:
+        self.session, self.spec, self.report, self.output_dir = session, spec, report, output_dir
         early = spec.eval.early_stopping if spec.eval else None
         self.history = EvalHistory(early.min_delta if early else 0.0)
         if state:
@@ -35,6 +45,7 @@ class EvalAndSamples:
         own = getattr(session.data, "eval", None) if session.family.holds_out_eval else None
         self.eval_source = session.text.eval if session.text is not None else own
         self.text_samples: Any = None  # the family's own text_samples answerer (make_text_samples), made once
+        self.thumbnails: list[str | None] = []  # each text sample's image, relative to output_dir (or None)
 
     def state_dict(self) -> dict[str, Any]:
         return self.history.state_dict()
@@ -112,6 +123,7 @@ class EvalAndSamples:
         if own is not None and session.text is None:  # the family's data (images): its processor answers
             if self.text_samples is None:
                 self.text_samples = own(self.spec, session.device)
+                self.thumbnails = self._write_thumbnails()
             samples = self.text_samples.generate(session.forward_model)
         else:
             samples = generate_samples(
@@ -121,8 +133,25 @@ class EvalAndSamples:
                 device=session.device,
                 accelerator=session.accelerator,
             )
-        for sample in samples:  # one event per prompt, as the event contract has it
-            self.report(SampleEvent(step=step, prompt=sample["prompt"], text=sample["completion"]))
+        for index, sample in enumerate(samples):  # one event per prompt, as the event contract has it
+            image = self.thumbnails[index] if index < len(self.thumbnails) else None
+            self.report(
+                SampleEvent(
+                    step=step,
+                    prompt=sample["prompt"],
+                    text=sample["completion"],
+                    artifact_path=image,
+                    media_type="image/png" if image else None,
+                )
+            )
+
+    def _write_thumbnails(self) -> list[str | None]:
+        """The family answerer's prompt images, written once under ``samples/prompts/`` (the prompts are fixed)."""
+        write = getattr(self.text_samples, "thumbnails", None)
+        if write is None or self.output_dir is None:
+            return []
+        folder = f"{SAMPLES_DIR}/prompts"
+        return [f"{folder}/{name}" if name else None for name in write(Path(self.output_dir) / folder)]
 
     def grpo_samples(self, step: int, rollout: Rollout) -> None:
         """Every ``training.grpo.samples_every_steps`` steps: the first ``samples_prompts`` prompts of the step,

@@ -218,7 +218,7 @@ def _train(
     """The training loop: steps until ``total``, a pause, a cancel or an early stop, checkpointing when due."""
     step, total = session.start_step, session.total_steps
     clock = StepClock(step, total)
-    between = EvalAndSamples(session, spec, report, session.resumed_extra.get("eval"))
+    between = EvalAndSamples(session, spec, report, session.resumed_extra.get("eval"), output_dir)
     checkpoints = CheckpointKeeper(session, spec, resolved, output_dir, report, between)
     if step == 0:  # a resumed job evaluated the base model in its first attempt
         between.before_first_step()

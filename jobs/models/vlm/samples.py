@@ -5,6 +5,8 @@ Each sample is a row's conversation up to its last assistant turn, rendered with
 answers greedily (no cache: each new token runs the whole prompt again, images included, which a few dozen
 tokens a checkpoint afford). The row's first image is written as ``sample-<i>.png`` into the checkpoint, so
 the dashboard's gallery shows it with the prompt and the answer (``texts``, read when the sample events are made).
+A ``text_samples`` prompt's first image is written once as a thumbnail (at most 256x256) beside the job's samples,
+which each of its sample events names, so the dashboard shows the image the answer is about.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jobs.models.vlm.processor import ProcessorText, load_processor
 from jobs.models.vlm.records import image_conversation
 
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<end_of_utterance>", "<|eot_id|>")
+THUMBNAIL_SIDE = 256  # a text sample's image as the dashboard shows it: small, whatever the prompt's image
 
 
 class _Answers:
@@ -125,6 +128,21 @@ class TextSamplePrompts(_Answers):
     def generate(self, model: nn.Module) -> list[dict[str, str]]:
         """``{prompt, completion}`` for each prompt, greedy (the same weights give the same text)."""
         return [{"prompt": label, "completion": self.answer(model, inputs)} for label, _, inputs in self.rows]
+
+    def thumbnails(self, directory: Path) -> list[str | None]:
+        """Write each prompt's first image, at most 256x256 (aspect kept), as ``prompt-<i>.png`` in
+        ``directory``; the file's name for each prompt, None for a prompt without an image."""
+        directory.mkdir(parents=True, exist_ok=True)
+        names: list[str | None] = []
+        for index, (_, images, _) in enumerate(self.rows):
+            if not images:
+                names.append(None)
+                continue
+            thumbnail = images[0].copy()
+            thumbnail.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
+            thumbnail.save(directory / f"prompt-{index}.png")
+            names.append(f"prompt-{index}.png")
+        return names
 
 
 def _messages(prompt: Any) -> list[dict[str, Any]]:

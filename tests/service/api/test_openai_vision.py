@@ -28,7 +28,7 @@ SAMPLES = {  # an image prompt in OpenAI's content parts, answered through the p
             {
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": data_url("red")}},
+                    {"type": "image_url", "image_url": {"url": data_url("red", (600, 300))}},
                     {"type": "text", "text": "what colour is this image"},
                 ],
             }
@@ -225,6 +225,15 @@ def test_a_vision_file_trains_a_vision_language_model_through_openais_client(
     samples = httpx.get(f"{server.url}/v1/jobs/{job.id}/samples", headers=headers).json()["data"]
     assert [s["prompt"] for s in samples] == ["[data: URL] what colour is this image"], samples
     assert isinstance(samples[0]["text"], str) and samples[0]["step"] == 1
+    # The prompt's image beside its answer: a thumbnail the API serves (old code: a text sample had no url).
+    assert samples[0]["url"] == f"/v1/jobs/{job.id}/samples/files/samples/prompts/prompt-0.png", samples
+    thumbnail = httpx.get(f"{server.url}{samples[0]['url']}", headers=headers)
+    assert thumbnail.status_code == 200 and thumbnail.headers["content-type"] == "image/png"
+    from PIL import Image
+
+    with Image.open(io.BytesIO(thumbnail.content)) as image:
+        assert image.size == (256, 128) and image.getpixel((5, 5)) == COLOURS["red"]  # within 256x256, aspect kept
+    assert len(thumbnail.content) < 64 << 10
 
 
 def test_auto_hyperparameters_are_chosen_from_the_image_rows(ferry: openai.OpenAI) -> None:

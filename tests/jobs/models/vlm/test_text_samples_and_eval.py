@@ -74,9 +74,12 @@ def test_on_cuda_with_model_offload_the_samples_name_the_colours(tmp_path: Path,
 def test_offloaded_text_samples_every_steps_a_data_url_a_string_prompt_and_an_eval_split(
     tmp_path: Path, roots: PathRoots
 ) -> None:
+    from PIL import Image
+
     from tests.jobs.vlm_helpers import data_url
 
-    samples = {"prompts": [image_prompt(data_url("blue")), "hello"], "every_steps": 1, "max_new_tokens": 2}
+    big = data_url("blue", (600, 300))  # the thumbnail is at most 256x256, whatever the prompt's image
+    samples = {"prompts": [image_prompt(big), "hello"], "every_steps": 1, "max_new_tokens": 2}
     offload = {"enable_model_cpu_offload": True, "granularity": "block"}  # samples and eval through the engine
     sections = {"text_samples": samples, "eval": {"split": 0.25}, "offload": offload}
     spec = spec_from(job(training={"steps": 2, "batch_size": 2}, **sections), roots)
@@ -84,6 +87,10 @@ def test_offloaded_text_samples_every_steps_a_data_url_a_string_prompt_and_an_ev
     run_job(spec, output_dir=tmp_path / "out", report=events.append)
     shown = [(e.step, e.prompt) for e in events if e.type == "sample"]
     assert shown == [(s, p) for s in (1, 2) for p in (f"[data: URL] {QUESTION}", "hello")]
+    images = [(e.artifact_path, e.media_type) for e in events if e.type == "sample"]
+    assert images == [("samples/prompts/prompt-0.png", "image/png"), (None, None)] * 2  # old code: no image
+    with Image.open(tmp_path / "out" / "samples" / "prompts" / "prompt-0.png") as thumbnail:
+        assert thumbnail.size == (256, 128) and thumbnail.getpixel((10, 10)) == COLOURS["blue"]
     assert [e.metrics["batches"] for e in events if e.type == "eval"] == [1.0, 1.0]  # one held-out row
 
 
