@@ -276,6 +276,7 @@ def image_bytes(mode: str, kind: str = "PNG", size: tuple[int, int] = (28, 28)) 
         (image_bytes("L", "JPEG"), "jpeg"),
         (image_bytes("CMYK", "JPEG"), "jpeg"),
     ],
+    ids=["grey-png", "palette-png", "grey-alpha-png", "grey-jpeg", "cmyk-jpeg"],
 )
 def test_an_image_not_in_rgb_or_rgba_is_refused_at_upload_naming_pillows_mode(
     ferry: openai.OpenAI, data: bytes, kind: str
