@@ -2,7 +2,7 @@
 
 The API process checks uploads with no image library (it reads JSON), so the colour mode OpenAI's vision
 fine-tuning asks for (RGB or RGBA) is read from the header each format defines: a PNG's ``IHDR`` colour type, a
-JPEG's frame header (``SOFn``: its number of components), and WEBP, which Pillow always opens as RGB or RGBA.
+JPEG's frame header (``SOFn``: its number of components), a WEBP's first chunk (alpha or none).
 The modes are named as Pillow names what it opens, since that is how OpenAI's rule is stated.
 
 Example:
@@ -37,12 +37,24 @@ def image_mode(kind: str, data: bytes) -> str | None:
     """The colour mode of an image of format ``kind``: Pillow's name for it; None where the header is cut short
     (the job's own check, which decodes the image, then names it corrupt)."""
     if kind == "png":
-        return PNG_MODES.get(data[25], f"colour type {data[25]}") if data[12:16] == b"IHDR" else None
+        if len(data) < 26 or data[12:16] != b"IHDR":  # IHDR comes first; its colour type is byte 25
+            return None
+        return PNG_MODES.get(data[25], f"colour type {data[25]}")
     if kind == "jpeg":
         return _jpeg_mode(data)
     if kind == "webp":
-        return "RGB"  # RGB or RGBA: what Pillow opens every WEBP as
+        return _webp_mode(data)
     return None
+
+
+def _webp_mode(data: bytes) -> str | None:
+    """RGBA where the first chunk says the image has alpha, else RGB: a WEBP opens in no other mode."""
+    chunk = data[12:16]
+    if chunk == b"VP8X" and len(data) > 20:
+        return "RGBA" if data[20] & 0x10 else "RGB"  # the extended header's alpha flag
+    if chunk == b"VP8L" and len(data) >= 25:
+        return "RGBA" if int.from_bytes(data[21:25], "little") >> 28 & 1 else "RGB"  # lossless: alpha_is_used
+    return "RGB" if chunk == b"VP8 " else None  # lossy without an extended header: no alpha
 
 
 def _jpeg_mode(data: bytes) -> str | None:
