@@ -308,7 +308,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         disk_read_bytes_per_step=disk_read_bytes_per_step(plan) if plan is not None else 0,
         engine_host_bytes=engine_host,
         host_limit_fits=host_fits,
-        optimizer_swap_bytes=swap.state_bytes if swap is not None and swap.swap else 0,
+        optimizer_swap_bytes=swap.swap_bytes if swap is not None and swap.swap else 0,
     )
 
 

@@ -161,3 +161,40 @@ def test_peak_rss_stays_under_the_host_limit_with_the_optimizer_state_on_disk(tm
     assert in_ram["growth"] - swapped["growth"] >= 0.8 * (state - 32 * MIB), (swapped, in_ram)
     print(f"RSS growth: all in RAM {in_ram['growth'] / MIB:.0f} MiB, optimizer state on disk "
           f"{swapped['growth'] / MIB:.0f} MiB (limit {limit / MIB:.0f} MiB, state {state / MIB:.0f} MiB)")  # fmt: skip
+
+
+def test_swap_files_on_a_filesystem_refusing_o_direct_go_through_the_page_cache_under_auto_and_fail_under_direct(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.offload.test_direct_io import refuse_o_direct
+
+    data = limited(full_fine_tune(steps=2), roots)
+    refuse_o_direct(monkeypatch)
+    events = run(data, roots, tmp_path / "auto")
+    said = [e["message"] for e in events if e["type"] == "log" and "offload.disk_io" in e["message"]]
+    assert len(said) == 1 and "refuses O_DIRECT" in said[0] and "swap files go through the page cache" in said[0]
+    assert steps_of(events)[-1]["offload"]["optimizer_swap_read_bytes"] > 0
+
+    direct = merged(data, offload={**data["offload"], "disk_io": "direct"})
+    failed: list[dict[str, Any]] = []
+    with pytest.raises(Exception, match="offload.disk_io is 'direct'"):
+        run_job(
+            spec_from(direct, roots), output_dir=tmp_path / "direct", report=lambda e: failed.append(event_to_wire(e))
+        )
+    assert not steps_of(failed) and failed[-1]["type"] == "failed"
+    assert "set offload.disk_io to 'auto'" in failed[-1]["message"] and "optimizer_swap" in failed[-1]["message"]
+
+
+def test_direct_and_buffered_swap_files_train_the_same_job_bitwise(tmp_path: Path, roots: PathRoots) -> None:
+    from tests.offload.test_direct_io import direct_reads_work
+
+    if not direct_reads_work(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    data = limited(full_fine_tune(steps=3), roots)
+    events = {}
+    for mode in ("direct", "buffered"):
+        events[mode] = run(merged(data, offload={**data["offload"], "disk_io": mode}), roots, tmp_path / mode)
+    assert [e["loss"] for e in steps_of(events["direct"])] == [e["loss"] for e in steps_of(events["buffered"])]
+    assert_same_weights(final_weights(tmp_path / "direct"), final_weights(tmp_path / "buffered"))
+    assert steps_of(events["direct"])[-1]["offload"]["optimizer_swap_read_bytes"] > 0
+    assert not any("disk_io" in e.get("message", "") for e in events["direct"])  # no fallback said
