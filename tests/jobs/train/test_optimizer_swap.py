@@ -198,3 +198,47 @@ def test_direct_and_buffered_swap_files_train_the_same_job_bitwise(tmp_path: Pat
     assert_same_weights(final_weights(tmp_path / "direct"), final_weights(tmp_path / "buffered"))
     assert steps_of(events["direct"])[-1]["offload"]["optimizer_swap_read_bytes"] > 0
     assert not any("disk_io" in e.get("message", "") for e in events["direct"])  # no fallback said
+
+
+def test_a_full_fine_tune_beyond_its_limit_even_with_the_state_swapped_is_refused_at_submit_with_its_figures(
+    tmp_path: Path, roots: PathRoots
+) -> None:
+    import yaml
+
+    from jobs.cli import machine_problems
+    from jobs.fit.sizes import human_bytes
+    from service.checking.check import check_spec
+    from service.checking.messages import CheckRequest
+
+    data = full_fine_tune()
+    masters = estimate_memory(spec_from(data, roots)).pinned_host_bytes  # masters, gradients, buffers
+    tight = merged(data, offload={**data["offload"], "host_memory_limit": masters // 2})
+    spec = spec_from(tight, roots)
+    estimate = estimate_memory(spec)
+    assert not estimate.host_limit_fits and estimate.optimizer_swap_bytes > 0  # the state is swapped, still short
+    assert 0 < estimate.trainable_host_bytes <= masters
+
+    [(path, message)] = [(p.path, p.message) for p in machine_problems(spec, yaml.safe_dump(tight))]
+    assert path == "offload.host_memory_limit"
+    assert message.startswith(
+        f"offload.host_memory_limit is {human_bytes(masters // 2)} but this full fine-tune needs an estimated "
+        f"{human_bytes(estimate.engine_host_bytes)} of host memory even with its optimizer state swapped to disk: "
+        f"the trainable weights' pinned host masters and their gradients {human_bytes(estimate.trainable_host_bytes)}"
+        f" + the optimizer state's swap ring {human_bytes(estimate.optimizer_host_bytes)} (the state itself, "
+        f"{human_bytes(estimate.optimizer_swap_bytes)}, already in swap files on disk)"
+    )
+    fixes = message.split("Fixes, in order: ")[1]
+    assert fixes.startswith(f"raise offload.host_memory_limit to at least {human_bytes(estimate.engine_host_bytes)};")
+    assert fixes.index("lora: section") < fixes.index("model.quantize: nf4") < fixes.index("a smaller model")
+
+    refusal = check_spec(  # the service's submit check: a 422 with the same message
+        CheckRequest(
+            text=yaml.safe_dump(tight),
+            model_roots=tuple(str(r) for r in roots.model_roots),
+            data_roots=tuple(str(r) for r in roots.data_roots),
+            max_yaml_depth=32,
+            max_yaml_nodes=20_000,
+        )
+    ).refusal
+    assert refusal is not None and (refusal.status_code, refusal.code) == (422, "does_not_fit")
+    assert message in refusal.message and refusal.problems[0]["path"] == "offload.host_memory_limit"
