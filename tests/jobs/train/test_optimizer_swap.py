@@ -168,7 +168,7 @@ def test_swap_files_on_a_filesystem_refusing_o_direct_go_through_the_page_cache_
 ) -> None:
     from tests.offload.test_direct_io import refuse_o_direct
 
-    data = limited(full_fine_tune(steps=2), roots)
+    data = limited(full_fine_tune(steps=3), roots)  # step 2's reads have finished when step 3 reports
     refuse_o_direct(monkeypatch)
     events = run(data, roots, tmp_path / "auto")
     said = [e["message"] for e in events if e["type"] == "log" and "offload.disk_io" in e["message"]]
@@ -185,15 +185,27 @@ def test_swap_files_on_a_filesystem_refusing_o_direct_go_through_the_page_cache_
     assert "set offload.disk_io to 'auto'" in failed[-1]["message"] and "optimizer_swap" in failed[-1]["message"]
 
 
-def test_direct_and_buffered_swap_files_train_the_same_job_bitwise(tmp_path: Path, roots: PathRoots) -> None:
+def test_direct_and_buffered_swap_files_train_the_same_job_bitwise(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from offload.optimizer_swap import OptimizerSwap
     from tests.offload.test_direct_io import direct_reads_work
 
     if not direct_reads_work(tmp_path):
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    opened_direct: list[bool] = []
+    close = OptimizerSwap.close
+
+    def close_noting_how(swap: OptimizerSwap) -> None:
+        opened_direct.append(swap.direct)
+        close(swap)
+
+    monkeypatch.setattr(OptimizerSwap, "close", close_noting_how)
     data = limited(full_fine_tune(steps=3), roots)
     events = {}
     for mode in ("direct", "buffered"):
         events[mode] = run(merged(data, offload={**data["offload"], "disk_io": mode}), roots, tmp_path / mode)
+    assert opened_direct == [True, False]
     assert [e["loss"] for e in steps_of(events["direct"])] == [e["loss"] for e in steps_of(events["buffered"])]
     assert_same_weights(final_weights(tmp_path / "direct"), final_weights(tmp_path / "buffered"))
     assert steps_of(events["direct"])[-1]["offload"]["optimizer_swap_read_bytes"] > 0
