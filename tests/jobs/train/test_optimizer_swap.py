@@ -239,6 +239,7 @@ def test_a_full_fine_tune_beyond_its_limit_even_with_the_state_swapped_is_refuse
         f" + the optimizer state's swap ring {human_bytes(estimate.optimizer_host_bytes)} (the state itself, "
         f"{human_bytes(estimate.optimizer_swap_bytes)}, already in swap files on disk)"
     )
+    assert not any("every frozen weight fits in RAM" in note for note in estimate.notes)
     fixes = message.split("Fixes, in order: ")[1]
     assert fixes.startswith(f"raise offload.host_memory_limit to at least {human_bytes(estimate.engine_host_bytes)};")
     assert fixes.index("lora: section") < fixes.index("model.quantize: nf4") < fixes.index("a smaller model")
