@@ -244,6 +244,9 @@ def machine_problems(spec: JobSpec, text: str) -> list[SpecProblem]:
                 engine_host_bytes=estimate.engine_host_bytes,
                 disk_bytes=estimate.disk_bytes,
                 fits=estimate.host_limit_fits,
+                trainable_host_bytes=estimate.trainable_host_bytes,
+                optimizer_host_bytes=estimate.optimizer_host_bytes,
+                optimizer_swap_bytes=estimate.optimizer_swap_bytes,
             )
         )
         found.append(

@@ -423,6 +423,7 @@ class OffloadTrainingManager:
         ``swap_read_ahead + 1`` slots of the largest parameter's state and written back after it, the next
         parameters' reads running ahead on a thread (optimizer_swap.py). Between updates the state is views of
         those files' maps; ``remove()`` deletes the files (``copy=True`` first reads the state back into memory).
+        The files are read and written as ``options.disk_io`` says (``O_DIRECT`` where the folder allows it).
         """
         if not self.enable_optimizer_cpu_offload:
             raise ValueError(
@@ -436,7 +437,9 @@ class OffloadTrainingManager:
             )
         if not isinstance(swap_read_ahead, int) or swap_read_ahead < 0:
             raise ValueError(f"swap_read_ahead must be an integer >= 0; got {swap_read_ahead!r}")
-        swap = OptimizerSwap(Path(swap_folder), slots=swap_read_ahead + 1) if swap_folder is not None else None
+        swap = None
+        if swap_folder is not None:  # disk_io as the disk tier's: O_DIRECT past the page cache where it can
+            swap = OptimizerSwap(Path(swap_folder), slots=swap_read_ahead + 1, disk_io=self.options.disk_io)
         trainable = {k: o for k, o in self._offloaders.items() if isinstance(o, TrainableParamOffloader)}
 
         def priority(offloader: TrainableParamOffloader) -> int | None:
@@ -462,6 +465,11 @@ class OffloadTrainingManager:
         # With the state on disk, its writes finish too: the state dict reads it through the files' maps.
         self._handles.append(self.model.register_state_dict_pre_hook(lambda *args: stepper.wait()))
         self._handles.append(optimizer.register_state_dict_pre_hook(lambda *args: stepper.wait_for_swap()))
+
+    @property
+    def optimizer_swap(self) -> OptimizerSwap | None:
+        """The optimizer state's swap files (``attach_optimizer(swap_folder=...)``), None where it is in memory."""
+        return self._stepper.swap if self._stepper is not None else None
 
     def host_gradient_params(self) -> list[torch.Tensor]:
         """The parameters whose gradients this engine sends to the host as backward makes them final

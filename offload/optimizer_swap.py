@@ -17,6 +17,13 @@ read at once (slower, never wrong). Reads and writes run on one sequencer thread
 so a slot written back is read into again only after its write, and a parameter's read comes after its last
 write: no slot needs a lock.
 
+The files are read and written as ``disk_io`` says (direct_io.py): with ``O_DIRECT`` past the page cache, whose
+copies of the state would count against the very host memory the swap spares. Ferry lays its files out for it:
+each state tensor starts at a multiple of 4096 bytes and its length is padded to one, and the ring's slots are
+4096-aligned, so every read and write is aligned as it stands (no bounce buffer). The folder's filesystem is
+probed once, when the swap is made: ``auto`` falls back to the page cache saying why (``fallback``), ``direct``
+refuses before any update.
+
 Between updates each state tensor is a view of its file's shared memory map, so ``optimizer.state_dict()`` (a
 checkpoint) reads the true values; the engine itself never reads through the map. A swap file another process
 truncates or replaces fails the job naming the file (`SwapFileDamaged`); a failed write (a full disk) too
@@ -41,7 +48,7 @@ from typing import Any
 
 import torch
 
-from offload.arena import aligned
+from offload.direct_io import align_up, aligned_empty, probe_folder
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +66,21 @@ class SwapWriteFailed(RuntimeError):
 class _SwapFile:
     """One parameter's swapped state: its file, the state keys it holds and where each lies in it."""
 
-    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], *, direct: bool) -> None:
         self.path = path
+        self.direct = direct
         self.keys = list(tensors)
         self.likes = {k: (t.shape, t.dtype) for k, t in tensors.items()}
         self.offsets: dict[str, int] = {}
         offset = 0
         for key, tensor in tensors.items():
             self.offsets[key] = offset
-            offset += aligned(tensor.numel() * tensor.element_size())
+            offset += align_up(tensor.numel() * tensor.element_size())  # O_DIRECT's unit: every key's I/O is aligned
         self.nbytes = offset
         if path.exists():
             path.unlink()  # an earlier attempt's file: a map of it (that attempt's state) stays valid
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        direct_flag = os.O_DIRECT if direct else 0  # OptimizerSwap probed the folder's filesystem for it
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | direct_flag, 0o600)
         os.ftruncate(self.fd, self.nbytes)
         self.inode = os.fstat(self.fd).st_ino
         self._map: torch.Tensor | None = None
@@ -128,23 +137,28 @@ class OptimizerSwap:
         slots: ring slots, each the size of the largest parameter's state: the parameters being updated (at
             most ``slots`` at once, ``batch_limit``) plus those read ahead.
         threads: parallel reads and writes within one parameter's state.
+        disk_io: ``auto`` (``O_DIRECT`` where the folder's filesystem allows, else through the page cache),
+            ``direct`` (``O_DIRECT`` or `DirectIOUnsupported`, here, before any update) or ``buffered``.
 
     Example:
         >>> swap = OptimizerSwap(tmp_path / "optimizer_swap", slots=3)
         >>> swap.swap_in(key, name, optimizer.state[param]); optimizer.step(); swap.swap_out(key, name, state)
     """
 
-    def __init__(self, folder: Path, *, slots: int = 3, threads: int = 4) -> None:
+    def __init__(self, folder: Path, *, slots: int = 3, threads: int = 4, disk_io: str = "auto") -> None:
         if slots < 1:
             raise ValueError(f"the optimizer swap ring needs at least one slot; got {slots}")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob("*.swap"):  # an earlier attempt's: the state now comes from its checkpoint
             stale.unlink()
+        # Why disk_io auto writes through the page cache (the job says so once), None where it need not.
+        self.fallback = probe_folder(self.folder, disk_io, fix=_KEEP_LOCAL)
+        self.direct = disk_io != "buffered" and self.fallback is None
         self.slots = slots
         self.files: dict[int, _SwapFile] = {}
         self._stride = 0  # the ring's slot size: the largest file when the ring was made
-        self._ring = torch.empty(0, dtype=torch.uint8)
+        self._ring = aligned_empty(0)
         self._free: deque[int] = deque()
         self._ahead: dict[int, _Read] = {}  # read ahead, not yet taken (insertion order: issue order)
         self._taken: dict[int, tuple[_Read | None, torch.Tensor]] = {}  # being updated: its read, its buffer
@@ -194,7 +208,7 @@ class OptimizerSwap:
         if read is not None:
             buffer = self._slot(read.slot)
         elif swap_file.nbytes > self._stride:
-            buffer = torch.empty(swap_file.nbytes, dtype=torch.uint8)
+            buffer = aligned_empty(swap_file.nbytes)
             read = _Read(key, -1, self._sequencer.submit(self._read, swap_file, buffer))
         else:
             self.demand_reads += 1
@@ -263,7 +277,7 @@ class OptimizerSwap:
         swap_file = self.files.get(key)
         if swap_file is None:
             return
-        buffer = torch.empty(swap_file.nbytes, dtype=torch.uint8)
+        buffer = aligned_empty(swap_file.nbytes)
         self._sequencer.submit(self._read, swap_file, buffer).result()
         state.update(swap_file.views(buffer))
 
@@ -289,14 +303,14 @@ class OptimizerSwap:
             old.close()
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:120] or "param"
         self._made += 1
-        swap_file = _SwapFile(self.folder / f"{self._made:05d}-{safe}.swap", tensors)
+        swap_file = _SwapFile(self.folder / f"{self._made:05d}-{safe}.swap", tensors, direct=self.direct)
         self.files[key] = swap_file
         return swap_file
 
     def _grow(self, stride: int) -> None:
         self._sequencer.submit(lambda: None).result()  # nothing reads or writes the old ring now
-        self._stride = aligned(stride)
-        self._ring = torch.empty(self.slots * self._stride, dtype=torch.uint8)
+        self._stride = align_up(stride)
+        self._ring = aligned_empty(self.slots * self._stride)  # O_DIRECT reads and writes land in it
         self._free = deque(range(self.slots))
 
     def _slot(self, index: int) -> torch.Tensor:
@@ -364,6 +378,12 @@ class OptimizerSwap:
         self.written_bytes += swap_file.nbytes
 
     def _write_tensors(self, swap_file: _SwapFile, tensors: dict[str, torch.Tensor]) -> None:
+        if swap_file.direct:  # O_DIRECT writes from aligned memory only: the tensors are laid out as in the file
+            buffer = aligned_empty(swap_file.nbytes)
+            for key, place in swap_file.views(buffer).items():
+                place.copy_(tensors[key])
+            self._write(swap_file, buffer)
+            return
         for key, tensor in tensors.items():
             flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
             view = memoryview(flat.numpy())  # type: ignore[arg-type]
@@ -416,6 +436,9 @@ class OptimizerSwap:
             f"OptimizerSwap({self.folder}, {len(self.files)} files, {self.swapped_bytes} bytes, "
             f"ring {self.slots} x {self._stride} bytes)"
         )
+
+
+_KEEP_LOCAL = "or keep the job's output folder (its optimizer_swap/ folder) on a local disk (ext4, xfs)"
 
 
 def _libc() -> Any:

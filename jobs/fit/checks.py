@@ -75,14 +75,28 @@ def host_memory_problem(
 
 
 def host_limit_problem(
-    *, host_memory_limit: int | None, engine_host_bytes: int, disk_bytes: int, fits: bool
+    *,
+    host_memory_limit: int | None,
+    engine_host_bytes: int,
+    disk_bytes: int,
+    fits: bool,
+    trainable_host_bytes: int = 0,
+    optimizer_host_bytes: int = 0,
+    optimizer_swap_bytes: int = 0,
 ) -> Problem | None:
     """``offload.host_memory_limit`` that neither RAM nor the disk tier can keep: the engine's pinned host memory
     (``engine_host_bytes``) exceeds it even with every frozen weight it can read from the checkpoint's files left
-    there (``disk_bytes``). The figures come from `estimate_memory` (``host_limit_fits`` is ``fits``)."""
+    there (``disk_bytes``). A full fine-tune (``trainable_host_bytes``: its pinned masters and gradients) is told
+    so with its own figures (`full_fine_tune_beyond_limit`). The figures come from `estimate_memory`
+    (``host_limit_fits`` is ``fits``)."""
     if fits or host_memory_limit is None:
         return None
     limit, needed = host_memory_limit, engine_host_bytes
+    if trainable_host_bytes:
+        message = full_fine_tune_beyond_limit(
+            limit, needed, trainable_host_bytes, optimizer_host_bytes, optimizer_swap_bytes, disk_bytes
+        )
+        return "offload.host_memory_limit", message
     if disk_bytes:
         why = (
             f"even with {human_bytes(disk_bytes)} of frozen weights read from the checkpoint's files (the "
@@ -103,4 +117,34 @@ def host_limit_problem(
         "offload.host_memory_limit",
         f"offload.host_memory_limit is {human_bytes(limit)} but the offload engine's pinned host memory needs an "
         f"estimated {human_bytes(needed)} {why}; {fix}",
+    )
+
+
+def full_fine_tune_beyond_limit(
+    limit: int, needed: int, trainable: int, optimizer_host: int, swapped: int, disk_bytes: int
+) -> str:
+    """A full fine-tune the limit cannot hold even with its optimizer state in swap files: the masters and their
+    gradients stay pinned (the engine streams them to the device each step and the CPU optimizer updates them in
+    place), so the limit must hold them; the fixes in the order they keep the job as it was."""
+    if swapped:
+        state = (
+            f"the optimizer state's swap ring {human_bytes(optimizer_host)} (the state itself, "
+            f"{human_bytes(swapped)}, already in swap files on disk)"
+        )
+    else:
+        state = (
+            f"the CPU optimizer state {human_bytes(optimizer_host)}, which stays in memory (training.max_grad_norm or "
+            "offload.delayed_update keeps it there: unset them to swap it to disk)"
+        )
+    rest = needed - trainable - optimizer_host
+    frozen = f", {human_bytes(disk_bytes)} of frozen weights already read from disk" if disk_bytes else ""
+    return (
+        f"offload.host_memory_limit is {human_bytes(limit)} but this full fine-tune needs an estimated "
+        f"{human_bytes(needed)} of host memory{' even with its optimizer state swapped to disk' if swapped else ''}: "
+        "the trainable weights' "
+        f"pinned host masters and their gradients {human_bytes(trainable)} + {state} + buffers, frozen weights and "
+        f"the staging ring {human_bytes(max(0, rest))}{frozen}; the masters and gradients cannot go to disk. Fixes, "
+        f"in order: raise offload.host_memory_limit to at least {human_bytes(needed)}; or train LoRA adapters (a "
+        "lora: section), whose frozen base the disk tier reads from the checkpoint's files; or, with LoRA, quantize "
+        "the frozen weights (model.quantize: nf4) to hold a quarter of their bytes; or train a smaller model"
     )

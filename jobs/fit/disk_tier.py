@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from jobs.fit.sizes import human_bytes
 from jobs.models.family import ModelFamily
 from jobs.models.registry import family_of
 from jobs.spec.job import JobSpec
@@ -69,6 +70,11 @@ def disk_read_bytes_per_step(plan: MemoryPlan) -> int:
 def disk_notes(plan: MemoryPlan, limit: int) -> list[str]:
     """The estimate's notes on the disk tier."""
     gib = 2**30
+    if not plan.disk_bytes and not plan.host_fits:  # the pinned rest (a full fine-tune's masters) is beyond it
+        return [
+            f"offload.host_memory_limit {human_bytes(limit)}: no frozen weight goes to disk, and the engine's pinned "
+            f"host memory ({human_bytes(plan.host_bytes)}) exceeds it"
+        ]
     if not plan.disk_bytes:
         return [f"offload.host_memory_limit {limit / gib:.2f} GiB: every frozen weight fits in RAM"]
     per_step = disk_read_bytes_per_step(plan)

@@ -26,6 +26,7 @@ from jobs.fit.host_memory import (
     hosted_state_tensors,
     own_host_bytes,
     rank_shard,
+    trainable_host_bytes,
 )
 from jobs.fit.optimizer_swap import decide_optimizer_swap
 from jobs.fit.sizes import human_bytes
@@ -63,6 +64,8 @@ class MemoryEstimate:
             ``host_limit_fits``: whether it is within the limit.
         optimizer_swap_bytes: a full fine-tune's CPU optimizer state kept in swap files because the limit has
             no room for it (jobs/fit/optimizer_swap.py); ``optimizer_host_bytes`` is then its swap ring.
+        trainable_host_bytes: a full fine-tune's pinned host masters and their gradients (under optimizer
+            offload, in ``engine_host_bytes``): the part of it that no disk tier moves.
     """
 
     peak_device_bytes: int
@@ -78,6 +81,7 @@ class MemoryEstimate:
     engine_host_bytes: int = 0
     host_limit_fits: bool = True
     optimizer_swap_bytes: int = 0
+    trainable_host_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -168,6 +172,7 @@ def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:
         engine_host_bytes=(engine := grow(small.engine_host_bytes, large.engine_host_bytes)),
         host_limit_fits=large.host_memory_limit is None or engine <= large.host_memory_limit,
         optimizer_swap_bytes=grow(small.optimizer_swap_bytes, large.optimizer_swap_bytes),
+        trainable_host_bytes=grow(small.trainable_host_bytes, large.trainable_host_bytes),
     )
 
 
@@ -308,7 +313,8 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         disk_read_bytes_per_step=disk_read_bytes_per_step(plan) if plan is not None else 0,
         engine_host_bytes=engine_host,
         host_limit_fits=host_fits,
-        optimizer_swap_bytes=swap.state_bytes if swap is not None and swap.swap else 0,
+        optimizer_swap_bytes=swap.swap_bytes if swap is not None and swap.swap else 0,
+        trainable_host_bytes=trainable_host_bytes(model, spec, plan) if plan is not None and spec.lora is None else 0,
     )
 
 

@@ -59,14 +59,22 @@ def hosted_state_tensors(model: nn.Module, spec: JobSpec, plan: MemoryPlan) -> l
     ]
 
 
-def own_host_bytes(model: nn.Module, spec: JobSpec, plan: MemoryPlan, lora: int) -> int:
-    """The host copies a rank holds for itself: trainable masters with their gradient buffers (a part of each
-    when the ranks split the optimizer) and buffers. The frozen weights' copy is the machine's, shared."""
+def trainable_host_bytes(model: nn.Module, spec: JobSpec, plan: MemoryPlan) -> int:
+    """One rank's pinned host masters of the trainable weights it hosts with their gradient buffers (a part of
+    each when the ranks split the optimizer): what a full fine-tune under optimizer offload cannot put on disk."""
     shard = rank_shard(spec)
-    own = sum(aligned(b.numel() * b.element_size()) for b in model.buffers())
+    own = 0
     for param in hosted_trainables(model, spec, plan):
         part = shard.part(param.numel()).numel if shard else param.numel()
         own += aligned(param.numel() * param.element_size()) + aligned(max(1, part) * param.element_size())
+    return own
+
+
+def own_host_bytes(model: nn.Module, spec: JobSpec, plan: MemoryPlan, lora: int) -> int:
+    """The host copies a rank holds for itself: trainable masters with their gradient buffers (a part of each
+    when the ranks split the optimizer) and buffers. The frozen weights' copy is the machine's, shared."""
+    own = sum(aligned(b.numel() * b.element_size()) for b in model.buffers())
+    own += trainable_host_bytes(model, spec, plan)
     if spec.lora is not None and spec.offload.enable_optimizer_cpu_offload:
         own += 2 * lora  # the adapters and their gradients
     return own

@@ -18,7 +18,7 @@ from jobs.fit.host_memory import OPTIMIZER_STATES
 from jobs.fit.sizes import human_bytes
 from jobs.spec.job import JobSpec
 from offload import MemoryPlan
-from offload.arena import aligned
+from offload.direct_io import align_up
 
 SWAP_FOLDER = "optimizer_swap"  # in the job's output folder
 
@@ -29,7 +29,8 @@ class SwapDecision:
 
     Attributes:
         swap: the state lives in swap files.
-        state_bytes: the optimizer's state (in memory without the swap, on disk with it).
+        state_bytes: the optimizer's state in memory (without the swap).
+        swap_bytes: its swap files (with the swap): each state tensor's bytes padded to O_DIRECT's 4096.
         ring_bytes: the swap ring the state is read into (host memory with the swap).
         message: what the job's log events and the estimate's notes say.
         blocked: the state does not fit but another setting keeps it in memory (the message names it).
@@ -37,6 +38,7 @@ class SwapDecision:
 
     swap: bool
     state_bytes: int
+    swap_bytes: int
     ring_bytes: int
     message: str
     blocked: bool = False
@@ -68,29 +70,31 @@ def decide_optimizer_swap(spec: JobSpec, plan: MemoryPlan, hosted: list[torch.Te
     limit = plan.host_memory_limit
     assert limit is not None  # swap_applies: a host limit
     states = OPTIMIZER_STATES[spec.training.optimizer]
-    sizes = [states * t.numel() * _master_element_bytes(t, spec) for t in hosted]
-    state, ring = sum(sizes), (spec.offload.disk_read_ahead + 1) * aligned(max(sizes, default=0))
+    sizes = [t.numel() * _master_element_bytes(t, spec) for t in hosted]
+    state = states * sum(sizes)
+    files = [states * align_up(size) for size in sizes]  # the swap files' layout (offload/optimizer_swap.py)
+    on_disk, ring = sum(files), (spec.offload.disk_read_ahead + 1) * max(files, default=0)
     if plan.host_bytes + state <= limit:
         message = (
             f"offload.host_memory_limit {human_bytes(limit)}: the CPU optimizer's state ({human_bytes(state)}) fits in "
             f"memory beside the engine's pinned {human_bytes(plan.host_bytes)}"
         )
-        return SwapDecision(False, state, 0, message)
+        return SwapDecision(False, state, on_disk, 0, message)
     blocked = _why_not(spec)
     if blocked:
         message = (
             f"offload.host_memory_limit {human_bytes(limit)}: the CPU optimizer's state ({human_bytes(state)}) does "
             f"not fit beside the engine's pinned {human_bytes(plan.host_bytes)}, and stays in memory: {blocked}"
         )
-        return SwapDecision(False, state, 0, message, blocked=True)
+        return SwapDecision(False, state, on_disk, 0, message, blocked=True)
     message = (
         f"offload.host_memory_limit {human_bytes(limit)}: the CPU optimizer's state ({human_bytes(state)}) does not "
         f"fit beside the engine's pinned {human_bytes(plan.host_bytes)}, so it lives in swap files in the job's "
         f"{SWAP_FOLDER}/ folder, read before each weight's update through a {human_bytes(ring)} ring "
         f"({spec.offload.disk_read_ahead + 1} slots of the largest weight's state) and written back after it: "
-        f"{human_bytes(2 * state)} of disk reads and writes a step"
+        f"{human_bytes(2 * on_disk)} of disk reads and writes a step"
     )
-    return SwapDecision(True, state, ring, message)
+    return SwapDecision(True, state, on_disk, ring, message)
 
 
 def _why_not(spec: JobSpec) -> str:

@@ -257,9 +257,10 @@ class OffloadSpec(Section):
     disk_read_ahead: int = Field(2, ge=0, le=64, description="units the disk tier reads ahead of the one copied")
     disk_io: Literal["auto", "direct", "buffered"] = Field(
         "auto",
-        description="how the disk tier reads the checkpoint: direct = O_DIRECT, past the page cache (whose copies "
-        "count against host memory and push out other jobs' pages), failing the job at start where the "
-        "filesystem refuses it; buffered = through the page cache; auto = direct where the filesystem allows",
+        description="how the disk tier reads the checkpoint and the optimizer state's swap files are read and "
+        "written: direct = O_DIRECT, past the page cache (whose copies count against host memory and push out other "
+        "jobs' pages), failing the job at start where the filesystem refuses it; buffered = through the page cache; "
+        "auto = direct where the filesystem allows",
     )
     delayed_update: bool = Field(
         False, description="step t's CPU optimizer update runs during step t+1 (gradients one step stale)"

@@ -163,6 +163,11 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     start_step, extra = _resume(checkpoint, raw_optimizer, scheduler, shards, mmap=swapped)
     if manager is not None:
         _setup_optimizer_offload(spec, manager, raw_optimizer, output_dir / SWAP_FOLDER if swapped else None)
+        if manager.optimizer_swap is not None and manager.optimizer_swap.fallback:
+            why = manager.optimizer_swap.fallback
+            notices.append(
+                ("info", f"offload.disk_io auto: {why}; the optimizer's swap files go through the page cache")
+            )
     return TrainingSession(
         accelerator=accelerator,
         device=device,

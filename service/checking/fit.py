@@ -54,6 +54,8 @@ def estimate_fit(spec: JobSpec, slots: list[Slot], gpus: list[GpuInfo]) -> FitEs
         disk_bytes=estimate.disk_bytes,
         disk_read_bytes_per_step=estimate.disk_read_bytes_per_step,
         host_limit_fits=estimate.host_limit_fits,
+        trainable_host_bytes=estimate.trainable_host_bytes,
+        optimizer_swap_bytes=estimate.optimizer_swap_bytes,
     )
 
 
@@ -114,6 +116,9 @@ def refuse_if_beyond_the_host(spec: JobSpec, fit: FitEstimate, text: str | Parse
         engine_host_bytes=fit.engine_host_bytes,
         disk_bytes=fit.disk_bytes,
         fits=fit.host_limit_fits,
+        trainable_host_bytes=fit.trainable_host_bytes,
+        optimizer_host_bytes=fit.optimizer_host_bytes,
+        optimizer_swap_bytes=fit.optimizer_swap_bytes,
     )
     if limited is not None:
         path, message = limited

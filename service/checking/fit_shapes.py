@@ -30,3 +30,6 @@ class FitEstimate(BaseModel):
     disk_bytes: int = 0
     disk_read_bytes_per_step: int = 0
     host_limit_fits: bool = True
+    # A full fine-tune's pinned masters and gradients (no disk tier moves them) and its optimizer state in swap files.
+    trainable_host_bytes: int = 0
+    optimizer_swap_bytes: int = 0

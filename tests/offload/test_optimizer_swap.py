@@ -13,11 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offload import OffloadTrainingManager
+from offload import OffloadOptions, OffloadTrainingManager
+from offload.direct_io import ALIGNMENT, DirectIOUnsupported
 from offload.optimizer_swap import OptimizerSwap, SwapFileDamaged, SwapWriteFailed
 from tests.offload.models import WIDTH, make_stack
+from tests.offload.test_direct_io import direct_reads_work, refuse_o_direct
 
 STEPS = 5
+SWAPS: list[OptimizerSwap] = []  # the engines' swaps, in the order train() made them
 
 
 def batches() -> list[torch.Tensor]:
@@ -25,12 +28,17 @@ def batches() -> list[torch.Tensor]:
     return [torch.randn(8, WIDTH, generator=generator) for _ in range(STEPS)]
 
 
-def train(model: torch.nn.Module, swap: Path | None, steps: int = STEPS, read_ahead: int = 2) -> tuple:
+def train(
+    model: torch.nn.Module, swap: Path | None, steps: int = STEPS, read_ahead: int = 2, disk_io: str = "auto"
+) -> tuple:
     """Optimizer offload over ``steps`` steps; returns the losses, the weights, the optimizer state dict and the
     engine's last statistics."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True)
+    options = OffloadOptions(disk_io=disk_io)
+    manager = OffloadTrainingManager(model, "cpu", enable_optimizer_cpu_offload=True, options=options)
     manager.attach_optimizer(optimizer, swap_folder=swap, swap_read_ahead=read_ahead)
+    if manager.optimizer_swap is not None:
+        SWAPS.append(manager.optimizer_swap)
     losses = []
     for x in batches()[:steps]:
         loss = F.mse_loss(model(x), x + 1)
@@ -173,3 +181,70 @@ def test_the_ring_reads_ahead_in_the_learned_order(tmp_path: Path) -> None:
     assert swap.unused_reads == 2  # the next round's first two, read ahead, dropped by the flush
     assert all(torch.equal(s["m"], torch.full((1000,), float(k) + 3)) for k, s in states.items())
     swap.close()
+
+
+def o_direct_is_set(fd: int) -> bool:
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def test_direct_and_buffered_swap_files_train_bitwise_the_same_laid_out_for_o_direct(tmp_path: Path) -> None:
+    if not direct_reads_work(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    model = make_stack("full", None)
+    SWAPS.clear()
+    direct = train(copy.deepcopy(model), tmp_path / "direct", disk_io="direct")
+    buffered = train(model, tmp_path / "buffered", disk_io="buffered")
+
+    assert [s.direct for s in SWAPS] == [True, False] and SWAPS[0].fallback is None
+    files = SWAPS[0].files.values()
+    assert files
+    for swap_file in files:  # every state tensor's bytes start and end on O_DIRECT's unit
+        assert swap_file.nbytes % ALIGNMENT == 0 and all(o % ALIGNMENT == 0 for o in swap_file.offsets.values())
+    assert SWAPS[0].read_bytes > 0 and SWAPS[0].written_bytes == SWAPS[1].written_bytes
+    assert direct[0] == buffered[0]  # losses, bitwise
+    for name, value in buffered[1].items():
+        assert torch.equal(direct[1][name], value), name
+    assert_same_state(direct[2], buffered[2])
+
+
+def test_swap_files_are_opened_with_o_direct_where_disk_io_asks(tmp_path: Path) -> None:
+    if not direct_reads_work(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    for mode, expected in (("direct", True), ("auto", True), ("buffered", False)):
+        swap = OptimizerSwap(tmp_path / mode, slots=2, disk_io=mode)
+        state = {"step": torch.tensor(1.0), "m": torch.arange(1000.0)}
+        swap.swap_out(0, "p", state)  # a state made in memory: written at once through its own file
+        swap.swap_in(0, state)
+        assert torch.equal(state["m"], torch.arange(1000.0))
+        assert o_direct_is_set(swap.files[0].fd) == expected and not list((tmp_path / mode).glob(".o_direct*"))
+        swap.swap_out(0, "p", state)
+        swap.flush()
+        swap.close()
+
+
+def test_auto_swaps_through_the_page_cache_where_o_direct_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_stack("full", None)
+    ram = train(copy.deepcopy(model), None)
+    refuse_o_direct(monkeypatch)
+    SWAPS.clear()
+    swapped = train(model, tmp_path / "swap", disk_io="auto")
+    assert not SWAPS[0].direct and "refuses O_DIRECT" in str(SWAPS[0].fallback)
+    assert swapped[0] == ram[0] and swapped[3].optimizer_swap_read_bytes > 0
+
+
+def test_direct_swap_where_o_direct_is_refused_fails_at_attach_naming_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_o_direct(monkeypatch)
+    model = make_stack("full", None)
+    manager = OffloadTrainingManager(
+        model, "cpu", enable_optimizer_cpu_offload=True, options=OffloadOptions(disk_io="direct")
+    )
+    with pytest.raises(DirectIOUnsupported, match=r"offload.disk_io is 'direct'.*set offload.disk_io to 'auto'") as no:
+        manager.attach_optimizer(torch.optim.AdamW(model.parameters()), swap_folder=tmp_path / "swap")
+    assert "optimizer_swap/ folder) on a local disk" in str(no.value)
+    assert not list((tmp_path / "swap").iterdir())  # the probe leaves nothing behind

@@ -161,3 +161,97 @@ def test_peak_rss_stays_under_the_host_limit_with_the_optimizer_state_on_disk(tm
     assert in_ram["growth"] - swapped["growth"] >= 0.8 * (state - 32 * MIB), (swapped, in_ram)
     print(f"RSS growth: all in RAM {in_ram['growth'] / MIB:.0f} MiB, optimizer state on disk "
           f"{swapped['growth'] / MIB:.0f} MiB (limit {limit / MIB:.0f} MiB, state {state / MIB:.0f} MiB)")  # fmt: skip
+
+
+def test_swap_files_on_a_filesystem_refusing_o_direct_go_through_the_page_cache_under_auto_and_fail_under_direct(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.offload.test_direct_io import refuse_o_direct
+
+    data = limited(full_fine_tune(steps=3), roots)  # step 2's reads have finished when step 3 reports
+    refuse_o_direct(monkeypatch)
+    events = run(data, roots, tmp_path / "auto")
+    said = [e["message"] for e in events if e["type"] == "log" and "offload.disk_io" in e["message"]]
+    assert len(said) == 1 and "refuses O_DIRECT" in said[0] and "swap files go through the page cache" in said[0]
+    assert steps_of(events)[-1]["offload"]["optimizer_swap_read_bytes"] > 0
+
+    direct = merged(data, offload={**data["offload"], "disk_io": "direct"})
+    failed: list[dict[str, Any]] = []
+    with pytest.raises(Exception, match="offload.disk_io is 'direct'"):
+        run_job(
+            spec_from(direct, roots), output_dir=tmp_path / "direct", report=lambda e: failed.append(event_to_wire(e))
+        )
+    assert not steps_of(failed) and failed[-1]["type"] == "failed"
+    assert "set offload.disk_io to 'auto'" in failed[-1]["message"] and "optimizer_swap" in failed[-1]["message"]
+
+
+def test_direct_and_buffered_swap_files_train_the_same_job_bitwise(
+    tmp_path: Path, roots: PathRoots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from offload.optimizer_swap import OptimizerSwap
+    from tests.offload.test_direct_io import direct_reads_work
+
+    if not direct_reads_work(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    opened_direct: list[bool] = []
+    close = OptimizerSwap.close
+
+    def close_noting_how(swap: OptimizerSwap) -> None:
+        opened_direct.append(swap.direct)
+        close(swap)
+
+    monkeypatch.setattr(OptimizerSwap, "close", close_noting_how)
+    data = limited(full_fine_tune(steps=3), roots)
+    events = {}
+    for mode in ("direct", "buffered"):
+        events[mode] = run(merged(data, offload={**data["offload"], "disk_io": mode}), roots, tmp_path / mode)
+    assert opened_direct == [True, False]
+    assert [e["loss"] for e in steps_of(events["direct"])] == [e["loss"] for e in steps_of(events["buffered"])]
+    assert_same_weights(final_weights(tmp_path / "direct"), final_weights(tmp_path / "buffered"))
+    assert steps_of(events["direct"])[-1]["offload"]["optimizer_swap_read_bytes"] > 0
+    assert not any("disk_io" in e.get("message", "") for e in events["direct"])  # no fallback said
+
+
+def test_a_full_fine_tune_beyond_its_limit_even_with_the_state_swapped_is_refused_at_submit_with_its_figures(
+    tmp_path: Path, roots: PathRoots
+) -> None:
+    import yaml
+
+    from jobs.cli import machine_problems
+    from jobs.fit.sizes import human_bytes
+    from service.checking.check import check_spec
+    from service.checking.messages import CheckRequest
+
+    data = full_fine_tune()
+    masters = estimate_memory(spec_from(data, roots)).pinned_host_bytes  # masters, gradients, buffers
+    tight = merged(data, offload={**data["offload"], "host_memory_limit": masters // 2})
+    spec = spec_from(tight, roots)
+    estimate = estimate_memory(spec)
+    assert not estimate.host_limit_fits and estimate.optimizer_swap_bytes > 0  # the state is swapped, still short
+    assert 0 < estimate.trainable_host_bytes <= masters
+
+    [(path, message)] = [(p.path, p.message) for p in machine_problems(spec, yaml.safe_dump(tight))]
+    assert path == "offload.host_memory_limit"
+    assert message.startswith(
+        f"offload.host_memory_limit is {human_bytes(masters // 2)} but this full fine-tune needs an estimated "
+        f"{human_bytes(estimate.engine_host_bytes)} of host memory even with its optimizer state swapped to disk: "
+        f"the trainable weights' pinned host masters and their gradients {human_bytes(estimate.trainable_host_bytes)}"
+        f" + the optimizer state's swap ring {human_bytes(estimate.optimizer_host_bytes)} (the state itself, "
+        f"{human_bytes(estimate.optimizer_swap_bytes)}, already in swap files on disk)"
+    )
+    assert not any("every frozen weight fits in RAM" in note for note in estimate.notes)
+    fixes = message.split("Fixes, in order: ")[1]
+    assert fixes.startswith(f"raise offload.host_memory_limit to at least {human_bytes(estimate.engine_host_bytes)};")
+    assert fixes.index("lora: section") < fixes.index("model.quantize: nf4") < fixes.index("a smaller model")
+
+    refusal = check_spec(  # the service's submit check: a 422 with the same message
+        CheckRequest(
+            text=yaml.safe_dump(tight),
+            model_roots=tuple(str(r) for r in roots.model_roots),
+            data_roots=tuple(str(r) for r in roots.data_roots),
+            max_yaml_depth=32,
+            max_yaml_nodes=20_000,
+        )
+    ).refusal
+    assert refusal is not None and (refusal.status_code, refusal.code) == (422, "does_not_fit")
+    assert message in refusal.message and refusal.problems[0]["path"] == "offload.host_memory_limit"
