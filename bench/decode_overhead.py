@@ -1,0 +1,105 @@
+"""Host time per decode step of GRPO's generation, on the CPU: a deep Llama made so narrow that compute is
+negligible, decoded by Ferry's loop (jobs/objectives/generation.py) on the plain model and through the offload
+engine with every unit kept on the device, beside transformers' own ``model.generate``.
+
+    python bench/decode_overhead.py                       # 32 layers, 32 wide, 16 rows, 64 new tokens
+    python bench/decode_overhead.py --profile             # and cProfile's top entries of the engine row
+
+Same layer count and batch as the 8B GRPO bench (bench/grpo_bench.py), one CPU thread. What a row costs here
+is Python and dispatch per decode step, which a GPU step pays as well, before its kernels: on a launch-bound
+decode that is the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs.objectives.generation import generate  # noqa: E402
+from offload import OffloadOptions, OffloadTrainingManager  # noqa: E402
+
+
+def narrow_llama(layers: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def ms_per_step(run: Callable[[], int], repeats: int) -> float:
+    """Median over ``repeats`` of a whole decode loop's seconds over its forwards, in ms."""
+    run()  # warm-up (and, with the engine, nothing left to record)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        forwards = run()
+        times.append((time.perf_counter() - started) / forwards)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    prompts = [[1 + (i * 7 + j) % 250 for j in range(12 + i % 4)] for i in range(args.rows)]
+    new = args.new_tokens
+    cpu = torch.device("cpu")
+
+    def ferry(model: nn.Module) -> Callable[[], int]:
+        def run() -> int:
+            generator = torch.Generator().manual_seed(0)
+            return generate(model, prompts, max_new_tokens=new, temperature=1.0, device=cpu, generator=generator).forwards
+
+        return run
+
+    plain = narrow_llama(args.layers)
+    hf_ids = torch.tensor([[0] * (16 - len(p)) + p for p in prompts])
+    hf_mask = (torch.arange(16) >= torch.tensor([16 - len(p) for p in prompts]).unsqueeze(1)).long()
+
+    def hf_generate() -> int:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            plain.generate(input_ids=hf_ids, attention_mask=hf_mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=True, top_k=0, pad_token_id=0)  # fmt: skip
+        return new
+
+    kept = narrow_llama(args.layers)
+    manager = OffloadTrainingManager(kept, "cpu", options=OffloadOptions(granularity="block", gpu_memory_budget=1 << 40))
+    with torch.no_grad():
+        kept(input_ids=torch.tensor([prompts[0]]))
+    manager.after_forward()  # fixes the order and keeps every unit
+    assert not any(unit.streams for unit in manager.units)
+    rows = [
+        ("transformers generate, plain model", ms_per_step(hf_generate, args.repeats)),
+        ("Ferry decode loop, plain model", ms_per_step(ferry(plain), args.repeats)),
+        ("Ferry decode loop, engine, every unit kept", ms_per_step(ferry(kept), args.repeats)),
+    ]
+    print(f"{args.layers} layers, 32 wide, {args.rows} rows, {new} new tokens, CPU, 1 thread, torch {torch.__version__}\n")
+    print("| path | host ms per decode step |\n|---|---|")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.2f} |")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.runcall(ferry(kept))
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
