@@ -2,7 +2,7 @@
 negligible, decoded by Ferry's loop (jobs/objectives/generation.py) on the plain model and through the offload
 engine with every unit kept on the device, beside transformers' own ``model.generate``.
 
-    python bench/decode_overhead.py                       # 32 layers, 32 wide, 16 rows, 64 new tokens
+    python bench/decode_overhead.py                       # 32 layers, 32 wide, LoRA r16, 16 rows, 64 new tokens
     python bench/decode_overhead.py --profile             # and cProfile's top entries of the engine row
 
 Same layer count and batch as the 8B GRPO bench (bench/grpo_bench.py), one CPU thread. What a row costs here
@@ -29,13 +29,20 @@ from jobs.objectives.generation import generate  # noqa: E402
 from offload import OffloadOptions, OffloadTrainingManager  # noqa: E402
 
 
-def narrow_llama(layers: int) -> nn.Module:
+def narrow_llama(layers: int, lora_rank: int) -> nn.Module:
+    """Llama's modules, 32 wide, with peft's LoRA on every linear of every layer (``lora_rank`` 0: none)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    model: nn.Module = LlamaForCausalLM(config)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets))
+    return model.eval()
 
 
 def ms_per_step(run: Callable[[], int], repeats: int) -> float:
@@ -54,6 +61,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--lora-rank", type=int, default=16, help="0: no adapters")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
@@ -69,7 +77,7 @@ def main() -> None:
 
         return run
 
-    plain = narrow_llama(args.layers)
+    plain = narrow_llama(args.layers, args.lora_rank)
     hf_ids = torch.tensor([[0] * (16 - len(p)) + p for p in prompts])
     hf_mask = (torch.arange(16) >= torch.tensor([16 - len(p) for p in prompts]).unsqueeze(1)).long()
 
@@ -80,7 +88,7 @@ def main() -> None:
                            do_sample=True, top_k=0, pad_token_id=0)  # fmt: skip
         return new
 
-    kept = narrow_llama(args.layers)
+    kept = narrow_llama(args.layers, args.lora_rank)
     manager = OffloadTrainingManager(kept, "cpu", options=OffloadOptions(granularity="block", gpu_memory_budget=1 << 40))
     with torch.no_grad():
         kept(input_ids=torch.tensor([prompts[0]]))
@@ -91,7 +99,9 @@ def main() -> None:
         ("Ferry decode loop, plain model", ms_per_step(ferry(plain), args.repeats)),
         ("Ferry decode loop, engine, every unit kept", ms_per_step(ferry(kept), args.repeats)),
     ]
-    print(f"{args.layers} layers, 32 wide, {args.rows} rows, {new} new tokens, CPU, 1 thread, torch {torch.__version__}\n")
+    lora = f"LoRA r{args.lora_rank} on every linear" if args.lora_rank else "no LoRA"
+    print(f"{args.layers} layers, 32 wide, {lora}, {args.rows} rows, {new} new tokens, CPU, 1 thread, "
+          f"torch {torch.__version__}\n")  # fmt: skip
     print("| path | host ms per decode step |\n|---|---|")
     for name, ms in rows:
         print(f"| {name} | {ms:.2f} |")
