@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jobs.objectives.generation import generate  # noqa: E402
-from offload import OffloadOptions, OffloadTrainingManager  # noqa: E402
+from jobs.objectives.generation import generate
+from offload import OffloadOptions, OffloadTrainingManager
 
 
 def narrow_llama(layers: int, lora_rank: int) -> nn.Module:
@@ -73,7 +73,9 @@ def main() -> None:
     def ferry(model: nn.Module) -> Callable[[], int]:
         def run() -> int:
             generator = torch.Generator().manual_seed(0)
-            return generate(model, prompts, max_new_tokens=new, temperature=1.0, device=cpu, generator=generator).forwards
+            return generate(
+                model, prompts, max_new_tokens=new, temperature=1.0, device=cpu, generator=generator
+            ).forwards
 
         return run
 
@@ -89,7 +91,9 @@ def main() -> None:
         return new
 
     kept = narrow_llama(args.layers, args.lora_rank)
-    manager = OffloadTrainingManager(kept, "cpu", options=OffloadOptions(granularity="block", gpu_memory_budget=1 << 40))
+    manager = OffloadTrainingManager(
+        kept, "cpu", options=OffloadOptions(granularity="block", gpu_memory_budget=1 << 40)
+    )
     with torch.no_grad():
         kept(input_ids=torch.tensor([prompts[0]]))
     manager.after_forward()  # fixes the order and keeps every unit

@@ -195,7 +195,7 @@ def count_host_syncs_in_generation(monkeypatch: pytest.MonkeyPatch) -> Counter[s
 def test_the_decode_loop_waits_for_the_device_every_few_steps_not_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     from jobs.objectives import generation
 
-    STOP_CHECK_EVERY = getattr(generation, "STOP_CHECK_EVERY", 8)  # noqa: N806
+    STOP_CHECK_EVERY = getattr(generation, "STOP_CHECK_EVERY", 8)
     model = tiny_llama(64)
     syncs = count_host_syncs_in_generation(monkeypatch)
     steps = 4 * STOP_CHECK_EVERY

@@ -1,0 +1,96 @@
+"""GRPO's decode loop under model offload with a memory limit: the units the training budget streams stay on the
+device for the whole loop when they fit beside the KV cache (copied once, not once per decode step), and stream
+per step when they do not; the completions are the same either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jobs.objectives.grpo import GRPOLoss
+from offload import OffloadOptions, OffloadTrainingManager
+from tests.jobs.llm_helpers import tiny_llama
+from tests.jobs.objectives.test_generation import grpo
+
+CPU = torch.device("cpu")
+PROMPTS = [[1, 2, 3, 4], [7, 8], [3, 3, 3]]  # x 4 completions: 12 rows
+NEW = 6
+
+
+def limited(**options: Any) -> tuple[torch.nn.Module, OffloadTrainingManager]:
+    model = tiny_llama(64).requires_grad_(False)  # frozen, as a LoRA job's base: every weight streams
+    options = {"granularity": "block", "gpu_memory_limit": "2GiB", **options}
+    return model, OffloadTrainingManager(model, "cpu", options=OffloadOptions(**options))
+
+
+def sample(model: torch.nn.Module, loss: GRPOLoss) -> list[str]:
+    rows = [{"prompt": "p", "answer": "a"}] * len(PROMPTS)
+    generator = torch.Generator().manual_seed(7)
+    return loss.rollout(model, PROMPTS, rows, stops=frozenset(), pad_id=0, device=CPU, generator=generator).completions
+
+
+def grpo_loss(hold: Any = None) -> GRPOLoss:
+    return GRPOLoss(grpo(max_new_tokens=NEW), lambda c, r: [0.0] * len(c), lambda ids: " ".join(map(str, ids)),
+                    hold_weights=hold)  # fmt: skip
+
+
+def copied(manager: OffloadTrainingManager) -> int:
+    stats = manager.stats()
+    return stats.h2d_bytes + stats.reused_bytes  # a ring slot that still held the weights counts as reused
+
+
+def test_units_that_fit_the_limit_are_copied_once_for_the_whole_decode_loop() -> None:
+    streamed_model, streamed_manager = limited()
+    streamed_bytes = sum(unit.streamed_bytes for unit in streamed_manager.units)
+    before = copied(streamed_manager)
+    streamed = sample(streamed_model, grpo_loss())
+    assert copied(streamed_manager) - before == NEW * streamed_bytes  # the old way: every unit, every decode step
+
+    model, manager = limited()
+    loss = grpo_loss(manager.hold_for_inference)
+    before = copied(manager)
+    held = sample(model, loss)
+    assert copied(manager) - before == streamed_bytes  # one load of the streamed units for all NEW decode steps
+    assert held == streamed  # the same seed samples the same completions
+    assert loss.take_metrics()["generation_units_kept"] == len(manager.units)
+    # afterwards every unit streams again, through its ring slot, and nothing stays on the device
+    assert all(unit.streams and not unit.resident for unit in manager.units)
+    assert manager.stats().device_bytes == streamed_manager.stats().device_bytes
+
+
+def test_units_that_do_not_fit_beside_the_decode_loops_memory_still_stream_every_step() -> None:
+    model, manager = limited()
+    streamed_bytes = sum(unit.streamed_bytes for unit in manager.units)
+    no_room = 2 << 30  # the loop's own memory takes the whole limit
+    loss = grpo_loss(lambda working: manager.hold_for_inference(working + no_room))
+    before = copied(manager)
+    held = sample(model, loss)
+    assert copied(manager) - before == NEW * streamed_bytes
+    assert loss.take_metrics()["generation_units_kept"] == 0
+    reference_model, _ = limited()
+    assert held == sample(reference_model, grpo_loss())
+
+
+def test_the_hold_keeps_to_the_room_and_holds_some_units_when_not_all_fit() -> None:
+    model, manager = limited()
+    with manager.hold_for_inference(0) as everything:
+        pass
+    room = everything.room
+    assert room is not None and everything.units == len(manager.units)
+    with manager.hold_for_inference(room - (everything.nbytes - 1)) as some:  # room for all but a byte
+        assert 0 < some.units < len(manager.units) and some.nbytes < everything.nbytes
+        assert "stream per decode step" in some.describe()
+        assert all(not unit.streams for unit in manager.units if unit.resident)
+
+
+def test_units_the_budget_keeps_are_left_as_they_are() -> None:
+    model, manager = limited(gpu_memory_budget=1 << 30)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    manager.after_forward()  # the budget keeps every unit
+    before = copied(manager)
+    with manager.hold_for_inference(0) as hold:
+        sample(model, grpo_loss())
+    assert hold.streamed == 0 and hold.units == 0 and copied(manager) == before
+    assert all(unit.resident and not unit.streams for unit in manager.units)
