@@ -73,7 +73,7 @@ def test_units_that_do_not_fit_beside_the_decode_loops_memory_still_stream_every
 
 
 def test_the_hold_keeps_to_the_room_and_holds_some_units_when_not_all_fit() -> None:
-    model, manager = limited()
+    _model, manager = limited()
     with manager.hold_for_inference(0) as everything:
         pass
     room = everything.room
@@ -94,3 +94,41 @@ def test_units_the_budget_keeps_are_left_as_they_are() -> None:
         sample(model, grpo_loss())
     assert hold.streamed == 0 and hold.units == 0 and copied(manager) == before
     assert all(unit.resident and not unit.streams for unit in manager.units)
+
+
+def lora_grpo_steps(hold: bool, steps: int = 3) -> tuple[list[float], list[list[str]], dict[str, torch.Tensor]]:
+    """LoRA GRPO steps through the runner's train_step under a limit, the decode loop holding the weights or not:
+    the losses, the completions and the adapters after."""
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+
+    from jobs.train.runner import train_step
+
+    model = get_peft_model(
+        tiny_llama(64), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block", gpu_memory_limit="2GiB"))
+    rewards = lambda completions, rows: [float(len(c) % 3) for c in completions]  # noqa: E731 (varied: advantages)
+    loss_fn = GRPOLoss(grpo(max_new_tokens=NEW), rewards, lambda ids: " ".join(map(str, ids)),
+                       hold_weights=manager.hold_for_inference if hold else None)  # fmt: skip
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    generator = torch.Generator().manual_seed(3)
+    rows = [{"prompt": "p", "answer": "a"}] * len(PROMPTS)
+    losses, completions = [], []
+    for _ in range(steps):
+        rollout = loss_fn.rollout(model, PROMPTS, rows, stops=frozenset({5}), pad_id=0, device=CPU, generator=generator)
+        loss = train_step(model, loss_fn, [rollout.batch], optimizer=optimizer, scheduler=scheduler,
+                          accelerator=Accelerator(cpu=True), manager=manager, max_grad_norm=None, device=CPU)  # fmt: skip
+        losses.append(float(loss))
+        completions.append(rollout.completions)
+    kept = loss_fn.take_metrics().get("generation_units_kept")
+    assert kept == (steps * 6 if hold else None)  # all 6 streamed units (embedding, 2 layers, norm, rotary, head)
+    adapters = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+    return losses, completions, adapters
+
+
+def test_lora_grpo_steps_are_the_same_whether_generation_holds_the_weights_or_streams_them() -> None:
+    held, streamed = lora_grpo_steps(hold=True), lora_grpo_steps(hold=False)
+    assert held[0] == streamed[0] and held[1] == streamed[1]
+    assert all(torch.equal(held[2][name], streamed[2][name]) for name in streamed[2])
