@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
+from jobs.objectives.generation import generate
 from jobs.objectives.grpo import GRPOLoss
 from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.llm_helpers import tiny_llama
@@ -132,3 +134,24 @@ def test_lora_grpo_steps_are_the_same_whether_generation_holds_the_weights_or_st
     held, streamed = lora_grpo_steps(hold=True), lora_grpo_steps(hold=False)
     assert held[0] == streamed[0] and held[1] == streamed[1]
     assert all(torch.equal(held[2][name], streamed[2][name]) for name in streamed[2])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_held_generation_gives_the_resident_models_tokens_copying_each_unit_once() -> None:
+    import copy
+
+    cuda = torch.device("cuda")
+    model = tiny_llama(64).requires_grad_(False)
+    resident = copy.deepcopy(model).to(cuda)
+    manager = OffloadTrainingManager(
+        model, "cuda", options=OffloadOptions(granularity="block", gpu_memory_limit="8GiB")
+    )
+    streamed_bytes = sum(unit.streamed_bytes for unit in manager.units)
+    prompts = [[1, 2, 3, 4], [7, 8], [3, 3, 3], [9]] * 4  # 16 rows, as 2 prompts x G = 8
+    before = copied(manager)
+    with manager.hold_for_inference(0) as hold:
+        ours = generate(model, prompts, max_new_tokens=12, temperature=0, device=cuda)
+    theirs = generate(resident, prompts, max_new_tokens=12, temperature=0, device=cuda)
+    assert hold.units == len(manager.units) and torch.equal(ours.ids, theirs.ids)
+    assert copied(manager) - before == streamed_bytes
+    assert manager.stats().device_bytes == 0  # all dropped again
