@@ -120,13 +120,17 @@ def _decode_with_cache(
     config: Any = getattr(model, "config", None)  # peft's wrapper shows the base model's
     cache = DynamicCache(config=config) if takes_config else DynamicCache()
     cache_arg, last_only = _cache_arguments(model)
+    # A decode step's mask for SDPA made here, not by the model: given the 2D mask, transformers checks whether
+    # any position is padded (``fast_all``, a CPU-GPU sync) on every forward.
+    step_masks = attention_all.bool()[:, None, None, :] if _takes_a_padding_mask_as_is(config) else None
     step_input, step_positions = ids, positions
     decode = _Decoder(len(prompts), sampling)
     forwards = 0
     while True:
+        mask = attention_all if step_masks is None or forwards == 0 else step_masks
         output = model(
             input_ids=step_input,
-            attention_mask=attention_all[:, : width + forwards],
+            attention_mask=mask[..., : width + forwards],
             position_ids=step_positions,
             use_cache=True,
             **{cache_arg: cache},
@@ -139,6 +143,17 @@ def _decode_with_cache(
         step_input = token.unsqueeze(1)
         step_positions = step_positions[:, -1:] + 1
     return (*decode.result(), forwards)
+
+
+def _takes_a_padding_mask_as_is(config: Any) -> bool:
+    """Whether a one-token decode step's attention mask may be the padding mask itself, ``[rows, 1, 1, keys]``
+    (True: attend), which transformers hands to SDPA as it is: SDPA attention, and every layer attending to every
+    cached position (a sliding-window layer's mask is the model's to make)."""
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or ()
+    return getattr(text, "sliding_window", None) is None and all(t == "full_attention" for t in layer_types)
 
 
 def _cache_arguments(model: nn.Module) -> tuple[str, dict[str, int]]:
