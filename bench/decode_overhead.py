@@ -45,6 +45,31 @@ def narrow_llama(layers: int, lora_rank: int) -> nn.Module:
     return model.eval()
 
 
+def syncs_per_step(run: Callable[[], int]) -> float:
+    """Device-to-host reads (``bool``, ``item``, ``tolist``, ``int`` of a tensor) per decode step of one loop: on
+    a GPU each waits for every kernel queued before it, so the host stops queueing the next step's."""
+    names = ("__bool__", "item", "tolist", "__int__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+    count = 0
+
+    def counting(original: Callable[..., object]) -> Callable[..., object]:
+        def read(self: torch.Tensor, *args: object) -> object:
+            nonlocal count
+            count += 1
+            return original(self, *args)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        forwards = run()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return count / forwards
+
+
 def ms_per_step(run: Callable[[], int], repeats: int) -> float:
     """Median over ``repeats`` of a whole decode loop's seconds over its forwards, in ms."""
     run()  # warm-up (and, with the engine, nothing left to record)
@@ -73,9 +98,10 @@ def main() -> None:
     def ferry(model: nn.Module) -> Callable[[], int]:
         def run() -> int:
             generator = torch.Generator().manual_seed(0)
-            return generate(
-                model, prompts, max_new_tokens=new, temperature=1.0, device=cpu, generator=generator
-            ).forwards
+            stops = frozenset({299})  # a stop token, as GRPO's eos: the loop looks at whether every row stopped
+            out = generate(model, prompts, max_new_tokens=new, temperature=1.0, stops=stops, device=cpu,
+                           generator=generator)  # fmt: skip
+            return out.forwards
 
         return run
 
@@ -87,7 +113,7 @@ def main() -> None:
         torch.manual_seed(0)
         with torch.no_grad():
             plain.generate(input_ids=hf_ids, attention_mask=hf_mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=True, top_k=0, pad_token_id=0)  # fmt: skip
+                           do_sample=True, top_k=0, pad_token_id=0, eos_token_id=299)  # fmt: skip
         return new
 
     kept = narrow_llama(args.layers, args.lora_rank)
@@ -98,17 +124,18 @@ def main() -> None:
         kept(input_ids=torch.tensor([prompts[0]]))
     manager.after_forward()  # fixes the order and keeps every unit
     assert not any(unit.streams for unit in manager.units)
-    rows = [
-        ("transformers generate, plain model", ms_per_step(hf_generate, args.repeats)),
-        ("Ferry decode loop, plain model", ms_per_step(ferry(plain), args.repeats)),
-        ("Ferry decode loop, engine, every unit kept", ms_per_step(ferry(kept), args.repeats)),
+    runs = [
+        ("transformers generate, plain model", hf_generate),
+        ("Ferry decode loop, plain model", ferry(plain)),
+        ("Ferry decode loop, engine, every unit kept", ferry(kept)),
     ]
+    rows = [(name, ms_per_step(run, args.repeats), syncs_per_step(run)) for name, run in runs]
     lora = f"LoRA r{args.lora_rank} on every linear" if args.lora_rank else "no LoRA"
     print(f"{args.layers} layers, 32 wide, {lora}, {args.rows} rows, {new} new tokens, CPU, 1 thread, "
           f"torch {torch.__version__}\n")  # fmt: skip
-    print("| path | host ms per decode step |\n|---|---|")
-    for name, ms in rows:
-        print(f"| {name} | {ms:.2f} |")
+    print("| path | host ms per decode step | host syncs per decode step |\n|---|---|---|")
+    for name, ms, syncs in rows:
+        print(f"| {name} | {ms:.2f} | {syncs:.2f} |")
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(ferry(kept))
