@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.flat import FlatGroup
 from offload.offloaders import TensorOffloader
 from offload.options import format_bytes
 from offload.quant.dequantize_on_arrival import DequantizedParamOffloader
@@ -28,7 +29,6 @@ from offload.units import OffloadUnit
 log = logging.getLogger(__name__)
 
 HOLDABLE_KINDS = ("static", "buffer", "trainable")  # kinds whose residency outside the ring is plain memory
-Saved = tuple[TensorOffloader, Placement | None, Placement | None]  # an offloader, its and its group's placement
 
 
 @dataclass
@@ -41,7 +41,8 @@ class InferenceHold:
     nbytes: int = 0
     room: int | None = None
     _held: list[OffloadUnit] = field(default_factory=list, repr=False)
-    _placements: list[Saved] = field(default_factory=list, repr=False)
+    _placements: list[tuple[TensorOffloader, Placement | None]] = field(default_factory=list, repr=False)
+    _group_placements: dict[int, tuple[FlatGroup, Placement | None]] = field(default_factory=dict, repr=False)
 
     def describe(self) -> str:
         """One line for the log: how many units generation keeps on the device, and why not more."""
@@ -84,7 +85,9 @@ def hold_units(units: list[OffloadUnit], kept: set[int], room: int | None) -> In
             continue
         for offloader in offloaders:
             group = offloader.group
-            hold._placements.append((offloader, offloader.placement, group.placement if group is not None else None))
+            if group is not None and id(group) not in hold._group_placements:  # before its first member leaves
+                hold._group_placements[id(group)] = (group, group.placement)
+            hold._placements.append((offloader, offloader.placement))
             offloader.leave_ring()
         unit.onload()
         unit.streams = False  # its hooks skip the copy and the bookkeeping from here
@@ -100,9 +103,10 @@ def release_units(hold: InferenceHold) -> None:
         for unit in hold._held:
             unit.streams = True
             unit.offload()
-    for offloader, placement, group_placement in hold._placements:
+    for offloader, placement in hold._placements:
         offloader.placement = placement
-        if offloader.group is not None:
-            offloader.group.placement = group_placement
+    for group, placement in hold._group_placements.values():
+        group.placement = placement
     hold._held.clear()
     hold._placements.clear()
+    hold._group_placements.clear()

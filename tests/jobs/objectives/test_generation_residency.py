@@ -37,6 +37,14 @@ def grpo_loss(hold: Any = None) -> GRPOLoss:
                     hold_weights=hold)  # fmt: skip
 
 
+def ring_placements(manager: OffloadTrainingManager) -> list[int | None]:
+    """Where each streamed tensor and each block's span copies to: its ring slot, by identity (None: memory of
+    its own)."""
+    offloaders = [o for unit in manager.units for o in unit.offloaders]
+    places = [o.placement for o in offloaders] + [o.group.placement for o in offloaders if o.group is not None]
+    return [None if place is None else id(place) for place in places]
+
+
 def copied(manager: OffloadTrainingManager) -> int:
     stats = manager.stats()
     return stats.h2d_bytes + stats.reused_bytes  # a ring slot that still held the weights counts as reused
@@ -52,7 +60,9 @@ def test_units_that_fit_the_limit_are_copied_once_for_the_whole_decode_loop() ->
     model, manager = limited()
     loss = grpo_loss(manager.hold_for_inference)
     before = copied(manager)
+    placements = ring_placements(manager)
     held = sample(model, loss)
+    assert ring_placements(manager) == placements  # every unit streams through its own ring slot again
     assert copied(manager) - before == streamed_bytes  # one load of the streamed units for all NEW decode steps
     assert held == streamed  # the same seed samples the same completions
     assert loss.take_metrics()["generation_units_kept"] == len(manager.units)
