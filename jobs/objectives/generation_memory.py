@@ -26,14 +26,19 @@ def decode_memory_bytes(model: nn.Module, rows: int, prompt_width: int, max_new_
     if not hidden:
         widest = max((p.shape[0] for p in model.parameters() if p.dim() == 2), default=0)
         return 4 * rows * (prompt_width + max_new_tokens) * widest * 4
-    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
-    heads = int(getattr(text, "num_attention_heads", 1) or 1)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
     intermediate = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
     vocab = int(getattr(text, "vocab_size", 0) or 0)
-    positions = prompt_width + max_new_tokens
-    cache = 2 * layers * kv_heads * head_dim * rows * positions * size
+    cache = kv_cache_bytes(text, rows, prompt_width + max_new_tokens, size)
     prefill = rows * prompt_width * (4 * hidden + 3 * intermediate) * size
     sampling = rows * vocab * 4 * 5  # logits, probabilities, their sorted copy, the nucleus mask and order
     return cache + prefill + sampling
+
+
+def kv_cache_bytes(text_config: Any, rows: int, positions: int, element_size: int) -> int:
+    """A full-attention KV cache's bytes: keys and values of every layer for ``rows x positions`` tokens."""
+    hidden = int(text_config.hidden_size)
+    layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(text_config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
+    return 2 * layers * kv_heads * head_dim * rows * positions * element_size

@@ -165,3 +165,17 @@ def test_on_the_gpu_held_generation_gives_the_resident_models_tokens_copying_eac
     assert hold.units == len(manager.units) and torch.equal(ours.ids, theirs.ids)
     assert copied(manager) - before == streamed_bytes
     assert manager.stats().device_bytes == 0  # all dropped again
+
+
+def test_the_kv_cache_estimate_is_the_size_of_transformers_cache() -> None:
+    from transformers import DynamicCache
+
+    from jobs.objectives.generation_memory import decode_memory_bytes, kv_cache_bytes
+
+    model = tiny_llama(64)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.ones((3, 7), dtype=torch.long), past_key_values=cache, use_cache=True)
+    real = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_cache_bytes(model.config, rows=3, positions=7, element_size=4) == real
+    assert decode_memory_bytes(model, rows=3, prompt_width=4, max_new_tokens=3) > real  # and the working memory
