@@ -6,7 +6,9 @@ next one starts):
 
 - ``resident``: Llama-3-8B's shape, random bf16 weights, LoRA r16 on every linear, no memory limit, every unit
   kept on the device (``gpu_memory_budget`` above the weights: the engine copies nothing after step 1).
-- ``limit``: the same job under ``offload.gpu_memory_limit`` (default 24GiB), the default budget (``auto``).
+- ``limit``: the same job under ``offload.gpu_memory_limit`` (default 24GiB), the default budget (``auto``). Its
+  decode loop holds the units training streams on the device for the whole loop where they fit beside the KV
+  cache ("units held for generation"); the rest stream once per decode step.
 - ``trl``: TRL's ``GRPOTrainer`` on the same shape, resident, peft LoRA, the same G, new tokens and prompts
   (skipped when trl is not importable; its generation is timed around transformers' ``generate``).
 - ``32b``: Qwen2.5-32B's shape under the same limit.
@@ -146,6 +148,7 @@ def run_ferry(row: str, args: argparse.Namespace) -> dict[str, Any]:
         "training_s": median([f.training_s for f in figures]),
         "training_tokens_per_s": median([f.training_tokens_per_s for f in figures]),
         "completion_length": median([f.completion_length for f in figures]),
+        "generation_units_kept": median([f.generation_units_kept for f in figures]),
         "device_peak_gib": last.device_peak_bytes / GIB,
         "device_reserved_gib": last.device_peak_reserved_bytes / GIB,
         "kept_resident_gib": (last.offload.kept_resident_bytes / GIB) if last.offload else None,
@@ -310,20 +313,21 @@ def markdown(r: dict[str, Any]) -> str:
         head,
         "",
         "| row | step | generation | generation tokens/s | training | training tokens/s | H2D per step | "
-        "kept on the GPU | peak allocated / reserved |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "kept on the GPU | units held for generation | peak allocated / reserved |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = {"resident": "Ferry 8B resident", "limit": f"Ferry 8B, limit {r['limit']}", "trl": "TRL GRPOTrainer 8B resident",
              "32b": f"Ferry 32B, limit {r['limit']}"}  # fmt: skip
     for row, run in r["runs"].items():
         if "step_s" not in run:
-            lines.append(f"| {names[row]} | {run['status']} | | | | | | | |")
+            lines.append(f"| {names[row]} | {run['status']} | | | | | | | | |")
             continue
         lines.append(
             f"| {names[row]} | {f(run['step_s'])} s | {f(run.get('generation_s'))} s | "
             f"{f(run.get('generation_tokens_per_s'), '.1f')} | {f(run.get('training_s'))} s | "
             f"{f(run.get('training_tokens_per_s'), '.1f')} | {f(run.get('h2d_gb_per_step'), '.2f')} GB | "
-            f"{f(run.get('kept_resident_gib'), '.1f')} GiB | {f(run.get('device_peak_gib'), '.1f')} / "
+            f"{f(run.get('kept_resident_gib'), '.1f')} GiB | {f(run.get('generation_units_kept'), '.0f')} | "
+            f"{f(run.get('device_peak_gib'), '.1f')} / "
             f"{f(run.get('device_reserved_gib'), '.1f')} GiB |"
         )
     steps = {row: run.get("step_s") for row, run in r["runs"].items()}

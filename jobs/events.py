@@ -155,6 +155,11 @@ class GRPOMetrics(BaseModel):
     generated_tokens: int | None = Field(None, description="completion tokens the step sampled (stops included)")
     generation_s: float | None = Field(None, description="seconds the step spent sampling its completions")
     generation_tokens_per_s: float | None = Field(None, description="generated_tokens / generation_s")
+    generation_units_kept: int | None = Field(
+        None,
+        description="model offload: streamed units the decode loop held on the device for all its steps (copied "
+        "once, not once per decode step); the others streamed per step",
+    )
     training_s: float | None = Field(
         None, description="seconds of the step's training pass (forward, backward, update)"
     )

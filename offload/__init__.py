@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from offload.activations import ActivationOffload
     from offload.arena import PinnedArenaPool
     from offload.devices import return_cached_host_memory, set_gpu_memory_limit
+    from offload.inference_hold import InferenceHold
     from offload.manager import OffloadTrainingManager
     from offload.offloaders import (
         AlwaysOnGPUParamOffloader,
@@ -48,6 +49,7 @@ _HOME = {
     "return_cached_host_memory": "offload.devices",
     "set_gpu_memory_limit": "offload.devices",
     "OffloadTrainingManager": "offload.manager",
+    "InferenceHold": "offload.inference_hold",
     "AlwaysOnGPUParamOffloader": "offload.offloaders",
     "BufferOffloader": "offload.offloaders",
     "StaticParamOffloader": "offload.offloaders",
@@ -71,6 +73,7 @@ __all__ = [
     "BufferOffloader",
     "DequantizedParamOffloader",
     "HostedPart",
+    "InferenceHold",
     "MemoryPlan",
     "OffloadOptions",
     "OffloadStats",

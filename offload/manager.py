@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from offload.arena import PinnedArenaPool, aligned
 from offload.devices import can_pin_memory, resolve_target_device, set_gpu_memory_limit, synchronize
 from offload.disk import DiskLocator, DiskStage
 from offload.flat import FlatGroup
+from offload.inference_hold import InferenceHold, hold_units, release_units
 from offload.layout import shaped_like
 from offload.offloaders import (
     AlwaysOnGPUParamOffloader,
@@ -541,6 +543,55 @@ class OffloadTrainingManager:
                 offloader.offload()
         self._copies.end_step()
         self._end_step()
+
+    @contextlib.contextmanager
+    def hold_for_inference(self, working_bytes: int) -> Iterator[InferenceHold]:
+        """Within the block, the units that stream (all the budget does not keep) stay on the device, each copied
+        once on entry and dropped on exit, as many as fit: for a forward-only phase that runs every unit many
+        times and keeps nothing for a backward (a decode loop), which ``working_bytes`` of its own memory (a KV
+        cache, logits) must fit beside. Those that do not fit stream per forward as before.
+
+        The room is ``gpu_memory_limit`` (without one, on CUDA, what the process reserves plus what the device
+        has free; off CUDA, no bound) less what the device holds now (the ring, kept units, adapters: the
+        engine's count, or the allocator's where larger), ``working_bytes`` and the margin the measured budget
+        keeps too (1/16 of the ceiling, at least 512 MiB).
+
+        Example:
+            >>> with manager.hold_for_inference(kv_cache_bytes) as hold:
+            ...     completions = generate(model, prompts, ...)
+            >>> hold.describe()   # "generation kept 32 of 32 streamed units on the device (...)"
+        """
+        hold = hold_units(self.units, self._schedule.kept, self._inference_room(working_bytes))
+        self._schedule.plan_forward_prefetch()  # the held units need no prefetch, and prefetch nothing held
+        try:
+            yield hold
+        finally:
+            release_units(hold)
+            self._schedule.plan_forward_prefetch()
+            self._after_inference_hold(hold)
+
+    def _inference_room(self, working_bytes: int) -> int | None:
+        """Bytes the streamed units may take on the device during a forward-only phase (None: no bound)."""
+        ceiling = parse_bytes(self.options.gpu_memory_limit)
+        cuda = self.device.type == "cuda"
+        if ceiling is None and cuda:
+            free, _total = torch.cuda.mem_get_info(self.device)
+            ceiling = torch.cuda.memory_reserved(self.device) + free
+        if ceiling is None:
+            return None
+        in_use = self.ring.nbytes + self._stats.device_bytes
+        if cuda:
+            in_use = max(in_use, torch.cuda.memory_allocated(self.device))
+        return ceiling - in_use - working_bytes - auto_budget.margin_bytes(ceiling)
+
+    def _after_inference_hold(self, hold: InferenceHold) -> None:
+        """The held units' memory goes back to the device, and a budget still being measured ('auto') does not
+        count the phase's peak as training's: it measures what training needs besides the weights."""
+        if not hold.units or self.device.type != "cuda":
+            return
+        if self.options.gpu_memory_budget == auto_budget.AUTO_BUDGET and self.measured_budget is None:
+            torch.cuda.empty_cache()  # a CPU-GPU sync point, once per held phase while the budget is measured
+            auto_budget.start_measuring(self.device)
 
     def _end_step(self) -> None:
         first_step = self._schedule.recording

@@ -29,6 +29,7 @@ class PrefetchSchedule:
         self.backward_order: list[OffloadUnit] = []
         self.backward_needs: dict[int, list[TensorOffloader]] = {}  # id(unit) -> what backward onloaded
         self._backward_prefetch: dict[int, Callable[[], None]] = {}  # id(unit) -> copies those needs ahead
+        self._forward_ahead: dict[int, list[OffloadUnit]] = {}  # id(unit) -> what its forward prefetches
         self.kept: set[int] = set()  # ids of the offloaders the budget holds on the device (fixed once applied)
         self.kept_bytes = 0  # their bytes
         self.kept_outside_ring_bytes = 0  # the part in memory of its own: what the budget pays for
@@ -51,17 +52,24 @@ class PrefetchSchedule:
 
     def forward_onloaded(self, unit: OffloadUnit) -> None:
         """A unit is resident for its forward: copy the next units of forward while it computes."""
-        if self.recording or unit.index is None or self.prefetch == 0:
+        for candidate in self._forward_ahead.get(id(unit), ()):
+            candidate.prefetch()
+
+    def plan_forward_prefetch(self) -> None:
+        """Which units each unit's forward prefetches: the next ``prefetch`` that stream, in forward order. A
+        unit the budget keeps resident copies nothing: the walk looks past it, or the copy stream idles while it
+        computes and the next streamed unit is copied only once it starts. Made once each time which units
+        stream changes, not in every forward: a decode step runs every unit's forward and nothing else, and a
+        walk of the order per unit is host time the device waits for."""
+        self._forward_ahead = {}
+        if self.recording or self.prefetch == 0:
             return
-        ahead = 0
-        for candidate in self.order[unit.index + 1 :]:
-            if ahead >= self.prefetch:
-                break
-            # A unit the budget keeps resident copies nothing: look past it, or the copy stream idles while
-            # it computes and the next streamed unit is copied only once it starts.
-            if candidate.streams:
-                candidate.prefetch()
-                ahead += 1
+        upcoming: list[OffloadUnit] = []  # the streamed units after the one at hand, nearest first
+        for unit in reversed(self.order):
+            if upcoming:
+                self._forward_ahead[id(unit)] = upcoming[: self.prefetch]
+            if unit.streams:
+                upcoming = [unit, *upcoming[: self.prefetch - 1]]
 
     def weight_unpacked(self, offloader: TensorOffloader) -> None:
         """A backward node unpacked ``offloader``'s weight."""
@@ -132,6 +140,7 @@ class PrefetchSchedule:
         for unit in self.order:
             unit.streams = any(o.kind != "always_on_device" and id(o) not in kept for o in unit.offloaders)
             unit.keep_for_backward = False
+        self.plan_forward_prefetch()
         for key, needs in self.backward_needs.items():
             self.backward_needs[key] = [o for o in needs if id(o) not in kept]
         prefetchers = {id(u): self._prefetcher(u) for u in self.backward_order}

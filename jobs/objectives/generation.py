@@ -8,6 +8,11 @@ units ``gpu_memory_budget`` keeps on the device are never copied at all.
 
 A model that takes no KV cache (a Ferry ``transformer_lm``: no attention mask, no position ids) is decoded
 without one, its rows batched by prompt length so that no row needs padding.
+
+The loop never waits for the device between forwards but every ``STOP_CHECK_EVERY`` steps: whether every row
+has stopped is a CPU-GPU sync, and a sync per step would keep the host from queueing the next step's kernels
+while the device runs this one (a decode step is launch-bound). The steps run past the last stop are cut off
+the result, which is what stopping at once would have given.
 """
 
 from __future__ import annotations
@@ -67,56 +72,65 @@ def generate(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each with at least one token")
+    sampling = Sampling(max_new_tokens, temperature, top_p, stops, pad_id, device, generator)
     started = time.perf_counter()
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            if takes_kv_cache(model):
-                ids, mask, forwards = _decode_with_cache(
-                    model, prompts, max_new_tokens, temperature, top_p, stops, pad_id, device, generator
-                )
-            else:
-                ids, mask, forwards = _decode_by_length(
-                    model, prompts, max_new_tokens, temperature, top_p, stops, pad_id, device, generator
-                )
+            decode = _decode_with_cache if takes_kv_cache(model) else _decode_by_length
+            ids, mask, forwards = decode(model, prompts, sampling)
     finally:
         model.train(was_training)
     return Generated(ids=ids, mask=mask, forwards=forwards, seconds=time.perf_counter() - started)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How ``generate`` continues the prompts: the arguments both decoding loops and the decoder share."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stops: frozenset[int]
+    pad_id: int
+    device: torch.device
+    generator: torch.Generator | None
+
+
 def _decode_with_cache(
-    model: nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stops: frozenset[int],
-    pad_id: int,
-    device: torch.device,
-    generator: torch.Generator | None,
+    model: nn.Module, prompts: Sequence[Sequence[int]], sampling: Sampling
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     from transformers import DynamicCache
 
     width = max(len(p) for p in prompts)
+    device = sampling.device
     # Left padding: every row's last prompt token sits in the last column, so each step's new tokens append
     # as one column for all rows.
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    ids = torch.tensor([[sampling.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    # The mask of the whole loop made once; each step reads a wider view of it (a stopped row's pads count as
+    # attended, which no kept token ever reads).
+    attention_all = torch.tensor(
+        [[0] * (width - len(p)) + [1] * (len(p) + sampling.max_new_tokens) for p in prompts], device=device
+    )
+    positions = (attention_all[:, :width].cumsum(-1) - 1).clamp(min=0)
     # Filled in place by each forward. Given the config, the cache lays out each layer as the model does (a
     # sliding-window layer keeps its window only).
     takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
     config: Any = getattr(model, "config", None)  # peft's wrapper shows the base model's
     cache = DynamicCache(config=config) if takes_config else DynamicCache()
     cache_arg, last_only = _cache_arguments(model)
+    # A decode step's mask for SDPA made here, not by the model: given the 2D mask, transformers checks whether
+    # any position is padded (``fast_all``, a CPU-GPU sync) on every forward.
+    step_masks = attention_all.bool()[:, None, None, :] if _takes_a_padding_mask_as_is(config) else None
     step_input, step_positions = ids, positions
-    decode = _Decoder(len(prompts), temperature, top_p, stops, pad_id, device, generator)
+    decode = _Decoder(len(prompts), sampling)
     forwards = 0
     while True:
+        mask = attention_all if step_masks is None or forwards == 0 else step_masks
         output = model(
             input_ids=step_input,
-            attention_mask=attention,
+            attention_mask=mask[..., : width + forwards],
             position_ids=step_positions,
             use_cache=True,
             **{cache_arg: cache},
@@ -124,12 +138,22 @@ def _decode_with_cache(
         )
         forwards += 1
         token = decode.take(output.logits[:, -1])
-        if decode.finished(max_new_tokens):
+        if decode.finished():
             break
         step_input = token.unsqueeze(1)
         step_positions = step_positions[:, -1:] + 1
-        attention = torch.cat([attention, torch.ones_like(step_input)], dim=1)  # a stopped row's pads: masked out
     return (*decode.result(), forwards)
+
+
+def _takes_a_padding_mask_as_is(config: Any) -> bool:
+    """Whether a one-token decode step's attention mask may be the padding mask itself, ``[rows, 1, 1, keys]``
+    (True: attend), which transformers hands to SDPA as it is: SDPA attention, and every layer attending to every
+    cached position (a sliding-window layer's mask is the model's to make)."""
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or ()
+    return getattr(text, "sliding_window", None) is None and all(t == "full_attention" for t in layer_types)
 
 
 def _cache_arguments(model: nn.Module) -> tuple[str, dict[str, int]]:
@@ -144,32 +168,25 @@ def _cache_arguments(model: nn.Module) -> tuple[str, dict[str, int]]:
 
 
 def _decode_by_length(
-    model: nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stops: frozenset[int],
-    pad_id: int,
-    device: torch.device,
-    generator: torch.Generator | None,
+    model: nn.Module, prompts: Sequence[Sequence[int]], sampling: Sampling
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """No KV cache and no attention mask: the rows of each prompt length decode together over the whole window."""
     by_length: dict[int, list[int]] = {}
     for row, prompt in enumerate(prompts):
         by_length.setdefault(len(prompt), []).append(row)
-    ids_out = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long, device=device)
-    mask_out = torch.zeros((len(prompts), max_new_tokens), dtype=torch.long, device=device)
+    device, new = sampling.device, sampling.max_new_tokens
+    ids_out = torch.full((len(prompts), new), sampling.pad_id, dtype=torch.long, device=device)
+    mask_out = torch.zeros((len(prompts), new), dtype=torch.long, device=device)
     forwards, longest = 0, 0
     for rows in by_length.values():
         window = torch.tensor([list(prompts[r]) for r in rows], device=device)
-        decode = _Decoder(len(rows), temperature, top_p, stops, pad_id, device, generator)
+        decode = _Decoder(len(rows), sampling)
         while True:
             output = model(input_ids=window)
             forwards += 1
             logits = output if isinstance(output, torch.Tensor) else output.logits
             token = decode.take(logits[:, -1])
-            if decode.finished(max_new_tokens):
+            if decode.finished():
                 break
             window = torch.cat([window, token.unsqueeze(1)], dim=1)
         ids, mask = decode.result()
@@ -179,45 +196,57 @@ def _decode_by_length(
     return ids_out[:, :longest], mask_out[:, :longest], forwards
 
 
-class _Decoder:
-    """The per-token choice and the stop bookkeeping both decoding loops share."""
+STOP_CHECK_EVERY = 8  # decode steps between the host's looks at whether every row has stopped (a sync)
 
-    def __init__(
-        self,
-        rows: int,
-        temperature: float,
-        top_p: float,
-        stops: frozenset[int],
-        pad_id: int,
-        device: torch.device,
-        generator: torch.Generator | None,
-    ) -> None:
-        self.temperature, self.top_p, self.pad_id, self.generator = temperature, top_p, pad_id, generator
-        self.stops = torch.tensor(sorted(stops), dtype=torch.long, device=device) if stops else None
+
+class _Decoder:
+    """The per-token choice and the stop bookkeeping both decoding loops share, in buffers made once: a step
+    writes one column of each."""
+
+    def __init__(self, rows: int, sampling: Sampling) -> None:
+        self.sampling = sampling
+        device, new = sampling.device, sampling.max_new_tokens
+        self.stops = torch.tensor(sorted(sampling.stops), dtype=torch.long, device=device) if sampling.stops else None
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.new: list[torch.Tensor] = []
-        self.keep: list[torch.Tensor] = []
+        self.pad = torch.full((rows,), sampling.pad_id, dtype=torch.long, device=device)
+        self.ids = torch.full((rows, new), sampling.pad_id, dtype=torch.long, device=device)
+        self.keep = torch.zeros((rows, new), dtype=torch.bool, device=device)
+        self.steps = 0
 
     def take(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token of every row (``pad_id`` for a row that has stopped) from its last logits."""
         logits = logits.float()
-        if self.temperature == 0:
+        temperature = self.sampling.temperature
+        if temperature == 0:
             token = logits.argmax(-1)
         else:
-            token = sample_top_p(logits / self.temperature, self.top_p, self.generator)
-        token = torch.where(self.done, torch.full_like(token, self.pad_id), token)
-        self.keep.append(~self.done)
-        self.new.append(token)
+            token = sample_top_p(logits / temperature, self.sampling.top_p, self.sampling.generator)
+        token = torch.where(self.done, self.pad, token)
+        self.keep[:, self.steps] = ~self.done
+        self.ids[:, self.steps] = token
+        self.steps += 1
         if self.stops is not None:
             self.done = self.done | torch.isin(token, self.stops)
         return token
 
-    def finished(self, max_new_tokens: int) -> bool:
-        # A CPU-GPU sync point, once per decode step: whether every row has stopped.
-        return len(self.new) >= max_new_tokens or bool(self.done.all())
+    def finished(self) -> bool:
+        """Whether the loop may end: ``max_new_tokens`` taken, or every row stopped, looked at only every
+        ``STOP_CHECK_EVERY`` steps (the steps past the last stop are cut off in ``result``)."""
+        if self.steps >= self.sampling.max_new_tokens:
+            return True
+        if self.stops is None or self.steps % STOP_CHECK_EVERY:
+            return False
+        return bool(self.done.all())  # a CPU-GPU sync point, once per STOP_CHECK_EVERY decode steps
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.stack(self.new, dim=1), torch.stack(self.keep, dim=1).long()
+        """``ids`` and ``mask`` up to the step at which the last row stopped (every step taken without stops)."""
+        steps = self.steps
+        if self.stops is not None:
+            # A CPU-GPU sync point, once per loop: the last column any row kept (each row keeps its first
+            # column, so there is one).
+            taken = self.keep[:, :steps].any(dim=0)
+            steps = int(taken.nonzero().max()) + 1
+        return self.ids[:, :steps], self.keep[:, :steps].long()
 
 
 def sample_top_p(logits: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:

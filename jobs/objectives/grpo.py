@@ -13,7 +13,9 @@ defaults:
   over ``completions * max_new_tokens``; ``dapo`` sums them over the step's completion tokens.
 
 A step's completions, of every prompt of every micro-batch, are sampled in one batched decode loop with a KV cache
-(jobs/objectives/generation.py): under model offload the weights stream once per decode step for all of them.
+(jobs/objectives/generation.py): under model offload the weights stream once per decode step for all of them, or,
+where the units that stream fit the device beside the cache (``hold_weights``: the engine's
+``hold_for_inference``), once for the whole loop.
 
 One generation per optimizer step, one gradient update per generation: the "old" log-probs are the policy's own,
 detached (what TRL does when ``num_iterations == 1``), so the ratio is 1 and no extra forward computes them.
@@ -35,12 +37,16 @@ import torch
 from torch import nn
 
 from jobs.objectives.generation import generate
+from jobs.objectives.generation_memory import decode_memory_bytes
 
 log = logging.getLogger(__name__)
 
 METRICS = ("reward_mean", "reward_std", "frac_reward_zero_std", "kl", "completion_length", "clip_ratio")
 
 Grade = Callable[[list[str], list[dict[str, Any]]], list[float]]  # completions, their rows -> rewards
+# Given the decode loop's own bytes (KV cache, logits), keeps what fits of the streamed weights on the device for
+# the loop; what it yields describes itself (``describe()``) and counts the units it kept (``units``).
+HoldWeights = Callable[[int], AbstractContextManager[Any]]
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +147,8 @@ class GRPOLoss:
         grpo: The ``training.grpo`` section.
         grade: Rewards for completions and their rows (jobs/objectives/graders.py).
         decode: Token ids to text.
+        hold_weights: Under model offload, the engine's ``hold_for_inference``: the streamed units that fit stay
+            on the device for the whole decode loop instead of crossing the link once per decode step.
 
     Example:
         >>> loss_fn = GRPOLoss(spec.training.grpo, grade, tokenizer.decode)
@@ -156,8 +164,11 @@ class GRPOLoss:
         *,
         stops: frozenset[int] = frozenset(),
         pad_id: int = 0,
+        hold_weights: HoldWeights | None = None,
     ) -> None:
         self.grpo, self.grade, self.decode = grpo, grade, decode
+        self.hold_weights = hold_weights
+        self._held_line = ""  # the last hold's description, logged when it changes
         self.stops, self.pad_id = stops, pad_id  # the ids a completion ends at (eos, end of turn); its padding
         self._metrics: dict[str, list[torch.Tensor]] = {}
         self._totals: dict[str, float] = {}
@@ -185,7 +196,11 @@ class GRPOLoss:
         grpo = self.grpo
         group = grpo.num_generations
         expanded = [list(p) for p in prompts for _ in range(group)]  # a prompt's group: consecutive rows
-        with autocast():
+        held: AbstractContextManager[Any] = nullcontext()
+        if self.hold_weights is not None:
+            width = max(len(p) for p in expanded)
+            held = self.hold_weights(decode_memory_bytes(model, len(expanded), width, grpo.max_new_tokens))
+        with autocast(), held as hold:
             generated = generate(
                 model,
                 expanded,
@@ -197,6 +212,8 @@ class GRPOLoss:
                 device=device,
                 generator=generator,
             )
+        if hold is not None:
+            self._note_hold(hold)
         sequences, masks, completions = [], [], []
         for prompt, completion, kept in zip(expanded, generated.ids.tolist(), generated.mask.tolist(), strict=True):
             tokens = [t for t, k in zip(completion, kept, strict=True) if k]
@@ -224,6 +241,14 @@ class GRPOLoss:
         self._count("generation_s", generated.seconds)
         self._count("training_tokens", sum(len(s) for s in sequences))
         return Rollout(batch=batches[0], completions=completions, rewards=rewards, batches=batches, rows=list(rows))
+
+    def _note_hold(self, hold: Any) -> None:
+        """Count the units the decode loop kept on the device, and log the decision when it changes."""
+        self._count("generation_units_kept", hold.units)
+        line = hold.describe()
+        if line != self._held_line:
+            log.info("grpo: %s", line)
+            self._held_line = line
 
     def _batch(
         self,
@@ -310,8 +335,8 @@ class GRPOLoss:
 
     def take_metrics(self) -> dict[str, float]:
         """The step's metrics since the last call: each figure averaged over its rollouts and micro-batches,
-        and the sums ``generated_tokens``, ``generation_s`` (the decode loops' wall time) and
-        ``training_tokens`` (prompt and completion tokens the loss reads)."""
+        and the sums ``generated_tokens``, ``generation_s`` (the decode loops' wall time), ``training_tokens``
+        (prompt and completion tokens the loss reads) and, under model offload, ``generation_units_kept``."""
         metrics, self._metrics = self._metrics, {}
         totals, self._totals = self._totals, {}
         return {**{name: float(torch.stack(values).mean()) for name, values in metrics.items()}, **totals}

@@ -339,8 +339,10 @@ def grpo_figures(metrics: dict[str, float], training_s: float) -> GRPOMetrics:
     decode loop's completion tokens over its seconds; the tokens the loss read over the training pass's)."""
     generated, generation_s = metrics.pop("generated_tokens", None), metrics.pop("generation_s", None)
     trained = metrics.pop("training_tokens", None)
+    kept = metrics.pop("generation_units_kept", None)
     return GRPOMetrics(
         **metrics,
+        generation_units_kept=None if kept is None else int(kept),
         generated_tokens=None if generated is None else int(generated),
         generation_s=generation_s,
         generation_tokens_per_s=generated / generation_s if generated is not None and generation_s else None,

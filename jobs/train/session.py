@@ -136,6 +136,11 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     model.train()
     budget = _decided_budget(spec) if spec.offload.enable_model_cpu_offload else None
     manager = _setup_offload(spec, model, device, limit, source, budget)
+    if manager is not None and spec.training.objective == "grpo":
+        from jobs.objectives.grpo import GRPOLoss
+
+        assert isinstance(loss_fn, GRPOLoss)  # _setup_grpo's
+        loss_fn.hold_weights = manager.hold_for_inference  # the decode loop keeps what fits of the weights
     if manager is not None and spec.offload.host_memory_limit is not None:
         notices.append(("info", disk_tier_notice(spec, manager)))
         if manager.disk_stage is not None and manager.disk_stage.fallback:

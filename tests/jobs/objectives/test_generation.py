@@ -172,3 +172,44 @@ def test_offloaded_generation_on_the_gpu_gives_the_resident_models_tokens_copyin
     theirs = generate(resident, prompts, max_new_tokens=12, temperature=0, device=cuda)
     assert torch.equal(ours.ids, theirs.ids) and ours.forwards == 12
     assert set(counts.values()) == {12}  # each unit once per decode step for all 16 rows
+
+
+def count_host_syncs(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The device-to-host reads (``bool``, ``item``, ``tolist``, ``int``) from here on, by the file that makes them:
+    each one waits on a GPU for every kernel queued before it."""
+    import sys
+
+    counts: Counter[str] = Counter()
+    for name in ("__bool__", "item", "tolist", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _original: Any = original) -> Any:
+            counts[sys._getframe(1).f_code.co_filename.rsplit("/", 1)[-1]] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+def test_the_decode_loop_waits_for_the_device_every_few_steps_not_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jobs.objectives import generation
+
+    STOP_CHECK_EVERY = getattr(generation, "STOP_CHECK_EVERY", 8)
+    model = tiny_llama(64)
+    syncs = count_host_syncs(monkeypatch)
+    steps = 4 * STOP_CHECK_EVERY
+    out = generate(model, PROMPTS, max_new_tokens=steps, temperature=1.0, stops=frozenset({63}), device=CPU)
+    assert out.forwards == steps
+    # ours: the stop checks (one per STOP_CHECK_EVERY steps, none at max_new_tokens) and the result's cut
+    assert syncs["generation.py"] <= steps // STOP_CHECK_EVERY + 1
+    # transformers' (whether a padded mask has padding): at the prefill only, not at each decode step
+    assert sum(syncs.values()) - syncs["generation.py"] <= 2, syncs
+
+
+def test_rows_that_all_stop_between_two_checks_end_where_the_last_one_stopped() -> None:
+    model = tiny_llama(64).double()
+    free = generate(model, PROMPTS, max_new_tokens=10, temperature=0, device=CPU).ids
+    stops = frozenset(free[:, 1].tolist())  # every row stops at its second token
+    out = generate(model, PROMPTS, max_new_tokens=10, temperature=0, stops=stops, device=CPU)
+    kept = out.mask.sum(-1)
+    assert out.ids.shape[1] == int(kept.max()) <= 2  # not the STOP_CHECK_EVERY steps the loop ran

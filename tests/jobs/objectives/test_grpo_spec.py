@@ -174,3 +174,25 @@ def test_the_fit_check_sizes_a_grpo_micro_batch_as_its_prompts_times_their_compl
     data["training"]["batch_size"] = 2
     spec = load(data, root)
     assert rows_per_micro_batch(spec) == 16  # 2 prompts x 8 completions, trained as one batch (was 4: pairs)
+
+
+def test_a_grpo_job_under_a_memory_limit_holds_the_streamed_weights_through_generation(
+    tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from jobs.events import event_to_wire
+    from jobs.train.runner import run_job
+
+    data = grpo_spec(
+        {"num_generations": 2, "max_new_tokens": 4},
+        # no budget: training streams every frozen unit, each step
+        offload={"enable_model_cpu_offload": True, "granularity": "block", "gpu_memory_limit": "2GiB",
+                 "gpu_memory_budget": None},
+    )  # fmt: skip
+    events: list[dict[str, Any]] = []
+    with caplog.at_level("INFO", logger="jobs.objectives.grpo"):
+        run_job(load(data, tiny), output_dir=tmp_path / "out", report=lambda e: events.append(event_to_wire(e)))
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == 2 and events[-1]["status"] == "succeeded"
+    kept = [step["grpo"]["generation_units_kept"] for step in steps]
+    assert kept[0] > 0 and kept[0] == kept[1]  # every unit the LoRA job streams, held for each step's decode loop
+    assert any(f"generation kept {kept[0]} of {kept[0]} streamed units" in r.message for r in caplog.records)
