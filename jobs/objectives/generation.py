@@ -59,12 +59,15 @@ def generate(
     pad_id: int = 0,
     device: torch.device,
     generator: torch.Generator | None = None,
+    compile_decode: bool = False,
 ) -> Generated:
     """Continue every prompt (one row each, in order) by at most ``max_new_tokens`` tokens, all rows together.
 
     ``temperature`` 0 is greedy (argmax); otherwise tokens are drawn from the logits over ``temperature``, within
     the ``top_p`` nucleus. A row stops at any of ``stops`` (eos, the chat template's end of turn); the rest go on
-    until all have stopped or ``max_new_tokens`` are out.
+    until all have stopped or ``max_new_tokens`` are out. ``compile_decode`` (``training.compile``, every unit on
+    the device): the decode steps of a transformers model run compiled over a static KV cache
+    (jobs/objectives/compiled_decode.py), the same tokens; where that does not apply, the eager loop runs.
 
     Example:
         >>> out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=8, temperature=1.0, device=device)
@@ -72,7 +75,7 @@ def generate(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each with at least one token")
-    sampling = Sampling(max_new_tokens, temperature, top_p, stops, pad_id, device, generator)
+    sampling = Sampling(max_new_tokens, temperature, top_p, stops, pad_id, device, generator, compile_decode)
     started = time.perf_counter()
     was_training = model.training
     model.eval()
@@ -96,6 +99,7 @@ class Sampling:
     pad_id: int
     device: torch.device
     generator: torch.Generator | None
+    compile_decode: bool = False
 
 
 def _decode_with_cache(
@@ -103,6 +107,12 @@ def _decode_with_cache(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     from transformers import DynamicCache
 
+    if sampling.compile_decode:
+        from jobs.objectives.compiled_decode import decode_compiled
+
+        done = decode_compiled(model, prompts, sampling)
+        if done is not None:
+            return done
     width = max(len(p) for p in prompts)
     device = sampling.device
     # Left padding: every row's last prompt token sits in the last column, so each step's new tokens append

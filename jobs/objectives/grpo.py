@@ -149,6 +149,9 @@ class GRPOLoss:
         decode: Token ids to text.
         hold_weights: Under model offload, the engine's ``hold_for_inference``: the streamed units that fit stay
             on the device for the whole decode loop instead of crossing the link once per decode step.
+        compile_decode: ``training.compile``: the decode steps run compiled over a static KV cache
+            (jobs/objectives/compiled_decode.py) when every unit is on the device for the loop (resident, kept
+            by the budget or held); a unit that still streams per decode step keeps the eager loop.
 
     Example:
         >>> loss_fn = GRPOLoss(spec.training.grpo, grade, tokenizer.decode)
@@ -165,14 +168,17 @@ class GRPOLoss:
         stops: frozenset[int] = frozenset(),
         pad_id: int = 0,
         hold_weights: HoldWeights | None = None,
+        compile_decode: bool = False,
     ) -> None:
         self.grpo, self.grade, self.decode = grpo, grade, decode
         self.hold_weights = hold_weights
+        self.compile_decode = compile_decode  # training.compile: the decode steps compiled where every unit is held
         self._held_line = ""  # the last hold's description, logged when it changes
         self.stops, self.pad_id = stops, pad_id  # the ids a completion ends at (eos, end of turn); its padding
         self._metrics: dict[str, list[torch.Tensor]] = {}
         self._totals: dict[str, float] = {}
         self._zero_std_logged = False
+        self._streaming_logged = False
 
     def rollout(
         self,
@@ -201,6 +207,10 @@ class GRPOLoss:
             width = max(len(p) for p in expanded)
             held = self.hold_weights(decode_memory_bytes(model, len(expanded), width, grpo.max_new_tokens))
         with autocast(), held as hold:
+            streams = hold is not None and hold.units < hold.streamed  # a unit crosses the link per decode step
+            if self.compile_decode and streams and not self._streaming_logged:
+                log.info("training.compile: generation decodes eagerly: %s", hold.describe())
+                self._streaming_logged = True
             generated = generate(
                 model,
                 expanded,
@@ -211,6 +221,7 @@ class GRPOLoss:
                 pad_id=pad_id,
                 device=device,
                 generator=generator,
+                compile_decode=self.compile_decode and not streams,
             )
         if hold is not None:
             self._note_hold(hold)

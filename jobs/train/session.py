@@ -290,6 +290,7 @@ def _setup_grpo(spec: JobSpec, model: nn.Module) -> tuple[BatchSource, None, Los
         tokenizer.decode,
         stops=stop_ids(tokenizer, model),
         pad_id=tokenizer.pad_id,
+        compile_decode=spec.training.compile,  # the decode steps too (jobs/objectives/compiled_decode.py)
     )
     return data, None, loss
 

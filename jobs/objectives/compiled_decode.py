@@ -1,0 +1,162 @@
+"""``training.compile`` for GRPO's decode loop: the one-token forward compiled over a static KV cache.
+
+An eager decode step of a LoRA policy is launch-bound: transformers and peft run thousands of small kernels per
+token, each paid in host time (bench/decode_overhead.py). Compiled over transformers' ``StaticCache`` (its
+tensors made once, ``batch x (prompt + max_new_tokens)``, written in place at ``cache_position``), every step
+has the same shapes, so one graph serves every step of every generation of that shape; on CUDA
+``mode="reduce-overhead"`` replays it as a CUDA graph, one launch per step. The prefill stays eager (one
+forward per generation, of another shape).
+
+The weights are graph inputs (dynamo's ``inline_inbuilt_nn_modules``), read where they lie at each call: LoRA
+adapters the optimizer updated in place between two generations are the next generation's, nothing captured
+goes stale. A CUDA graph reads them at the addresses it recorded, which in-place updates keep; a weight that
+moved (a unit the engine held in new memory) makes cudagraph trees record again, not compile again.
+
+The step is compiled once per model and kept on it (``DecodeStep.of``): a second generation of the same shape
+reuses the graph, and the sampler (temperature, top_p, the generator's draws, the stops) stays eager, outside
+the graph, so the same seeds give the same tokens as the eager loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+BACKEND = "inductor"  # torch.compile's default; CPU tests use "aot_eager" (the same graphs, no code generation)
+_ATTRIBUTE = "_ferry_decode_step"  # where a model keeps its compiled step between generations
+
+
+class DecodeStep:
+    """A model's compiled one-token forward: ``logits = step(model, ids, positions, cache_position, mask, cache)``
+    gives the last position's logits ``[rows, vocab]``."""
+
+    def __init__(self, device: torch.device, cache_arg: str) -> None:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        self.cuda_graphs = mode is not None
+        self.cache_arg = cache_arg  # the forward's name for the KV cache
+        self.compiled = torch.compile(_one_token_logits, backend=BACKEND, mode=mode, dynamic=False)
+
+    @classmethod
+    def of(cls, model: nn.Module, device: torch.device, cache_arg: str) -> DecodeStep:
+        """The step compiled for ``model`` (made on its first generation, reused after)."""
+        step = model.__dict__.get(_ATTRIBUTE)
+        if not isinstance(step, DecodeStep) or step.cuda_graphs != (device.type == "cuda"):
+            step = cls(device, cache_arg)
+            model.__dict__[_ATTRIBUTE] = step  # not a submodule, not in the state dict
+        return step
+
+    def __call__(self, model: nn.Module, *args: Any) -> torch.Tensor:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's output is read: its buffers may be reused
+        logits = self.compiled(model, self.cache_arg, *args)
+        # A CUDA graph's output lives in its pool until the next replay: the sampler reads a copy of its own.
+        return logits.clone() if self.cuda_graphs else logits
+
+
+def _one_token_logits(
+    model: nn.Module,
+    cache_arg: str,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache_position: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: Any,
+) -> torch.Tensor:
+    output = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        cache_position=cache_position,
+        attention_mask=attention_mask,
+        use_cache=True,
+        **{cache_arg: cache},
+    )
+    return output.logits[:, -1]
+
+
+_fallbacks_logged: set[str] = set()
+
+
+def _fall_back(why: str) -> None:
+    """One log line per reason and process: the eager loop runs instead."""
+    if why not in _fallbacks_logged:
+        _fallbacks_logged.add(why)
+        log.info("training.compile: generation decodes eagerly: %s", why)
+
+
+def decode_compiled(model: nn.Module, prompts: Sequence[Sequence[int]], sampling: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``generation._decode_with_cache`` with the decode steps compiled (the prefill eager), or None where that
+    does not apply (why: logged once): a class that takes no ``StaticCache``, or compiling or running it raising.
+    Nothing of a failed try is kept: the eager loop starts over from the prompts (the generator's state too)."""
+    from jobs.objectives.generation import _cache_arguments, _Decoder
+
+    why = static_cache_unsupported(model)
+    if why:
+        _fall_back(why)
+        return None
+    generator = sampling.generator
+    state = generator.get_state() if generator is not None else None
+    try:
+        return _decode(model, prompts, sampling, _Decoder, _cache_arguments(model))
+    except Exception as error:  # dynamo, inductor or a cudagraph failure: the eager loop is always correct
+        if generator is not None and state is not None:
+            generator.set_state(state)
+        _fall_back(f"compiling the decode step failed ({type(error).__name__}: {error})".splitlines()[0][:300])
+        model.__dict__.pop(_ATTRIBUTE, None)
+        return None
+
+
+def static_cache_unsupported(model: nn.Module) -> str:
+    """Why ``model``'s transformers class cannot decode over a compiled ``StaticCache`` ('' where it can)."""
+    unwrap = getattr(model, "get_base_model", None)  # peft's wrapper
+    base = unwrap() if callable(unwrap) else model
+    if not getattr(base, "_can_compile_fullgraph", False):
+        return f"{type(base).__name__} does not support a static KV cache under torch.compile"
+    return ""
+
+
+def _decode(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    sampling: Any,
+    make_decoder: Any,
+    cache_arguments: tuple[str, dict[str, int]],
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    from transformers import StaticCache
+
+    width = max(len(p) for p in prompts)
+    device, new = sampling.device, sampling.max_new_tokens
+    ids = torch.tensor([[sampling.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    # One mask over the whole cache, the same tensor every step: causality (``cache_position``) hides the
+    # positions not written yet, so the step's inputs keep their shapes.
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + new) for p in prompts], device=device)
+    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    config: Any = getattr(model, "config", None)
+    cache = StaticCache(config=config, max_cache_len=width + new)
+    cache_arg, last_only = cache_arguments
+    step = DecodeStep.of(model, device, cache_arg)
+    decode = make_decoder(len(prompts), sampling)
+    output = model(  # the prefill: eager, once per generation
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache_position=torch.arange(width, device=device),
+        use_cache=True,
+        **{cache_arg: cache},
+        **last_only,
+    )
+    token = decode.take(output.logits[:, -1])
+    forwards = 1
+    step_positions = positions[:, -1:]
+    cache_position = torch.full((1,), width, dtype=torch.long, device=device)
+    while not decode.finished():
+        step_positions = step_positions + 1
+        logits = step(model, token.unsqueeze(1), step_positions, cache_position, mask, cache)
+        forwards += 1
+        token = decode.take(logits)
+        cache_position = cache_position + 1
+    return (*decode.result(), forwards)

@@ -1,0 +1,179 @@
+"""``training.compile`` for GRPO's decode loop: the one-token forward compiled over a static KV cache.
+
+The oracle is the eager loop (jobs/objectives/generation.py) on a save_pretrained Llama with peft's LoRA: the
+compiled steps give its tokens, greedy and seeded sampling alike (exactly, on the CPU: the same ops in the same
+order, ``aot_eager``), see LoRA weights changed in place between generations, and compile once per shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from jobs.objectives import compiled_decode
+from jobs.objectives.generation import generate
+
+CPU = torch.device("cpu")
+PROMPTS = [[1, 2, 3, 4, 5], [9, 3], [5, 5, 5, 1], [8]]  # different lengths: the short ones left-padded
+STOPS = frozenset({3})
+
+
+def lora_llama(directory: Path) -> nn.Module:
+    """A tiny Llama written by ``save_pretrained`` and read back, with random (non-zero) LoRA on q and v."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(directory)
+    base = LlamaForCausalLM.from_pretrained(directory)
+    config_lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(base, config_lora)
+
+
+@pytest.fixture(autouse=True)
+def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled_decode, "BACKEND", "aot_eager")  # the same graphs, no code generation
+    torch._dynamo.reset()
+
+
+def decoded(model: nn.Module, *, compiled: bool, temperature: float, seed: int = 1, device: torch.device = CPU) -> Any:
+    return generate(model, PROMPTS, max_new_tokens=10, temperature=temperature, top_p=0.9, stops=STOPS,
+                    device=device, generator=torch.Generator(device).manual_seed(seed),
+                    compile_decode=compiled)  # fmt: skip
+
+
+def graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_decode_gives_the_eager_loops_tokens(tmp_path: Path, temperature: float) -> None:
+    model = lora_llama(tmp_path)
+    eager = decoded(model, compiled=False, temperature=temperature)
+    before = graphs()
+    ours = decoded(model, compiled=True, temperature=temperature)
+    assert graphs() == before + 1  # the one-token forward, once
+    assert torch.equal(ours.ids, eager.ids) and torch.equal(ours.mask, eager.mask)
+    assert ours.forwards == eager.forwards
+    assert compiled_decode._ATTRIBUTE in model.__dict__  # the compiled path ran, not the fallback
+
+
+def test_a_second_generation_of_the_same_shape_does_not_recompile(tmp_path: Path) -> None:
+    model = lora_llama(tmp_path)
+    decoded(model, compiled=True, temperature=1.0)
+    before = graphs()
+    again = decoded(model, compiled=True, temperature=1.0, seed=7)
+    assert graphs() == before
+    assert torch.equal(again.ids, decoded(model, compiled=False, temperature=1.0, seed=7).ids)
+
+
+def test_lora_weights_changed_in_place_between_generations_are_followed(tmp_path: Path) -> None:
+    model = lora_llama(tmp_path)
+    first = decoded(model, compiled=True, temperature=0.0)
+    torch.manual_seed(3)
+    with torch.no_grad():  # as the optimizer's step: the same tensors, new values
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.add_(torch.randn_like(parameter) * 2)
+    before = graphs()
+    second = decoded(model, compiled=True, temperature=0.0)
+    assert graphs() == before  # the weights are graph inputs: nothing to compile again
+    assert not torch.equal(second.ids, first.ids)  # the new adapters do change the tokens...
+    assert torch.equal(second.ids, decoded(model, compiled=False, temperature=0.0).ids)  # ...to the eager loop's
+
+
+def test_a_class_without_static_cache_support_decodes_eagerly_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = lora_llama(tmp_path)
+    model.get_base_model()._can_compile_fullgraph = False
+    compiled_decode._fallbacks_logged.clear()
+    with caplog.at_level(logging.INFO, logger="jobs.objectives.compiled_decode"):
+        ours = decoded(model, compiled=True, temperature=1.0)
+    assert torch.equal(ours.ids, decoded(model, compiled=False, temperature=1.0).ids)
+    assert "does not support a static KV cache" in caplog.text and compiled_decode._ATTRIBUTE not in model.__dict__
+
+
+def test_a_compile_that_raises_falls_back_to_the_eager_loop_from_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = lora_llama(tmp_path)
+
+    def broken(self: Any, model: nn.Module, *args: Any) -> torch.Tensor:
+        raise RuntimeError("inductor could not lower this")
+
+    monkeypatch.setattr(compiled_decode.DecodeStep, "__call__", broken)
+    compiled_decode._fallbacks_logged.clear()
+    with caplog.at_level(logging.INFO, logger="jobs.objectives.compiled_decode"):
+        ours = decoded(model, compiled=True, temperature=1.0)  # the generator rewound: the eager loop's draws
+    assert torch.equal(ours.ids, decoded(model, compiled=False, temperature=1.0).ids)
+    assert "inductor could not lower this" in caplog.text
+
+
+def test_compiled_decode_over_the_engine_keeping_every_unit(tmp_path: Path) -> None:
+    from offload import OffloadOptions, OffloadTrainingManager
+
+    model, plain = lora_llama(tmp_path / "a"), lora_llama(tmp_path / "b")
+    manager = OffloadTrainingManager(
+        model, "cpu", options=OffloadOptions(granularity="block", gpu_memory_budget=1 << 40)
+    )
+    with torch.no_grad():
+        model(input_ids=torch.tensor([PROMPTS[0]]))
+    manager.after_forward()  # fixes the order and keeps every unit
+    assert not any(unit.streams for unit in manager.units)
+    ours = decoded(model, compiled=True, temperature=1.0)
+    assert compiled_decode._ATTRIBUTE in model.__dict__
+    assert torch.equal(ours.ids, decoded(plain, compiled=False, temperature=1.0).ids)
+
+
+def test_grpo_compiles_the_decode_only_when_no_unit_streams_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from jobs.objectives import grpo as grpo_module
+    from jobs.objectives.grpo import GRPOLoss
+
+    seen: list[bool] = []
+
+    def spy(model: nn.Module, prompts: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["compile_decode"])
+        raise StopIteration  # the decode loop's argument is all this test reads
+
+    monkeypatch.setattr(grpo_module, "generate", spy)
+    settings = SimpleNamespace(num_generations=2, max_new_tokens=4, temperature=1.0, top_p=1.0)
+    for held, streamed in ((3, 3), (2, 3)):
+
+        @contextmanager
+        def hold(_bytes: int, held: int = held, streamed: int = streamed) -> Any:
+            yield SimpleNamespace(units=held, streamed=streamed, describe=lambda: "generation kept some")
+
+        loss = GRPOLoss(settings, lambda c, r: [0.0] * len(c), str, hold_weights=hold, compile_decode=True)
+        model = nn.Linear(2, 2)
+        with pytest.raises(StopIteration):
+            loss.rollout(model, [[1, 2]], [{}], stops=frozenset(), pad_id=0, device=CPU)
+    assert seen == [True, False]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_compiled_decode_replays_a_cuda_graph_and_gives_the_eager_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compiled_decode, "BACKEND", "inductor")
+    cuda = torch.device("cuda")
+    model = lora_llama(tmp_path).to(cuda)
+    eager = decoded(model, compiled=False, temperature=0.0, device=cuda)
+    ours = decoded(model, compiled=True, temperature=0.0, device=cuda)
+    step = model.__dict__[compiled_decode._ATTRIBUTE]
+    assert step.cuda_graphs and torch.equal(ours.ids, eager.ids)
+    from torch._inductor.cudagraph_trees import get_container
+
+    assert get_container(cuda.index or 0).tree_manager is not None  # cudagraph trees recorded the step
