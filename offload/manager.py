@@ -369,6 +369,10 @@ class OffloadTrainingManager:
         # A unit the budget keeps on the device (fixed after the first step) has nothing to copy, count or
         # stand tokens in for; it only drives the prefetching of the units after it. Its saved tensors
         # go to autograd (or checkpointing) directly: the per-tensor work is host time on a launch-bound step.
+        if not unit.streams and torch.compiler.is_compiling():
+            # Traced into a compiled forward-only region (GRPO's compiled decode step, which runs only where no
+            # unit streams): nothing to copy nor to prefetch, and the schedule's bookkeeping would break the graph.
+            return
         backward = in_backward()
         if unit.streams:
             self._router.enter()

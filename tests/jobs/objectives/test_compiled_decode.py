@@ -130,9 +130,26 @@ def test_compiled_decode_over_the_engine_keeping_every_unit(tmp_path: Path) -> N
         model(input_ids=torch.tensor([PROMPTS[0]]))
     manager.after_forward()  # fixes the order and keeps every unit
     assert not any(unit.streams for unit in manager.units)
+    before = graphs()
     ours = decoded(model, compiled=True, temperature=1.0)
+    assert graphs() == before + 1  # one graph: the engine's hooks of kept units do not break it
     assert compiled_decode._ATTRIBUTE in model.__dict__
     assert torch.equal(ours.ids, decoded(plain, compiled=False, temperature=1.0).ids)
+
+
+def test_compiled_decode_over_training_compiles_blocks_compiles_once_per_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobs.models import compiled_blocks
+
+    monkeypatch.setattr(compiled_blocks, "BACKEND", "aot_eager")
+    model = lora_llama(tmp_path)
+    eager = decoded(model, compiled=False, temperature=1.0)
+    compiled_blocks.compile_repeated_blocks(model)  # training.compile's blocks: the step inlines them
+    assert torch.equal(decoded(model, compiled=True, temperature=1.0).ids, eager.ids)
+    before = graphs()
+    assert torch.equal(decoded(model, compiled=True, temperature=1.0).ids, eager.ids)
+    assert graphs() == before
 
 
 def test_grpo_compiles_the_decode_only_when_no_unit_streams_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
