@@ -1,9 +1,12 @@
 """Host time per decode step of GRPO's generation, on the CPU: a deep Llama made so narrow that compute is
 negligible, decoded by Ferry's loop (jobs/objectives/generation.py) on the plain model and through the offload
-engine with every unit kept on the device, beside transformers' own ``model.generate``.
+engine with every unit kept on the device, beside transformers' own ``model.generate``; and with the decode step
+compiled over a static KV cache (``training.compile``, jobs/objectives/compiled_decode.py; on the CPU without
+CUDA graphs, so what it shows is the compiled graph's host time, not a graph replay's).
 
     python bench/decode_overhead.py                       # 32 layers, 32 wide, LoRA r16, 16 rows, 64 new tokens
     python bench/decode_overhead.py --profile             # and cProfile's top entries of the engine row
+    python bench/decode_overhead.py --compile-backend none  # without the compiled rows (training.compile's)
 
 Same layer count and batch as the 8B GRPO bench (bench/grpo_bench.py), one CPU thread. What a row costs here
 is Python and dispatch per decode step, which a GPU step pays as well, before its kernels: on a launch-bound
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs.objectives import compiled_decode
 from jobs.objectives.generation import generate
 from offload import OffloadOptions, OffloadTrainingManager
 
@@ -89,18 +93,20 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16, help="0: no adapters")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile-backend", choices=["inductor", "aot_eager", "none"], default="inductor",
+                        help="the compiled rows' torch.compile backend (none: no compiled rows)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = [[1 + (i * 7 + j) % 250 for j in range(12 + i % 4)] for i in range(args.rows)]
     new = args.new_tokens
     cpu = torch.device("cpu")
 
-    def ferry(model: nn.Module) -> Callable[[], int]:
+    def ferry(model: nn.Module, compiled: bool = False) -> Callable[[], int]:
         def run() -> int:
             generator = torch.Generator().manual_seed(0)
             stops = frozenset({299})  # a stop token, as GRPO's eos: the loop looks at whether every row stopped
             out = generate(model, prompts, max_new_tokens=new, temperature=1.0, stops=stops, device=cpu,
-                           generator=generator)  # fmt: skip
+                           generator=generator, compile_decode=compiled)  # fmt: skip
             return out.forwards
 
         return run
@@ -129,6 +135,12 @@ def main() -> None:
         ("Ferry decode loop, plain model", ferry(plain)),
         ("Ferry decode loop, engine, every unit kept", ferry(kept)),
     ]
+    if args.compile_backend != "none":  # the warm-up run of ms_per_step compiles
+        compiled_decode.BACKEND = args.compile_backend
+        runs += [
+            (f"Ferry compiled decode step ({args.compile_backend}), plain model", ferry(plain, compiled=True)),
+            (f"Ferry compiled decode step ({args.compile_backend}), engine, every unit kept", ferry(kept, True)),
+        ]
     rows = [(name, ms_per_step(run, args.repeats), syncs_per_step(run)) for name, run in runs]
     lora = f"LoRA r{args.lora_rank} on every linear" if args.lora_rank else "no LoRA"
     print(f"{args.layers} layers, 32 wide, {lora}, {args.rows} rows, {new} new tokens, CPU, 1 thread, "

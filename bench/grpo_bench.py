@@ -19,6 +19,7 @@ model seldom stops early), rewarded by a string_check grader. Step times are med
 
     python bench/grpo_bench.py --out grpo                          # every row, full shapes, on the GPU
     python bench/grpo_bench.py --out grpo --rows resident,limit    # some rows
+    python bench/grpo_bench.py --out grpo --rows resident,limit --compile   # training.compile: compiled decode
     python bench/grpo_bench.py --out grpo-cpu --scale tiny         # the same paths, tiny, on the CPU
 
 Prints a markdown table and writes it with the JSON record to --out.
@@ -111,6 +112,7 @@ def ferry_job(row: str, args: argparse.Namespace) -> dict[str, Any]:
             "learning_rate": 1e-5,
             "gradient_checkpointing": True,
             "mixed_precision": run["precision"],
+            "compile": args.compile,
             "grpo": {"num_generations": args.generations, "max_new_tokens": run["new_tokens"], "grader": GRADER},
         },
         "offload": offload,
@@ -289,6 +291,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "generations": args.generations,
         "new_tokens": settings(args)["new_tokens"],
         "scale": args.scale,
+        "compile": args.compile,
         "runs": runs,
     }
 
@@ -308,6 +311,7 @@ def markdown(r: dict[str, Any]) -> str:
     head = (
         f"{r['date']}, {r['gpu']}, torch {r['torch']}, commit {r['commit']}; {r['prompts']} prompts x "
         f"G = {r['generations']}, {r['new_tokens']} new tokens, LoRA r16 on every linear, scale {r['scale']}"
+        f"{', training.compile' if r.get('compile') else ''}"
     )
     lines = [
         head,
@@ -348,6 +352,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--limit", default="24GiB")
     parser.add_argument("--scale", choices=["full", "tiny"], default="full", help="tiny: 2-layer shapes on the CPU")
+    parser.add_argument("--compile", action="store_true",
+                        help="training.compile: the blocks and GRPO's decode step (a static KV cache, CUDA graphs)")  # fmt: skip
     parser.add_argument("--only", choices=ROWS, help="run one row in this process (used by the others)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
