@@ -137,6 +137,27 @@ def test_compiled_decode_over_the_engine_keeping_every_unit(tmp_path: Path) -> N
     assert torch.equal(ours.ids, decoded(plain, compiled=False, temperature=1.0).ids)
 
 
+def test_compiled_decode_over_units_the_engine_holds_for_generation(tmp_path: Path) -> None:
+    """Every unit streams in training and is held (copied into memory of its own) for each generation: the
+    compiled step reads the held copies, the same graph for the next generation's new copies."""
+    from offload import OffloadOptions, OffloadTrainingManager
+
+    model, plain = lora_llama(tmp_path / "a"), lora_llama(tmp_path / "b")
+    manager = OffloadTrainingManager(model, "cpu", options=OffloadOptions(granularity="block", gpu_memory_budget=0))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([PROMPTS[0]]))
+    manager.after_forward()
+    assert all(unit.streams for unit in manager.units)
+    before = graphs()
+    for seed in (1, 2):
+        with manager.hold_for_inference(0) as hold:
+            assert hold.units == hold.streamed == len(manager.units)
+            ours = decoded(model, compiled=True, temperature=1.0, seed=seed)
+        assert torch.equal(ours.ids, decoded(plain, compiled=False, temperature=1.0, seed=seed).ids)
+        assert graphs() == before + 1  # compiled in the first generation only
+    assert compiled_decode._ATTRIBUTE in model.__dict__
+
+
 def test_compiled_decode_over_training_compiles_blocks_compiles_once_per_shape(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
