@@ -12,8 +12,9 @@ adapters the optimizer updated in place between two generations are the next gen
 goes stale. A CUDA graph reads them at the addresses it recorded, which in-place updates keep; a weight that
 moved (a unit the engine held in new memory) makes cudagraph trees record again, not compile again.
 
-The step is compiled once per model and kept on it (``DecodeStep.of``): a second generation of the same shape
-reuses the graph, and the sampler (temperature, top_p, the generator's draws, the stops) stays eager, outside
+The step is compiled once per model and kept on it (``DecodeStep.of``) with its cache: a second generation of the
+same shape reuses the graph and the cache's tensors (which stay allocated between generations, as the CUDA graph's
+memory pool does), and the sampler (temperature, top_p, the generator's draws, the stops) stays eager, outside
 the graph, so the same seeds give the same tokens as the eager loop.
 """
 
@@ -40,6 +41,24 @@ class DecodeStep:
         self.cuda_graphs = mode is not None
         self.cache_arg = cache_arg  # the forward's name for the KV cache
         self.compiled = torch.compile(_one_token_logits, backend=BACKEND, mode=mode, dynamic=False)
+        self._cache: Any = None
+        self._cache_key: tuple[Any, ...] = ()
+
+    def cache(self, model: nn.Module, rows: int, positions: int, device: torch.device) -> Any:
+        """The ``StaticCache`` of ``rows x positions``, emptied: the same tensors for every generation of that shape
+        (as transformers' own compiled ``generate`` keeps it), so a CUDA graph finds them where it recorded them
+        instead of recording again each generation. A new shape replaces it."""
+        from transformers import StaticCache
+
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        key = (rows, positions, str(device), autocast)
+        if self._cache is None or key != self._cache_key:
+            self._cache = None  # the old one's memory first
+            config: Any = getattr(model, "config", None)  # peft's wrapper shows the base model's
+            self._cache, self._cache_key = StaticCache(config=config, max_cache_len=positions), key
+        else:
+            self._cache.reset()
+        return self._cache
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device, cache_arg: str) -> DecodeStep:
@@ -88,7 +107,9 @@ def _fall_back(why: str) -> None:
         log.info("training.compile: generation decodes eagerly: %s", why)
 
 
-def decode_compiled(model: nn.Module, prompts: Sequence[Sequence[int]], sampling: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+def decode_compiled(
+    model: nn.Module, prompts: Sequence[Sequence[int]], sampling: Any
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``generation._decode_with_cache`` with the decode steps compiled (the prefill eager), or None where that
     does not apply (why: logged once): a class that takes no ``StaticCache``, or compiling or running it raising.
     Nothing of a failed try is kept: the eager loop starts over from the prompts (the generator's state too)."""
@@ -126,8 +147,6 @@ def _decode(
     make_decoder: Any,
     cache_arguments: tuple[str, dict[str, int]],
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    from transformers import StaticCache
-
     width = max(len(p) for p in prompts)
     device, new = sampling.device, sampling.max_new_tokens
     ids = torch.tensor([[sampling.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
@@ -135,20 +154,23 @@ def _decode(
     # positions not written yet, so the step's inputs keep their shapes.
     mask = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + new) for p in prompts], device=device)
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
-    config: Any = getattr(model, "config", None)
-    cache = StaticCache(config=config, max_cache_len=width + new)
     cache_arg, last_only = cache_arguments
     step = DecodeStep.of(model, device, cache_arg)
+    cache = step.cache(model, len(prompts), width + new, device)
     decode = make_decoder(len(prompts), sampling)
-    output = model(  # the prefill: eager, once per generation
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        cache_position=torch.arange(width, device=device),
-        use_cache=True,
-        **{cache_arg: cache},
-        **last_only,
-    )
+    # The prefill: eager, once per generation, of its own width. Eager through training.compile's compiled blocks
+    # too: passed the cache, a block's graph would specialize on each layer's index into it (one graph per layer,
+    # and more once the cache's layers are made), where the block is compiled to share one graph.
+    with torch.compiler.set_stance("force_eager"):
+        output = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache_position=torch.arange(width, device=device),
+            use_cache=True,
+            **{cache_arg: cache},
+            **last_only,
+        )
     token = decode.take(output.logits[:, -1])
     forwards = 1
     step_positions = positions[:, -1:]
