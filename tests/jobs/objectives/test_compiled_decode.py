@@ -173,6 +173,28 @@ def test_compiled_decode_over_training_compiles_blocks_compiles_once_per_shape(
     assert graphs() == before
 
 
+def test_lora_grpo_training_with_the_compiled_decode_samples_what_the_eager_loop_samples() -> None:
+    """The optimizer updates the adapters in place between the steps' generations: each compiled generation
+    follows them, step after step, to the eager run's rewards and KL."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.jobs.llm_helpers import tiny_llama
+    from tests.jobs.objectives.test_grpo import grpo_section, train_rewards
+
+    def run(compiled: bool) -> list[dict[str, float]]:
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "lm_head"])
+        model = get_peft_model(tiny_llama(16), lora)
+        return train_rewards(model, grpo_section(beta=0.04), steps=6, lr=5e-2, compile_decode=compiled)
+
+    eager = run(False)
+    before = graphs()
+    compiled = run(True)
+    assert graphs() == before + 1  # one step graph for the six generations
+    assert [m["reward_mean"] for m in compiled] == [m["reward_mean"] for m in eager]
+    assert [m["kl"] for m in compiled] == pytest.approx([m["kl"] for m in eager], abs=1e-6)
+    assert len({m["reward_mean"] for m in eager}) > 1  # the policy moved: later steps sample differently
+
+
 def test_grpo_compiles_the_decode_only_when_no_unit_streams_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     from contextlib import contextmanager
     from types import SimpleNamespace

@@ -124,7 +124,7 @@ def grpo_section(**overrides: Any) -> Any:
 
 
 def train_rewards(
-    model: torch.nn.Module, grpo: Any, steps: int, seed: int = 0, lr: float = 2e-2
+    model: torch.nn.Module, grpo: Any, steps: int, seed: int = 0, lr: float = 2e-2, compile_decode: bool = False
 ) -> list[dict[str, float]]:
     """The metrics of each step of GRPO on "say f somewhere in 4 tokens", through the runner's train_step."""
     from accelerate import Accelerator
@@ -135,7 +135,7 @@ def train_rewards(
     accelerator = Accelerator(cpu=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    loss_fn = GRPOLoss(grpo, Graders(grpo.grader), letters)
+    loss_fn = GRPOLoss(grpo, Graders(grpo.grader), letters, compile_decode=compile_decode)
     generator = torch.Generator().manual_seed(seed)
     prompts = [[1, 2, 3], [4, 2], [7, 8, 9, 1], [3, 3]]
     rows = [{"prompt": letters(p), "answer": "f"} for p in prompts]
