@@ -30,6 +30,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 BACKEND = "inductor"  # torch.compile's default; CPU tests use "aot_eager" (the same graphs, no code generation)
 _ATTRIBUTE = "_ferry_decode_step"  # where a model keeps its compiled step between generations
+_FAILED_ATTRIBUTE = "_ferry_decode_step_failed"  # why compiling it failed, where it did
 
 
 class DecodeStep:
@@ -115,7 +116,7 @@ def decode_compiled(
     Nothing of a failed try is kept: the eager loop starts over from the prompts (the generator's state too)."""
     from jobs.objectives.generation import _cache_arguments, _Decoder
 
-    why = static_cache_unsupported(model)
+    why = model.__dict__.get(_FAILED_ATTRIBUTE) or static_cache_unsupported(model)
     if why:
         _fall_back(why)
         return None
@@ -126,8 +127,10 @@ def decode_compiled(
     except Exception as error:  # dynamo, inductor or a cudagraph failure: the eager loop is always correct
         if generator is not None and state is not None:
             generator.set_state(state)
-        _fall_back(f"compiling the decode step failed ({type(error).__name__}: {error})".splitlines()[0][:300])
+        why = f"compiling the decode step failed ({type(error).__name__}: {error})".splitlines()[0][:300]
+        _fall_back(why)
         model.__dict__.pop(_ATTRIBUTE, None)
+        model.__dict__[_FAILED_ATTRIBUTE] = why  # later generations go eager at once, not compiling again
         return None
 
 

@@ -117,6 +117,10 @@ def test_a_compile_that_raises_falls_back_to_the_eager_loop_from_the_start(
         ours = decoded(model, compiled=True, temperature=1.0)  # the generator rewound: the eager loop's draws
     assert torch.equal(ours.ids, decoded(model, compiled=False, temperature=1.0).ids)
     assert "inductor could not lower this" in caplog.text
+    calls: list[int] = []
+    monkeypatch.setattr(compiled_decode, "_decode", lambda *args: calls.append(1))
+    decoded(model, compiled=True, temperature=1.0)
+    assert not calls  # a later generation goes eager at once, without trying to compile again
 
 
 def test_compiled_decode_over_the_engine_keeping_every_unit(tmp_path: Path) -> None:
