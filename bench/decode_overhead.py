@@ -11,6 +11,10 @@ CUDA graphs, so what it shows is the compiled graph's host time, not a graph rep
 Same layer count and batch as the 8B GRPO bench (bench/grpo_bench.py), one CPU thread. What a row costs here
 is Python and dispatch per decode step, which a GPU step pays as well, before its kernels: on a launch-bound
 decode that is the step.
+
+Measured 2026-12-07 (this CPU, torch 2.13, defaults, inductor): transformers generate 53.2 ms, Ferry's eager loop
+61.1 ms (engine, every unit kept: 70.5 ms), the compiled decode step 24.8 ms (engine: 32.7 ms) per decode step,
+prefill included; the compiled rows compile in their warm-up (a few minutes in all on one CPU thread).
 """
 
 from __future__ import annotations
