@@ -24,7 +24,7 @@ from jobs.events import (
     StartedEvent,
     StepEvent,
 )
-from jobs.fit.checks import device_problem, host_limit_problem, host_memory_problem
+from jobs.fit.checks import compile_problem, device_problem, host_limit_problem, host_memory_problem
 from jobs.fit.estimate import estimate_memory
 from jobs.paths import PathRoots, default_data_roots, default_model_roots
 from jobs.spec.job import JobSpec
@@ -236,7 +236,8 @@ def machine_problems(spec: JobSpec, text: str) -> list[SpecProblem]:
 
     has_gpu = torch.cuda.is_available()
     found = [device_problem(spec, has_gpu=has_gpu)]
-    if found[0] is None:
+    found.append(compile_problem(spec, has_gpu=has_gpu))
+    if found[0] is None:  # the device problem: without the device the estimate means nothing
         estimate = estimate_memory(spec)
         found.append(
             host_limit_problem(

@@ -187,7 +187,8 @@ class TrainingSpec(Section):
     compile: bool = Field(
         False,
         description="torch.compile the repeated block (a decoder layer) once for all layers; with model offload "
-        "needs offload.granularity: block; the compiled code is cached for later jobs of the same shape",
+        "needs offload.granularity: block, and is refused on CUDA (NaN losses on an H100, issue 53); the compiled "
+        "code is cached for later jobs of the same shape",
     )
     profile: bool = Field(
         False,

@@ -20,6 +20,7 @@ from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_a
 from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
+from jobs.fit.checks import COMPILE_OVER_OFFLOAD_ON_CUDA, compile_over_offload_allowed
 from jobs.fit.optimizer_swap import SWAP_FOLDER, SwapDecision, decide_optimizer_swap
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.models.compiled_blocks import CompiledBlocks, compile_repeated_blocks, use_inductor_cache
@@ -107,7 +108,7 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     family = family_of(spec.model)
     loading_started = time.perf_counter()
     model, loss_fn, source, notices = _setup_model(spec, family, device)
-    compiled = _setup_compile(spec, model, cache_dir or output_dir / "cache")
+    compiled = _setup_compile(spec, model, cache_dir or output_dir / "cache", device)
     if spec.training.compile and compiled is None:
         notices.append(("warning", f"training.compile: {type(model).__name__} has no repeated blocks; it runs eagerly"))
     if spec.training.objective == "grpo":
@@ -259,12 +260,14 @@ def _setup_model(
     return model, loss_fn, source, [kernels] if kernels is not None else []
 
 
-def _setup_compile(spec: JobSpec, model: nn.Module, cache_dir: Path) -> CompiledBlocks | None:
+def _setup_compile(spec: JobSpec, model: nn.Module, cache_dir: Path, device: torch.device) -> CompiledBlocks | None:
     """``training.compile``: the model's repeated blocks compiled once for all its layers (after the kernels and the
     adapters: what a block holds when it first runs is what is traced), their code kept in the cache's inductor
     folder for later jobs of the same shape."""
     if not spec.training.compile:
         return None
+    if spec.offload.enable_model_cpu_offload and device.type == "cuda" and not compile_over_offload_allowed():
+        raise ValueError(COMPILE_OVER_OFFLOAD_ON_CUDA)  # the submit check's refusal, for jobs started without it
     return compile_repeated_blocks(model, cache_dir=use_inductor_cache(cache_dir / "inductor"))
 
 

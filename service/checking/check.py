@@ -24,7 +24,12 @@ from jobs.paths import without_roots
 from jobs.spec.graders import each_grader
 from jobs.spec.preflight import preflight_problems
 from jobs.spec.text import ParsedSpec, parse_spec_text
-from service.checking.fit import estimate_fit, refuse_if_it_cannot_fit, refuse_if_no_worker_has_the_device
+from service.checking.fit import (
+    estimate_fit,
+    refuse_compile_over_offload_on_a_gpu,
+    refuse_if_it_cannot_fit,
+    refuse_if_no_worker_has_the_device,
+)
 from service.checking.messages import CheckedSpec, CheckRequest, Refusal
 from service.checking.yaml_guard import ShapeGuard, YamlShapeError, shape_error
 from service.errors import ApiError, spec_error
@@ -59,6 +64,7 @@ def check_spec(request: CheckRequest) -> CheckedSpec:
     returned, not raised: the route answers it after its own checks (the disk), in the order they had.
     """
     spec, parsed = load_checked_spec(request)
+    refuse_compile_over_offload_on_a_gpu(spec, list(request.slots), parsed)
     try:
         if request.check_device:
             refuse_if_no_worker_has_the_device(spec, list(request.slots), parsed)

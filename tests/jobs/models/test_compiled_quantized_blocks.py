@@ -19,6 +19,7 @@ from torch import nn
 
 from jobs import PathRoots
 from jobs.events import event_to_wire
+from jobs.fit.checks import UNSAFE_COMPILE_SWITCH
 from jobs.models import compiled_blocks
 from jobs.models.compiled_blocks import compile_repeated_blocks
 from jobs.models.hf_causal_lm import enable_hf_gradient_checkpointing
@@ -189,9 +190,14 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    reason="on an H100 (torch 2.11, commit f02ebe7) this failed: the NF4 payload could not be swapped back (inductor holds weak references to it); training.compile over the offload engine is refused on CUDA until it passes (jobs/fit/checks.py)",
+    strict=False,
+)
 def test_on_the_gpu_liger_and_inductor_over_a_streamed_nf4_base_train_as_the_plain_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv(UNSAFE_COMPILE_SWITCH, "1")  # the job runs the refused path: this test measures it
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("liger_kernel")
