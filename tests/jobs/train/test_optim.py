@@ -24,9 +24,10 @@ def test_optimizers() -> None:
         build_optimizer([], TrainingSpec(steps=1))
 
 
-def test_the_fused_kernel_is_asked_for_whenever_the_cpu_steps_some_parameters() -> None:
+def test_the_fused_kernel_is_asked_for_on_the_cpu_and_on_cuda() -> None:
     """Optimizer offload with a budget leaves the first parameters on the GPU: the CPU's share must still get
-    the fused kernel (torch's default for a mixed list is the for-loop one)."""
+    the fused kernel (torch's default for a mixed list is the for-loop one); all on CUDA, torch's default is the
+    foreach kernel, 7.9 ms a step on an H100 where the fused one takes under one (jobs/train/optim.py)."""
     from jobs.train.optim import fused_for
 
     cpu = torch.nn.Parameter(torch.zeros(2))
@@ -40,6 +41,6 @@ def test_the_fused_kernel_is_asked_for_whenever_the_cpu_steps_some_parameters() 
 
     assert fused_for([cpu]) is True
     assert fused_for([OnCuda(), cpu]) is True  # type: ignore[list-item]
-    assert fused_for([OnCuda()]) is None  # type: ignore[list-item]  # all on the GPU: torch's own choice
+    assert fused_for([OnCuda()]) is True  # type: ignore[list-item]
     assert fused_for([meta, cpu]) is None
     assert fused_for([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)), cpu]) is True
