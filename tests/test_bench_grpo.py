@@ -14,7 +14,15 @@ from jobs import PathRoots, load_job_spec
 
 def arguments(out: Path, scale: str) -> argparse.Namespace:
     return argparse.Namespace(
-        out=out, steps=4, prompts=2, generations=8, new_tokens=256, limit="24GiB", scale=scale, rows="resident"
+        out=out,
+        steps=4,
+        prompts=2,
+        generations=8,
+        new_tokens=256,
+        limit="24GiB",
+        scale=scale,
+        rows="resident",
+        compile=False,
     )
 
 

@@ -114,7 +114,7 @@ def decode_compiled(
     """``generation._decode_with_cache`` with the decode steps compiled (the prefill eager), or None where that
     does not apply (why: logged once): a class that takes no ``StaticCache``, or compiling or running it raising.
     Nothing of a failed try is kept: the eager loop starts over from the prompts (the generator's state too)."""
-    from jobs.objectives.generation import _cache_arguments, _Decoder
+    from jobs.objectives.generation import Decoder, cache_arguments
 
     why = model.__dict__.get(_FAILED_ATTRIBUTE) or static_cache_unsupported(model)
     if why:
@@ -123,7 +123,7 @@ def decode_compiled(
     generator = sampling.generator
     state = generator.get_state() if generator is not None else None
     try:
-        return _decode(model, prompts, sampling, _Decoder, _cache_arguments(model))
+        return _decode(model, prompts, sampling, Decoder, cache_arguments(model))
     except Exception as error:  # dynamo, inductor or a cudagraph failure: the eager loop is always correct
         if generator is not None and state is not None:
             generator.set_state(state)

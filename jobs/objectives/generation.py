@@ -129,12 +129,12 @@ def _decode_with_cache(
     takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
     config: Any = getattr(model, "config", None)  # peft's wrapper shows the base model's
     cache = DynamicCache(config=config) if takes_config else DynamicCache()
-    cache_arg, last_only = _cache_arguments(model)
+    cache_arg, last_only = cache_arguments(model)
     # A decode step's mask for SDPA made here, not by the model: given the 2D mask, transformers checks whether
     # any position is padded (``fast_all``, a CPU-GPU sync) on every forward.
     step_masks = attention_all.bool()[:, None, None, :] if _takes_a_padding_mask_as_is(config) else None
     step_input, step_positions = ids, positions
-    decode = _Decoder(len(prompts), sampling)
+    decode = Decoder(len(prompts), sampling)
     forwards = 0
     while True:
         mask = attention_all if step_masks is None or forwards == 0 else step_masks
@@ -166,7 +166,7 @@ def _takes_a_padding_mask_as_is(config: Any) -> bool:
     return getattr(text, "sliding_window", None) is None and all(t == "full_attention" for t in layer_types)
 
 
-def _cache_arguments(model: nn.Module) -> tuple[str, dict[str, int]]:
+def cache_arguments(model: nn.Module) -> tuple[str, dict[str, int]]:
     """The forward's name for the KV cache (``cache`` in newer transformers, ``past_key_values`` before), and the
     keyword that computes the logits of the last position only, where the forward takes one: the prefill's
     logits over every prompt position and the whole vocabulary are memory no step reads."""
@@ -190,7 +190,7 @@ def _decode_by_length(
     forwards, longest = 0, 0
     for rows in by_length.values():
         window = torch.tensor([list(prompts[r]) for r in rows], device=device)
-        decode = _Decoder(len(rows), sampling)
+        decode = Decoder(len(rows), sampling)
         while True:
             output = model(input_ids=window)
             forwards += 1
@@ -209,7 +209,7 @@ def _decode_by_length(
 STOP_CHECK_EVERY = 8  # decode steps between the host's looks at whether every row has stopped (a sync)
 
 
-class _Decoder:
+class Decoder:
     """The per-token choice and the stop bookkeeping both decoding loops share, in buffers made once: a step
     writes one column of each."""
 
