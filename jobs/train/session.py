@@ -20,7 +20,7 @@ from jobs.data import BatchSource, TextData, build_data, model_keeps_documents_a
 from jobs.distributed.group import current_group, leads
 from jobs.distributed.optimizer_shards import OptimizerShards, splits_optimizer
 from jobs.events import LoadStats
-from jobs.fit.checks import COMPILE_OVER_OFFLOAD_ON_CUDA, compile_over_offload_allowed
+from jobs.fit.checks import compile_problem
 from jobs.fit.optimizer_swap import SWAP_FOLDER, SwapDecision, decide_optimizer_swap
 from jobs.models import LossFn, ModelFamily, build_model, enable_gradient_checkpointing, family_of
 from jobs.models.compiled_blocks import CompiledBlocks, compile_repeated_blocks, use_inductor_cache
@@ -266,8 +266,9 @@ def _setup_compile(spec: JobSpec, model: nn.Module, cache_dir: Path, device: tor
     folder for later jobs of the same shape."""
     if not spec.training.compile:
         return None
-    if spec.offload.enable_model_cpu_offload and device.type == "cuda" and not compile_over_offload_allowed():
-        raise ValueError(COMPILE_OVER_OFFLOAD_ON_CUDA)  # the submit check's refusal, for jobs started without it
+    problem = compile_problem(spec, has_gpu=device.type == "cuda")  # the submit check's, for jobs started without it
+    if problem is not None:
+        raise ValueError(problem[1])
     return compile_repeated_blocks(model, cache_dir=use_inductor_cache(cache_dir / "inductor"))
 
 
