@@ -32,6 +32,8 @@ import contextlib
 import datetime
 import itertools
 import json
+import logging
+import signal
 import statistics
 import subprocess
 import sys
@@ -275,12 +277,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             runs[row] = {"status": "skipped: trl is not installed"}
             continue
         result = args.out / f"{row}.json"
-        command = [sys.executable, __file__, "--only", row, *sys.argv[1:]]
-        print(f"{row}: {' '.join(command[1:])}", flush=True)
-        done = subprocess.run(command)
-        runs[row] = (
-            json.loads(result.read_text()) if done.returncode == 0 else {"status": f"failed ({done.returncode})"}
-        )
+        # -X faulthandler: a row past --row-timeout gets SIGABRT, which prints every thread's stack (where it hung).
+        command = [sys.executable, "-X", "faulthandler", __file__, "--only", row, *sys.argv[1:]]
+        print(f"{row}: {' '.join(command[3:])}", flush=True)
+        runs[row] = run_row(command, result, args.row_timeout)
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -294,6 +294,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "runs": runs,
     }
+
+
+def run_row(command: list[str], result: Path, timeout: float | None) -> dict[str, Any]:
+    """One row's process; past ``timeout`` seconds it is aborted (its stacks on stderr) and reported as timed out."""
+    process = subprocess.Popen(command)
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        return {"status": f"timed out after {timeout:.0f} s"}
+    return json.loads(result.read_text()) if code == 0 else {"status": f"failed ({code})"}
 
 
 def trl_installed() -> bool:
@@ -354,10 +370,12 @@ def main() -> None:
     parser.add_argument("--scale", choices=["full", "tiny"], default="full", help="tiny: 2-layer shapes on the CPU")
     parser.add_argument("--compile", action="store_true",
                         help="training.compile: the blocks and GRPO's decode step (a static KV cache, CUDA graphs)")  # fmt: skip
+    parser.add_argument("--row-timeout", type=float, help="seconds a row may run before it is aborted and its stacks printed")
     parser.add_argument("--only", choices=ROWS, help="run one row in this process (used by the others)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the job's own lines
         run = run_trl(args) if args.only == "trl" else run_ferry(args.only, args)
         (args.out / f"{args.only}.json").write_text(json.dumps(run, default=str))
         return

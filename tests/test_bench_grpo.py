@@ -48,3 +48,11 @@ def test_the_table_names_a_skipped_row_and_the_ratios() -> None:
     table = grpo_bench.markdown(record)
     assert "| TRL GRPOTrainer 8B resident | skipped: trl is not installed |" in table
     assert "limit / resident step: 1.25x (goal <= 1.5x)" in table and "2730.0" in table
+
+
+def test_a_row_past_its_timeout_is_aborted_with_its_stacks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    hung = [sys.executable, "-X", "faulthandler", "-c", "import time\ndef waiting():\n    time.sleep(60)\nwaiting()"]
+    assert grpo_bench.run_row(hung, tmp_path / "row.json", timeout=2) == {"status": "timed out after 2 s"}
+    assert "in waiting" in capfd.readouterr().err  # faulthandler's dump names the frame it hung in
