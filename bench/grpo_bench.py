@@ -370,7 +370,9 @@ def main() -> None:
     parser.add_argument("--scale", choices=["full", "tiny"], default="full", help="tiny: 2-layer shapes on the CPU")
     parser.add_argument("--compile", action="store_true",
                         help="training.compile: the blocks and GRPO's decode step (a static KV cache, CUDA graphs)")  # fmt: skip
-    parser.add_argument("--row-timeout", type=float, help="seconds a row may run before it is aborted and its stacks printed")
+    parser.add_argument(
+        "--row-timeout", type=float, help="seconds a row may run before it is aborted and its stacks printed"
+    )
     parser.add_argument("--only", choices=ROWS, help="run one row in this process (used by the others)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
