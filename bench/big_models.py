@@ -13,6 +13,8 @@
     python bench/big_models.py disk32b --out big    # 32B bf16 LoRA with offload.host_memory_limit 16GiB: frozen
                                                     # weights beyond it read from the safetensors shards on each
                                                     # use, beside `dd iflag=direct` and the same job all in RAM
+    python bench/big_models.py disk32b --out big --layers 32 --host-limit 8GiB   # half its layers, the same
+                                                    # share from disk, on a disk under ~70 GB
     python bench/big_models.py headline --cpu --scale 0.02 --out big   # the same path, tiny, anywhere
     python bench/big_models.py headline --out big --budget 8GiB --prefetch 2   # the 32B gap's candidates: units
                                                     # kept on the device, a third ring slot (copy floor counts
@@ -387,6 +389,8 @@ def disk32b(args: argparse.Namespace) -> dict[str, Any]:
     shape = scaled(QWEN_32B, args.scale)
     if args.scale < 1:  # enough layers that some stay in RAM beside the staging ring's three
         shape["num_hidden_layers"] = 8
+    if args.layers:  # fewer of the same layers: a disk that cannot hold all 64 (~66 GB of shards) still measures
+        shape["num_hidden_layers"] = args.layers  # the per-layer rates; give --host-limit the same share of weights
     checkpoint = write_sharded_checkpoint(root / "models" / "qwen2.5-32b-shape", shape, shard_bytes=4 * 10**9)
     disk = disk_read_gbps(root / "models" / "qwen2.5-32b-shape" / "model-00001.safetensors")
     corpus(root / "datasets" / "corpus")
@@ -784,6 +788,7 @@ def main() -> None:
     parser.add_argument(
         "--host-limit", help="disk32b: offload.host_memory_limit (default 16GiB; a third of the weights scaled)"
     )
+    parser.add_argument("--layers", type=int, help="disk32b: this many of the shape's layers (a smaller disk)")
     parser.add_argument("--no-ram", action="store_true", help="disk32b: skip the all-RAM run (a box without 80 GiB)")
     parser.add_argument("--cpu", action="store_true", help="CPU jobs (with --scale < 1): checks the path anywhere")
     parser.add_argument("--scale", type=float, default=1.0)
@@ -812,7 +817,8 @@ def main() -> None:
         f"{f' --mixed-precision {args.mixed_precision}' if args.mixed_precision != 'no' else ''}"
         f"{' --profile' if args.profile else ''}{f' --kernels {args.kernels}' if args.kernels else ''}"
         f"{' --compile' if args.compile else ''}"
-        f"{f' --host-limit {args.host_limit}' if args.host_limit else ''}{' --no-ram' if args.no_ram else ''}`\n\n"
+        f"{f' --host-limit {args.host_limit}' if args.host_limit else ''}{' --no-ram' if args.no_ram else ''}"
+        f"{f' --layers {args.layers}' if args.layers else ''}`\n\n"
     )
     found = profile_lines(record)
     text = header + markdown(record) + ("\n" + "\n".join(found) + "\n" if found else "")
