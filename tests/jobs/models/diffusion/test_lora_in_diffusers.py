@@ -53,7 +53,7 @@ def _ferry_lora_checkpoint(path: Path, checkpoint: Path) -> Any:
 
 
 @pytest.mark.parametrize("family", ["qwen", "wan", "flux1", "flux2"])
-def test_a_ferry_lora_changes_the_pipelines_transformer_exactly_as_ferrys_model(
+def test_a_ferry_lora_changes_the_pipelines_transformer_as_ferrys_model(
     family: str, pipelines: Path, flux_pipelines: Path, tmp_path: Path
 ) -> None:
     import diffusers
@@ -72,7 +72,10 @@ def test_a_ferry_lora_changes_the_pipelines_transformer_exactly_as_ferrys_model(
     wrapped = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
     assert wrapped == {n for n, m in ferry.named_modules() if hasattr(m, "lora_A")}  # every adapter placed
     assert not torch.allclose(before, expected, atol=1e-3)  # the adapter matters ...
-    torch.testing.assert_close(after, expected, rtol=0, atol=0)  # ... and diffusers applies it as Ferry does
+    # ... and diffusers applies it as Ferry does: to float32 rounding, not bit for bit. The two models reach the same
+    # sums by different module paths (diffusers' own peft integration), and on some CPUs oneDNN's kernels round them
+    # differently (seen: 1.2e-6 at most, where the adapter itself moves the output by more than 1e-3).
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
 
 
 # ---- the LoRA file for ComfyUI (python -m jobs export CHECKPOINT --format lora)
