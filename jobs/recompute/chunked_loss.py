@@ -10,7 +10,7 @@ only the order of the sum differs, so it equals it to float rounding, not bit fo
 (tests/jobs/recompute/test_chunked_loss.py).
 
 Chunking costs the head's matmul again in backward, so a job chunks only where it needs to: its float32 logits
-exceed ``CHUNK_ABOVE_BYTES`` and the fit check's estimate with the whole logits (jobs/fit/estimate.py) would not fit
+exceed ``CHUNK_ABOVE_BYTES`` and the fit check's estimate with the whole logits (jobs/fit/loss_logits.py) would not fit
 the job's device (``offload.gpu_memory_limit``, else the GPU's memory). A job that has room keeps transformers'
 loss (``keep_logits_whole``); a model no job decided for (a CPU job without a limit: no device to measure the room
 against, and the host's memory is shared with the engine's pinned copies) chunks above the threshold. Models with
@@ -54,7 +54,8 @@ def chunk_tokens(vocab: int) -> int:
 
 def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The next-token loss of ``batch`` computed chunk by chunk; None when ``model`` is not one it can split
-    (the caller then asks the model for its own loss) or the logits are small enough to make at once."""
+    (the caller then asks the model for its own loss), the logits are small enough to make at once, or the job
+    has room for them (`keep_logits_whole`)."""
     chunked = _chunked_nll(model, batch, batch["labels"])
     if chunked is None:
         return None
