@@ -28,6 +28,7 @@ from jobs.fit.host_memory import (
     rank_shard,
     trainable_host_bytes,
 )
+from jobs.fit.loss_logits import LossLogitsDecision, with_loss_logits_decided
 from jobs.fit.optimizer_swap import decide_optimizer_swap
 from jobs.fit.sizes import human_bytes
 from jobs.models.names import lora_target_matches
@@ -66,6 +67,9 @@ class MemoryEstimate:
             no room for it (jobs/fit/optimizer_swap.py); ``optimizer_host_bytes`` is then its swap ring.
         trainable_host_bytes: a full fine-tune's pinned host masters and their gradients (under optimizer
             offload, in ``engine_host_bytes``): the part of it that no disk tier moves.
+        whole_logits_peak_bytes: the peak were the loss to make every position's logits at once where it can
+            make them chunk by chunk (0: it would make them at once anyway); ``loss_logits``: what the job does,
+            decided from it (jobs/fit/loss_logits.py; None: nothing to decide), ``peak_device_bytes`` counting it.
     """
 
     peak_device_bytes: int
@@ -82,6 +86,8 @@ class MemoryEstimate:
     host_limit_fits: bool = True
     optimizer_swap_bytes: int = 0
     trainable_host_bytes: int = 0
+    whole_logits_peak_bytes: int = 0
+    loss_logits: LossLogitsDecision | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -115,6 +121,7 @@ def estimate_memory(spec: JobSpec) -> MemoryEstimate:
         estimate = _extrapolated(decided, layers)
     else:
         estimate = _estimate_built(decided)
+    estimate = with_loss_logits_decided(decided, estimate)
     if getattr(spec.model, "tiled_mlp", None) == "auto" and decided.model.tiled_mlp:
         estimate.notes.append(
             "model.tiled_mlp auto: MLPs over tiles, as the estimate with whole ones exceeds the device"
@@ -173,6 +180,7 @@ def _extrapolated(spec: JobSpec, layers: int) -> MemoryEstimate:
         host_limit_fits=large.host_memory_limit is None or engine <= large.host_memory_limit,
         optimizer_swap_bytes=grow(small.optimizer_swap_bytes, large.optimizer_swap_bytes),
         trainable_host_bytes=grow(small.trainable_host_bytes, large.trainable_host_bytes),
+        whole_logits_peak_bytes=grow(small.whole_logits_peak_bytes, large.whole_logits_peak_bytes),
     )
 
 
@@ -300,6 +308,8 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         f"peak = resident {_gib(resident)} + max(activations {_gib(activations)}, optimizer step "
         f"temporaries {_gib(step_temp)}); excludes the CUDA context"
     )
+    whole_logits = family.whole_logits_bytes(spec, model) if family.whole_logits_bytes is not None else None
+    whole_logits_peak = resident + max(activations + whole_logits, step_temp) if whole_logits is not None else 0
     return MemoryEstimate(
         int(peak),
         int(pinned),
@@ -315,6 +325,7 @@ def _estimate_built(spec: JobSpec) -> MemoryEstimate:
         host_limit_fits=host_fits,
         optimizer_swap_bytes=swap.swap_bytes if swap is not None and swap.swap else 0,
         trainable_host_bytes=trainable_host_bytes(model, spec, plan) if plan is not None and spec.lora is None else 0,
+        whole_logits_peak_bytes=int(whole_logits_peak),
     )
 
 

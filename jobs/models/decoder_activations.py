@@ -36,8 +36,10 @@ class DecoderDims:
     uncheckpointed_layers: int = 0
 
 
-def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
-    """Bytes of activations at the peak of one micro-batch of ``spec`` for a decoder of ``dims``."""
+def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims, *, whole_logits: bool = False) -> int:
+    """Bytes of activations at the peak of one micro-batch of ``spec`` for a decoder of ``dims``: with the loss's
+    logits made a chunk at a time where they are large and the model can (``chunked_lm_loss``), or, with
+    ``whole_logits``, all at once (transformers' own loss)."""
     e = activation_element_size(spec)
     h, i, layers = dims.hidden, dims.intermediate, dims.layers
     seq_len = getattr(spec.data, "seq_len", None)
@@ -65,14 +67,41 @@ def decoder_activation_bytes(spec: JobSpec, dims: DecoderDims) -> int:
         kept, block_backward = (layers - whole) * kept_tokens * h * e + whole * layer, max(2 * recomputed, layer)
     else:
         kept, block_backward = layers * (rest if tiled else layer), layer
-    # The loss: logits, their float32 copy and log-softmax. They are gone before the blocks' backward starts,
-    # so the peak is the larger of the two phases on top of what is kept (adding both phases overestimates a
-    # measured LoRA peak; docs hold the comparison).
+    # The loss's logits are gone before the blocks' backward starts, so the peak is the larger of the two phases
+    # on top of what is kept (adding both phases overestimates a measured LoRA peak; docs hold the comparison).
     logits_tokens = n
-    if dims.chunked_logits and n * dims.vocab * 4 > CHUNK_ABOVE_BYTES:
+    if not whole_logits and chunks_logits(spec, dims):
         logits_tokens = min(n, chunk_tokens(dims.vocab))
-    logits = logits_tokens * dims.vocab * (e + 8)
+    logits = logits_tokens * dims.vocab * loss_bytes_per_logit(e)
     return kept + max(logits, block_backward) + 4 * n * h * e  # + embeddings and final norm
+
+
+def decoder_whole_logits_bytes(spec: JobSpec, dims: DecoderDims) -> int | None:
+    """How many bytes more the activations' peak is with the loss's logits made all at once than chunk by chunk
+    (0 where a block's backward is the peak either way); None where the loss would not chunk them (small
+    logits, a model it cannot split)."""
+    if not chunks_logits(spec, dims):
+        return None
+    return decoder_activation_bytes(spec, dims, whole_logits=True) - decoder_activation_bytes(spec, dims)
+
+
+def chunks_logits(spec: JobSpec, dims: DecoderDims) -> bool:
+    """Whether the chunked loss would split a micro-batch's logits unless the job keeps them whole: a model it can
+    split, float32 logits above ``CHUNK_ABOVE_BYTES``."""
+    tokens = rows_per_micro_batch(spec) * (getattr(spec.data, "seq_len", None) or 0)
+    return dims.chunked_logits and tokens * dims.vocab * 4 > CHUNK_ABOVE_BYTES
+
+
+def loss_bytes_per_logit(element_size: int) -> int:
+    """Bytes per logit (position x vocabulary entry) at the peak of transformers' causal-LM loss.
+
+    Its forward holds the head's logits (``element_size``), their float32 copy and the float32 log-softmax
+    (cross-entropy's saved output): ``element_size + 8``; the head's logits are freed once the loss is taken
+    (the caller keeps only the loss). Its backward holds the saved log-softmax, its gradient and the float32
+    logits' gradient: 12. A float32 model's copy is the logits themselves (8 in forward). The chunked loss holds
+    the same per logit of one chunk (tests/jobs/recompute/test_chunked_loss.py counts the live bytes).
+    """
+    return max(element_size + 8, 12)
 
 
 def decoder_checkpointed_inputs(spec: JobSpec, dims: DecoderDims) -> list[int]:

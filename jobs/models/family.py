@@ -92,6 +92,11 @@ class ModelFamily(Generic[JobT]):
             checkpointing keeps from forward to backward, one entry per checkpointed call in the order they are
             saved (a decoder's block inputs); ``offload.activations`` plans their pinned host memory from it.
             None: the family's activations are not offloaded.
+        whole_logits_bytes: ``whole_logits_bytes(job_spec, meta_model) -> int | None``: how much more
+            ``activation_bytes`` would be with the loss's logits made all at once rather than chunk by chunk (None
+            where the loss would make them at once anyway); the fit check keeps them whole where that fits the
+            device (jobs/fit/loss_logits.py) and the job's loss does as it decided. None: the family's loss does
+            not choose.
         whole_units: ``whole_units(model) -> (module name, ...)``: modules the offload engine streams as one unit
             each, whatever ``offload.granularity`` (a frozen vision tower, run once a step); None: none.
         make_text_samples: ``make_text_samples(job_spec, device)``: what answers ``text_samples.prompts`` for data
@@ -129,6 +134,7 @@ class ModelFamily(Generic[JobT]):
     build_on_meta: Callable[[Any, int, torch.device], tuple[nn.Module, WeightSource]] | None = None
     checkpoint_problems: Callable[[Any], list[tuple[str, str, str]]] | None = None
     checkpointed_inputs: Callable[[JobT, nn.Module], list[int]] | None = None
+    whole_logits_bytes: Callable[[JobT, nn.Module], int | None] | None = None
     data_specs: tuple[type[Section], ...] = ()
     job_sections: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
     training_fields: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)

@@ -10,7 +10,12 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from jobs.checkpoints.export import HF_PRETRAINED
-from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes, decoder_checkpointed_inputs
+from jobs.models.decoder_activations import (
+    DecoderDims,
+    decoder_activation_bytes,
+    decoder_checkpointed_inputs,
+    decoder_whole_logits_bytes,
+)
 from jobs.models.family import ModelFamily
 from jobs.models.fused_kernels import apply_liger_kernels
 from jobs.models.hf_names import hf_module_names
@@ -155,6 +160,12 @@ def hf_activation_bytes(spec: JobSpec, model: nn.Module) -> int:
     return decoder_activation_bytes(spec, _dims(model, _mlp_tile_tokens(spec, model), _uncheckpointed(spec)))
 
 
+def hf_whole_logits_bytes(spec: JobSpec, model: nn.Module) -> int | None:
+    """What ``hf_activation_bytes`` would grow by with transformers' loss (every position's logits at once) in
+    place of the chunked one."""
+    return decoder_whole_logits_bytes(spec, _dims(model, _mlp_tile_tokens(spec, model), _uncheckpointed(spec)))
+
+
 def _uncheckpointed(spec: JobSpec) -> int:
     return getattr(spec.model, "uncheckpointed_layers", 0) if spec.training.gradient_checkpointing else 0
 
@@ -256,6 +267,7 @@ FAMILY = ModelFamily(
     build_on_meta=build_hf_causal_lm_on_meta,
     checkpoint_problems=hf_checkpoint_problems,
     checkpointed_inputs=hf_checkpointed_inputs,
+    whole_logits_bytes=hf_whole_logits_bytes,
     exports=frozenset({"gguf", "merged"}),  # jobs/checkpoints/gguf_file.py, export.py read save_pretrained dirs
     apply_kernels=apply_liger_kernels,  # training.kernels: liger (CUDA, with ferry[kernels])
 )

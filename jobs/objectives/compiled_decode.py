@@ -98,6 +98,22 @@ def _one_token_logits(
     return output.logits[:, -1]
 
 
+def mark_static_addresses(cache: Any) -> None:
+    """Mark every tensor the cache's layers hold (keys, values, their write position) as a static address.
+
+    Each step writes the cache in place. Cudagraph trees replay a graph that mutates an input only where that input
+    is a parameter or a static address (one whose memory the graph may keep: it is not copied in before each replay,
+    and a new address records again instead of being read stale); any other mutated input makes inductor skip the
+    graph ("mutated inputs"): the step runs without one. transformers marks a layer's tensors where it makes them,
+    except while dynamo traces; marked here, eagerly, once the prefill has made them, they are static addresses
+    whoever made them. Marking is idempotent: a cache reused by a later generation is marked again at no cost.
+    """
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                torch._dynamo.mark_static_address(value)
+
+
 _fallbacks_logged: set[str] = set()
 
 
@@ -174,6 +190,7 @@ def _decode(
             **{cache_arg: cache},
             **last_only,
         )
+    mark_static_addresses(cache)  # after the prefill made the layers' tensors, before the first compiled step
     token = decode.take(output.logits[:, -1])
     forwards = 1
     step_positions = positions[:, -1:]

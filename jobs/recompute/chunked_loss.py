@@ -9,8 +9,12 @@ transformers' (float32 logits, labels shifted by one, -100 ignored, the sum over
 only the order of the sum differs, so it equals it to float rounding, not bit for bit
 (tests/jobs/recompute/test_chunked_loss.py).
 
-Used for Hugging Face causal LMs whose float32 logits would exceed ``CHUNK_ABOVE_BYTES``; models with logit
-soft-capping, or whose decoder and head cannot be found, keep transformers' loss. The preference objectives'
+Chunking costs the head's matmul again in backward, so a job chunks only where it needs to: its float32 logits
+exceed ``CHUNK_ABOVE_BYTES`` and the fit check's estimate with the whole logits (jobs/fit/loss_logits.py) would not fit
+the job's device (``offload.gpu_memory_limit``, else the GPU's memory). A job that has room keeps transformers'
+loss (``keep_logits_whole``); a model no job decided for (a CPU job without a limit: no device to measure the room
+against, and the host's memory is shared with the engine's pinned copies) chunks above the threshold. Models with
+logit soft-capping, or whose decoder and head cannot be found, keep transformers' loss. The preference objectives'
 per-row log-probs (jobs/objectives/preference.py) are computed the same way (``chunked_completion_logps``).
 """
 
@@ -25,9 +29,22 @@ from torch.utils.checkpoint import checkpoint
 
 from jobs.recompute.flags import rows_from, rows_needing_gradient
 
-CHUNK_ABOVE_BYTES = 2**30  # float32 logits above this are computed in chunks
+CHUNK_ABOVE_BYTES = 2**30  # float32 logits above this are computed in chunks, unless the job has room for them
 CHUNK_BYTES = 2**29  # each chunk's float32 logits (bf16 ones and the gradient come on top)
 IGNORE_INDEX = -100
+_WHOLE_ATTRIBUTE = "_ferry_loss_logits_whole"  # the job's decision, on the model the loss unwraps to
+
+
+def keep_logits_whole(model: nn.Module, whole: bool) -> None:
+    """Record the job's decision on ``model``: ``whole``, its loss is transformers' own whatever the logits'
+    size (the device has room for them); otherwise chunked above ``CHUNK_ABOVE_BYTES``."""
+    base = _unwrapped(model)
+    base.__dict__[_WHOLE_ATTRIBUTE] = whole  # not a submodule, not in the state dict
+
+
+def logits_kept_whole(model: nn.Module) -> bool:
+    """Whether the job decided ``model``'s loss keeps its logits whole (`keep_logits_whole`)."""
+    return bool(_unwrapped(model).__dict__.get(_WHOLE_ATTRIBUTE, False))
 
 
 def chunk_tokens(vocab: int) -> int:
@@ -37,7 +54,8 @@ def chunk_tokens(vocab: int) -> int:
 
 def chunked_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The next-token loss of ``batch`` computed chunk by chunk; None when ``model`` is not one it can split
-    (the caller then asks the model for its own loss) or the logits are small enough to make at once."""
+    (the caller then asks the model for its own loss), the logits are small enough to make at once, or the job
+    has room for them (`keep_logits_whole`)."""
     chunked = _chunked_nll(model, batch, batch["labels"])
     if chunked is None:
         return None
@@ -65,7 +83,7 @@ def _chunked_nll(
     if parts is None:
         return None
     decoder, head, vocab = parts
-    if labels.numel() * vocab * 4 <= CHUNK_ABOVE_BYTES:
+    if labels.numel() * vocab * 4 <= CHUNK_ABOVE_BYTES or logits_kept_whole(model):
         return None
     extra = {name: batch[name] for name in ("position_ids", "attention_mask") if name in batch}
     hidden = decoder(input_ids=batch["input_ids"], **extra).last_hidden_state
@@ -105,9 +123,13 @@ def _chunk_nll(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> 
     return nll.view(targets.shape).sum(-1)  # an ignored position contributes 0
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, int] | None:
+def _unwrapped(model: nn.Module) -> Any:
     get_base = getattr(model, "get_base_model", None)  # peft's wrapper
-    base: Any = get_base() if callable(get_base) else model
+    return get_base() if callable(get_base) else model
+
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module, int] | None:
+    base = _unwrapped(model)
     config = getattr(base, "config", None)
     prefix = getattr(base, "base_model_prefix", None)
     if config is None or not prefix or getattr(config, "final_logit_softcapping", None) is not None:

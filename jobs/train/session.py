@@ -27,6 +27,7 @@ from jobs.models.compiled_blocks import CompiledBlocks, compile_repeated_blocks,
 from jobs.models.fused_kernels import Notice, fused_kernels_notice
 from jobs.models.loading.weight_sources import LoadReport, WeightSource
 from jobs.recompute import apply_activation_checkpointing, offload_checkpointed_inputs
+from jobs.recompute.chunked_loss import keep_logits_whole
 from jobs.reporting.telemetry import peak_rss_bytes
 from jobs.spec.job import JobSpec
 from jobs.train.optim import build_optimizer, build_scheduler
@@ -35,6 +36,7 @@ from offload.options import AUTO_BUDGET
 
 if TYPE_CHECKING:
     from jobs.fit.budget import BudgetDecision
+    from jobs.fit.loss_logits import LossLogitsDecision
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,10 @@ def open_session(spec: JobSpec, output_dir: Path, *, resume: bool, cache_dir: Pa
     family = family_of(spec.model)
     loading_started = time.perf_counter()
     model, loss_fn, source, notices = _setup_model(spec, family, device)
+    loss_logits = _decided_loss_logits(spec)
+    if loss_logits is not None:
+        keep_logits_whole(model, loss_logits.whole)
+        notices.append(("info", loss_logits.message))
     compiled = _setup_compile(spec, model, cache_dir or output_dir / "cache", device)
     if spec.training.compile and compiled is None:
         notices.append(("warning", f"training.compile: {type(model).__name__} has no repeated blocks; it runs eagerly"))
@@ -383,6 +389,18 @@ def _with_mlp_tiling_decided(spec: JobSpec) -> JobSpec:
     decided = with_mlp_tiling_decided(spec)
     log.info("model.tiled_mlp=auto: %s", "tiled" if decided.model.tiled_mlp else "whole MLPs")
     return decided
+
+
+def _decided_loss_logits(spec: JobSpec) -> LossLogitsDecision | None:
+    """Whether the loss makes its logits at once or chunk by chunk, as the fit check decides it
+    (jobs/fit/loss_logits.py); None where the family's loss does not choose or there is no device to size them
+    against (it then chunks large logits)."""
+    from jobs.fit.loss_logits import decide_loss_logits  # builds meta models: only where there is a choice
+
+    decision = decide_loss_logits(spec)
+    if decision is not None:
+        log.info("%s", decision.message)
+    return decision
 
 
 def _decided_budget(spec: JobSpec) -> BudgetDecision | None:

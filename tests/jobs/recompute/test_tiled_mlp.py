@@ -304,7 +304,7 @@ def test_auto_tiles_only_where_the_job_needs_it_to_fit(roots: PathRoots, tokens:
         return estimate_memory(spec_from(merged(job, model=model), roots)).peak_device_bytes
 
     whole, tiled, auto = peak(tiled_mlp=False), peak(tiled_mlp=True), peak()
-    assert tiled < whole
+    assert tiled <= whole  # equal at 4096 tokens: the whole logits, which fit, are the peak there, not the MLP
     assert auto == (whole if whole <= 24 * 2**30 else tiled)
     assert (tokens == 4096) == (whole <= 24 * 2**30)
 
