@@ -104,4 +104,3 @@ def require_current_rules(
     if problem is not None or not is_current(record):
         raise FileFailsRules(record, problem)
     return record
-

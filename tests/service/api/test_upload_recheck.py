@@ -232,8 +232,8 @@ def test_an_old_file_whose_bytes_are_gone_is_refused_naming_it(ferry: openai.Ope
     (data_dir / "uploads" / OLD_GOOD / "train.jsonl").unlink()
     with pytest.raises(openai.BadRequestError) as refused:
         ferry.fine_tuning.jobs.create(model="qwen", training_file=OLD_GOOD, extra_body={"ferry": TINY})
-    assert f"file {OLD_GOOD} (train.jsonl) is listed but its bytes are no longer on disk" in refused.value.body[
-        "message"
-    ]
+    assert (
+        f"file {OLD_GOOD} (train.jsonl) is listed but its bytes are no longer on disk" in refused.value.body["message"]
+    )
     assert ferry.files.retrieve(OLD_GOOD).status == "uploaded"  # not checked: nothing stored about it
     assert stored_jobs(data_dir) == (0, 0)
