@@ -15,9 +15,11 @@ from service.api.errors import ApiError, database_busy
 from service.checking.messages import CheckedSpec
 from service.queue.db import is_locked, retry_locked
 from service.queue.disk import refuse_if_disk_low
+from service.queue.files import FileNotFound, FileStore
 from service.queue.records import JobRecord
 from service.queue.store import JobStore, QueueFull, UploadsGone
 from service.settings import Settings
+from service.uploads.recheck import FileFailsRules, require_current_rules
 
 RETRY_AFTER_S = 10  # a full queue: about when a job may have started and freed a place
 _UPLOAD_ID = re.compile(r"file-[0-9a-f]{1,64}")
@@ -29,6 +31,7 @@ def queue_checked_spec(
     body: bytes,
     *,
     store: JobStore,
+    files: FileStore,
     settings: Settings,
     idempotency_key: str | None,
 ) -> tuple[JobRecord, bool]:
@@ -39,13 +42,15 @@ def queue_checked_spec(
 
     Raises:
         ApiError: 507 when the data directory's disk is low, the checker's refusal (no GPU worker, does not
-            fit), 429 when the queue is full, 409 when an upload the spec names was deleted meanwhile, or 503
+            fit), 422 when an upload it names fails today's upload rules (``refuse_stale_uploads``), 429 when the
+            queue is full, 409 when an upload the spec names was deleted meanwhile, or 503
             (Retry-After) when another connection holds the database's lock through every retry.
         IdempotencyConflict: the key was used with another request; each API answers it in its own words.
     """
     refuse_if_disk_low(settings.data_dir, settings.min_free_disk_bytes)
     if checked.refusal is not None:  # no GPU worker for device: cuda, or estimated not to fit
         raise checked.refusal.error()
+    refuse_stale_uploads(checked.spec, files, settings)
     job_id = f"job-{secrets.token_hex(6)}"  # one id for every try: a try that did commit is found by its key
     try:
         return retry_locked(
@@ -76,25 +81,54 @@ def queue_checked_spec(
         ) from None
 
 
+def refuse_stale_uploads(spec: dict[str, Any], files: FileStore, settings: Settings) -> None:
+    """Check again, by today's upload rules, each fine-tuning upload the resolved spec names that older rules
+    checked (uploads/recheck.py); a 422 naming the spec's field, the file, its row and field where one fails.
+
+    An upload deleted meanwhile is left to ``JobStore.create_job`` (409 ``file_deleted``)."""
+    problems = []
+    for file_id, spec_path in uploads_named_at(spec, settings.uploads_dir).items():
+        try:
+            require_current_rules(
+                files,
+                files.get(file_id),
+                uploads_dir=settings.uploads_dir,
+                max_line_bytes=settings.max_upload_line_bytes,
+            )
+        except FileNotFound:
+            continue
+        except FileFailsRules as fails:
+            problems.append({"path": spec_path, "message": str(fails), "line": None, "suggestion": None})
+    if problems:
+        said = "; ".join(f"{p['path']}: {p['message']}" for p in problems)
+        raise ApiError(422, "invalid_file", said, problems=problems)
+
+
 def uploads_named(spec: dict[str, Any], uploads_dir: Path) -> set[str]:
     """The ids of the uploaded files a resolved spec names: every path under the uploads directory (the checker
     resolved each data path, so an upload named by its id reads ``<uploads>/file-<hex>``)."""
+    return set(uploads_named_at(spec, uploads_dir))
+
+
+def uploads_named_at(spec: dict[str, Any], uploads_dir: Path) -> dict[str, str]:
+    """``uploads_named``, each id with the first spec path that names it (``data.path``, ``eval.path``)."""
     prefix = f"{uploads_dir.resolve()}/"
-    named = set()
-    for text in _strings(spec):
+    named: dict[str, str] = {}
+    for path, text in _strings(spec, ""):
         if text.startswith(prefix):
             first = text[len(prefix) :].split("/", 1)[0]
             if _UPLOAD_ID.fullmatch(first):
-                named.add(first)
+                named.setdefault(first, path)
     return named
 
 
-def _strings(value: Any) -> Iterator[str]:
+def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Every string in ``value`` with its dotted path (``data.sources.0.path``)."""
     if isinstance(value, str):
-        yield value
+        yield path, value
     elif isinstance(value, dict):
-        for item in value.values():
-            yield from _strings(item)
+        for key, item in value.items():
+            yield from _strings(item, f"{path}.{key}" if path else str(key))
     elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _strings(item)
+        for index, item in enumerate(value):
+            yield from _strings(item, f"{path}.{index}" if path else str(index))

@@ -66,7 +66,9 @@ CREATE TABLE IF NOT EXISTS files (
     path       TEXT NOT NULL,                           -- under the uploads directory: <id>/<safe name>
     format     TEXT,                                    -- a checked fine-tuning file: 'chat' or 'preference'
     rows       INTEGER,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    rules_version INTEGER,                              -- the upload rules that checked it; NULL: none did
+    rules_problem TEXT                                  -- JSON {row, field, message}: how it fails those rules
 );
 CREATE TABLE IF NOT EXISTS fine_tuning_jobs (
     job_id          TEXT PRIMARY KEY,                   -- the Ferry job it created (jobs.id)
@@ -150,10 +152,31 @@ def create_schema(path: Path, busy_timeout_s: float | None = None) -> None:
     conn = connect(path, busy_timeout_s)
     try:
         conn.executescript(SCHEMA)
+        _add_missing_columns(conn)
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         _repair_non_finite(conn)
     finally:
         conn.close()
+
+
+# Columns added after a table was first released: CREATE TABLE IF NOT EXISTS leaves an older database's table as
+# it was, so each is added where missing. All are nullable; NULL reads as "not known to this older row".
+ADDED_COLUMNS = {"files": (("rules_version", "INTEGER"), ("rules_problem", "TEXT"))}
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    """Add the columns a database made by an older server lacks (a no-op on one made by this version)."""
+    conn.execute("BEGIN IMMEDIATE")  # two servers starting on one file at once would add a column twice
+    try:
+        for table, columns in ADDED_COLUMNS.items():
+            present = {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns:
+                if name not in present:
+                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 def _repair_non_finite(conn: sqlite3.Connection) -> None:

@@ -53,6 +53,8 @@ class FileRecord:
     format: str | None
     rows: int | None
     created_at: float
+    rules_version: int | None  # the upload rules (uploads/rows.py RULES_VERSION) that checked it; None: none
+    rules_problem: str | None  # JSON {row, field, message}: the first row those rules refuse; None: it passed
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> FileRecord:
@@ -81,14 +83,35 @@ class FileStore:
         path: str,
         format: str | None,
         rows: int | None,
+        rules_version: int | None,
     ) -> FileRecord:
-        """Record a file whose bytes are in place."""
+        """Record a file whose bytes are in place; ``rules_version``: the upload rules its rows passed (None for
+        a file kept as sent)."""
         with self.db.transaction() as conn:
             conn.execute(
-                "INSERT INTO files (id, filename, purpose, bytes, sha256, path, format, rows, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (file_id, filename, purpose, size, sha256, path, format, rows, time.time()),
+                "INSERT INTO files (id, filename, purpose, bytes, sha256, path, format, rows, created_at,"
+                " rules_version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (file_id, filename, purpose, size, sha256, path, format, rows, time.time(), rules_version),
             )
+            return self._get(conn, file_id)
+
+    def record_check(
+        self, file_id: str, *, rules_version: int, format: str | None, rows: int | None, problem: str | None
+    ) -> FileRecord:
+        """Record what a later run of the upload rules (version ``rules_version``) found: the rows' layout and
+        count where they pass, ``problem`` (JSON) where they do not. ``FileNotFound`` if it was deleted meanwhile."""
+        with self.db.transaction() as conn:
+            self._get(conn, file_id)
+            if problem is None:
+                conn.execute(
+                    "UPDATE files SET rules_version = ?, format = ?, rows = ?, rules_problem = NULL WHERE id = ?",
+                    (rules_version, format, rows, file_id),
+                )
+            else:  # the layout it had stays: the answer still says what was uploaded, and why it no longer trains
+                conn.execute(
+                    "UPDATE files SET rules_version = ?, rules_problem = ? WHERE id = ?",
+                    (rules_version, problem, file_id),
+                )
             return self._get(conn, file_id)
 
     def get(self, file_id: str) -> FileRecord:

@@ -32,6 +32,12 @@ TRL_PAIR = ("prompt", "chosen", "rejected")  # TRL's preference layout
 Format = Literal["chat", "image_chat", "preference", "prompt"]
 DEFAULT_MAX_LINE_BYTES = 4 << 20  # Settings.max_upload_line_bytes (FERRY_MAX_UPLOAD_LINE_BYTES)
 MAX_IMAGE_EXAMPLES = 50_000  # OpenAI's vision fine-tuning: examples with images a file (text rows not counted)
+# The version of the upload rules (this file, image_parts.py, image_header.py and the job's row checks they call),
+# stored with each file they check. Bump it whenever a rule changes: a file checked by older rules is checked again
+# by the new ones before a job trains on it (recheck.py). 1: OpenAI's vision limits (10 images and 10 MB an
+# example's image, JPEG/PNG/WEBP in RGB/RGBA, 50,000 image examples, no video parts). Files stored before versions
+# were recorded have none and are checked again too.
+RULES_VERSION = 1
 
 
 class RowProblem(ValueError):

@@ -15,6 +15,8 @@ from service.queue.fine_tuning import FineTuningRecord
 from service.queue.records import EventRecord, JobRecord
 from service.queue.status import JobStatus
 from service.queue.stored_json import NON_FINITE, finite
+from service.uploads.recheck import is_current, rules_problem
+from service.uploads.rows import RULES_VERSION
 
 # Ferry's statuses as OpenAI names them. OpenAI has no pause: a paused job says so. An interrupted job is
 # queued again at once (or fails when its retries are spent).
@@ -39,7 +41,12 @@ _STATUS_MESSAGES = {
 
 
 class FilePublic(BaseModel):
-    """An uploaded file (OpenAI's ``file``), with its SHA-256 and, for a fine-tuning file, its rows' layout."""
+    """An uploaded file (OpenAI's ``file``), with its SHA-256 and, for a fine-tuning file, its rows' layout.
+
+    ``status``: ``processed`` once today's upload rules passed its rows (or for a file kept as sent), ``error``
+    where they refuse a row (``status_details`` names it and the fix), ``uploaded`` for a file that only older
+    rules checked and nothing has read since (a job naming it, or ``GET /v1/files/{id}``, checks it again).
+    ``rules_version``: the version of the upload rules that last checked it (None: none did)."""
 
     id: str
     object: Literal["file"] = "file"
@@ -47,16 +54,21 @@ class FilePublic(BaseModel):
     created_at: int
     filename: str
     purpose: str
-    status: Literal["processed"] = "processed"
+    status: Literal["uploaded", "processed", "error"] = "processed"
     status_details: str | None = None
     expires_at: int | None = None
     sha256: str
     format: str | None = None  # chat | image_chat (chats with images) | preference | prompt (reinforcement rows)
     rows: int | None = None
+    rules_version: int | None = None
 
     @classmethod
     def from_record(cls, record: FileRecord) -> FilePublic:
+        status, details = _file_status(record)
         return cls(
+            status=status,
+            status_details=details,
+            rules_version=record.rules_version,
             id=record.id,
             bytes=record.bytes,
             created_at=int(record.created_at),
@@ -66,6 +78,21 @@ class FilePublic(BaseModel):
             format=record.format,
             rows=record.rows,
         )
+
+
+def _file_status(record: FileRecord) -> tuple[Literal["uploaded", "processed", "error"], str | None]:
+    problem = rules_problem(record)
+    if problem is not None:
+        return "error", (
+            f"fails the upload rules of version {record.rules_version}: {problem}; a job naming this file is "
+            "refused. Fix that row and upload the file again (POST /v1/files)"
+        )
+    if not is_current(record):
+        return "uploaded", (
+            f"checked at upload by older upload rules than today's (version {RULES_VERSION}); checked again when a "
+            "job names it or GET /v1/files/{id} reads it"
+        )
+    return "processed", None
 
 
 class ListPage(BaseModel):

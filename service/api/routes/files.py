@@ -2,7 +2,9 @@
 
 An upload is streamed to ``<uploads>/<id>/<name>`` (a data root) with its SHA-256, under its own size limit
 (``FERRY_MAX_UPLOAD_BYTES``). A ``fine-tune`` file's rows are checked before it is kept: a 422 names the first
-bad row and field. A spec names an upload by its id: ``data: {path: file-<hex>}``.
+bad row and field. The file stores the version of the rules that checked it; one checked by older rules is checked
+again when it is read or a job names it (``uploads/recheck.py``). A spec names an upload by its id:
+``data: {path: file-<hex>}``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from service.queue.files import FileInUse, FileNotFound, FileRecord, FileStore
 from service.queue.store import storable
 from service.settings import Settings
 from service.uploads.receive import UploadNoSpace, UploadTooLarge, UploadWriter, remove_upload, safe_name
-from service.uploads.rows import RowProblem, check_fine_tuning_rows
+from service.uploads.recheck import CHECKED_PURPOSE, recheck
+from service.uploads.rows import RULES_VERSION, RowProblem, check_fine_tuning_rows
 
 router = APIRouter(prefix="/files", tags=["files"])
-PURPOSES = ("fine-tune", "user_data")  # fine-tune: rows checked on upload; user_data: kept as sent
+PURPOSES = (CHECKED_PURPOSE, "user_data")  # fine-tune: rows checked on upload; user_data: kept as sent
 CHUNK = 1 << 20
 FILE_ID = r"^file-[0-9a-f]{1,64}$"
 _ERRORS: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
@@ -134,9 +137,16 @@ def list_files(
 
 
 @router.get("/{file_id}", responses=_ERRORS)
-def read_file(file_id: str, files: FilesDep) -> FilePublic:
-    """One file: name, purpose, size, SHA-256, and for a fine-tuning file its row layout and count."""
-    return FilePublic.from_record(_found(files, file_id))
+def read_file(file_id: str, files: FilesDep, settings: SettingsDep) -> FilePublic:
+    """One file: name, purpose, size, SHA-256, and for a fine-tuning file its row layout and count. A fine-tuning
+    file checked by older upload rules is checked by today's first (uploads/recheck.py): ``status`` is
+    ``processed`` where it passes, ``error`` (``status_details`` names the row and field) where it does not."""
+    record = _found(files, file_id)
+    try:
+        record = recheck(files, record, uploads_dir=settings.uploads_dir, max_line_bytes=settings.max_upload_line_bytes)
+    except FileNotFound as missing:  # deleted while it was read
+        raise ApiError(404, "not_found", str(missing)) from None
+    return FilePublic.from_record(record)
 
 
 @router.get(
@@ -188,7 +198,7 @@ def _checked_purpose(purpose: str | None) -> str:
 def _keep(files: FileStore, file_id: str, filename: str, purpose: str, received: Any, settings: Settings) -> FilePublic:
     """Check a fine-tuning file's rows (422 naming the first bad one), then record the file."""
     checked = None
-    if purpose == "fine-tune":
+    if purpose == CHECKED_PURPOSE:
         try:
             checked = check_fine_tuning_rows(received.path, max_line_bytes=settings.max_upload_line_bytes)
         except RowProblem as problem:
@@ -207,6 +217,7 @@ def _keep(files: FileStore, file_id: str, filename: str, purpose: str, received:
         path=str(received.path.relative_to(received.path.parents[1])),
         format=checked.format if checked else None,
         rows=checked.rows if checked else None,
+        rules_version=RULES_VERSION if checked else None,
     )
     return FilePublic.from_record(record)
 

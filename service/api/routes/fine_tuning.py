@@ -38,6 +38,7 @@ from service.queue.files import FileNotFound, FileStore
 from service.queue.fine_tuning import FineTuningRecord
 from service.queue.store import IdempotencyConflict
 from service.settings import Settings
+from service.uploads.recheck import CHECKED_PURPOSE, FileFailsRules, require_current_rules
 from service.uploads.rows import first_image_row
 
 router = APIRouter(prefix="/fine_tuning/jobs", tags=["fine-tuning (OpenAI-compatible)"], route_class=OpenAIRoute)
@@ -63,10 +64,10 @@ def create_fine_tuning_job(
 ) -> FineTuningJobPublic:
     """Create a fine-tuning job from uploaded files; it is checked as ``POST /v1/jobs`` checks a spec, then queued."""
     create = parse_create(body)
-    training = _uploaded(files, create.training_file, "training_file")
+    training = _uploaded(files, create.training_file, "training_file", settings)
     uploads = [("training_file", training)]
     if create.validation_file:
-        uploads.append(("validation_file", _uploaded(files, create.validation_file, "validation_file")))
+        uploads.append(("validation_file", _uploaded(files, create.validation_file, "validation_file", settings)))
     image_text = is_image_text_model(create.model, settings.effective_model_roots)
     if not image_text:
         for param, record in uploads:
@@ -79,7 +80,7 @@ def create_fine_tuning_job(
             CheckRequest.for_service(text, settings, scheduler.slots, gpus.gpus(), queue_anyway=False, fit="refuse")
         )
         job, created = queue_checked_spec(
-            checked, text, body, store=store, settings=settings, idempotency_key=idempotency_key
+            checked, text, body, store=store, files=files, settings=settings, idempotency_key=idempotency_key
         )
     except IdempotencyConflict:
         raise request_error(
@@ -228,16 +229,24 @@ def _refuse_images_for_a_text_model(model: str, param: str, record: Any, setting
     )
 
 
-def _uploaded(files: FileStore, file_id: str, param: str) -> Any:
+def _uploaded(files: FileStore, file_id: str, param: str, settings: Settings) -> Any:
+    """The fine-tuning upload ``file_id``, its rows passed by today's upload rules (checked again first where
+    older rules checked them: the layout they give builds the spec); a 400 naming ``param`` otherwise."""
+    missing = request_error(param, f"{param}: no uploaded file {file_id!r}; upload it with POST /v1/files first.")
     try:
         record = files.get(file_id)
     except FileNotFound:
-        raise request_error(
-            param, f"{param}: no uploaded file {file_id!r}; upload it with POST /v1/files first."
-        ) from None
-    if record.purpose != "fine-tune":
+        raise missing from None
+    if record.purpose != CHECKED_PURPOSE:
         raise request_error(
             param,
             f"{param}: file {file_id} was uploaded with purpose {record.purpose!r}; upload it with purpose 'fine-tune'.",
         )
-    return record
+    try:
+        return require_current_rules(
+            files, record, uploads_dir=settings.uploads_dir, max_line_bytes=settings.max_upload_line_bytes
+        )
+    except FileNotFound:  # deleted while it was read
+        raise missing from None
+    except FileFailsRules as fails:
+        raise request_error(param, f"{param}: {fails}") from None

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response, status
 
 from service.api.deps import (
+    FilesDep,
     GpuMonitorDep,
     SchedulerDep,
     SettingsDep,
@@ -21,7 +22,7 @@ from service.api.deps import (
 from service.api.errors import INT64_MAX, ApiError
 from service.api.intake import spec_text_from_body
 from service.api.schemas import ErrorBody, JobPublic, JobsPublic, ValidationPublic
-from service.api.submission import queue_checked_spec
+from service.api.submission import queue_checked_spec, refuse_stale_uploads
 from service.checking.messages import CheckRequest
 from service.queue.disk import refuse_if_disk_low, with_space_to_free
 from service.queue.status import JobStatus
@@ -59,6 +60,7 @@ def create_job(
     request: Request,
     response: Response,
     store: StoreDep,
+    files: FilesDep,
     scheduler: SchedulerDep,
     settings: SettingsDep,
     gpus: GpuMonitorDep,
@@ -82,7 +84,7 @@ def create_job(
     checked = checker.check(check)  # the spec's problems: 422, all at once (in the checker's process)
     try:
         job, created = queue_checked_spec(
-            checked, text, body, store=store, settings=settings, idempotency_key=idempotency_key
+            checked, text, body, store=store, files=files, settings=settings, idempotency_key=idempotency_key
         )
     except IdempotencyConflict:
         raise ApiError(
@@ -104,6 +106,7 @@ def validate_job(
     body: SpecBody,
     request: Request,
     settings: SettingsDep,
+    files: FilesDep,
     scheduler: SchedulerDep,
     gpus: GpuMonitorDep,
     checker: SpecCheckerDep,
@@ -122,6 +125,7 @@ def validate_job(
     checked = checker.check(check)
     if checked.refusal is not None:
         raise checked.refusal.error()
+    refuse_stale_uploads(checked.spec, files, settings)
     return ValidationPublic(
         valid=True,
         name=checked.name,
