@@ -277,11 +277,13 @@ class OffloadSpec(Section):
         description="a frozen weight whose ring slot still holds it from its last visit is not copied again "
         "(false: copy on every visit)",
     )
+    # auto by default: a long sequence that fits only with its block inputs on the host runs on the first try instead
+    # of being refused (a job that fits keeps them on the device and streams nothing more).
     activations: bool | Literal["auto"] = Field(
-        False,
+        "auto",
         description="keep what gradient checkpointing saves (each block's input) in pinned host memory until "
-        "its recompute, so the sequence length is bound by host memory; auto: when the estimate says they "
-        "would not fit in offload.gpu_memory_limit (or the GPU)",
+        "its recompute, so the sequence length is bound by host memory; auto (the default): when the estimate "
+        "says they would not fit in offload.gpu_memory_limit (or the GPU); false: never",
     )
 
     @field_validator("gpu_memory_budget", "gpu_memory_limit", "host_memory_limit")

@@ -96,3 +96,16 @@ def test_activation_offload_needs_checkpointing_and_model_offload(
     with pytest.raises(JobSpecError) as error:
         spec_from(data, roots)
     assert path in str(error.value)
+
+
+def test_by_default_a_job_that_fits_only_with_its_block_inputs_on_the_host_puts_them_there(roots: PathRoots) -> None:
+    # The speed bench's 16k-token 3B LoRA under 6 GiB was refused with the old default (false): its estimate was
+    # 7.35 GiB with the inputs on the device, 5.91 GiB with them on the host.
+    deep = merged(LM, model={"num_layers": 6})
+    never = merged(deep, offload={**OFFLOAD, "activations": False})
+    needed = estimate_memory(spec_from(never, roots)).peak_device_bytes
+    tight = spec_from(merged(deep, offload={"gpu_memory_limit": needed - 1}), roots)
+    assert tight.offload.activations == "auto"
+    assert offloaded_activations(tight) == (INPUT_BYTES,) * 6
+    assert estimate_memory(tight).peak_device_bytes < needed
+    assert offloaded_activations(spec_from(merged(deep, offload={"gpu_memory_limit": needed + 1}), roots)) == ()
