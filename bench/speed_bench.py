@@ -130,7 +130,8 @@ def ferry_cell(root: Path, cell: str, tokens: int, steps: int, limit: str | None
     try:
         run = run_in_process(spec, root, output=f"out-{cell}")
     except Exception as error:  # a spec this version refuses (no training.compile yet) is a row, not a crash
-        problems = " ".join(line.strip() for line in str(error).splitlines()[1:3])
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        problems = " ".join(lines[1:3] or lines)  # a listed refusal's first problems, or a one-line error whole
         return {"status": f"refused: {problems[:200]}", "median_step_s": None}
     offload = run.get("offload") or {}
     return {"status": run["status"], "median_step_s": run["median_step_s"], "allocated_gib": run["device_peak_gib"],
