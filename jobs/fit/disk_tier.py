@@ -33,9 +33,16 @@ def loads_into_pinned_memory(spec: JobSpec, family: ModelFamily[Any]) -> bool:
     return (
         offload.enable_model_cpu_offload
         and family.build_on_meta is not None
-        and family.apply_lora is None  # a family's own adapters may need the weights
         and (spec.lora is not None or offload.enable_optimizer_cpu_offload)
+        and (spec.lora is None or _adapts_on_meta(spec, family))
     )
+
+
+def _adapts_on_meta(spec: JobSpec, family: ModelFamily[Any]) -> bool:
+    """peft's adapters need no base weight's values; a family's own ``apply_lora`` may, unless it says not."""
+    if family.apply_lora is None:
+        return True
+    return family.adapts_on_meta is not None and family.adapts_on_meta(spec)
 
 
 def with_host_memory_limit(spec: JobSpec, limit: int | None) -> JobSpec:
