@@ -91,6 +91,7 @@ def build_image_text_model_on_meta(
     from transformers.initialization import no_init_weights
 
     config = image_text_config(Path(spec.path))
+    torch.manual_seed(seed)  # as the in-memory build seeds: LoRA's adapters, drawn next, are the same
     with init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, spec.dtype))
     model.tie_weights()  # a tied head is one tensor: one pinned copy, loaded once (as in hf_causal_lm.py)
