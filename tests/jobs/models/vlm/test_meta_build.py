@@ -25,7 +25,14 @@ from jobs.spec.job import LoraSpec
 from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import spec_from
 from tests.jobs.models.test_weight_sources import assert_bitwise_equal, through_the_engine
-from tests.jobs.vlm_helpers import COLOURS, colour_record, save_tiny_idefics3, save_tiny_qwen2_5_vl, solid_png, write_jsonl
+from tests.jobs.vlm_helpers import (
+    COLOURS,
+    colour_record,
+    save_tiny_idefics3,
+    save_tiny_qwen2_5_vl,
+    solid_png,
+    write_jsonl,
+)
 
 ARCHS = {"qwen": save_tiny_qwen2_5_vl, "idefics": save_tiny_idefics3}
 
