@@ -48,6 +48,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(root / name, sharded)
         (sharded / "model.safetensors").unlink()
         AutoModelForImageTextToText.from_pretrained(root / name).save_pretrained(sharded, max_shard_size="100KB")
+    save_tiny_qwen2_5_vl(root / "qwen-tied", tie_word_embeddings=True)  # no lm_head stored: it is the embedding
     return root
 
 
@@ -63,7 +64,7 @@ def _spec(path: Path, **fields: object) -> HFImageTextToTextSpec:
     return HFImageTextToTextSpec(kind="hf_image_text_to_text", path=path, dtype="float32", **fields)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["qwen", "qwen-sharded", "idefics", "idefics-sharded"])
+@pytest.mark.parametrize("name", ["qwen", "qwen-sharded", "qwen-tied", "idefics", "idefics-sharded"])
 def test_the_meta_build_holds_exactly_what_from_pretrained_gives(models: Path, name: str) -> None:
     from transformers import AutoModelForImageTextToText
 
@@ -80,6 +81,9 @@ def test_the_meta_build_holds_exactly_what_from_pretrained_gives(models: Path, n
     assert FAMILY.checkpoint_problems(_spec(models / name)) == []
     model, source = FAMILY.build_on_meta(_spec(models / name), 0, torch.device("cpu"))
     assert source.kind == "safetensors" and all(p.is_meta for p in model.parameters())
+    if name == "qwen-tied":
+        assert "lm_head.weight" not in stored
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # one pinned copy
     assert_bitwise_equal(through_the_engine(model, source), ordinary.state_dict())
     buffers = dict(ordinary.named_buffers())  # the rotary frequencies, not in the state dict: built, not loaded
     assert buffers.keys() == dict(model.named_buffers()).keys()
