@@ -16,12 +16,14 @@ from safetensors.torch import load_file, save_file
 
 from jobs import PathRoots, run_job
 from jobs.events import StartedEvent, StepEvent
+from jobs.fit.disk_tier import loads_into_pinned_memory
 from jobs.models.lora import adapters_stay_on_the_cpu
 from jobs.models.vlm.batches import build_image_chat_data
 from jobs.models.vlm.family import FAMILY
 from jobs.models.vlm.processor import ProcessorText, load_processor
 from jobs.models.vlm.spec import HFImageTextToTextSpec, ImageChatDataSpec
 from jobs.spec.job import LoraSpec
+from jobs.spec.preflight import preflight_problems
 from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import spec_from
 from tests.jobs.models.test_weight_sources import assert_bitwise_equal, through_the_engine
@@ -116,13 +118,31 @@ def test_names_the_renamings_cannot_place_load_whole_with_a_warning(
     assert_bitwise_equal(through_the_engine(model, source), FAMILY.build(spec, 0).state_dict())
 
 
-def test_a_checkpoint_lacking_a_tensor_is_refused_at_submit_and_at_load(tmp_path: Path, models: Path) -> None:
+def test_a_checkpoint_lacking_a_tensor_is_refused_at_submit_and_at_load(
+    tmp_path: Path, models: Path, colours: Path
+) -> None:
     spec = _spec(_resave(models / "qwen", tmp_path / "truncated", {"lm_head.weight": None}))
     assert FAMILY.build_on_meta is not None and FAMILY.checkpoint_problems is not None
     problems = FAMILY.checkpoint_problems(spec)
     assert [p[0] for p in problems] == ["lm_head.weight"] and "does not have it" in problems[0][2]
     with pytest.raises(ValueError, match="lm_head.weight"):
         FAMILY.build_on_meta(spec, 0, torch.device("cpu"))
+    roots = PathRoots(model_roots=[tmp_path], data_roots=[colours.parent])
+    submitted = preflight_problems(_job(roots, {"path": "truncated"}, offload=True), roots)  # type: ignore[arg-type]
+    assert any(p.path == "model.path" and "'lm_head.weight'" in p.message for p in submitted), submitted
+
+
+@pytest.mark.parametrize(
+    ("tower", "saved", "offload", "on_meta"),
+    [(False, [], True, True), (True, [], True, False), (False, ["lm_head"], True, False), (False, [], False, False)],
+)
+def test_lora_jobs_build_on_meta_unless_peft_copies_a_module_to_train_in_full(
+    models: Path, colours: Path, tower: bool, saved: list[str], offload: bool, on_meta: bool
+) -> None:
+    roots = PathRoots(model_roots=[models], data_roots=[colours.parent])
+    job = _job(roots, {"path": "qwen", "train_vision_tower": tower}, offload=offload)
+    job = job.model_copy(update={"lora": job.lora.model_copy(update={"modules_to_save": saved})})  # type: ignore[attr-defined]
+    assert loads_into_pinned_memory(job, FAMILY) is on_meta  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
