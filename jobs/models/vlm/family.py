@@ -120,9 +120,9 @@ def _check_image_samples_section(spec: JobSpec, family: ModelFamily[Any]) -> lis
 
 
 def _adapters_only(spec: JobSpec) -> bool:
-    """LoRA adds adapters and nothing else: no module (the tower with ``train_vision_tower``) copied to train in
-    full, which would copy a meta model's absent values."""
-    return spec.lora is None or not (spec.model.train_vision_tower or spec.lora.modules_to_save)
+    """LoRA adds adapters and nothing else: the tower is not copied to train in full (``train_vision_tower``, peft's
+    ``modules_to_save``), which would copy a meta model's absent values."""
+    return spec.lora is None or not spec.model.train_vision_tower
 
 
 FAMILY = ModelFamily(
