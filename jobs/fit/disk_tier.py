@@ -28,14 +28,23 @@ def loads_into_pinned_memory(spec: JobSpec, family: ModelFamily[Any]) -> bool:
     """Whether the job builds its model on the meta device and fills the engine's pinned arena straight from
     its weight source: model offload with a family that can, and the trainable weights either adapters
     (materialized apart) or hosted by optimizer offload (full fine-tuning without it keeps every weight on
-    the device). Only such a job can leave frozen weights in their files."""
+    the device). Only such a job can leave frozen weights in their files. Not with ``lora.modules_to_save``: peft
+    copies those modules' values when it wraps them, and a meta module has none (the copy would train from the
+    zeros standing in for it, jobs/models/lora.py ``adapters_stay_on_the_cpu``)."""
     offload = spec.offload
     return (
         offload.enable_model_cpu_offload
         and family.build_on_meta is not None
-        and family.apply_lora is None  # a family's own adapters may need the weights
         and (spec.lora is not None or offload.enable_optimizer_cpu_offload)
+        and (spec.lora is None or (not spec.lora.modules_to_save and _adapts_on_meta(spec, family)))
     )
+
+
+def _adapts_on_meta(spec: JobSpec, family: ModelFamily[Any]) -> bool:
+    """peft's adapters need no base weight's values; a family's own ``apply_lora`` may, unless it says not."""
+    if family.apply_lora is None:
+        return True
+    return family.adapts_on_meta is not None and family.adapts_on_meta(spec)
 
 
 def with_host_memory_limit(spec: JobSpec, limit: int | None) -> JobSpec:

@@ -83,6 +83,10 @@ class ModelFamily(Generic[JobT]):
         build_on_meta: ``build_on_meta(model_spec, seed, device) -> (meta model, WeightSource)``: the model
             with its weights on the meta device and the source that fills the offload engine's pinned host
             copies directly (jobs/models/loading/weight_sources.py); None when the family can only be built in memory.
+        adapts_on_meta: ``adapts_on_meta(job_spec) -> bool``: whether the family's own ``apply_lora`` adapts this
+            job's model built by ``build_on_meta`` (it reads no frozen weight's values: adapters only, no module
+            copied to train in full), so LoRA jobs load into pinned memory too; None: it may read them, and a
+            LoRA job of a family with its own ``apply_lora`` builds in memory.
         checkpoint_problems: ``checkpoint_problems(model_spec) -> [(tensor, file, message)]``: the ways the
             checkpoint fails to fill the model, read from the files' headers at submit time (missing,
             unexpected, misshapen tensors); None when the family has no such check.
@@ -132,6 +136,7 @@ class ModelFamily(Generic[JobT]):
     )
     drop_precomputed: Callable[[JobT, nn.Module], None] | None = None
     build_on_meta: Callable[[Any, int, torch.device], tuple[nn.Module, WeightSource]] | None = None
+    adapts_on_meta: Callable[[JobT], bool] | None = None
     checkpoint_problems: Callable[[Any], list[tuple[str, str, str]]] | None = None
     checkpointed_inputs: Callable[[JobT, nn.Module], list[int]] | None = None
     whole_logits_bytes: Callable[[JobT, nn.Module], int | None] | None = None

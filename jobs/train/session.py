@@ -242,13 +242,14 @@ def _setup_model(
     if training.gradient_checkpointing:
         enable_gradient_checkpointing(model, spec.model)  # the model's own switch, then Ferry's policy on it
         apply_activation_checkpointing(model, uncheckpointed_layers=getattr(spec.model, "uncheckpointed_layers", 0))
-    if spec.lora is not None and family.apply_lora is not None:
-        model = family.apply_lora(model, spec.lora)
-    elif spec.lora is not None:
+    if spec.lora is not None:
         from jobs.models.lora import adapters_stay_on_the_cpu, apply_lora  # peft is slow to import: LoRA jobs only
 
         with adapters_stay_on_the_cpu(model):  # changes nothing unless the base is on the meta device
-            model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
+            if family.apply_lora is not None:
+                model = family.apply_lora(model, spec.lora)
+            else:
+                model = apply_lora(model, spec.lora, task_type=family.peft_task_type)
     if training.mixed_precision != "no":
         keep_trainable_in_float32(model)  # before a checkpoint's float32 weights load into it
     if spec.lora is not None:

@@ -47,8 +47,9 @@ def _tokenizer(special: list[str]) -> Any:
     )
 
 
-def save_tiny_qwen2_5_vl(directory: Path, *, max_pixels: int = 56 * 56 * 4) -> Path:
-    """A 2-layer Qwen2.5-VL (hidden 32) with a 2-block vision tower, its processor and tokenizer."""
+def save_tiny_qwen2_5_vl(directory: Path, *, max_pixels: int = 56 * 56 * 4, tie_word_embeddings: bool = False) -> Path:
+    """A 2-layer Qwen2.5-VL (hidden 32) with a 2-block vision tower, its processor and tokenizer; the output head
+    tied to the input embedding with ``tie_word_embeddings`` (as Qwen2.5-VL-3B's is)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -78,6 +79,7 @@ def save_tiny_qwen2_5_vl(directory: Path, *, max_pixels: int = 56 * 56 * 4) -> P
         video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(0)
     Qwen2_5_VLForConditionalGeneration(config).save_pretrained(directory)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -54,11 +54,16 @@ class CheckpointCannotStream(Exception):
 
 @dataclass(frozen=True)
 class CheckpointProblem:
-    """Something ``from_pretrained`` would load wrongly or not at all, with the tensor and file it concerns."""
+    """Something ``from_pretrained`` would load wrongly or not at all, with the tensor and file it concerns.
+
+    ``kind``: ``unexpected`` (a stored tensor the renamings place nowhere in the model), ``missing`` (a model
+    tensor no stored one fills), or ``file`` (a shard, shape or dtype that cannot load).
+    """
 
     tensor: str
     file: str
     message: str
+    kind: Literal["unexpected", "missing", "file"] = "file"
 
     def __str__(self) -> str:
         return f"{self.tensor} ({self.file}): {self.message}"
@@ -167,7 +172,9 @@ class CheckpointPlan:
             if target not in meta:
                 if not any(p.search(key) for p in ignored_unexpected):
                     self.problems.append(
-                        CheckpointProblem(key, entry.file.name, "the model has no such tensor (unexpected)")
+                        CheckpointProblem(
+                            key, entry.file.name, "the model has no such tensor (unexpected)", "unexpected"
+                        )
                     )
                 continue
             if entry.dtype_name not in SAFETENSORS_DTYPES:
@@ -218,6 +225,7 @@ class CheckpointPlan:
                     _weights_file_of(stored),
                     "the model needs this tensor; the checkpoint does "
                     "not have it (a missing or truncated shard, or a config.json of another model)",
+                    "missing",
                 )
             )
         self._realized: dict[str, torch.Tensor] = {}
@@ -358,21 +366,40 @@ class PretrainedSource(WeightSource):
         return super().finish()
 
 
-def checkpoint_problems(model: nn.Module, directory: Path) -> list[CheckpointProblem]:
+def checkpoint_problems(
+    model: nn.Module, directory: Path, *, unmapped_loads_whole: bool = False
+) -> list[CheckpointProblem]:
     """Every way the checkpoint in ``directory`` fails to fill ``model`` (meta, weights tied), from headers
     alone. Empty when it loads, or when it can only load whole (`CheckpointCannotStream`: no fault of the
-    checkpoint's)."""
+    checkpoint's). ``unmapped_loads_whole``: stored names the renamings cannot place are no fault either
+    (`unmapped_names`): `checkpoint_source` loads such a checkpoint whole."""
     try:
         stored, problems = stored_tensors(directory)
         named = {p.tensor for p in problems}  # a tensor the index promises is then also missing: say it once
-        return problems + [p for p in CheckpointPlan(model, stored).problems if p.tensor not in named]
+        problems += [p for p in CheckpointPlan(model, stored).problems if p.tensor not in named]
     except CheckpointCannotStream:
         return []
+    if unmapped_loads_whole and unmapped_names(problems):
+        return [p for p in problems if p.kind == "file"]
+    return problems
 
 
-def checkpoint_source(model: nn.Module, directory: Path, load: Callable[[], nn.Module]) -> WeightSource:
+def unmapped_names(problems: list[CheckpointProblem]) -> bool:
+    """Whether the problems are only names that transformers' renamings, as Ferry applies them, do not place: some
+    stored tensor lands nowhere in the model (and model tensors then go unfilled), but no shard, shape or dtype is
+    at fault. ``from_pretrained`` may still place them (a VLM whose class renames keys in code Ferry does not
+    reach); a checkpoint that only lacks tensors (a truncated one) is not this."""
+    kinds = {p.kind for p in problems}
+    return "unexpected" in kinds and kinds <= {"unexpected", "missing"}
+
+
+def checkpoint_source(
+    model: nn.Module, directory: Path, load: Callable[[], nn.Module], *, unmapped_loads_whole: bool = False
+) -> WeightSource:
     """The source that fills ``model`` (meta, weights tied) from ``directory`` as ``from_pretrained`` would:
-    planned from the headers, or ``load`` (the whole ``from_pretrained``) where the checkpoint cannot stream.
+    planned from the headers, or ``load`` (the whole ``from_pretrained``) where the checkpoint cannot stream,
+    and, with ``unmapped_loads_whole``, where its names are `unmapped_names` (with a warning: never the wrong
+    tensors, at the cost of the model's size in extra host memory).
 
     Raises:
         ValueError: the checkpoint cannot fill the model; every problem named with its tensor and file.
@@ -384,6 +411,17 @@ def checkpoint_source(model: nn.Module, directory: Path, load: Callable[[], nn.M
         logger.warning("%s: loading it whole with from_pretrained (it cannot stream into pinned memory)", why)
         return PretrainedSource(model, load)
     problems += plan.problems
+    if unmapped_loads_whole and unmapped_names(problems):
+        unexpected = [p.tensor for p in problems if p.kind == "unexpected"]
+        logger.warning(
+            "model.path %s: %d stored tensors (%s) map to no tensor of %s by transformers' renamings: loading it "
+            "whole with from_pretrained, in ordinary memory first",
+            directory,
+            len(unexpected),
+            ", ".join(unexpected[:3]),
+            type(model).__name__,
+        )
+        return PretrainedSource(model, load)
     if problems:
         shown = "; ".join(str(p) for p in problems[:5])
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

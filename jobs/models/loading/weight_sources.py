@@ -206,7 +206,10 @@ class SeededInitSource(WeightSource):
 
 
 class RandomSource(WeightSource):
-    """``model.init: random``: N(0, ``std``) matrices, ones for norm weights, zeros for biases (see module)."""
+    """``model.init: random``: N(0, ``std``) matrices, ones for norm weights, zeros for biases (see module).
+
+    A norm weight is one named ``*norm*.weight`` or one of a module whose class is a norm (Qwen2.5-VL's vision
+    merger keeps its RMSNorm as ``ln_q``): zero there, it would zero everything after it."""
 
     kind = "random"
 
@@ -214,12 +217,18 @@ class RandomSource(WeightSource):
         super().__init__(model)
         self.seed, self.std = seed, std
         self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.norm_weights = {
+            id(module.weight)
+            for module in model.modules()
+            if "norm" in type(module).__name__.lower() and isinstance(getattr(module, "weight", None), torch.Tensor)
+        }
 
     def fill(self, name: str, tensor: torch.Tensor, host: torch.Tensor) -> None:
         self.bytes += host.numel() * host.element_size()
         first = self.names.get(id(tensor), [name])[0]
         if host.dim() < 2:  # norms, biases
-            host.fill_(1.0 if "norm" in first and first.endswith("weight") else 0.0)
+            norm = id(tensor) in self.norm_weights or "norm" in first
+            host.fill_(1.0 if norm and first.endswith("weight") else 0.0)
             return
         flat = host.view(-1) if host.is_contiguous() else host.reshape(-1)
         for chunk, start in enumerate(range(0, flat.numel(), CHUNK_ELEMENTS)):

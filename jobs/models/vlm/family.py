@@ -20,8 +20,10 @@ from jobs.models.vlm.model import (
     IMAGE_TEXT_WEIGHTS,
     apply_image_text_lora,
     build_image_text_model,
+    build_image_text_model_on_meta,
     enable_image_text_checkpointing,
     image_text_activation_bytes,
+    image_text_checkpoint_problems,
     image_text_loss,
     meta_image_text_model,
     vision_tower_name,
@@ -117,6 +119,12 @@ def _check_image_samples_section(spec: JobSpec, family: ModelFamily[Any]) -> lis
     return problems
 
 
+def _adapters_only(spec: JobSpec) -> bool:
+    """LoRA adds adapters and nothing else: the tower is not copied to train in full (``train_vision_tower``, peft's
+    ``modules_to_save``), which would copy a meta model's absent values."""
+    return spec.lora is None or not spec.model.train_vision_tower
+
+
 FAMILY = ModelFamily(
     kind="hf_image_text_to_text",
     spec=HFImageTextToTextSpec,
@@ -132,6 +140,9 @@ FAMILY = ModelFamily(
     rules=(_check_sections, _check_data),
     apply_lora=lambda model, lora: apply_image_text_lora(model, lora, train_vision_tower=_trains_tower(model)),
     build_data=build_image_chat,
+    build_on_meta=build_image_text_model_on_meta,
+    adapts_on_meta=_adapters_only,
+    checkpoint_problems=image_text_checkpoint_problems,
     whole_units=lambda model: () if _trains_tower(model) else (vision_tower_name(model),),
     data_specs=(ImageChatDataSpec,),
     make_sampler=make_sampler,

@@ -19,6 +19,8 @@ from jobs.checkpoints.export import save_hf_checkpoint
 from jobs.checkpoints.weights import WeightsFormat, is_peft_model
 from jobs.models.decoder_activations import DecoderDims, decoder_activation_bytes
 from jobs.models.family import lora_target_matches
+from jobs.models.loading.hf_checkpoint import checkpoint_problems, checkpoint_source
+from jobs.models.loading.weight_sources import RandomSource, WeightSource
 
 if TYPE_CHECKING:
     from jobs.models.vlm.spec import HFImageTextToTextSpec
@@ -71,6 +73,50 @@ def build_image_text_model(spec: HFImageTextToTextSpec, seed: int) -> nn.Module:
     _no_cache(model.config)
     vision_tower(model).requires_grad_(spec.train_vision_tower)
     return model
+
+
+def build_image_text_model_on_meta(
+    spec: HFImageTextToTextSpec, seed: int, device: torch.device
+) -> tuple[nn.Module, WeightSource]:
+    """Weights on the meta device, buffers (rotary frequencies) real, frozen as `build_image_text_model` freezes
+    them; filled by the safetensors of ``spec.path``, their keys renamed as ``from_pretrained`` renames them
+    (transformers' conversion mapping: Qwen2.5-VL's stored ``model.layers.*`` is ``model.language_model.layers.*``,
+    jobs/models/loading/hf_checkpoint.py), or, with ``init: random``, by seeded random values drawn on ``device``.
+
+    transformers' own weight init never runs (``no_init_weights``): on a 7B model it takes minutes of CPU for
+    values the source overwrites. A checkpoint whose names the renamings do not place loads whole with
+    ``from_pretrained`` instead, with a warning (`checkpoint_source`'s ``unmapped_loads_whole``)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForImageTextToText
+    from transformers.initialization import no_init_weights
+
+    config = image_text_config(Path(spec.path))
+    torch.manual_seed(seed)  # as the in-memory build seeds: LoRA's adapters, drawn next, are the same
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, spec.dtype))
+    model.tie_weights()  # a tied head is one tensor: one pinned copy, loaded once (as in hf_causal_lm.py)
+    _no_cache(model.config)
+    vision_tower(model).requires_grad_(spec.train_vision_tower)
+    if spec.init == "random":
+        return model, RandomSource(model, seed, _initializer_range(config), device)
+    load = lambda: build_image_text_model(spec, seed)  # noqa: E731
+    return model, checkpoint_source(model, Path(spec.path), load, unmapped_loads_whole=True)
+
+
+def _initializer_range(config: Any) -> float:
+    text = getattr(config, "text_config", None)
+    return float(getattr(config, "initializer_range", None) or getattr(text, "initializer_range", None) or 0.02)
+
+
+def image_text_checkpoint_problems(spec: HFImageTextToTextSpec) -> list[tuple[str, str, str]]:
+    """What keeps ``spec.path``'s safetensors from filling the model, from the files' headers alone: (tensor, file,
+    what is wrong). Names the renamings do not place are not among them: such a checkpoint loads whole, as
+    ``from_pretrained`` loads it. For ``init: random``, only that the config is an image-text model's."""
+    if spec.init == "random":
+        image_text_config(Path(spec.path))
+        return []
+    problems = checkpoint_problems(meta_image_text_model(spec), Path(spec.path), unmapped_loads_whole=True)
+    return [(p.tensor, p.file, p.message) for p in problems]
 
 
 def meta_image_text_model(spec: HFImageTextToTextSpec) -> nn.Module:
