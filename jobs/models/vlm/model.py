@@ -64,7 +64,19 @@ def build_image_text_model(spec: HFImageTextToTextSpec, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     dtype = getattr(torch, spec.dtype)
     if spec.init == "random":
-        model = AutoModelForImageTextToText.from_config(image_text_config(Path(spec.path)), dtype=dtype)
+        # transformers' own init of a 7B VLM ran for minutes of CPU (its per-module normal_); the values are drawn
+        # as the offloaded build's RandomSource draws them instead (N(0, initializer_range), norms one, biases zero).
+        from transformers.initialization import no_init_weights
+
+        config = image_text_config(Path(spec.path))
+        with no_init_weights():
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        model.tie_weights()
+        source = RandomSource(model, seed, _initializer_range(config), torch.device("cpu"))
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                source.fill(name, parameter, parameter.data)
+        torch.manual_seed(seed)  # what is drawn next (LoRA's adapters) as the offloaded build draws it
     else:
         image_text_config(Path(spec.path))  # a one-line refusal before transformers' long one
         model = AutoModelForImageTextToText.from_pretrained(

@@ -241,3 +241,28 @@ def test_init_random_draws_seeded_matrices_and_sets_every_norm_weight_to_one(mod
     # Qwen2.5-VL's vision merger names its RMSNorm ln_q: zero, it would blank every image feature.
     assert torch.all(first["model.visual.merger.ln_q.weight"] == 1)
     assert torch.all(first["model.language_model.norm.weight"] == 1)
+
+
+def test_init_random_in_memory_never_runs_transformers_init_and_draws_the_meta_builds_values(
+    models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On an H100 box the resident 7B VLM bench spent its whole 150 s in transformers' CPU init, never reaching a step.
+    from transformers import PreTrainedModel
+
+    from jobs.models.vlm.model import build_image_text_model
+
+    assert FAMILY.build_on_meta is not None
+    spec = _spec(models / "qwen", init="random")
+    meta, source = FAMILY.build_on_meta(spec, 3, torch.device("cpu"))  # type: ignore[misc]
+    drawn = through_the_engine(meta, source)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("transformers' weight init ran on the CPU")
+
+    monkeypatch.setattr(PreTrainedModel, "_init_weights", refuse)
+    monkeypatch.setattr(PreTrainedModel, "_initialize_weights", refuse)
+    model = build_image_text_model(spec, 3)
+    built = dict(model.named_parameters())
+    shared = [name for name in drawn if name in built]
+    assert len(shared) == len(built)  # every parameter compared
+    assert_bitwise_equal({n: built[n].detach() for n in shared}, {n: drawn[n] for n in shared})
