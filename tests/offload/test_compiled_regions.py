@@ -31,9 +31,20 @@ class Block(nn.Module):
         return x + self.out(F.silu(self.base(x) + self.adapter(x)))
 
 
-def _stack(quantize: str | None, dtype: torch.dtype) -> nn.ModuleList:
+class BrokenBlock(Block):
+    """``Block`` with a graph break inside its forward, as a Triton kernel dynamo cannot trace or a fused-kernel
+    library's autograd function makes (on CUDA, the int8 dequantization kernel and Liger's did): dynamo
+    restarts its analysis at the break, and the dropped attempt leaves weak references on the weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.base(x)
+        torch._dynamo.graph_break()
+        return x + self.out(F.silu(h + self.adapter(x)))
+
+
+def _stack(quantize: str | None, dtype: torch.dtype, kind: type[Block] = Block) -> nn.ModuleList:
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block(dtype) for _ in range(3))
+    blocks = nn.ModuleList(kind(dtype) for _ in range(3))
     if quantize is not None:
         from offload.quant.quantized import quantize_frozen_weights
 
@@ -41,18 +52,24 @@ def _stack(quantize: str | None, dtype: torch.dtype) -> nn.ModuleList:
     return blocks
 
 
-def _compiled(blocks: nn.ModuleList) -> None:
-    compiled = torch.compile(Block.forward, backend="aot_eager")  # one wrapper, every block as its ``self``
+def _compiled(blocks: nn.ModuleList, backend: str = "aot_eager") -> None:
+    compiled = torch.compile(type(blocks[0]).forward, backend=backend)  # one wrapper, every block as its ``self``
     for block in blocks:
         block.forward = compiled.__get__(block)
 
 
 def _train(
-    blocks: nn.ModuleList, *, offload: bool, compiled: bool, dtype: torch.dtype, device: str = "cpu"
+    blocks: nn.ModuleList,
+    *,
+    offload: bool,
+    compiled: bool,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    backend: str = "aot_eager",
 ) -> list[torch.Tensor]:
     torch._dynamo.reset()
     if compiled:
-        _compiled(blocks)
+        _compiled(blocks, backend)
     options = OffloadOptions(granularity="block", gpu_memory_budget=None)  # every block streams
     manager = OffloadTrainingManager(blocks, device, options=options) if offload else None
     grads = []
@@ -107,6 +124,32 @@ def test_compiled_streamed_quantized_blocks_train_as_eager(quantize: str) -> Non
     # all three are equal bit for bit.
     for a, b, c in zip(eager, streamed, compiled, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_a_graph_break_in_a_compiled_block_leaves_its_quantized_weights_swappable(quantize: str) -> None:
+    pytest.importorskip("torchao")
+    dtype = torch.bfloat16
+    eager = _train(_stack(quantize, dtype, BrokenBlock), offload=False, compiled=False, dtype=dtype)
+    # Each block's quantized weights are swapped to their device contents and back while dynamo's weak
+    # references from the restarted trace are still on them (swap_tensors refuses those).
+    compiled = _train(_stack(quantize, dtype, BrokenBlock), offload=True, compiled=True, dtype=dtype)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)  # aot_eager: the same aten ops
+
+
+@pytest.mark.slow
+def test_inductor_over_streamed_int8_blocks_with_a_graph_break_trains_as_resident() -> None:
+    # Real code generation (C++ on the CPU): the streamed weights are views into the ring; resident, tensors
+    # of their own. The same generated kernels run both.
+    pytest.importorskip("torchao")
+    dtype = torch.bfloat16
+    resident = _train(_stack("int8", dtype, BrokenBlock), offload=False, compiled=True, dtype=dtype,
+                      backend="inductor")  # fmt: skip
+    streamed = _train(_stack("int8", dtype, BrokenBlock), offload=True, compiled=True, dtype=dtype,
+                      backend="inductor")  # fmt: skip
+    for a, b in zip(resident, streamed, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
