@@ -191,7 +191,7 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.xfail(
-    reason="on an H100 (torch 2.11, commit f02ebe7) this failed: the NF4 payload could not be swapped back (inductor holds weak references to it); training.compile over the offload engine is refused on CUDA until it passes (jobs/fit/checks.py)",
+    reason="on an H100 (torch 2.11, commit f02ebe7) this failed: the NF4 payload could not be swapped back (weak references dynamo leaves at graph breaks, here Liger's autograd functions; mended since on the CPU, offload/quant/swap.py, not rerun there); training.compile over the offload engine is refused on CUDA until it passes (jobs/fit/checks.py)",
     strict=False,
 )
 def test_on_the_gpu_liger_and_inductor_over_a_streamed_nf4_base_train_as_the_plain_path(
