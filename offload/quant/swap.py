@@ -1,46 +1,49 @@
 """Swapping a quantized weight's contents (``torch.utils.swap_tensors``) after ``torch.compile`` traced it.
 
-``swap_tensors`` refuses a tensor that any Python weak reference points to. Dynamo leaves such references on
-the parameters it traced when a trace is thrown away and restarted, which a graph break inside the compiled
-region causes (each break restarts the analysis of the frame): the dropped attempt's fake-tensor describer and
-tracing context keep a ``WeakIdRef`` to each parameter they saw, inside reference cycles that only Python's
-cycle collector frees (pytorch issue 186796). Until it runs, the engine could not swap that weight between
-its host and device contents; a compiled block with a break inside (a Triton kernel dynamo cannot trace, a
-fused-kernel library's autograd function) then failed at its first offload.
+``swap_tensors`` refuses a tensor that any Python weak reference points to, and ``torch.compile`` leaves such
+references on the parameters it traced in two cases, both where a compiled block has a graph break inside
+(code dynamo cannot trace: a Triton kernel's launch path, a kernel library's autograd function):
 
-So a swap that meets weak references first runs the cycle collector once, which frees these (dynamo makes
-them only while it compiles: after one collection the next swaps find none and pay nothing but the check). A
-weak reference that a collection does not free belongs to a live owner, which would see the contents change
-under it: that is an error, as ``swap_tensors``'s own is, with what holds it.
+- Dead: each break restarts dynamo's analysis of the frame, and the attempt it drops keeps a ``WeakIdRef`` to
+  each parameter it saw (its fake-tensor describer, its tracing context) inside reference cycles that only
+  Python's cycle collector frees (pytorch issue 186796). Collecting once frees them all.
+- Live, for a while: the graphs of a block's pieces keep their compile's tracing context until their backward
+  is compiled (AOTAutograd compiles it at its first call), and that context's weak-keyed tables hold the
+  weights. A checkpoint's recompute, which compiles the grad-mode graphs inside the backward, releases its
+  weights just before their backward runs, in that window.
+
+So a swap that meets weak references first runs the cycle collector (only then: dynamo makes them only while
+it compiles, so the steps after the first pay nothing but the check), and where live ones remain the caller
+decides: an offload waits (the weight stays on the device until its next release, the end of the backward at
+the latest, when those backward graphs are compiled), an onload cannot and raises.
 """
 
 from __future__ import annotations
 
 import gc
-import logging
 import weakref
 
 import torch
 
-log = logging.getLogger(__name__)
 
-
-def free_compiler_weakrefs(*tensors: torch.Tensor) -> None:
-    """Make ``tensors`` swappable: collect the dead reference cycles that still point weakly at any of them.
+def swappable(*tensors: torch.Tensor) -> bool:
+    """Whether ``swap_tensors`` takes ``tensors`` now: no weak reference points to any, once the dead reference
+    cycles that pointed weakly at them are collected.
 
     Call before changing any state of one's own: the collection may free autograd's saved tensors, whose
     release offloads weights (possibly one of ``tensors``' own) on the spot.
-
-    Raises:
-        RuntimeError: when a live object keeps a weak reference to one of them after the collection.
     """
     if not any(weakref.getweakrefs(t) for t in tensors):
-        return
-    collected = gc.collect()
-    log.debug("weak references on a swapped weight: the cycle collector freed %d objects", collected)
-    alive = [type(ref).__name__ for t in tensors for ref in weakref.getweakrefs(t)]
-    if alive:
+        return True
+    gc.collect()
+    return not any(weakref.getweakrefs(t) for t in tensors)
+
+
+def require_swappable(*tensors: torch.Tensor) -> None:
+    """``swappable``, or a ``RuntimeError`` that says what holds the references."""
+    if not swappable(*tensors):
+        holders = sorted({type(ref).__name__ for t in tensors for ref in weakref.getweakrefs(t)})
         raise RuntimeError(
-            f"cannot swap a quantized weight's contents: live weak references point to it ({', '.join(alive)}); "
-            "something other than a finished torch.compile trace keeps them (offload/quant/swap.py)"
+            f"cannot swap a quantized weight's contents: live weak references point to it ({', '.join(holders)}), "
+            "e.g. a torch.compile whose backward graph is not compiled yet (offload/quant/swap.py)"
         )
