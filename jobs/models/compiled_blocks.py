@@ -25,6 +25,12 @@ What it has to live with:
   any number of layers. Without checkpointing, the first layer's input needs no gradient and the others' do: two
   graphs as well.
 - LoRA: peft's layers inside the block are traced like any module.
+- Graph breaks inside a block (code dynamo cannot trace: a Triton kernel's launch path, some kernel libraries'
+  autograd functions) split it into more graphs, and each restarts dynamo's analysis: the attempt it drops
+  leaves weak references on the weights it saw, which ``torch.utils.swap_tensors`` refuses; the engine
+  collects them before it swaps a quantized weight, and an offload waits while a compile still holds some
+  (offload/quant/swap.py). Ferry's own int8 dequantization takes its traceable path inside a compiled region
+  (offload/quant/int8_linear.py).
 
 The compiled artifacts go to the inductor cache (``use_inductor_cache``): a later job of the same shape in the same
 service reuses them instead of compiling again.

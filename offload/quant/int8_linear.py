@@ -74,6 +74,18 @@ def _row_kernel() -> Any:
 
 _BLOCK = 2048  # columns per program: 16 codes per thread of 4 warps, read as one 16-byte load
 _KERNEL_FAILED: list[BaseException] = []
+_KERNEL_DEVICE = "cuda"  # where the Triton kernel runs
+
+
+def _kernel_applies(qdata: torch.Tensor) -> bool:
+    """Whether the Triton kernel dequantizes ``qdata``: on CUDA, contiguous codes, the kernel not failed before,
+    and not while ``torch.compile`` traces the layer. Dynamo cannot trace the kernel's way in (the JIT decorator
+    under ``functools.cache``, the ``try`` around its launch): it would break the compiled block's graph at
+    every int8 linear, and each break restarts dynamo's analysis, whose dropped attempt leaves weak references
+    on the weights that keep the engine from swapping them (offload/quant/swap.py). Traced, torchao's eager
+    lines below are one fused kernel of inductor's."""
+    on_device = qdata.device.type == _KERNEL_DEVICE and qdata.is_contiguous()
+    return on_device and not _KERNEL_FAILED and not torch.compiler.is_compiling()
 
 
 def _dequantize_on_device(
@@ -90,10 +102,10 @@ def _dequantize_on_device(
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The int8 ``weight`` as a ``dtype`` tensor, equal bit for bit to ``weight.dequantize(dtype)``: the
-    Triton kernel on CUDA, torchao's ops elsewhere (and where the kernel fails, e.g. without Triton: then with
-    a warning, once)."""
+    Triton kernel on CUDA, torchao's ops elsewhere, inside a compiled region and where the kernel fails (e.g.
+    without Triton: then with a warning, once)."""
     parts = (weight.qdata, weight.scale, weight.zero_point, dtype)  # type: ignore[attr-defined]
-    if weight.device.type == "cuda" and parts[0].is_contiguous() and not _KERNEL_FAILED:
+    if _kernel_applies(parts[0]):
         try:
             return _dequantize_on_device(*parts)
         except Exception as error:  # any Triton failure: the eager path computes the same weight

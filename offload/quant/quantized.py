@@ -33,6 +33,7 @@ from offload.offloaders import StaticParamOffloader, TensorOffloader
 from offload.quant.int8_linear import Int8Linear
 from offload.quant.nf4_linear import CompiledNF4Linear, NF4Linear
 from offload.quant.payload import QuantizedPayload, is_quantized, stored_bytes
+from offload.quant.swap import require_swappable, swappable
 from offload.ring import copy_into_ring
 from offload.transfers import CopyEngine, PendingCopy
 
@@ -162,7 +163,9 @@ class QuantizedParamOffloader(StaticParamOffloader):
 
     The parameter object stays the same (modules, peft and autograd refer to it); its contents are swapped
     (``torch.utils.swap_tensors``) between the torchao tensor over the host payload and one over the device
-    copy, because a tensor subclass keeps its data in Python attributes that ``.data`` cannot replace.
+    copy, because a tensor subclass keeps its data in Python attributes that ``.data`` cannot replace. A
+    swap first frees the weak references a ``torch.compile`` trace may have left on the parameter, which
+    ``swap_tensors`` refuses, or an offload waits while a compile still holds them (swap.py).
 
     Rebuilding the torchao tensor over a device copy is Python work (views of each inner tensor, the
     subclass's unflatten, a new Parameter), made on every onload it is host time a resident weight never
@@ -203,6 +206,7 @@ class QuantizedParamOffloader(StaticParamOffloader):
 
     def _swap_in(self, pending: PendingCopy, holder: torch.Tensor, held_bytes: int) -> None:
         """Make the parameter the device tensor ``holder`` (which then holds the host contents till offload)."""
+        require_swappable(self.tensor, holder)  # before any state changes: it may offload weights
         self.pending = pending
         self._holder = holder
         torch.utils.swap_tensors(self.tensor, holder)
@@ -219,6 +223,11 @@ class QuantizedParamOffloader(StaticParamOffloader):
     def offload(self) -> None:
         if self.pending is None:
             return
+        assert self._holder is not None  # set with pending
+        if not swappable(self.tensor, self._holder):
+            return  # a compile still holds it (swap.py): it stays on the device until its next release
+        if self.pending is None:  # the collection freed this weight's last saved token, which offloaded it
+            return
         torch.utils.swap_tensors(self.tensor, self._holder)  # back to the host payload (holder: device again)
         self._holder = None
         self.pending = None
@@ -230,4 +239,6 @@ class QuantizedParamOffloader(StaticParamOffloader):
     def detach(self, copy: bool = True) -> None:
         self.offload()
         self._over_ring.clear()
-        torch.utils.swap_tensors(self.tensor, self.payload.tensor_over(self.host, clone=copy))
+        restored = self.payload.tensor_over(self.host, clone=copy)
+        require_swappable(self.tensor, restored)
+        torch.utils.swap_tensors(self.tensor, restored)

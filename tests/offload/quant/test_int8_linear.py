@@ -105,3 +105,25 @@ def test_the_triton_dequantization_equals_torchaos_on_gpu() -> None:
         on_device = int8_linear._dequantize_on_device(weight.qdata, weight.scale, zero_point, torch.bfloat16)
         assert torch.equal(on_device, expected)
     assert not int8_linear._KERNEL_FAILED
+
+
+def test_a_compiled_int8_linear_traces_the_dequantization_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA the weight comes from a Triton kernel that dynamo cannot trace; a stand-in for it on the CPU (with
+    # the graph break it would cause) runs eagerly, and the compiled layer must not reach it.
+    launches: list[torch.Tensor] = []
+
+    def untraceable_kernel(*parts: object) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        launches.append(parts[0])  # type: ignore[arg-type]
+        return weight_from_codes(*parts)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(int8_linear, "_KERNEL_DEVICE", "cpu")
+    monkeypatch.setattr(int8_linear, "_dequantize_on_device", untraceable_kernel)
+    layer = int8_layer(bias=True)
+    x = torch.randn(4, 96, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    eager = layer(x)
+    assert len(launches) == 1  # eagerly the kernel computes the weight
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)  # fullgraph: a break is an error
+    compiled.sum().backward()
+    assert len(launches) == 1 and torch.equal(compiled, eager)
