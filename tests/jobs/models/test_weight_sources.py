@@ -111,18 +111,12 @@ def test_meta_load_peak_rss_is_the_weights_once(tmp_path: Path) -> None:
     """In a fresh process: loading 190 MiB of weights into pinned copies raises the peak RSS by about
     that much; the ordinary load (safetensors into memory, then the engine's copy) by about twice that."""
     script = textwrap.dedent(
-        f"""
+        """
         import json, resource, sys, torch, numpy  # imports are not what is measured
-        from safetensors.torch import save_file
         from jobs.models.transformer_lm import TransformerLMSpec
         from jobs.models.transformer_lm import build_transformer_lm, build_transformer_lm_on_meta
         from offload import OffloadTrainingManager
-        spec = TransformerLMSpec(kind="transformer_lm", vocab_size=257, hidden_size=1024, num_layers=8,
-                                 num_heads=8, max_seq_len=64, dtype="bfloat16", weights="{tmp_path}/w.safetensors")
-        if sys.argv[1] == "write":
-            spec0 = spec.model_copy(update={{"weights": None}})
-            save_file(build_transformer_lm(spec0, 0).state_dict(), "{tmp_path}/w.safetensors")
-            sys.exit(0)
+        spec = TransformerLMSpec(**json.loads(sys.argv[2]))
         def status(field):  # /proc/self/status, in bytes
             line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
             return int(line.split()[1]) * 1024
@@ -138,22 +132,37 @@ def test_meta_load_peak_rss_is_the_weights_once(tmp_path: Path) -> None:
             model = build_transformer_lm(spec, 0); model.requires_grad_(False)
             OffloadTrainingManager(model, "cpu")
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(json.dumps({{"growth": rss() - base, "weights": nbytes}}))
+        print(json.dumps({"growth": rss() - base, "weights": nbytes}))
         """
     )
     (tmp_path / "probe.py").write_text(script)
     root = Path(__file__).parents[3]
 
-    def probe(mode: str) -> dict[str, int]:
-        done = subprocess.run(
-            [sys.executable, str(tmp_path / "probe.py"), mode], capture_output=True, text=True, cwd=root,
-            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1]) if mode != "write" else {}
+    spec = TransformerLMSpec(kind="transformer_lm", vocab_size=257, hidden_size=1024, num_layers=8, num_heads=8,
+                             max_seq_len=64, dtype="bfloat16", weights=str(tmp_path / "w.safetensors"))  # fmt: skip
+    # The file is written here: only the loads are measured, each in a fresh process of its own.
+    save_file(build_transformer_lm(spec.model_copy(update={"weights": None}), 0).state_dict(), spec.weights)
 
-    probe("write")
-    meta, ordinary = probe("meta"), probe("ordinary")
+    def start(mode: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, str(tmp_path / "probe.py"), mode, spec.model_dump_json()], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, cwd=root,
+            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+
+    def result(process: subprocess.Popen[str]) -> dict[str, int]:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-2000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    # Both at once: each measures its own process's peak, and each is one thread (OMP_NUM_THREADS=1).
+    probes = [start("meta"), start("ordinary")]
+    try:
+        meta, ordinary = (result(process) for process in probes)
+    finally:
+        for process in probes:
+            process.kill()
+            process.wait()
     assert meta["weights"] > 150 * 2**20
     assert meta["growth"] <= 1.15 * meta["weights"]
     assert ordinary["growth"] >= 1.4 * ordinary["weights"]  # what the meta path saves (1.5x measured)
