@@ -111,12 +111,18 @@ def test_meta_load_peak_rss_is_the_weights_once(tmp_path: Path) -> None:
     """In a fresh process: loading 190 MiB of weights into pinned copies raises the peak RSS by about
     that much; the ordinary load (safetensors into memory, then the engine's copy) by about twice that."""
     script = textwrap.dedent(
-        """
+        f"""
         import json, resource, sys, torch, numpy  # imports are not what is measured
+        from safetensors.torch import save_file
         from jobs.models.transformer_lm import TransformerLMSpec
         from jobs.models.transformer_lm import build_transformer_lm, build_transformer_lm_on_meta
         from offload import OffloadTrainingManager
-        spec = TransformerLMSpec(**json.loads(sys.argv[2]))
+        spec = TransformerLMSpec(kind="transformer_lm", vocab_size=257, hidden_size=1024, num_layers=8,
+                                 num_heads=8, max_seq_len=64, dtype="bfloat16", weights="{tmp_path}/w.safetensors")
+        if sys.argv[1] == "write":
+            spec0 = spec.model_copy(update={{"weights": None}})
+            save_file(build_transformer_lm(spec0, 0).state_dict(), "{tmp_path}/w.safetensors")
+            sys.exit(0)
         def status(field):  # /proc/self/status, in bytes
             line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
             return int(line.split()[1]) * 1024
@@ -132,37 +138,22 @@ def test_meta_load_peak_rss_is_the_weights_once(tmp_path: Path) -> None:
             model = build_transformer_lm(spec, 0); model.requires_grad_(False)
             OffloadTrainingManager(model, "cpu")
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(json.dumps({"growth": rss() - base, "weights": nbytes}))
+        print(json.dumps({{"growth": rss() - base, "weights": nbytes}}))
         """
     )
     (tmp_path / "probe.py").write_text(script)
     root = Path(__file__).parents[3]
 
-    spec = TransformerLMSpec(kind="transformer_lm", vocab_size=257, hidden_size=1024, num_layers=8, num_heads=8,
-                             max_seq_len=64, dtype="bfloat16", weights=str(tmp_path / "w.safetensors"))  # fmt: skip
-    # The file is written here: only the loads are measured, each in a fresh process of its own.
-    save_file(build_transformer_lm(spec.model_copy(update={"weights": None}), 0).state_dict(), spec.weights)
-
-    def start(mode: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, str(tmp_path / "probe.py"), mode, spec.model_dump_json()], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd=root,
-            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    def probe(mode: str) -> dict[str, int]:
+        done = subprocess.run(
+            [sys.executable, str(tmp_path / "probe.py"), mode], capture_output=True, text=True, cwd=root,
+            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, timeout=300,
         )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]) if mode != "write" else {}
 
-    def result(process: subprocess.Popen[str]) -> dict[str, int]:
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-2000:]
-        return json.loads(out.strip().splitlines()[-1])
-
-    # Both at once: each measures its own process's peak, and each is one thread (OMP_NUM_THREADS=1).
-    probes = [start("meta"), start("ordinary")]
-    try:
-        meta, ordinary = (result(process) for process in probes)
-    finally:
-        for process in probes:
-            process.kill()
-            process.wait()
+    probe("write")
+    meta, ordinary = probe("meta"), probe("ordinary")
     assert meta["weights"] > 150 * 2**20
     assert meta["growth"] <= 1.15 * meta["weights"]
     assert ordinary["growth"] >= 1.4 * ordinary["weights"]  # what the meta path saves (1.5x measured)
@@ -188,3 +179,27 @@ def test_a_job_loads_a_random_hf_model_into_pinned_memory_and_reports_it(tmp_pat
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(e.loss)) for e in steps)
     assert steps[-1].offload is not None and steps[-1].offload.ring_overflows == 0
     assert json.loads(json.dumps(started.model_dump(mode="json")))["load"]["gb_per_s"] >= 0
+
+
+def test_a_lora_job_copying_a_module_to_train_in_full_builds_in_memory_and_trains_it_from_the_checkpoint(
+    tmp_path: Path, roots: PathRoots
+) -> None:
+    """peft's ``modules_to_save`` copies the module when it wraps it: on a meta base the copy was the CPU stand-in's
+    zeros, and the job trained an all-zero head without a word."""
+    from safetensors.torch import load_file
+
+    save_tiny_qwen(roots.model_roots[0] / "qwen")
+    data = merged(
+        {**TINY_LM, "model": {"kind": "hf_causal_lm", "path": "qwen", "dtype": "float32"}},
+        lora={"target_modules": ["q_proj"], "rank": 2, "modules_to_save": ["lm_head"]},
+        offload={"enable_model_cpu_offload": True, "granularity": "block"},
+        training={"steps": 1, "learning_rate": 1e-9},
+    )
+    events: list = []
+    outcome = run_job(spec_from(data, roots), output_dir=tmp_path / "out", report=events.append)
+    started = next(e for e in events if isinstance(e, StartedEvent))
+    assert started.load is not None and started.load.source == "in_memory"
+    saved = load_file(str(Path(outcome.checkpoint) / "adapter_model.safetensors"))  # type: ignore[arg-type]
+    head = next(v for k, v in saved.items() if "lm_head" in k)
+    stored = {k: v for f in (roots.model_roots[0] / "qwen").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    torch.testing.assert_close(head.float(), stored["lm_head.weight"].float(), atol=1e-6, rtol=0)
