@@ -74,7 +74,10 @@ def slot_changes(client: httpx.Client, jobs: list[dict[str, Any]]) -> list[SlotC
 def test_two_gpu_slots_run_one_job_each_and_the_queue_feeds_the_first_free(
     make_server: Callable[..., Server],
 ) -> None:
-    server = make_server(FERRY_DEVICES="0,1")  # no nvidia-smi here: the indices alone make the slots
+    # No nvidia-smi here: the indices alone make the slots. A GPU slot's job keeps torch's default threads (one
+    # per core); two of these CPU-bound toy jobs at once would then each wait on the other's threads for every
+    # op (20x slower steps on two cores). One thread each keeps them as fast as a CPU slot's job.
+    server = make_server(FERRY_DEVICES="0,1", OMP_NUM_THREADS="1")
     with server.client() as client:
         workers = client.get("/v1/workers").json()["data"]
         assert [(w["id"], w["device"], w["job_id"]) for w in workers] == [("gpu0", "0", None), ("gpu1", "1", None)]
