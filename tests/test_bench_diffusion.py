@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,7 +181,9 @@ def flux_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         work = tmp_path_factory.mktemp(f"bench-{family}")
         args = ["bench/diffusion_bench.py", "--family", family, "--cpu", "--no-write", "--steps", "2",
                 "--seed-steps", "2", "--prompts", "1", "--only", FLUX_RUNS[family], "--work", str(work / "run")]  # fmt: skip
-        runs[family] = BenchProcess(args, work / "process")
+        # One torch thread each: two processes of a thread per core on a small machine wait on each other's
+        # threads for every op of these tiny models (test_multi_gpu_slots.py measured it).
+        runs[family] = BenchProcess(args, work / "process", env={**os.environ, "OMP_NUM_THREADS": "1"})
     yield runs
     for run in runs.values():
         run.close()

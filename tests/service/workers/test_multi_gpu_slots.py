@@ -22,7 +22,7 @@ from tests.service.conftest import Server, spec_yaml, submit
 
 SLOTS = {"gpu0": "0", "gpu1": "1"}
 JOBS = 4
-# Long enough that a poll of /v1/workers every few milliseconds sees each job run (a second or more here).
+# Enough that a poll of /v1/workers every 50 ms sees each job hold its slot: with its process's start, seconds here.
 STEPS = 100
 # A freed slot is refilled on the scheduler's next tick (FERRY_POLL_INTERVAL_S=0.05 in these servers);
 # this bound only has to tell "at once" from "after another job ended", so it is generous.
