@@ -102,5 +102,13 @@ def cpu_threads_per_job(slots: list[Slot], cpu_count: int | None) -> int:
 
 
 def threads_for(slot: Slot, slots: list[Slot], cpu_count: int | None) -> int | None:
-    """None for a GPU slot (torch's default), else `cpu_threads_per_job`."""
-    return None if slot.device is not None else cpu_threads_per_job(slots, cpu_count)
+    """`cpu_threads_per_job` for a CPU slot; for a GPU slot torch's default (every core) when it is the only slot,
+    else the cores shared by all the slots, less one left to the server. A GPU job's host work (a CPU optimizer
+    step, a `device: cpu` job placed there) runs on torch's threads: two jobs each with a thread per core waited on
+    each other's threads, 100 toy steps taking 15-17 s instead of 0.2 s on 2 cores (tests/service/workers/
+    test_multi_gpu_slots.py)."""
+    if slot.device is None:
+        return cpu_threads_per_job(slots, cpu_count)
+    if len(slots) == 1:
+        return None
+    return max(1, ((cpu_count or 2) - 1) // len(slots))

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.settings import Settings
-from service.workers.devices import GpuInfo, Slot, plan_slots, unlisted_devices_problem
+from service.workers.devices import GpuInfo, Slot, plan_slots, threads_for, unlisted_devices_problem
 from tests.service.conftest import REPO
 
 GPUS = [GpuInfo("0", "H200", 140 << 30, 0), GpuInfo("1", "H200", 140 << 30, 0)]
@@ -108,3 +108,14 @@ def test_the_service_imports_ray_only_when_the_ray_executor_is_chosen() -> None:
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "FERRY_EXECUTOR": "local"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_gpu_slots_of_one_box_share_its_cores_and_a_lone_gpu_slot_keeps_torchs_default() -> None:
+    # Two GPU slots each with torch's default (a thread per core) made their jobs wait on each other's threads.
+    two = [Slot("gpu0", "cuda:0"), Slot("gpu1", "cuda:1")]
+    assert [threads_for(slot, two, 16) for slot in two] == [7, 7]
+    assert threads_for(two[0], two, 2) == 1
+    alone = [Slot("gpu0", "cuda:0")]
+    assert threads_for(alone[0], alone, 16) is None
+    mixed = [Slot("gpu0", "cuda:0"), Slot("cpu0", None)]
+    assert threads_for(mixed[0], mixed, 16) == 7 and threads_for(mixed[1], mixed, 16) == 15
