@@ -176,7 +176,9 @@ def test_peak_rss_stays_under_the_host_limit(tmp_path: Path, roots: PathRoots) -
     assert in_ram["pinned"] >= weights and in_ram["growth"] >= 0.9 * weights, in_ram  # the check means something
     assert limited["pinned"] <= limit and limited["offload"]["disk_weight_bytes"] >= weights - limit
     beside_the_arena = in_ram["growth"] - in_ram["pinned"]
-    assert limited["growth"] <= limit + beside_the_arena + 8 * MIB, (limited, in_ram)
+    # 16 MiB for the reader threads' stacks and malloc arenas the all-RAM job has none of: with 8, a quiet run measured
+    # 113 MiB against a 113 MiB bound and a CI run under load failed by under 1 MiB.
+    assert limited["growth"] <= limit + beside_the_arena + 16 * MIB, (limited, in_ram)
     assert in_ram["growth"] - limited["growth"] >= 0.8 * (weights - limit), (limited, in_ram)  # saved by the disk
     print(f"RSS growth: all in RAM {in_ram['growth'] / MIB:.0f} MiB (pinned {in_ram['pinned'] / MIB:.0f} MiB), "
           f"limited {limited['growth'] / MIB:.0f} MiB (pinned {limited['pinned'] / MIB:.0f} MiB, limit 48 MiB)")  # fmt: skip
