@@ -170,3 +170,6 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+TINY_VLMS = {"qwen": save_tiny_qwen2_5_vl, "idefics": save_tiny_idefics3}  # two architectures, saved as users have them

@@ -39,13 +39,17 @@ SAMPLES = {  # an image prompt in OpenAI's content parts, answered through the p
 TINY = {"device": "cpu", "model": {"dtype": "float32"}, "lora": {"rank": 4}, "data": {"seq_len": 128}}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
+def save_vision_and_text_models(root: Path) -> Path:
+    """A tiny Qwen2.5-VL (``qwen``) and a tiny text-only Llama with its tokenizer (``llama``) under ``root``."""
     save_tiny_qwen2_5_vl(root / "qwen")
     save_llama(root / "llama")
     save_bpe_tokenizer(root / "llama")
     return root
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_vision_and_text_models(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture

@@ -20,21 +20,17 @@ import pytest
 from service.queue.db import create_schema
 from service.uploads import recheck
 from service.uploads.rows import RULES_VERSION
-from tests.jobs.llm_helpers import chat_record, save_bpe_tokenizer, save_llama
-from tests.jobs.vlm_helpers import colour_record, data_url, save_tiny_qwen2_5_vl
+from tests.jobs.llm_helpers import chat_record
+from tests.jobs.vlm_helpers import colour_record, data_url
 from tests.service.api.openai_client import idle_ferry_client
-from tests.service.api.test_openai_vision import TINY, as_url, image_bytes
+from tests.service.api.test_openai_vision import TINY, as_url, image_bytes, save_vision_and_text_models
 
 GIF_FIELD = "messages[0].content[0].image_url.url"
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    save_tiny_qwen2_5_vl(root / "qwen")
-    save_llama(root / "llama")
-    save_bpe_tokenizer(root / "llama")
-    return root
+    return save_vision_and_text_models(tmp_path_factory.mktemp("models"))
 
 
 def older_database(data_dir: Path) -> None:

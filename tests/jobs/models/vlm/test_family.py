@@ -21,20 +21,17 @@ from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import spec_from
 from tests.jobs.vlm_helpers import (
     COLOURS,
+    TINY_VLMS,
     colour_record,
-    save_tiny_idefics3,
-    save_tiny_qwen2_5_vl,
     solid_png,
     write_jsonl,
 )
-
-ARCHS = {"qwen": save_tiny_qwen2_5_vl, "idefics": save_tiny_idefics3}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("models")
-    for name, save in ARCHS.items():
+    for name, save in TINY_VLMS.items():
         save(root / name)
     return root
 
@@ -54,7 +51,7 @@ def _setup(model_dir: Path, data: Path, batch_size: int) -> tuple[HFImageTextToT
     return spec, text, batches
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", list(TINY_VLMS))
 def test_offload_lora_gradients_equal_the_resident_models(models: Path, colours: Path, arch: str) -> None:
     spec, _, batches = _setup(models / arch, colours, 2)
     lora = LoraSpec(target_modules=["q_proj", "v_proj"], rank=4, init_lora_weights="gaussian")
@@ -170,7 +167,7 @@ def test_a_full_fine_tune_loads_with_the_auto_classes_and_resumes(tmp_path: Path
     assert resumed.step == 3 and started.resumed_from_step == 2  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", list(TINY_VLMS))
 def test_the_chunked_loss_equals_the_models_own(
     models: Path, colours: Path, arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

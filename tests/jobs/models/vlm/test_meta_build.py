@@ -29,14 +29,12 @@ from tests.jobs.helpers import spec_from
 from tests.jobs.models.test_weight_sources import assert_bitwise_equal, through_the_engine
 from tests.jobs.vlm_helpers import (
     COLOURS,
+    TINY_VLMS,
     colour_record,
-    save_tiny_idefics3,
     save_tiny_qwen2_5_vl,
     solid_png,
     write_jsonl,
 )
-
-ARCHS = {"qwen": save_tiny_qwen2_5_vl, "idefics": save_tiny_idefics3}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForImageTextToText
 
     root = tmp_path_factory.mktemp("models")
-    for name, save in ARCHS.items():
+    for name, save in TINY_VLMS.items():
         save(root / name)
         sharded = root / f"{name}-sharded"  # the same weights in several shards with an index, processor beside
         shutil.copytree(root / name, sharded)
@@ -145,7 +143,7 @@ def test_lora_jobs_build_on_meta_unless_peft_copies_a_module_to_train_in_full(
     assert loads_into_pinned_memory(job, FAMILY) is on_meta  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", list(TINY_VLMS))
 def test_lora_gradients_through_the_pinned_copies_equal_the_in_memory_builds(
     models: Path, colours: Path, arch: str
 ) -> None:
