@@ -157,7 +157,9 @@ def test_peak_rss_stays_under_the_host_limit_with_the_optimizer_state_on_disk(tm
     assert swapped["offload"]["optimizer_swap_bytes"] >= 0.99 * state
     assert in_ram["growth"] >= in_ram["pinned"] + 0.9 * state, in_ram  # the check means something
     beside = in_ram["growth"] - in_ram["pinned"] - in_ram["offload"]["optimizer_host_bytes"]  # activations etc.
-    assert swapped["growth"] <= limit + beside + 8 * MIB, (swapped, in_ram)
+    # 16 MiB for the swap's I/O threads' stacks and malloc arenas the all-RAM job has none of (test_disk_tier.py's
+    # allowance): with 8, a CI run under load measured 296.4 MiB against a 294.6 MiB bound.
+    assert swapped["growth"] <= limit + beside + 16 * MIB, (swapped, in_ram)
     assert in_ram["growth"] - swapped["growth"] >= 0.8 * (state - 32 * MIB), (swapped, in_ram)
     print(f"RSS growth: all in RAM {in_ram['growth'] / MIB:.0f} MiB, optimizer state on disk "
           f"{swapped['growth'] / MIB:.0f} MiB (limit {limit / MIB:.0f} MiB, state {state / MIB:.0f} MiB)")  # fmt: skip
