@@ -4,25 +4,22 @@
 from __future__ import annotations
 
 import hashlib
-import re
 import secrets
 import sqlite3
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from service.api.errors import ApiError, database_busy
 from service.checking.messages import CheckedSpec
 from service.queue.db import is_locked, retry_locked
 from service.queue.disk import refuse_if_disk_low
-from service.queue.files import FileNotFound, FileStore
+from service.queue.files import FileStore
 from service.queue.records import JobRecord
 from service.queue.store import JobStore, QueueFull, UploadsGone
 from service.settings import Settings
-from service.uploads.recheck import FileFailsRules, require_current_rules
+from service.uploads.named import uploads_named
+from service.uploads.recheck import stale_uploads
 
 RETRY_AFTER_S = 10  # a full queue: about when a job may have started and freed a place
-_UPLOAD_ID = re.compile(r"file-[0-9a-f]{1,64}")
 
 
 def queue_checked_spec(
@@ -86,49 +83,12 @@ def refuse_stale_uploads(spec: dict[str, Any], files: FileStore, settings: Setti
     checked (uploads/recheck.py); a 422 naming the spec's field, the file, its row and field where one fails.
 
     An upload deleted meanwhile is left to ``JobStore.create_job`` (409 ``file_deleted``)."""
-    problems = []
-    for file_id, spec_path in uploads_named_at(spec, settings.uploads_dir).items():
-        try:
-            require_current_rules(
-                files,
-                files.get(file_id),
-                uploads_dir=settings.uploads_dir,
-                max_line_bytes=settings.max_upload_line_bytes,
-            )
-        except FileNotFound:
-            continue
-        except FileFailsRules as fails:
-            problems.append({"path": spec_path, "message": str(fails), "line": None, "suggestion": None})
+    problems = [
+        {"path": spec_path, "message": str(fails), "line": None, "suggestion": None}
+        for spec_path, fails in stale_uploads(
+            spec, files, uploads_dir=settings.uploads_dir, max_line_bytes=settings.max_upload_line_bytes
+        )
+    ]
     if problems:
         said = "; ".join(f"{p['path']}: {p['message']}" for p in problems)
         raise ApiError(422, "invalid_file", said, problems=problems)
-
-
-def uploads_named(spec: dict[str, Any], uploads_dir: Path) -> set[str]:
-    """The ids of the uploaded files a resolved spec names: every path under the uploads directory (the checker
-    resolved each data path, so an upload named by its id reads ``<uploads>/file-<hex>``)."""
-    return set(uploads_named_at(spec, uploads_dir))
-
-
-def uploads_named_at(spec: dict[str, Any], uploads_dir: Path) -> dict[str, str]:
-    """``uploads_named``, each id with the first spec path that names it (``data.path``, ``eval.path``)."""
-    prefix = f"{uploads_dir.resolve()}/"
-    named: dict[str, str] = {}
-    for path, text in _strings(spec, ""):
-        if text.startswith(prefix):
-            first = text[len(prefix) :].split("/", 1)[0]
-            if _UPLOAD_ID.fullmatch(first):
-                named.setdefault(first, path)
-    return named
-
-
-def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:
-    """Every string in ``value`` with its dotted path (``data.sources.0.path``)."""
-    if isinstance(value, str):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            yield from _strings(item, f"{path}.{index}" if path else str(index))

@@ -2,8 +2,8 @@
 
 Each fine-tuning upload stores the version of the upload rules its rows passed (``rows.RULES_VERSION``). A file
 stored by an older server, before a rule existed (or before versions were stored: none), is read again the first
-time a job names it (``POST /v1/jobs``, ``/v1/jobs/validate``, ``POST /v1/fine_tuning/jobs``) or
-``GET /v1/files/{id}`` reads it: streamed row by row as at upload, so memory stays near the line limit whatever
+time a job names it (``POST /v1/jobs``, ``/v1/jobs/validate``, ``POST /v1/fine_tuning/jobs``, and when a job
+queued before an upgrade starts) or ``GET /v1/files/{id}`` reads it: streamed row by row as at upload, so memory stays near the line limit whatever
 the file's size. The verdict is stored with the file (the new version, and how it fails where it does), so each
 file is read once per rules version; a job naming a file that fails is refused naming the file, row and field.
 
@@ -17,8 +17,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from service.queue.files import FileRecord, FileStore
+from service.queue.files import FileNotFound, FileRecord, FileStore
+from service.uploads.named import uploads_named_at
 from service.uploads.rows import RULES_VERSION, RowProblem, check_fine_tuning_rows
 
 log = logging.getLogger("ferry.uploads")
@@ -104,3 +106,20 @@ def require_current_rules(
     if problem is not None or not is_current(record):
         raise FileFailsRules(record, problem)
     return record
+
+
+def stale_uploads(
+    spec: dict[str, Any], files: FileStore, *, uploads_dir: Path, max_line_bytes: int
+) -> list[tuple[str, FileFailsRules]]:
+    """Each fine-tuning upload a resolved spec names that fails today's upload rules (checked again where older
+    rules checked it), with the spec path that names it (``data.path``). Uploads deleted meanwhile are left out:
+    the job store refuses those itself (``UploadsGone``)."""
+    failing = []
+    for file_id, spec_path in uploads_named_at(spec, uploads_dir).items():
+        try:
+            require_current_rules(files, files.get(file_id), uploads_dir=uploads_dir, max_line_bytes=max_line_bytes)
+        except FileNotFound:
+            continue
+        except FileFailsRules as fails:
+            failing.append((spec_path, fails))
+    return failing

@@ -12,11 +12,13 @@ import time
 from dataclasses import dataclass
 
 from jobs.events import ErrorCode, FailedEvent, FinishedEvent
+from service.queue.files import FileStore
 from service.queue.records import JobRecord
 from service.queue.retention import StepRetention
 from service.queue.status import IllegalTransition, JobStatus
 from service.queue.store import JobNotFound, JobStore
 from service.settings import Settings
+from service.uploads.recheck import stale_uploads
 from service.workers.devices import Slot, threads_for
 from service.workers.executor import Executor, LaunchRequest, RunHandle
 from service.workers.placement import Placement, gpus_needed
@@ -139,6 +141,13 @@ class Scheduler:
         except (IllegalTransition, JobNotFound):  # cancelled or paused since the queue was read
             return
         try:
+            stale = self._stale_uploads(job)
+            if stale is not None:
+                self.store.transition(
+                    job.id, JobStatus.FAILED, reason="names an upload that fails today's upload rules",
+                    error_code=ErrorCode.INVALID_SPEC, error_message=stale,
+                )  # fmt: skip
+                return
             handle = self.executor.launch(self._launch_request(job, slot))
         except Exception as error:
             log.exception("could not launch %s", job.id)
@@ -155,6 +164,22 @@ class Scheduler:
         for held in slots:
             self.running[held.id] = run
         log.info("started %s attempt %d on %s (pid %s)", job.id, job.attempt, slot.id, handle.pid)
+
+    def _stale_uploads(self, job: JobRecord) -> str | None:
+        """Why the job must not train on the uploads it names, or None: a job queued before an upgrade of the
+        upload rules names files only older rules checked; each is read again by today's (once per file and
+        rules version, uploads/recheck.py) as at submit, so it trains only on what today's server would accept.
+        The read runs on the scheduler's thread: seconds for a file of tens of MB, once."""
+        failing = stale_uploads(
+            job.spec,
+            FileStore(self.store.db),
+            uploads_dir=self.settings.uploads_dir,
+            max_line_bytes=self.settings.max_upload_line_bytes,
+        )
+        if not failing:
+            return None
+        said = "; ".join(f"{spec_path}: {fails}" for spec_path, fails in failing)
+        return f"this job was queued before the server's upload rules changed, and {said}; then submit the job again"
 
     def _launch_request(self, job: JobRecord, slot: Slot) -> LaunchRequest:
         job_dir = self.settings.job_dir(job.id)

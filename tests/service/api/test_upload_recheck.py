@@ -233,3 +233,40 @@ def test_an_old_file_whose_bytes_are_gone_is_refused_naming_it(ferry: openai.Ope
     )
     assert ferry.files.retrieve(OLD_GOOD).status == "uploaded"  # not checked: nothing stored about it
     assert stored_jobs(data_dir) == (0, 0)
+
+
+def test_a_job_queued_before_the_upgrade_is_checked_by_todays_rules_when_it_starts(data_dir: Path) -> None:
+    """Jobs an older server queued name files only its rules checked: at start the scheduler reads each again by
+    today's; the job naming the GIF fails naming its field, file, row and field, and never launches (the old code
+    launched it onto the GIF), while the job naming a good old file starts."""
+    from service.queue.status import JobStatus
+    from service.queue.store import JobStore
+    from service.settings import Settings
+    from service.workers.devices import Slot
+    from service.workers.scheduler import Scheduler
+    from tests.service.workers.test_scheduler import FakeExecutor
+
+    store = JobStore(data_dir / "ferry.sqlite3")  # today's store opens the older database (its migration)
+    try:
+        for job_id, file_id in (("job-bad", OLD_BAD), ("job-good", OLD_GOOD)):
+            spec = {"data": {"format": "image_chat", "path": str((data_dir / "uploads" / file_id).resolve())}}
+            store.create_job(job_id=job_id, name=job_id, spec_text="", spec=spec, uploads=[file_id])
+        executor = FakeExecutor()
+        settings = Settings(data_dir=data_dir, _env_file=None)
+        Scheduler(store, executor, [Slot("cpu0", None), Slot("cpu1", None)], settings).tick()
+
+        assert [handle.request.job_id for handle in executor.launched] == ["job-good"]
+        bad = store.get_job("job-bad")
+        assert bad.status is JobStatus.FAILED and bad.error_code == "invalid_spec", bad
+        assert bad.error_message is not None
+        for said in ("queued before", "data.path", OLD_BAD, "row 3", GIF_FIELD, "submit the job again"):
+            assert said in bad.error_message, (said, bad.error_message)
+        assert recheck.rules_problem(store_files(store).get(OLD_BAD)) is not None  # the verdict is kept
+    finally:
+        store.close()
+
+
+def store_files(store: Any) -> Any:
+    from service.queue.files import FileStore
+
+    return FileStore(store.db)
