@@ -22,26 +22,12 @@ from tests.jobs.helpers import spec_from
 from tests.jobs.vlm_helpers import (
     COLOURS,
     TINY_VLMS,
-    colour_record,
-    solid_png,
-    write_jsonl,
 )
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    for name, save in TINY_VLMS.items():
-        save(root / name)
-    return root
-
-
-@pytest.fixture(scope="module")
-def colours(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("colours")
-    for colour in COLOURS:
-        solid_png(folder / f"{colour}.png", colour)
-    return write_jsonl(folder / "train.jsonl", [colour_record(f"{c}.png", c) for c in COLOURS])
+def models(tiny_vlms: Path) -> Path:
+    return tiny_vlms
 
 
 def _setup(model_dir: Path, data: Path, batch_size: int) -> tuple[HFImageTextToTextSpec, ProcessorText, object]:

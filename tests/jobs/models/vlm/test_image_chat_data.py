@@ -20,7 +20,6 @@ from tests.jobs.helpers import spec_from
 from tests.jobs.vlm_helpers import (
     colour_record,
     data_url,
-    save_tiny_idefics3,
     save_tiny_qwen2_5_vl,
     solid_png,
     write_jsonl,
@@ -28,11 +27,8 @@ from tests.jobs.vlm_helpers import (
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    save_tiny_qwen2_5_vl(root / "qwen")
-    save_tiny_idefics3(root / "idefics")
-    return root
+def models(tiny_vlms: Path) -> Path:
+    return tiny_vlms
 
 
 def _rows(path: Path, model: Path, **data: Any) -> Any:

@@ -28,36 +28,24 @@ from offload import OffloadOptions, OffloadTrainingManager
 from tests.jobs.helpers import spec_from
 from tests.jobs.models.test_weight_sources import assert_bitwise_equal, through_the_engine
 from tests.jobs.vlm_helpers import (
-    COLOURS,
     TINY_VLMS,
-    colour_record,
     save_tiny_qwen2_5_vl,
-    solid_png,
-    write_jsonl,
 )
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_vlms: Path) -> Path:
     from transformers import AutoModelForImageTextToText
 
     root = tmp_path_factory.mktemp("models")
-    for name, save in TINY_VLMS.items():
-        save(root / name)
+    for name in TINY_VLMS:
+        shutil.copytree(tiny_vlms / name, root / name)
         sharded = root / f"{name}-sharded"  # the same weights in several shards with an index, processor beside
         shutil.copytree(root / name, sharded)
         (sharded / "model.safetensors").unlink()
         AutoModelForImageTextToText.from_pretrained(root / name).save_pretrained(sharded, max_shard_size="100KB")
     save_tiny_qwen2_5_vl(root / "qwen-tied", tie_word_embeddings=True)  # no lm_head stored: it is the embedding
     return root
-
-
-@pytest.fixture(scope="module")
-def colours(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("colours")
-    for colour in COLOURS:
-        solid_png(folder / f"{colour}.png", colour)
-    return write_jsonl(folder / "train.jsonl", [colour_record(f"{c}.png", c) for c in COLOURS])
 
 
 def _spec(path: Path, **fields: object) -> HFImageTextToTextSpec:
