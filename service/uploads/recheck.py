@@ -3,8 +3,8 @@
 Each fine-tuning upload stores the version of the upload rules its rows passed (``rows.RULES_VERSION``). A file
 stored by an older server, before a rule existed (or before versions were stored: none), is read again the first
 time a job names it (``POST /v1/jobs``, ``/v1/jobs/validate``, ``POST /v1/fine_tuning/jobs``, and when a job
-queued before an upgrade starts) or ``GET /v1/files/{id}`` reads it: streamed row by row as at upload, so memory stays near the line limit whatever
-the file's size. The verdict is stored with the file (the new version, and how it fails where it does), so each
+queued before an upgrade starts) or ``GET /v1/files/{id}`` reads it: streamed row by row as at upload, so memory
+stays near the line limit whatever the file's size. The verdict is stored with the file (the new version, and how it fails where it does), so each
 file is read once per rules version; a job naming a file that fails is refused naming the file, row and field.
 
 Example:

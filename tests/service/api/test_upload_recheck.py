@@ -239,6 +239,7 @@ def test_a_job_queued_before_the_upgrade_is_checked_by_todays_rules_when_it_star
     """Jobs an older server queued name files only its rules checked: at start the scheduler reads each again by
     today's; the job naming the GIF fails naming its field, file, row and field, and never launches (the old code
     launched it onto the GIF), while the job naming a good old file starts."""
+    from service.queue.files import FileStore
     from service.queue.status import JobStatus
     from service.queue.store import JobStore
     from service.settings import Settings
@@ -261,12 +262,6 @@ def test_a_job_queued_before_the_upgrade_is_checked_by_todays_rules_when_it_star
         assert bad.error_message is not None
         for said in ("queued before", "data.path", OLD_BAD, "row 3", GIF_FIELD, "submit the job again"):
             assert said in bad.error_message, (said, bad.error_message)
-        assert recheck.rules_problem(store_files(store).get(OLD_BAD)) is not None  # the verdict is kept
+        assert recheck.rules_problem(FileStore(store.db).get(OLD_BAD)) is not None  # the verdict is kept
     finally:
         store.close()
-
-
-def store_files(store: Any) -> Any:
-    from service.queue.files import FileStore
-
-    return FileStore(store.db)
